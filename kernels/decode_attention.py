@@ -1,0 +1,233 @@
+"""Attention of one new query token per sequence over the paged KV cache (decode).
+
+Triton path (flash-decoding): the context of each sequence is cut into `num_splits` chunks;
+stage 1 runs one program per (sequence, kv head, chunk), holding all query heads of that
+kv group in one tile so each K/V block is read once per group, and writes a partial output
+plus its log-sum-exp; stage 2 merges the chunks. The torch path gathers every sequence's
+blocks into a padded [B, Lmax, Hkv, D] tensor and runs one masked batched attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from kernels._jit import TritonKernels, cdiv, check_head_dim, check_tensor, next_power_of_2
+from kernels.dispatch import kernel_backend
+
+tl = None  # bound to triton.language on the first launch (kernels._jit)
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_SPLITS = 64
+_MIN_TOKENS_PER_SPLIT = 256
+
+
+def _decode_split_kernel(
+    q_ptr,  # [B, HQ, D], strides (stride_qb, stride_qh, 1)
+    k_cache_ptr,  # [NB, BS, HK, D] contiguous
+    v_cache_ptr,  # [NB, BS, HK, D] contiguous
+    block_tables_ptr,  # [B, MAX_BLOCKS] int32, row stride stride_bt
+    seq_lens_ptr,  # [B] int32
+    mid_out_ptr,  # [B, HQ, NUM_SPLITS, D] float32 contiguous
+    mid_lse_ptr,  # [B, HQ, NUM_SPLITS] float32 contiguous (log2 domain)
+    stride_qb,
+    stride_qh,
+    stride_bt,
+    qk_scale,  # softmax scale * log2(e)
+    HQ: tl.constexpr,
+    HK: tl.constexpr,
+    GROUP: tl.constexpr,  # HQ // HK
+    BS: tl.constexpr,
+    D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # next_power_of_2(GROUP), at least 16 for tl.dot
+    BLOCK_N: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Chunks are whole BLOCK_N tiles so that every split but the last is full.
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    n_begin = split * chunk
+    n_end = tl.minimum(n_begin + chunk, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+    table_row = block_tables_ptr + seq * stride_bt
+    for n_start in range(n_begin, n_end, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_end
+        block_ids = tl.load(table_row + offs_n // BS, mask=n_mask, other=0).to(tl.int64)
+        kv_off = ((block_ids * BS + offs_n % BS) * HK + kv_head) * D
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        if IEEE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a visible key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if IEEE_DOT:
+            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    empty = l_i == 0.0  # this split starts past the end of the sequence
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+    mid_row = (seq * HQ + heads) * NUM_SPLITS + split
+    tl.store(mid_out_ptr + mid_row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
+    tl.store(mid_lse_ptr + mid_row, lse, mask=g_mask)
+
+
+def _decode_reduce_kernel(
+    mid_out_ptr,  # [B, HQ, NUM_SPLITS, D] float32 contiguous
+    mid_lse_ptr,  # [B, HQ, NUM_SPLITS] float32 contiguous (log2 domain)
+    out_ptr,  # [B, HQ, D] contiguous
+    HQ: tl.constexpr,
+    D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # next_power_of_2(NUM_SPLITS)
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    s_mask = offs_s < NUM_SPLITS
+    row = (seq * HQ + head) * NUM_SPLITS
+    lse = tl.load(mid_lse_ptr + row + offs_s, mask=s_mask, other=float("-inf"))
+    part = tl.load(mid_out_ptr + (row + offs_s)[:, None] * D + offs_d[None, :],
+                   mask=s_mask[:, None], other=0.0)
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # empty sequence: output zeros, not NaN
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + (seq * HQ + head) * D + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+_TRITON = TritonKernels(globals(), "_decode_split_kernel", "_decode_reduce_kernel")
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
+    check_tensor("q", q, 3, _FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, 4, (q.dtype,), contiguous=True)
+    check_tensor("v_cache", v_cache, 4, (q.dtype,), contiguous=True)
+    check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    check_tensor("seq_lens", seq_lens, 1, (torch.int32,), contiguous=True)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
+    b, hq, d = q.shape
+    hk = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {d}")
+    if hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hk})")
+    if seq_lens.shape[0] != b or block_tables.shape[0] != b:
+        raise ValueError(f"batch mismatch: q [{b}, ...], seq_lens {tuple(seq_lens.shape)}, "
+                         f"block_tables {tuple(block_tables.shape)}")
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         num_splits: int | None = None) -> torch.Tensor:
+    """Torch path; `num_splits` is accepted for signature parity and ignored."""
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    batch, hq, d = q.shape
+    _, block_size, hk, _ = k_cache.shape
+    if batch == 0:
+        return torch.empty_like(q)
+    max_len = int(seq_lens.max())
+    num_blocks = max(cdiv(max_len, block_size), 1)
+    # Gather whole blocks (contiguous BS*Hkv*D runs): [B, nblk, BS, Hkv, D] -> [B, L, Hkv, D].
+    # Table entries past a sequence's own blocks may be padding (e.g. -1): read block 0 there.
+    blocks = block_tables[:, :num_blocks].long()
+    used = torch.arange(num_blocks, device=q.device)[None, :] * block_size < seq_lens[:, None]
+    blocks = torch.where(used, blocks, 0).reshape(-1)
+    length = num_blocks * block_size
+    k = k_cache.index_select(0, blocks).view(batch, length, hk, d)
+    v = v_cache.index_select(0, blocks).view(batch, length, hk, d)
+    pad = torch.arange(length, device=q.device)[None, :] >= seq_lens[:, None]  # [B, L]
+    # Slots past seq_len hold stale data, maybe NaN; 0 * NaN would leak through probs @ v.
+    v = v.float().masked_fill_(pad[:, :, None, None], 0.0)
+    qf = q.float().view(batch, hk, hq // hk, d) * scale  # [B, Hkv, G, D]
+    scores = torch.matmul(qf, k.float().permute(0, 2, 3, 1))  # [B, Hkv, G, L]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.transpose(1, 2))  # [B, Hkv, G, D]
+    return out.reshape(batch, hq, d).to(q.dtype)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Enough (batch x kv head x split) programs for ~2 waves, at >= 256 tokens a split."""
+    limit = max(1, min(_MAX_SPLITS, cdiv(max_context, _MIN_TOKENS_PER_SPLIT)))
+    if device.type != "cuda":
+        return min(2, limit)
+    programs = batch * num_kv_heads
+    return max(1, min(limit, cdiv(2 * _sm_count(device.index or 0), programs)))
+
+
+def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                            num_splits: int | None = None) -> torch.Tensor:
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
+    batch, hq, d = q.shape
+    _, block_size, hk, _ = k_cache.shape
+    check_head_dim(d)
+    out = torch.empty((batch, hq, d), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    if num_splits is None:
+        # Upper bound of any context from the block table: no device-to-host sync.
+        num_splits = default_num_splits(batch, hk, block_tables.shape[1] * block_size, q.device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    group = hq // hk
+    mid_out = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
+    block_n = 64 if q.is_cuda else 16
+    _TRITON.get("_decode_split_kernel")[(batch, hk, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, mid_out, mid_lse,
+        q.stride(0), q.stride(1), block_tables.stride(0), float(scale) * math.log2(math.e),
+        HQ=hq, HK=hk, GROUP=group, BS=block_size, D=d, NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n,
+        IEEE_DOT=q.dtype == torch.float32, num_warps=4, num_stages=2 if q.is_cuda else 1,
+    )
+    _TRITON.get("_decode_reduce_kernel")[(batch, hq)](
+        mid_out, mid_lse, out,
+        HQ=hq, D=d, NUM_SPLITS=num_splits, BLOCK_S=max(next_power_of_2(num_splits), 2),
+        num_warps=4 if d >= 128 else 2,
+    )
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """One query token per sequence, q[B, Hq, D], over the paged cache; returns out[B, Hq, D]."""
+    if kernel_backend(q.device) == "triton":
+        return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                       num_splits)
+    return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)

@@ -1,0 +1,201 @@
+"""Causal attention for a varlen batch of prefill chunks over the paged KV cache.
+
+Sequence b owns query rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1; they sit at positions
+seq_lens[b] - q_len_b .. seq_lens[b] - 1 (a cached prefix precedes them when
+q_len_b < seq_lens[b]). Keys/values of positions 0 .. seq_lens[b]-1 are already in the cache,
+position p in block block_tables[b, p // BS] at offset p % BS. Query at position p sees keys
+0..p. GQA: query head h reads kv head h // (Hq / Hkv).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kernels._jit import TritonKernels, cdiv, check_head_dim, check_tensor, next_power_of_2
+from kernels.dispatch import kernel_backend
+
+tl = None  # bound to triton.language on the first launch (kernels._jit)
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _prefill_attention_kernel(
+    q_ptr,  # [T, HQ, D], strides (stride_qt, stride_qh, 1)
+    k_cache_ptr,  # [NB, BS, HK, D] contiguous
+    v_cache_ptr,  # [NB, BS, HK, D] contiguous
+    block_tables_ptr,  # [B, MAX_BLOCKS] int32, row stride stride_bt
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    seq_lens_ptr,  # [B] int32
+    out_ptr,  # [T, HQ, D] contiguous
+    stride_qt,
+    stride_qh,
+    stride_bt,
+    qk_scale,  # softmax scale * log2(e)
+    B,
+    HQ,
+    HK: tl.constexpr,
+    GROUP: tl.constexpr,  # HQ // HK
+    BS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,  # next_power_of_2(B)
+    IEEE_DOT: tl.constexpr,  # exact fp32 dots (no tf32) for float32 inputs
+):
+    # Sequence b owns query tiles starting at cu_seqlens_q[b] // BLOCK_M + b; that layout
+    # always leaves room for cdiv(q_len_b, BLOCK_M) tiles, so the grid needs no host sync.
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_b = tl.arange(0, BLOCK_B)
+    starts = tl.load(cu_seqlens_q_ptr + offs_b, mask=offs_b < B, other=0)
+    first_tile = starts // BLOCK_M + offs_b
+    seq = tl.sum(((first_tile <= tile) & (offs_b < B)).to(tl.int32), axis=0) - 1
+    q_begin = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+    m_start = (tile - (q_begin // BLOCK_M + seq)) * BLOCK_M
+
+    kv_head = head // GROUP
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    m_mask = offs_m < q_len
+    rows = (q_begin + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None], other=0.0)
+    q_pos = context_len + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    # Keys past the last query row of this tile are never visible; empty tiles loop 0 times.
+    kv_end = tl.where(m_start < q_len, context_len + tl.minimum(m_start + BLOCK_M, q_len), 0)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for n_start in range(0, kv_end, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_end
+        block_ids = tl.load(table_row + offs_n // BS, mask=n_mask, other=0).to(tl.int64)
+        kv_off = ((block_ids * BS + offs_n % BS) * HK + kv_head) * D
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        if IEEE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows of the tile past q_len may see no key yet; keep their arithmetic finite.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        if IEEE_DOT:
+            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc += tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(out_ptr + rows[:, None] * (HQ * D) + head * D + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+_TRITON = TritonKernels(globals(), "_prefill_attention_kernel")
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens) -> None:
+    check_tensor("q", q, 3, _FLOAT_DTYPES)
+    check_tensor("k_cache", k_cache, 4, (q.dtype,), contiguous=True)
+    check_tensor("v_cache", v_cache, 4, (q.dtype,), contiguous=True)
+    check_tensor("block_tables", block_tables, 2, (torch.int32,))
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,), contiguous=True)
+    check_tensor("seq_lens", seq_lens, 1, (torch.int32,), contiguous=True)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache {tuple(k_cache.shape)}")
+    hq, d = q.shape[1], q.shape[2]
+    hk = k_cache.shape[2]
+    if k_cache.shape[3] != d:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {d}")
+    if hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hk})")
+    b = seq_lens.shape[0]
+    if cu_seqlens_q.shape[0] != b + 1 or block_tables.shape[0] != b:
+        raise ValueError(f"batch mismatch: seq_lens [{b}], cu_seqlens_q {tuple(cu_seqlens_q.shape)}, "
+                         f"block_tables {tuple(block_tables.shape)}")
+
+
+def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                          seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    block_size, hk = k_cache.shape[1], k_cache.shape[2]
+    hq = q.shape[1]
+    out = torch.empty((q.shape[0], hq, q.shape[2]), dtype=q.dtype, device=q.device)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        q_len = cu[b + 1] - cu[b]
+        if q_len == 0:
+            continue
+        if q_len > seq_len:
+            raise ValueError(f"sequence {b}: {q_len} query tokens but seq_len {seq_len}")
+        blocks = block_tables[b, :cdiv(seq_len, block_size)].long()
+        k = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]  # [S, Hkv, D]
+        v = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+        qb = q[cu[b]:cu[b + 1]].transpose(0, 1)  # [Hq, L, D]
+        kb, vb = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, S, D]
+        if hk != hq:
+            kb = kb.repeat_interleave(hq // hk, dim=0)
+            vb = vb.repeat_interleave(hq // hk, dim=0)
+        if q_len == seq_len:
+            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale)
+        else:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale)
+        out[cu[b]:cu[b + 1]] = o.transpose(0, 1)
+    return out
+
+
+def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                             seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
+    T, hq, d = q.shape
+    _, block_size, hk, _ = k_cache.shape
+    check_head_dim(d)
+    batch = seq_lens.shape[0]
+    out = torch.empty((T, hq, d), dtype=q.dtype, device=q.device)
+    if T == 0 or batch == 0:
+        return out
+    if q.is_cuda:
+        block_m, block_n, num_warps, num_stages = (128, 64, 8, 2) if d <= 64 else (64, 64, 4, 2)
+    else:  # interpreter: small tiles
+        block_m, block_n, num_warps, num_stages = 16, 16, 4, 1
+    grid = (T // block_m + batch, hq)
+    _TRITON.get("_prefill_attention_kernel")[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        float(scale) * math.log2(math.e), batch, hq,
+        HK=hk, GROUP=hq // hk, BS=block_size, D=d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=max(next_power_of_2(batch), 2),
+        IEEE_DOT=q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal varlen attention of q[T, Hq, D] over the paged cache; returns out[T, Hq, D]."""
+    if kernel_backend(q.device) == "triton":
+        return prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                         seq_lens, scale)
+    return prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)

@@ -1,0 +1,160 @@
+"""Rotary position embedding, neox / rotate_half style (the HF Llama convention).
+
+    cos_sin[p] = cat(cos(p * inv_freq), sin(p * inv_freq))       # [D], float32
+    out[:D/2] = x1 * cos - x2 * sin,  out[D/2:] = x2 * cos + x1 * sin
+
+with x1 = x[:D/2], x2 = x[D/2:]. Rotation is computed in float32 and rounded to the input
+dtype. `apply_rope` is out of place on both backends: it returns new q and k tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels._jit import TritonKernels, check_tensor, next_power_of_2
+from kernels.dispatch import kernel_backend
+
+if TYPE_CHECKING:
+    from pdserve.config import RopeScaling
+
+tl = None  # bound to triton.language on the first launch (kernels._jit)
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] float32, as HF computes them (default or llama3)."""
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"head_dim must be a positive even integer, got {head_dim}")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float)
+    inv_freq = 1.0 / (theta ** (exponents / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.high_freq_factor == scaling.low_freq_factor:
+        raise ValueError("rope scaling: high_freq_factor must differ from low_freq_factor")
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
+                       scaling: RopeScaling | None = None,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+    """cat(cos, sin) of every position: Tensor[max_positions, head_dim] float32."""
+    if max_positions <= 0:
+        raise ValueError(f"max_positions must be positive, got {max_positions}")
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, device)
+    positions = torch.arange(max_positions, device=device, dtype=torch.int64).float()
+    freqs = positions[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+
+
+def _rope_kernel(
+    q_ptr,  # [T, HQ, D], strides (stride_qt, stride_qh, 1)
+    k_ptr,  # [T, HK, D], strides (stride_kt, stride_kh, 1)
+    q_out_ptr,  # [T, HQ, D] contiguous
+    k_out_ptr,  # [T, HK, D] contiguous
+    positions_ptr,  # [T] int64
+    cos_sin_ptr,  # [max_positions, D] float32 contiguous
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    HQ,
+    HK,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + tok)
+    offs_d = tl.arange(0, HALF)
+    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + offs_d)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + offs_d)[None, :]
+
+    offs_h = tl.arange(0, BLOCK_HQ)
+    mask = (offs_h < HQ)[:, None]
+    src = q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    y1 = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
+    y2 = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
+    dst = q_out_ptr + tok * HQ * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    tl.store(dst, y1.to(x1.dtype), mask=mask)
+    tl.store(dst + HALF, y2.to(x1.dtype), mask=mask)
+
+    offs_h = tl.arange(0, BLOCK_HK)
+    mask = (offs_h < HK)[:, None]
+    src = k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    y1 = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
+    y2 = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
+    dst = k_out_ptr + tok * HK * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    tl.store(dst, y1.to(x1.dtype), mask=mask)
+    tl.store(dst + HALF, y2.to(x1.dtype), mask=mask)
+
+
+_TRITON = TritonKernels(globals(), "_rope_kernel")
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    xf = x.float()
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                   cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    half = q.shape[-1] // 2
+    cs = cos_sin.index_select(0, positions)[:, None, :]  # [T, 1, D]
+    cos, sin = cs[..., :half], cs[..., half:]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def apply_rope_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                      cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    check_tensor("q", q, 3, _FLOAT_DTYPES)
+    check_tensor("k", k, 3, (q.dtype,))
+    check_tensor("positions", positions, 1, (torch.int64,), contiguous=True)
+    check_tensor("cos_sin", cos_sin, 2, (torch.float32,), contiguous=True)
+    T, HQ, D = q.shape
+    if k.shape[0] != T or k.shape[2] != D or positions.shape[0] != T:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"positions {tuple(positions.shape)}")
+    if cos_sin.shape[1] != D:
+        raise ValueError(f"cos_sin last dim {cos_sin.shape[1]} != head_dim {D}")
+    if D < 2 or D & (D - 1):
+        raise ValueError(f"triton rope needs a power-of-two head_dim, got {D}")
+    HK = k.shape[1]
+    q_out = torch.empty((T, HQ, D), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((T, HK, D), dtype=k.dtype, device=k.device)
+    if T > 0:
+        _TRITON.get("_rope_kernel")[(T,)](
+            q, k, q_out, k_out, positions, cos_sin,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), HQ, HK,
+            HALF=D // 2, BLOCK_HQ=next_power_of_2(HQ), BLOCK_HK=next_power_of_2(HK),
+            num_warps=4,
+        )
+    return q_out, k_out
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q[T, Hq, D] and k[T, Hkv, D] by positions[T] (int64); returns new tensors."""
+    if kernel_backend(q.device) == "triton":
+        return apply_rope_triton(q, k, positions, cos_sin)
+    return apply_rope_ref(q, k, positions, cos_sin)

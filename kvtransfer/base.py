@@ -1,0 +1,167 @@
+"""Interfaces of the KV data plane and the backend registry.
+
+Lifecycle of one transfer (prefill worker P -> decode worker D):
+
+1. D builds a ``KVReceiver`` over its KV caches once, and publishes ``address()``.
+2. For a request, D reserves blocks and calls ``expect(transfer_id, block_ids, ...)``.
+3. P calls ``send_layer(address, transfer_id, layer, src, dst)`` right after each layer
+   (or chunk) is computed; it only enqueues, so the transfer overlaps compute.
+4. P calls ``finish(transfer_id)``: returns once D has acknowledged every layer.
+5. D calls ``wait(transfer_id)``: returns once every layer landed in its blocks, or
+   raises ``KVTransferTimeout`` past the deadline (D then prefills locally) or
+   ``KVTransferError``. After a deadline or ``cancel``, late data for the transfer is
+   dropped and never written into the (possibly reused) blocks.
+
+``kv_caches`` everywhere: per layer ``(K, V)``, each a contiguous tensor
+``[num_blocks, block_size, num_kv_heads, head_dim]``, on CPU or CUDA.
+All methods are thread-safe and may be called from the engine's thread.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    """One finished transfer: payload bytes moved, seconds from the first layer to the
+    last landing (receiver) or to the acknowledgement (sender), and the rate in Gbit/s."""
+
+    transfer_id: str
+    num_bytes: int
+    seconds: float
+    gbps: float
+
+    @classmethod
+    def of(cls, transfer_id: str, num_bytes: int, seconds: float) -> TransferResult:
+        seconds = max(seconds, 1e-9)
+        return cls(transfer_id, num_bytes, seconds, num_bytes * 8 / seconds / 1e9)
+
+
+class KVReceiver(abc.ABC):
+    """Decode side: lands KV pushed by senders into blocks reserved for each transfer."""
+
+    @abc.abstractmethod
+    def address(self) -> str:
+        """Opaque string a sender connects with, e.g. ``"ucx://10.0.0.5:41234"``."""
+
+    @abc.abstractmethod
+    def expect(self, transfer_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
+        """Register the landing blocks of ``transfer_id``.
+
+        ``block_ids``: ``[n]`` distinct ids into this receiver's pools; K and V of every
+        layer in ``range(num_layers)`` must land in all of them. ``deadline_s``: seconds
+        from now after which the transfer is dropped. Raises ValueError on bad
+        arguments, KVTransferError if ``transfer_id`` is already expected.
+        """
+
+    @abc.abstractmethod
+    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        """Block until every layer of ``transfer_id`` landed; verifies layer, block and
+        byte counts. Raises KVTransferTimeout when the deadline passes (the transfer is
+        then dropped) or when ``timeout`` runs out first (the transfer stays expected),
+        KVTransferError when it failed or is unknown."""
+
+    @abc.abstractmethod
+    def cancel(self, transfer_id: str) -> None:
+        """Drop ``transfer_id``; once this returns nothing more is written into its blocks.
+        Unknown ids are ignored."""
+
+    @abc.abstractmethod
+    def metrics(self) -> dict[str, float]:
+        """Counters: bytes, messages, transfers by outcome, seconds."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop receiving; pending transfers fail. Idempotent."""
+
+    def __enter__(self) -> KVReceiver:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class KVSender(abc.ABC):
+    """Prefill side: pushes blocks of its KV caches to receivers."""
+
+    @abc.abstractmethod
+    def send_layer(
+        self,
+        address: str,
+        transfer_id: str,
+        layer: int,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+    ) -> None:
+        """Enqueue K and V of ``layer`` for blocks ``src_block_ids`` ``[n]`` (local ids) to
+        land in ``dst_block_ids`` ``[n]`` (the receiver's ids), and return at once.
+
+        The blocks are gathered at call time (on CUDA: enqueued on the current stream,
+        so the call orders after the kernels that wrote them). Raises ValueError on bad
+        arguments.
+        """
+
+    @abc.abstractmethod
+    def finish(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        """Block until every enqueued layer of ``transfer_id`` was delivered and the
+        receiver acknowledged the whole transfer. Raises KVTransferTimeout, or
+        KVTransferError when the receiver rejected or dropped it."""
+
+    @abc.abstractmethod
+    def metrics(self) -> dict[str, float]:
+        """Counters: bytes, messages, transfers by outcome, seconds, pacing delay."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close connections; unfinished transfers fail. Idempotent."""
+
+    def __enter__(self) -> KVSender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# name -> "module:SenderClass:ReceiverClass", imported on first use
+_BACKENDS: dict[str, tuple[str, str, str]] = {
+    "fake": ("kvtransfer.fake", "FakeSender", "FakeReceiver"),
+    "ucx": ("kvtransfer.ucx", "UcxSender", "UcxReceiver"),
+}
+
+
+def register_backend(name: str, module: str, sender_cls: str, receiver_cls: str) -> None:
+    """Register a backend by name; ``module`` is imported lazily on first use."""
+    if name in _BACKENDS:
+        raise ValueError(f"KV transfer backend {name!r} is already registered")
+    _BACKENDS[name] = (module, sender_cls, receiver_cls)
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def _backend_class(backend: str, index: int) -> Callable:
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown KV transfer backend {backend!r}; known: {available_backends()}")
+    entry = _BACKENDS[backend]
+    return getattr(importlib.import_module(entry[0]), entry[index])
+
+
+def create_sender(backend: str, kv_caches: KVCaches, **opts) -> KVSender:
+    """A sender of backend ``backend`` (``"fake"``, ``"ucx"``) over ``kv_caches``.
+    Unknown options raise TypeError naming them."""
+    return _backend_class(backend, 1)(kv_caches, **opts)
+
+
+def create_receiver(backend: str, kv_caches: KVCaches, **opts) -> KVReceiver:
+    """A receiver of backend ``backend`` (``"fake"``, ``"ucx"``) over ``kv_caches``.
+    Unknown options raise TypeError naming them."""
+    return _backend_class(backend, 2)(kv_caches, **opts)

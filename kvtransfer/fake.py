@@ -1,0 +1,184 @@
+"""In-process backend for tests: receivers live in a module-level dict by address and
+senders hand them tensors directly. It runs the same wire header checks, handshake,
+gather, scatter and bookkeeping as the UCX backend; only the bytes skip the network.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kvtransfer.base import KVCaches, KVReceiver, KVSender, TransferResult
+from kvtransfer.errors import KVTransferError
+from kvtransfer.layout import (
+    HEADER_BYTES,
+    KVLayout,
+    MsgKind,
+    NackReason,
+    WireHeader,
+    check_handshake,
+    pack_hello,
+    unpack_header,
+    unpack_layout,
+)
+from kvtransfer.ledger import ReceiveLedger, SendLedger
+from kvtransfer.pacing import LinkPacer
+from kvtransfer.staging import as_bytes, block_index, from_bytes, gather_layer
+
+logger = logging.getLogger(__name__)
+
+_RECEIVERS: dict[str, FakeReceiver] = {}
+_RECEIVERS_LOCK = threading.Lock()
+_NEXT_ID = itertools.count()
+
+
+class FakeReceiver(KVReceiver):
+    def __init__(self, kv_caches: KVCaches):
+        self.layout = KVLayout.from_caches(kv_caches)
+        self._caches = kv_caches
+        self._ledger = ReceiveLedger(kv_caches, self.layout, on_ack=self._ack, on_nack=self._nack)
+        self._address = f"fake://{next(_NEXT_ID)}"
+        self._closed = False
+        with _RECEIVERS_LOCK:
+            _RECEIVERS[self._address] = self
+
+    def address(self) -> str:
+        return self._address
+
+    def expect(self, transfer_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
+        self._ledger.expect(transfer_id, block_ids, num_layers, deadline_s)
+
+    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        return self._ledger.wait(transfer_id, timeout)
+
+    def cancel(self, transfer_id: str) -> None:
+        self._ledger.cancel(transfer_id)
+
+    def metrics(self) -> dict[str, float]:
+        return self._ledger.snapshot()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with _RECEIVERS_LOCK:
+            _RECEIVERS.pop(self._address, None)
+        self._ledger.close()
+
+    # called from a FakeSender's thread
+    def _handshake(self, hello: bytes) -> bytes:
+        header = unpack_header(hello, check_version=False)
+        try:
+            check_handshake(self.layout, header, unpack_layout(hello[HEADER_BYTES:]))
+        except KVTransferError as e:
+            self._ledger.counters["handshake_errors"] += 1
+            logger.error("rejected a KV sender: %s", e)
+            return pack_hello(MsgKind.HELLO_REJECT, self.layout)
+        return pack_hello(MsgKind.HELLO_OK, self.layout)
+
+    def _deliver(self, sender: FakeSender, control: bytes, payload: torch.Tensor) -> None:
+        header = unpack_header(control, expected_fingerprint=self.layout.fingerprint)
+        if header.kind != MsgKind.LAYER:
+            raise KVTransferError(f"expected a LAYER message, got {header.kind.name}")
+        dst_ids = torch.frombuffer(bytearray(control[HEADER_BYTES:]), dtype=torch.int32).tolist()
+        if len(dst_ids) != header.num_blocks or header.num_bytes != self.layout.layer_message_bytes(header.num_blocks):
+            raise KVTransferError("LAYER message counts disagree with its header")
+        raw = torch.empty(header.num_bytes, dtype=torch.uint8, device=self._caches[0][0].device)
+        raw.copy_(payload)  # the "wire"
+        self._ledger.land(header.transfer_key, header.layer, dst_ids, from_bytes(raw, self.layout, header.num_blocks), sender)
+
+    def _ack(self, peers: set, key: int, nbytes: int) -> None:
+        for sender in peers:
+            sender._ledger.on_ack(key)
+
+    def _nack(self, peers: set, key: int, reason: NackReason) -> None:
+        for sender in peers:
+            sender._ledger.on_nack(key, reason)
+
+
+@dataclass
+class _Message:
+    address: str
+    key: int
+    control: bytes
+    payload: torch.Tensor  # flat uint8
+
+
+class FakeSender(KVSender):
+    """Delivers from a background thread, so ``send_layer`` returns at once as in UCX."""
+
+    def __init__(self, kv_caches: KVCaches, pacer: LinkPacer | None = None):
+        self.layout = KVLayout.from_caches(kv_caches)
+        self._caches = kv_caches
+        self._pacer = pacer
+        self._ledger = SendLedger()
+        self._queue: queue.Queue[_Message | None] = queue.Queue()
+        self._connected: dict[str, FakeReceiver] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvtransfer-fake-sender", daemon=True)
+        self._thread.start()
+
+    def send_layer(self, address, transfer_id, layer, src_block_ids, dst_block_ids) -> None:
+        if self._closed:
+            raise KVTransferError("sender is closed")
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} outside [0, {self.layout.num_layers})")
+        if len(src_block_ids) != len(dst_block_ids):
+            raise ValueError(f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks")
+        pools = self._caches[layer][0]
+        src = block_index(src_block_ids, pools.shape[0], "src_block_ids", pools.device)
+        dst = block_index(dst_block_ids, None, "dst_block_ids", torch.device("cpu"))
+        payload = as_bytes(gather_layer(self._caches, layer, src))
+        key = self._ledger.on_enqueue(transfer_id, address, payload.numel())
+        header = WireHeader(MsgKind.LAYER, key, layer, dst.numel(), payload.numel(), self.layout.fingerprint)
+        control = header.pack() + dst.to(torch.int32).numpy().tobytes()
+        self._queue.put(_Message(address, key, control, payload))
+
+    def finish(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        return self._ledger.finish(transfer_id, timeout)
+
+    def metrics(self) -> dict[str, float]:
+        out = self._ledger.snapshot()
+        out["pacing_delay_seconds"] = self._pacing_delay
+        return out
+
+    _pacing_delay = 0.0
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        self._ledger.fail_all(KVTransferError("sender closed"))
+
+    def _connect(self, address: str) -> FakeReceiver:
+        receiver = self._connected.get(address)
+        if receiver is None:
+            with _RECEIVERS_LOCK:
+                receiver = _RECEIVERS.get(address)
+            if receiver is None:
+                raise KVTransferError(f"no fake receiver at {address}")
+            reply = receiver._handshake(pack_hello(MsgKind.HELLO, self.layout))
+            header = unpack_header(reply, check_version=False)
+            check_handshake(self.layout, header, unpack_layout(reply[HEADER_BYTES:]))
+            self._connected[address] = receiver
+        return receiver
+
+    def _run(self) -> None:
+        while (msg := self._queue.get()) is not None:
+            try:
+                receiver = self._connect(msg.address)
+                if self._pacer is not None:
+                    self._pacing_delay += self._pacer.acquire(msg.address, len(msg.control) + msg.payload.numel())
+                receiver._deliver(self, msg.control, msg.payload)
+                self._ledger.on_sent(msg.key, msg.payload.numel())
+            except KVTransferError as e:
+                logger.error("fake KV send to %s failed: %s", msg.address, e)
+                self._ledger.fail_key(msg.key, e)

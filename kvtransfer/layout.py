@@ -1,0 +1,232 @@
+"""KV cache layout and the wire header that every KV transfer message carries.
+
+Engine layout: per layer a K pool and a V pool, each a contiguous tensor
+``[num_blocks, block_size, num_kv_heads, head_dim]``. Two workers may exchange KV only
+if their layouts match (``num_blocks`` may differ; it is not part of the layout).
+
+Wire format (little endian, ``WIRE_VERSION`` 1). Every message starts with a fixed
+48-byte header::
+
+    magic u32 | version u16 | kind u16 | transfer_key u64 | layer u32 | num_blocks u32
+    | num_bytes u64 | fingerprint u64 | status u32 | reserved u32
+
+- HELLO / HELLO_OK / HELLO_REJECT (handshake, first message each way on a new
+  connection): header followed by the 32-byte layout descriptor
+  ``num_layers u32 | block_size u32 | num_kv_heads u32 | head_dim u32 | dtype 16s``.
+- LAYER (sender -> receiver): header followed by ``num_blocks`` int32 destination block
+  ids; then, as a separate payload message, ``num_bytes`` bytes: the K blocks then the V
+  blocks, each ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous.
+- ACK / NACK (receiver -> sender), header only: the transfer landed (``num_bytes``
+  landed) or was dropped (``status`` says why).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from kvtransfer.errors import KVTransferError
+
+WIRE_MAGIC = 0x3158564B  # b"KVX1" read as little-endian u32
+WIRE_VERSION = 1
+
+_HEADER = struct.Struct("<IHHQIIQQII")
+_LAYOUT = struct.Struct("<IIII16s")
+HEADER_BYTES = _HEADER.size  # 48
+LAYOUT_BYTES = _LAYOUT.size  # 32
+BLOCK_ID_BYTES = 4
+MAX_BLOCKS_PER_MESSAGE = 1 << 16
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+
+
+class MsgKind(enum.IntEnum):
+    HELLO = 1
+    HELLO_OK = 2
+    HELLO_REJECT = 3
+    LAYER = 4
+    ACK = 5
+    NACK = 6
+
+
+class NackReason(enum.IntEnum):
+    """``status`` of a NACK: why the receiver dropped a transfer."""
+
+    NONE = 0
+    UNKNOWN_TRANSFER = 1
+    DEADLINE_PASSED = 2
+    CANCELLED = 3
+    BAD_MESSAGE = 4
+    RECEIVER_CLOSED = 5
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"dtype {dtype} is not supported for KV transfer; supported: {sorted(_DTYPES)}")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one worker's KV cache, minus the pool size."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+
+    @classmethod
+    def from_caches(cls, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> KVLayout:
+        """Layout of ``kv_caches``: per layer ``(K, V)``, each ``[num_blocks, block_size,
+        num_kv_heads, head_dim]``, contiguous, one dtype and device for all."""
+        if len(kv_caches) == 0:
+            raise ValueError("kv_caches is empty")
+        first_k = kv_caches[0][0]
+        for layer, pair in enumerate(kv_caches):
+            if len(pair) != 2:
+                raise ValueError(f"kv_caches[{layer}] must be a (K, V) pair")
+            for name, pool in zip("KV", pair):
+                if not isinstance(pool, torch.Tensor) or pool.dim() != 4:
+                    raise ValueError(
+                        f"kv_caches[{layer}] {name} must be a 4-D tensor "
+                        "[num_blocks, block_size, num_kv_heads, head_dim]"
+                    )
+                if pool.shape != first_k.shape or pool.dtype != first_k.dtype or pool.device != first_k.device:
+                    raise ValueError(
+                        f"kv_caches[{layer}] {name} is {tuple(pool.shape)} {pool.dtype} on {pool.device}, "
+                        f"layer 0 K is {tuple(first_k.shape)} {first_k.dtype} on {first_k.device}"
+                    )
+                if not pool.is_contiguous():
+                    raise ValueError(f"kv_caches[{layer}] {name} must be contiguous")
+        _, block_size, num_kv_heads, head_dim = first_k.shape
+        return cls(len(kv_caches), int(block_size), int(num_kv_heads), int(head_dim), dtype_name(first_k.dtype))
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        return (self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block of one layer's K (or V) pool."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def layer_message_bytes(self, num_blocks: int) -> int:
+        """Payload bytes of one LAYER message: K then V for ``num_blocks`` blocks."""
+        return 2 * num_blocks * self.block_bytes
+
+    @property
+    def fingerprint(self) -> int:
+        """64-bit digest of the layout; equal layouts give equal fingerprints."""
+        text = f"{self.num_layers}|{self.block_size}|{self.num_kv_heads}|{self.head_dim}|{self.dtype}"
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def transfer_key(transfer_id: str) -> int:
+    """64-bit wire key of a transfer id (ids are strings of any length)."""
+    if not isinstance(transfer_id, str) or not transfer_id:
+        raise ValueError(f"transfer_id must be a non-empty str, got {transfer_id!r}")
+    return int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=8).digest(), "little")
+
+
+@dataclass(frozen=True)
+class WireHeader:
+    kind: MsgKind
+    transfer_key: int = 0
+    layer: int = 0
+    num_blocks: int = 0
+    num_bytes: int = 0
+    fingerprint: int = 0
+    status: int = 0
+    version: int = -1  # -1: this process's WIRE_VERSION at pack time
+
+    def pack(self) -> bytes:
+        version = WIRE_VERSION if self.version < 0 else self.version
+        return _HEADER.pack(
+            WIRE_MAGIC, version, int(self.kind), self.transfer_key, self.layer,
+            self.num_blocks, self.num_bytes, self.fingerprint, self.status, 0,
+        )
+
+
+def unpack_header(buf, expected_fingerprint: int | None = None, check_version: bool = True) -> WireHeader:
+    """Parse the first ``HEADER_BYTES`` of ``buf``.
+
+    Raises KVTransferError on a bad magic, unknown kind, another wire version (unless
+    ``check_version`` is false, used by the handshake to answer with a clear reject) or
+    a fingerprint other than ``expected_fingerprint``.
+    """
+    view = memoryview(buf).cast("B")
+    if view.nbytes < HEADER_BYTES:
+        raise KVTransferError(f"short KV header: {view.nbytes} bytes, need {HEADER_BYTES}")
+    magic, version, kind, key, layer, num_blocks, num_bytes, fingerprint, status, _ = _HEADER.unpack_from(view)
+    if magic != WIRE_MAGIC:
+        raise KVTransferError(f"bad KV wire magic {magic:#x}, expected {WIRE_MAGIC:#x}: peer is not a kvtransfer endpoint")
+    if check_version and version != WIRE_VERSION:
+        raise KVTransferError(f"KV wire version mismatch: peer speaks {version}, this process speaks {WIRE_VERSION}")
+    try:
+        msg_kind = MsgKind(kind)
+    except ValueError:
+        raise KVTransferError(f"unknown KV message kind {kind}") from None
+    if expected_fingerprint is not None and fingerprint != expected_fingerprint:
+        raise KVTransferError(
+            f"KV layout fingerprint mismatch: peer {fingerprint:#018x}, local {expected_fingerprint:#018x}"
+        )
+    return WireHeader(msg_kind, key, layer, num_blocks, num_bytes, fingerprint, status, version)
+
+
+def pack_layout(layout: KVLayout) -> bytes:
+    return _LAYOUT.pack(layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype.encode())
+
+
+def unpack_layout(buf) -> KVLayout:
+    view = memoryview(buf).cast("B")
+    if view.nbytes < LAYOUT_BYTES:
+        raise KVTransferError(f"short KV layout descriptor: {view.nbytes} bytes, need {LAYOUT_BYTES}")
+    num_layers, block_size, heads, head_dim, dtype = _LAYOUT.unpack_from(view)
+    try:
+        return KVLayout(num_layers, block_size, heads, head_dim, dtype.rstrip(b"\0").decode())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise KVTransferError(f"peer sent an invalid KV layout: {e}") from None
+
+
+def pack_hello(kind: MsgKind, layout: KVLayout) -> bytes:
+    """A handshake message: header plus layout descriptor."""
+    return WireHeader(kind, fingerprint=layout.fingerprint).pack() + pack_layout(layout)
+
+
+def check_handshake(local: KVLayout, header: WireHeader, peer: KVLayout) -> None:
+    """Raise KVTransferError naming what differs between this side and the peer."""
+    if header.version != WIRE_VERSION:
+        raise KVTransferError(f"KV wire version mismatch: peer speaks {header.version}, this process speaks {WIRE_VERSION}")
+    if peer != local or header.fingerprint != local.fingerprint:
+        raise KVTransferError(f"KV layout mismatch: peer {peer}, local {local}")

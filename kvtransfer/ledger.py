@@ -1,0 +1,408 @@
+"""Transfer bookkeeping shared by every backend: which transfers are expected or in
+flight, what landed, deadlines, acknowledgements, counters.
+
+No I/O here. The receive ledger also performs the scatter, under a per-transfer lock,
+so that ``cancel`` and deadline expiry can promise that nothing is written into a
+transfer's blocks after they return. Backends plug their acknowledgement path in via
+``on_ack`` / ``on_nack`` callbacks, called outside every lock with the set of peers
+that sent data for the transfer.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Sequence
+
+import torch
+
+from kvtransfer.base import KVCaches, TransferResult
+from kvtransfer.errors import KVTransferError, KVTransferTimeout
+from kvtransfer.layout import KVLayout, NackReason, transfer_key
+from kvtransfer.staging import block_index, scatter_layer
+
+logger = logging.getLogger(__name__)
+
+Peer = Hashable
+AckFn = Callable[[set, int, int], None]  # (peers, transfer_key, num_bytes)
+NackFn = Callable[[set, int, NackReason], None]  # (peers, transfer_key, reason)
+
+_PENDING, _DONE, _FAILED = "pending", "done", "failed"
+
+
+@dataclass
+class _Incoming:
+    transfer_id: str
+    key: int
+    block_set: frozenset[int]
+    num_layers: int
+    deadline: float
+    landed: list[set[int]]
+    state: str = _PENDING
+    error: KVTransferError | None = None
+    num_bytes: int = 0
+    first_at: float | None = None
+    done_at: float | None = None
+    peers: set = field(default_factory=set)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def complete(self) -> bool:
+        return all(len(blocks) == len(self.block_set) for blocks in self.landed)
+
+
+class ReceiveLedger:
+    """Receiver-side state of every expected transfer; thread-safe."""
+
+    def __init__(
+        self,
+        kv_caches: KVCaches,
+        layout: KVLayout,
+        on_ack: AckFn | None = None,
+        on_nack: NackFn | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        tombstone_s: float = 300.0,
+        max_tombstones: int = 65536,
+    ):
+        self._caches = kv_caches
+        self._layout = layout
+        self._num_blocks = kv_caches[0][0].shape[0]
+        self._device = kv_caches[0][0].device
+        self._on_ack = on_ack or (lambda peers, key, nbytes: None)
+        self._on_nack = on_nack or (lambda peers, key, reason: None)
+        self._clock = clock
+        self._tombstone_s = tombstone_s
+        self._max_tombstones = max_tombstones
+        self._cond = threading.Condition()
+        self._by_key: dict[int, _Incoming] = {}
+        self._by_id: dict[str, _Incoming] = {}
+        # transfer key -> (reason, error, forget_at): dropped transfers whose late data is ignored
+        self._tombstones: collections.OrderedDict[int, tuple[NackReason, KVTransferError, float]] = (
+            collections.OrderedDict()
+        )
+        self._closed = False
+        self.counters: dict[str, float] = collections.defaultdict(float)
+
+    # ---- engine side -------------------------------------------------------------------
+
+    def expect(self, transfer_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
+        key = transfer_key(transfer_id)
+        index = block_index(block_ids, self._num_blocks, "block_ids", torch.device("cpu"))
+        if not isinstance(num_layers, int) or not 1 <= num_layers <= self._layout.num_layers:
+            raise ValueError(f"num_layers must be an int in [1, {self._layout.num_layers}], got {num_layers!r}")
+        if not deadline_s > 0:
+            raise ValueError(f"deadline_s must be > 0 seconds, got {deadline_s!r}")
+        self._expire_due()
+        with self._cond:
+            if self._closed:
+                raise KVTransferError("receiver is closed")
+            if key in self._by_key:
+                raise KVTransferError(f"transfer {transfer_id!r} is already expected (or its key collides)")
+            self._tombstones.pop(key, None)
+            incoming = _Incoming(
+                transfer_id, key, frozenset(index.tolist()), num_layers, self._clock() + deadline_s,
+                [set() for _ in range(num_layers)],
+            )
+            self._by_key[key] = incoming
+            self._by_id[transfer_id] = incoming
+            self.counters["transfers_expected"] += 1
+
+    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        wait_end = None if timeout is None else self._clock() + timeout
+        with self._cond:
+            while True:
+                incoming = self._by_id.get(transfer_id)
+                if incoming is None:
+                    tomb = self._tombstones.get(transfer_key(transfer_id))
+                    if tomb is not None:
+                        raise tomb[1]
+                    raise KVTransferError(f"transfer {transfer_id!r} is not expected by this receiver")
+                if incoming.state == _DONE:
+                    self._forget(incoming)
+                    return self._result(incoming)
+                if incoming.state == _FAILED:
+                    self._forget(incoming)
+                    raise incoming.error
+                now = self._clock()
+                if now >= incoming.deadline:
+                    break
+                if wait_end is not None and now >= wait_end:
+                    raise KVTransferTimeout(
+                        f"wait for transfer {transfer_id!r} timed out after {timeout:.3f}s; "
+                        f"it stays expected until its deadline"
+                    )
+                until = incoming.deadline if wait_end is None else min(incoming.deadline, wait_end)
+                self._cond.wait(until - now)
+        error = self._drop(incoming, NackReason.DEADLINE_PASSED)
+        raise error
+
+    def cancel(self, transfer_id: str) -> None:
+        with self._cond:
+            incoming = self._by_id.get(transfer_id)
+        if incoming is not None:
+            self._drop(incoming, NackReason.CANCELLED)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            pending = list(self._by_key.values())
+        for incoming in pending:
+            self._drop(incoming, NackReason.RECEIVER_CLOSED)
+
+    # ---- transport side ----------------------------------------------------------------
+
+    def check_message(self, key: int, layer: int, dst_ids: Sequence[int], peer: Peer) -> NackReason:
+        """Whether a LAYER message may land (NONE) or must be dropped (the reason);
+        called before its payload is received, and again by ``land``."""
+        return self._admit(key, layer, dst_ids, peer)[1]
+
+    def land(self, key: int, layer: int, dst_ids: list[int], staged: torch.Tensor, peer: Peer) -> bool:
+        """Scatter ``staged`` ``[2, n, *block_shape]`` into blocks ``dst_ids`` ``[n]`` of
+        ``layer`` if the transfer is still live; returns whether it landed. Late or bad
+        data is counted and dropped, and the sender is told why."""
+        nbytes = staged.numel() * staged.element_size()
+        self.counters["messages_received"] += 1
+        self.counters["bytes_received"] += nbytes
+        incoming, reason = self._admit(key, layer, dst_ids, peer)
+        if incoming is not None and reason == NackReason.NONE:
+            with incoming.lock:
+                if incoming.state == _PENDING:  # cancel/expiry wait for this lock: no write after they return
+                    index = torch.tensor(dst_ids, dtype=torch.int64).to(self._device, non_blocking=True)
+                    scatter_layer(self._caches, layer, index, staged)
+                    if staged.is_cuda:
+                        torch.cuda.current_stream(staged.device).synchronize()
+                    self._record_landing(incoming, layer, dst_ids, nbytes)
+                    return True
+                if incoming.state == _DONE:  # a duplicate after completion: harmless, nobody to tell
+                    reason = NackReason.NONE
+                else:
+                    reason = NackReason.CANCELLED if incoming.error is None else NackReason.BAD_MESSAGE
+        self.counters["messages_dropped"] += 1
+        self.counters["bytes_dropped"] += nbytes
+        logger.debug("dropped KV message for transfer key %#x layer %d: %s", key, layer, reason.name)
+        if reason != NackReason.NONE:
+            self._on_nack({peer}, key, reason)
+        return False
+
+    def _admit(self, key: int, layer: int, dst_ids: Sequence[int], peer: Peer) -> tuple[_Incoming | None, NackReason]:
+        self._expire_due()
+        with self._cond:
+            incoming = self._by_key.get(key)
+            if incoming is None:
+                tomb = self._tombstones.get(key)
+                return None, (tomb[0] if tomb is not None else NackReason.UNKNOWN_TRANSFER)
+            if incoming.state == _FAILED:
+                return incoming, NackReason.BAD_MESSAGE
+            if incoming.state == _DONE:
+                return incoming, NackReason.NONE
+            incoming.peers.add(peer)
+            if incoming.first_at is None:
+                incoming.first_at = self._clock()
+        dst_set = set(dst_ids)
+        if not 0 <= layer < incoming.num_layers:
+            problem = f"layer {layer} outside [0, {incoming.num_layers})"
+        elif len(dst_set) != len(dst_ids) or not dst_set <= incoming.block_set:
+            problem = "destination block ids are duplicated or not reserved for it"
+        else:
+            return incoming, NackReason.NONE
+        self._fail(incoming, KVTransferError(f"transfer {incoming.transfer_id!r}: bad message: {problem}"))
+        return incoming, NackReason.BAD_MESSAGE
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _record_landing(self, incoming: _Incoming, layer: int, dst_ids: Sequence[int], nbytes: int) -> None:
+        with self._cond:
+            incoming.landed[layer].update(dst_ids)
+            incoming.num_bytes += nbytes
+            if not incoming.complete:
+                return
+            expected = incoming.num_layers * self._layout.layer_message_bytes(len(incoming.block_set))
+            assert incoming.num_bytes >= expected, "complete coverage implies the bytes landed"
+            incoming.state = _DONE
+            incoming.done_at = self._clock()
+            peers = set(incoming.peers)
+            self.counters["transfers_completed"] += 1
+            self.counters["bytes_landed"] += incoming.num_bytes
+            self.counters["transfer_seconds"] += incoming.done_at - (incoming.first_at or incoming.done_at)
+            self._cond.notify_all()
+        self._on_ack(peers, incoming.key, incoming.num_bytes)
+
+    def _fail(self, incoming: _Incoming, error: KVTransferError) -> None:
+        with self._cond:
+            if incoming.state != _PENDING:
+                return
+            incoming.state, incoming.error = _FAILED, error
+            peers = set(incoming.peers)
+            self.counters["transfers_failed"] += 1
+            self._cond.notify_all()
+        logger.warning("%s", error)
+        self._on_nack(peers, incoming.key, NackReason.BAD_MESSAGE)
+
+    def _drop(self, incoming: _Incoming, reason: NackReason) -> KVTransferError:
+        """Forget ``incoming``, leave a tombstone so late data is dropped, and wait for a
+        scatter in progress; returns the error that waiters see."""
+        if reason == NackReason.DEADLINE_PASSED:
+            error = KVTransferTimeout(f"transfer {incoming.transfer_id!r} missed its deadline; late data is dropped")
+        else:
+            error = KVTransferError(f"transfer {incoming.transfer_id!r} dropped: {reason.name.lower()}")
+        with self._cond:
+            was_pending = incoming.state == _PENDING
+            if was_pending:
+                incoming.state, incoming.error = _FAILED, error
+                counter = {NackReason.DEADLINE_PASSED: "transfers_expired", NackReason.CANCELLED: "transfers_cancelled"}
+                self.counters[counter.get(reason, "transfers_failed")] += 1
+            self._forget(incoming)
+            self._tombstones[incoming.key] = (reason, error, self._clock() + self._tombstone_s)
+            while len(self._tombstones) > self._max_tombstones:
+                self._tombstones.popitem(last=False)
+            peers = set(incoming.peers)
+            self._cond.notify_all()
+        with incoming.lock:  # a scatter in progress finishes before we return
+            pass
+        if was_pending and peers:
+            self._on_nack(peers, incoming.key, reason)
+        return error if was_pending else (incoming.error or error)
+
+    def _forget(self, incoming: _Incoming) -> None:
+        if self._by_key.get(incoming.key) is incoming:
+            del self._by_key[incoming.key]
+        if self._by_id.get(incoming.transfer_id) is incoming:
+            del self._by_id[incoming.transfer_id]
+
+    def _expire_due(self) -> None:
+        now = self._clock()
+        with self._cond:
+            due = [t for t in self._by_key.values() if t.state == _PENDING and now >= t.deadline]
+            while self._tombstones:
+                key, (_, _, forget_at) = next(iter(self._tombstones.items()))
+                if forget_at > now:
+                    break
+                del self._tombstones[key]
+        for incoming in due:
+            self._drop(incoming, NackReason.DEADLINE_PASSED)
+
+    def _result(self, incoming: _Incoming) -> TransferResult:
+        seconds = (incoming.done_at or 0.0) - (incoming.first_at or incoming.done_at or 0.0)
+        return TransferResult.of(incoming.transfer_id, incoming.num_bytes, seconds)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._cond:
+            out = dict(self.counters)
+            out["transfers_pending"] = float(len(self._by_key))
+            return out
+
+
+@dataclass
+class _Outgoing:
+    transfer_id: str
+    key: int
+    address: str
+    started: float
+    enqueued: int = 0
+    sent: int = 0
+    num_bytes: int = 0
+    acked_at: float | None = None
+    error: KVTransferError | None = None
+
+
+class SendLedger:
+    """Sender-side state of every transfer in flight; thread-safe."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._by_id: dict[str, _Outgoing] = {}
+        self._by_key: dict[int, _Outgoing] = {}
+        self.counters: dict[str, float] = collections.defaultdict(float)
+
+    def on_enqueue(self, transfer_id: str, address: str, nbytes: int) -> int:
+        """Record one more message of ``transfer_id``; returns its wire key."""
+        with self._cond:
+            out = self._by_id.get(transfer_id)
+            if out is None:
+                key = transfer_key(transfer_id)
+                out = _Outgoing(transfer_id, key, address, self._clock())
+                self._by_id[transfer_id] = out
+                self._by_key[key] = out
+                self.counters["transfers_started"] += 1
+            elif out.address != address:
+                raise ValueError(f"transfer {transfer_id!r} goes to {out.address}, not {address}")
+            out.enqueued += 1
+            return out.key
+
+    def on_sent(self, key: int, nbytes: int) -> None:
+        with self._cond:
+            self.counters["messages_sent"] += 1
+            self.counters["bytes_sent"] += nbytes
+            out = self._by_key.get(key)
+            if out is not None:
+                out.sent += 1
+                out.num_bytes += nbytes
+                self._cond.notify_all()
+
+    def on_ack(self, key: int) -> None:
+        with self._cond:
+            out = self._by_key.get(key)
+            if out is not None and out.acked_at is None:
+                out.acked_at = self._clock()
+                self._cond.notify_all()
+
+    def on_nack(self, key: int, reason: NackReason) -> None:
+        self.fail_key(key, KVTransferError(f"receiver dropped the transfer: {reason.name.lower()}"))
+
+    def fail_key(self, key: int, error: KVTransferError) -> None:
+        with self._cond:
+            out = self._by_key.get(key)
+            if out is not None and out.error is None and out.acked_at is None:
+                out.error = error
+                self._cond.notify_all()
+
+    def fail_address(self, address: str, error: KVTransferError) -> None:
+        with self._cond:
+            for out in self._by_key.values():
+                if out.address == address and out.error is None and out.acked_at is None:
+                    out.error = error
+            self._cond.notify_all()
+
+    def fail_all(self, error: KVTransferError) -> None:
+        with self._cond:
+            for out in self._by_key.values():
+                if out.error is None and out.acked_at is None:
+                    out.error = error
+            self._cond.notify_all()
+
+    def finish(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        end = None if timeout is None else self._clock() + timeout
+        with self._cond:
+            out = self._by_id.get(transfer_id)
+            if out is None:
+                raise KVTransferError(f"transfer {transfer_id!r} has no layers sent by this sender")
+            try:
+                while out.error is None and (out.acked_at is None or out.sent < out.enqueued):
+                    now = self._clock()
+                    if end is not None and now >= end:
+                        self.counters["transfers_failed"] += 1
+                        raise KVTransferTimeout(
+                            f"transfer {transfer_id!r} not acknowledged within {timeout:.3f}s "
+                            f"({out.sent}/{out.enqueued} messages sent)"
+                        )
+                    self._cond.wait(None if end is None else end - now)
+                if out.error is not None:
+                    self.counters["transfers_failed"] += 1
+                    raise out.error
+                seconds = out.acked_at - out.started
+                self.counters["transfers_completed"] += 1
+                self.counters["transfer_seconds"] += seconds
+                return TransferResult.of(transfer_id, out.num_bytes, seconds)
+            finally:
+                del self._by_id[transfer_id]
+                del self._by_key[out.key]
+
+    def snapshot(self) -> dict[str, float]:
+        with self._cond:
+            out = dict(self.counters)
+            out["transfers_in_flight"] = float(len(self._by_id))
+            return out

@@ -1,0 +1,148 @@
+"""Frozen configuration dataclasses, composed into each other.
+
+`ModelConfig` describes the shape of a Llama-family model, whatever it was loaded from.
+`CacheConfig`, `SchedulerConfig` and `EngineConfig` describe how the engine runs it.
+Unknown keys and bad values raise `ValueError` naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+Role = Literal["mixed", "prefill", "decode"]
+ROLES = ("mixed", "prefill", "decode")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 style frequency scaling (`rope_type == "llama3"`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                    "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"model config: {key} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model config: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # GPU: fraction of free device memory given to the KV pools; CPU: GiB.
+    gpu_memory_fraction: float = 0.85
+    cpu_kv_gib: float = 0.5
+    num_blocks: int | None = None  # overrides the memory budget when set (tests)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"cache config: block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:
+            raise ValueError(f"cache config: gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if self.cpu_kv_gib <= 0:
+            raise ValueError(f"cache config: cpu_kv_gib must be > 0, got {self.cpu_kv_gib}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"cache config: num_blocks must be > 0, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512  # per-step token budget (prefill chunks + decodes)
+    max_num_seqs: int = 64  # cap on running requests
+    role: str = "mixed"
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError("scheduler config: max_num_batched_tokens must be > 0")
+        if self.max_num_seqs <= 0:
+            raise ValueError("scheduler config: max_num_seqs must be > 0")
+        if self.role not in ROLES:
+            raise ValueError(f"scheduler config: role must be one of {ROLES}, got {self.role!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2"
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    device: str | None = None  # None: cuda when available, else cpu
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"engine config: dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError("engine config: max_model_len must be > 0")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
+        """Builds a config from nested dicts; unknown keys raise ValueError naming the key."""
+        nested = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in known:
+                raise ValueError(f"engine config: unknown key {key!r}")
+            if key in nested:
+                if not isinstance(value, dict):
+                    raise ValueError(f"engine config: {key} must be a mapping")
+                sub_known = {f.name for f in dataclasses.fields(nested[key])}
+                for sub in value:
+                    if sub not in sub_known:
+                        raise ValueError(f"engine config: unknown key {key}.{sub}")
+                value = nested[key](**value)
+            kwargs[key] = value
+        return cls(**kwargs)

@@ -1,0 +1,250 @@
+"""The engine: one step is schedule, run, postprocess.
+
+    engine = LLMEngine(EngineConfig(model="smollm2"))
+    engine.add_request("r1", token_ids, SamplingParams(max_tokens=32))
+    while engine.has_unfinished_requests():
+        for out in engine.step(): ...
+
+Roles (for prefill/decode disaggregation):
+1. prefill: a request stops after its first token; its KV stays in its blocks (`held_blocks`)
+   until `release`. `layer_hook` sees each layer as soon as its KV is written.
+2. decode: `reserve` gives blocks for a prompt's KV that arrives from elsewhere, `commit`
+   joins the request to the decode batch with its first token; `abort` frees either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from pdserve.block_manager import BlockManager
+from pdserve.config import EngineConfig, ModelConfig
+from pdserve.loaders import ModelSource, load_model_source
+from pdserve.model_runner import ModelRunner, resolve_device, resolve_dtype
+from pdserve.sampler import SamplingRow
+from pdserve.sampling_params import RequestOutput, SamplingParams
+from pdserve.scheduler import ScheduledBatch, Scheduler
+from pdserve.sequence import Sequence, SequenceStatus
+from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+        self.config = config
+        source = source if source is not None else load_model_source(config.model)
+        self.model_config: ModelConfig = source.config
+        self.tokenizer: Tokenizer | None = source.tokenizer
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        self.runner = ModelRunner(self.model_config, source.iter_weights(), config.cache,
+                                  self.device, self.dtype, config.seed)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.role = config.scheduler.role
+        capacity = self.runner.num_blocks * config.cache.block_size
+        max_len = config.max_model_len or self.model_config.max_position_embeddings
+        if max_len > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's "
+                             f"max_position_embeddings {self.model_config.max_position_embeddings}")
+        if max_len > capacity:
+            logger.warning("max_model_len %d capped to the KV cache capacity of %d tokens", max_len, capacity)
+            max_len = capacity
+        self.max_model_len = max_len
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids
+                                       or (self.tokenizer.eos_token_ids if self.tokenizer else ()))
+        self.requests: dict[str, Sequence] = {}
+        self.layer_hook: Callable[[int, ScheduledBatch], None] | None = None
+        self.num_steps = 0
+
+    # ---- requests --------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        n = len(prompt_token_ids)
+        if n > self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, over the maximum context length of "
+                             f"{self.max_model_len} tokens")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                             f"maximum context length of {self.max_model_len} tokens")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is out of range [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        if params.seed is not None and not params.greedy:
+            seq.generator = self.runner.sampler.make_generator(params.seed)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids)
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        """Frees whatever the request holds; True if it existed."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.finish_reason = seq.finish_reason or "abort"
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- disaggregation seams --------------------------------------------------------------
+    def held_blocks(self, request_id: str) -> list[int]:
+        """Prefill role: the blocks holding a finished prefill's KV."""
+        return list(self.scheduler.held[request_id].block_ids)
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: the KV has been handed off (or is no longer wanted)."""
+        seq = self.scheduler.held.get(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq, seq.finish_reason or "stop")
+        self.requests.pop(request_id, None)
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """Decode role: block ids where the prompt's KV, computed elsewhere, must land."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if not self.block_manager.can_append(seq.table, seq.num_prompt_tokens):
+            raise RuntimeError("not enough free KV blocks to reserve")
+        self.requests[request_id] = seq
+        return self.scheduler.reserve(seq, seq.num_prompt_tokens)
+
+    def commit(self, request_id: str, first_token_id: int) -> list[RequestOutput]:
+        """Decode role: the KV landed; continue from the token the prefill worker sampled."""
+        seq = self.scheduler.commit(request_id)
+        return [o for o in [self._append_token(seq, first_token_id, None)] if o is not None]
+
+    # ---- the step --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        hook = None
+        if self.layer_hook is not None:
+            user_hook = self.layer_hook
+            hook = lambda layer: user_hook(layer, batch)  # noqa: E731
+        logits = self.runner.execute(batch, hook)
+        order = self.runner.order(batch)
+        sampling = [batch.seqs[i] for i in order if batch.samples(i)]
+        rows = [SamplingRow(s.params, s.output_token_ids, s.generator,  # type: ignore[arg-type]
+                            self._suppressed(s)) for s in sampling]
+        tokens, logprobs = self.runner.sample(logits, rows) if rows else ([], [])
+        self.scheduler.postprocess(batch)
+        self.num_steps += 1
+        outputs = []
+        for seq, token, lp in zip(sampling, tokens, logprobs):
+            out = self._append_token(seq, token, lp)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _suppressed(self, seq: Sequence) -> tuple[int, ...]:
+        if seq.num_output_tokens < seq.params.min_tokens:
+            return tuple(self.eos_token_ids) + seq.params.stop_token_ids
+        return ()
+
+    def _append_token(self, seq: Sequence, token: int, logprob) -> RequestOutput | None:
+        p = seq.params
+        seq.output_token_ids.append(token)
+        if logprob is not None:
+            seq.pending_logprobs.append(logprob)
+        finish: str | None = None
+        is_stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        if is_stop_token and seq.num_output_tokens > p.min_tokens - 1:
+            finish = "stop"
+        if seq.detokenizer is not None and not is_stop_token:
+            seq.output_text += seq.detokenizer.add(token)  # type: ignore[attr-defined]
+        if p.stop and finish is None:
+            cut = _find_stop(seq.output_text, p.stop, seq.num_emitted_chars)
+            if cut is not None:
+                seq.output_text = seq.output_text[:cut]
+                finish = "stop"
+        if finish is None and (seq.num_output_tokens >= p.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            finish = "length"
+
+        if finish is not None:
+            seq.finish_reason = finish
+            if self.role == "prefill":
+                self.scheduler.hold(seq)
+            else:
+                self.scheduler.finish(seq, finish)
+                self.requests.pop(seq.request_id, None)
+        elif self.role == "prefill":
+            seq.finish_reason = "prefilled"
+            self.scheduler.hold(seq)
+            finish = "prefilled"
+
+        # Text that might still become a stop string is held back until it can't.
+        end = len(seq.output_text)
+        if finish is None and p.stop:
+            end = max(seq.num_emitted_chars, end - (max(len(s) for s in p.stop) - 1))
+        new_text = seq.output_text[seq.num_emitted_chars:end]
+        seq.num_emitted_chars = end
+        new_tokens = seq.output_token_ids[seq.num_emitted_tokens:]
+        seq.num_emitted_tokens = seq.num_output_tokens
+        lps = None
+        if p.logprobs is not None:
+            lps, seq.pending_logprobs = seq.pending_logprobs, []
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_tokens,
+            new_text=new_text,
+            finished=finish is not None,
+            finish_reason=finish,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=lps,
+        )
+
+    # ---- stats -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        bm = self.block_manager
+        return {
+            "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "num_held": len(self.scheduler.held),
+            "num_awaiting_kv": len(self.scheduler.awaiting_kv),
+            "num_blocks": bm.num_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "kv_usage": 1.0 - bm.num_free_blocks / bm.num_blocks,
+            "prefix_cache_hits": bm.num_prefix_hits,
+            "prefix_cache_queries": bm.num_prefix_queries,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "time": time.time(),
+        }
+
+
+def _find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:
+    """Index where the earliest stop string starts, searching only text not yet emitted."""
+    start = max(0, emitted - max(len(s) for s in stops) + 1)
+    best = None
+    for s in stops:
+        i = text.find(s, start)
+        if i != -1 and (best is None or i < best):
+            best = i
+    return best

@@ -1,0 +1,125 @@
+"""`random:<name>[?seed=N]`: seeded random weights of a known model shape.
+
+Each tensor is drawn when `iter_weights` reaches it, from a generator seeded by (seed,
+name), so a tensor's values do not depend on iteration order and an 8B model is never held
+twice on the CPU. Linear weights and embeddings are N(0, 0.02); norm weights are
+1 + N(0, 0.05) so that tests notice a norm applied to the wrong tensor; biases N(0, 0.02).
+
+Real shapes get the SmolLM2 tokenizer (ids < 49152, valid for every vocab here) with its
+bos/eos ids, so a server can run them end to end; the description says so. Tiny test
+shapes have no tokenizer and no eos ids: they are driven with token ids directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Iterator
+from urllib.parse import parse_qsl
+
+import torch
+
+from pdserve.config import ModelConfig, RopeScaling
+from pdserve.loaders import ModelSource, default_model_path
+from pdserve.loaders.layout import expected_weight_shapes
+from pdserve.tokenizer import load_gguf_tokenizer
+
+WEIGHT_STD = 0.02
+NORM_STD = 0.05
+
+_LLAMA3_SCALING_8B = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=8192)
+_LLAMA3_SCALING_1B = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=8192)
+
+# Real shapes, as in each model's published config.json.
+REAL_SHAPES: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(
+        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+        num_heads=9, num_kv_heads=3, head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_theta=100000.0, tie_word_embeddings=True, name="random:smollm2-135m"),
+    "llama-3.2-1b": ModelConfig(
+        architecture="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+        num_heads=32, num_kv_heads=8, head_dim=64, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING_1B, tie_word_embeddings=True,
+        name="random:llama-3.2-1b"),
+    "llama-3.1-8b": ModelConfig(
+        architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING_8B, name="random:llama-3.1-8b"),
+    "qwen2.5-7b": ModelConfig(
+        architecture="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+        num_heads=28, num_kv_heads=4, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, attention_bias=True, name="random:qwen2.5-7b"),
+}
+
+_TINY = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
+             max_position_embeddings=512, rms_norm_eps=1e-5)
+TINY_SHAPES: dict[str, ModelConfig] = {
+    "tiny-llama": ModelConfig(architecture="llama", vocab_size=512, num_layers=2, name="random:tiny-llama", **_TINY),
+    "tiny-qwen2": ModelConfig(architecture="qwen2", vocab_size=640, num_layers=3, attention_bias=True,
+                              rope_theta=1000000.0, name="random:tiny-qwen2", **_TINY),
+    "tiny-mistral": ModelConfig(architecture="mistral", vocab_size=768, num_layers=2, name="random:tiny-mistral",
+                                **{**_TINY, "num_kv_heads": 1}),
+    "tiny-tied": ModelConfig(architecture="llama", vocab_size=1000, num_layers=4, tie_word_embeddings=True,
+                             name="random:tiny-tied", **_TINY),
+}
+RANDOM_SHAPES: dict[str, ModelConfig] = {**REAL_SHAPES, **TINY_SHAPES}
+
+
+def parse_random_spec(spec: str) -> tuple[str, int]:
+    """`random:<name>[?seed=N]` -> (name, seed); ValueError naming the spec."""
+    body = spec[len("random:"):]
+    name, _, query = body.partition("?")
+    if name not in RANDOM_SHAPES:
+        raise ValueError(f"{spec}: unknown random model {name!r}; known: {', '.join(RANDOM_SHAPES)}")
+    seed = 0
+    for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=False):
+        if key != "seed":
+            raise ValueError(f"{spec}: unknown option {key!r} (only seed)")
+        try:
+            seed = int(value)
+        except ValueError:
+            raise ValueError(f"{spec}: seed must be an integer, got {value!r}") from None
+        if seed < 0:
+            raise ValueError(f"{spec}: seed must be >= 0, got {seed}")
+    return name, seed
+
+
+def load_random(spec: str) -> ModelSource:
+    name, seed = parse_random_spec(spec)
+    config = RANDOM_SHAPES[name]
+    tokenizer = None
+    note = "no tokenizer"
+    dtype = torch.float32
+    if name in REAL_SHAPES:
+        tokenizer = load_gguf_tokenizer(default_model_path())
+        config = dataclasses.replace(
+            config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids
+        )
+        note = "SmolLM2 tokenizer and its bos/eos ids"
+        if name != "smollm2-135m":
+            note += f" (ids < {tokenizer.vocab_size} of vocab {config.vocab_size})"
+            dtype = torch.bfloat16  # halves peak host memory for multi-GB tensors
+    shapes = expected_weight_shapes(config)
+
+    def iter_weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for tensor_name, shape in shapes.items():
+            yield tensor_name, random_tensor(tensor_name, shape, seed, dtype)
+
+    return ModelSource(
+        config=config,
+        tokenizer=tokenizer,
+        description=f"random:{name} (seed {seed}, {str(dtype).removeprefix('torch.')} random weights, {note})",
+        weights_factory=iter_weights,
+    )
+
+
+def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The tensor `name` of a random model: deterministic in (seed, name)."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+    tensor = torch.empty(shape, dtype=dtype)
+    if name.endswith("norm.weight"):
+        return tensor.normal_(1.0, NORM_STD, generator=generator)
+    return tensor.normal_(0.0, WEIGHT_STD, generator=generator)

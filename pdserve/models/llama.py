@@ -1,0 +1,205 @@
+"""The Llama family (Llama 2/3/3.x, Qwen2/2.5, Mistral, SmolLM2) over a paged KV cache.
+
+Q/K/V and gate/up projections are fused into one matmul each. Attention reads the paged cache
+through `kernels` (Triton on CUDA, torch on CPU). The batch is varlen and flat: the first
+`num_decodes` rows are decode tokens (one per request), the rest are prefill chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+import kernels
+from pdserve.config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset
+    num_decodes: int  # rows [0, num_decodes) are decodes, one token per request
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32
+    decode_seq_lens: torch.Tensor | None  # [num_decodes] int32, context incl. the new token
+    prefill_block_tables: torch.Tensor | None  # [P, max_blocks] int32
+    prefill_cu_seqlens_q: torch.Tensor | None  # [P + 1] int32, offsets within the prefill rows
+    prefill_seq_lens: torch.Tensor | None  # [P] int32, context incl. the chunk
+    logits_indices: torch.Tensor  # [N] int64, rows whose hidden state gives logits
+
+
+LayerHook = Callable[[int], None]  # called with the layer index once its KV is in the cache
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        kw = {"dtype": dtype, "device": device}
+        self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **kw), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(c, dtype, device) for _ in range(c.num_layers))
+        self.norm = nn.Parameter(torch.empty(c.hidden_size, **kw), requires_grad=False)
+        if c.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+        else:
+            self.lm_head = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **kw), requires_grad=False)
+        self.scale = c.head_dim ** -0.5
+        self.register_buffer(
+            "cos_sin",
+            kernels.rope_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta,
+                                       c.rope_scaling, device=device),
+            persistent=False,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        layer_hook: LayerHook | None = None,
+    ) -> torch.Tensor:
+        """Returns logits [N, vocab] (float32) for the rows in `meta.logits_indices`."""
+        hidden = self.embed_tokens[input_ids]
+        residual: torch.Tensor | None = None
+        for index, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, meta, kv_caches[index], self.cos_sin, self.scale)
+            if layer_hook is not None:
+                layer_hook(index)
+        hidden = hidden[meta.logits_indices]
+        residual = residual[meta.logits_indices]  # type: ignore[index]
+        hidden, _ = kernels.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
+        return torch.matmul(hidden, self.lm_head.t()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads Hugging Face-named tensors, fusing q/k/v and gate/up. Every parameter must
+        be set exactly once; a missing or unexpected tensor raises ValueError."""
+        c = self.config
+        expected = set(self.expected_weight_names())
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name not in expected:
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise ValueError(f"unexpected weight {name!r}")
+            target, rows = self._target(name)
+            if tuple(tensor.shape) != tuple(target[rows].shape):
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(target[rows].shape)}")
+            target[rows].copy_(tensor)
+            seen.add(name)
+        missing = expected - seen
+        if c.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"missing weights: {', '.join(sorted(missing)[:5])}"
+                             + (" ..." if len(missing) > 5 else ""))
+
+    def expected_weight_names(self) -> Iterator[str]:
+        yield "model.embed_tokens.weight"
+        yield "model.norm.weight"
+        if not self.config.tie_word_embeddings:
+            yield "lm_head.weight"
+        for i in range(self.config.num_layers):
+            p = f"model.layers.{i}."
+            yield p + "input_layernorm.weight"
+            yield p + "post_attention_layernorm.weight"
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                yield p + f"self_attn.{proj}.weight"
+            if self.config.attention_bias:
+                for proj in ("q_proj", "k_proj", "v_proj"):
+                    yield p + f"self_attn.{proj}.bias"
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                yield p + f"mlp.{proj}.weight"
+
+    def _target(self, name: str) -> tuple[torch.Tensor, slice]:
+        c = self.config
+        everything = slice(None)
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens.data, everything
+        if name == "model.norm.weight":
+            return self.norm.data, everything
+        if name == "lm_head.weight":
+            return self.lm_head.data, everything
+        parts = name.split(".")
+        layer: DecoderLayer = self.layers[int(parts[2])]  # type: ignore[assignment]
+        sub = ".".join(parts[3:])
+        qkv_rows = {"q_proj": slice(0, c.q_size), "k_proj": slice(c.q_size, c.q_size + c.kv_size),
+                    "v_proj": slice(c.q_size + c.kv_size, c.q_size + 2 * c.kv_size)}
+        if sub == "input_layernorm.weight":
+            return layer.input_norm.data, everything
+        if sub == "post_attention_layernorm.weight":
+            return layer.post_norm.data, everything
+        if sub == "self_attn.o_proj.weight":
+            return layer.o_proj.data, everything
+        if sub.startswith("self_attn.") and sub.endswith(".weight"):
+            return layer.qkv_proj.data, qkv_rows[parts[4]]
+        if sub.startswith("self_attn.") and sub.endswith(".bias"):
+            return layer.qkv_bias.data, qkv_rows[parts[4]]  # type: ignore[union-attr]
+        if sub == "mlp.gate_proj.weight":
+            return layer.gate_up_proj.data, slice(0, c.intermediate_size)
+        if sub == "mlp.up_proj.weight":
+            return layer.gate_up_proj.data, slice(c.intermediate_size, 2 * c.intermediate_size)
+        if sub == "mlp.down_proj.weight":
+            return layer.down_proj.data, everything
+        raise ValueError(f"unexpected weight {name!r}")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw = {"dtype": dtype, "device": device}
+        self.c = c
+        self.input_norm = nn.Parameter(torch.empty(c.hidden_size, **kw), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.empty(c.hidden_size, **kw), requires_grad=False)
+        self.qkv_proj = nn.Parameter(torch.empty(c.q_size + 2 * c.kv_size, c.hidden_size, **kw),
+                                     requires_grad=False)
+        self.qkv_bias = (nn.Parameter(torch.empty(c.q_size + 2 * c.kv_size, **kw), requires_grad=False)
+                         if c.attention_bias else None)
+        self.o_proj = nn.Parameter(torch.empty(c.hidden_size, c.q_size, **kw), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size, **kw),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size, **kw),
+                                      requires_grad=False)
+
+    def forward(self, hidden, residual, meta: AttentionMetadata, kv_cache, cos_sin, scale):
+        c = self.c
+        if residual is None:
+            residual = hidden
+            x = kernels.rms_norm(hidden, self.input_norm, c.rms_norm_eps)
+        else:
+            x, residual = kernels.rms_norm(hidden, self.input_norm, c.rms_norm_eps, residual)
+        qkv = torch.nn.functional.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        num_tokens = qkv.shape[0]
+        q = q.reshape(num_tokens, c.num_heads, c.head_dim)
+        k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)
+        v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
+        q, k = kernels.apply_rope(q, k, meta.positions, cos_sin)
+        k_cache, v_cache = kv_cache
+        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        attn = _attention(q, k_cache, v_cache, meta, scale)
+        hidden = torch.matmul(attn.reshape(num_tokens, c.q_size), self.o_proj.t())
+        x, residual = kernels.rms_norm(hidden, self.post_norm, c.rms_norm_eps, residual)
+        gate_up = torch.matmul(x, self.gate_up_proj.t())
+        hidden = torch.matmul(kernels.silu_and_mul(gate_up), self.down_proj.t())
+        return hidden, residual
+
+
+def _attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    nd = meta.num_decodes
+    if nd == q.shape[0]:
+        return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                        meta.decode_seq_lens, scale)
+    if nd == 0:
+        return kernels.prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
+                                         meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale)
+    out = torch.empty_like(q)
+    out[:nd] = kernels.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                        meta.decode_seq_lens, scale)
+    out[nd:] = kernels.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
+                                         meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale)
+    return out

@@ -1,0 +1,93 @@
+"""Token sampling with OpenAI semantics.
+
+Penalties apply to the raw logits; logprobs are reported from the penalised distribution
+before temperature (what OpenAI reports). Greedy rows take the argmax. Sampled rows apply
+temperature, top-k and top-p and draw from the request's own generator when it has a seed,
+so a seeded request gives the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.sampling_params import SamplingParams, TokenLogprob
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    output_token_ids: list[int]
+    generator: torch.Generator | None
+    suppress_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def make_generator(self, seed: int) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed(seed)
+        return g
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [N, vocab] float32, one row per request. Returns token ids and logprobs."""
+        if logits.shape[0] != len(rows):
+            raise AssertionError("one sampling row per logits row")
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.has_penalties and row.output_token_ids:
+                ids = torch.tensor(row.output_token_ids, device=logits.device)
+                counts = torch.bincount(ids, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+            if row.suppress_token_ids:
+                logits[i, list(row.suppress_token_ids)] = float("-inf")
+
+        if all(r.params.greedy for r in rows):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+            greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+            if greedy:
+                idx = torch.tensor(greedy, device=logits.device)
+                tokens[idx] = logits[idx].argmax(dim=-1)
+            for i, row in enumerate(rows):
+                if not row.params.greedy:
+                    tokens[i] = self._sample_row(logits[i], row)
+        token_list = tokens.tolist()
+
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if wanted:
+            idx = torch.tensor(wanted, device=logits.device)
+            lp = torch.log_softmax(logits[idx], dim=-1)
+            k = max(rows[i].params.logprobs for i in wanted)  # type: ignore[type-var]
+            top_val, top_idx = lp.topk(k, dim=-1) if k > 0 else (None, None)
+            for j, i in enumerate(wanted):
+                n = rows[i].params.logprobs or 0
+                top = []
+                if n > 0:
+                    top = list(zip(top_idx[j, :n].tolist(), top_val[j, :n].tolist()))  # type: ignore[index]
+                logprobs[i] = TokenLogprob(token_list[i], float(lp[j, token_list[i]]), top)
+        return token_list, logprobs
+
+    def _sample_row(self, logits: torch.Tensor, row: SamplingRow) -> int:
+        p = row.params
+        scaled = logits / p.temperature
+        if p.top_k > 0 and p.top_k < scaled.shape[0]:
+            kth = torch.topk(scaled, p.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            cumulative = sorted_probs.cumsum(0)
+            # keep the smallest set whose mass reaches top_p (always keeps the first token)
+            drop = cumulative - sorted_probs >= p.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        generator = row.generator if row.generator is not None else self.generator
+        return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,176 @@
+"""Tokenizer wrapper and per-request incremental detokenizer.
+
+`Tokenizer` wraps a Hugging Face fast tokenizer (built by `transformers` from a model
+directory or from GGUF metadata) and exposes what the server needs: encode, decode, chat
+templates and token strings for logprobs. Encode and decode go straight to the Rust
+`tokenizers` backend; chat templates go through `transformers`.
+
+`IncrementalDetokenizer` turns a stream of generated ids into text deltas by decoding only
+a short window of recent ids each step (a prefix offset and a read offset), and holds back
+text whose last character is U+FFFD, which means a multi-byte UTF-8 character is still
+split across tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_REPLACEMENT_CHAR = "\ufffd"
+# Ids of the prompt tail kept as left context, so the first generated token decodes with
+# the spacing it has inside the sequence.
+_PROMPT_CONTEXT_TOKENS = 6
+
+
+class Tokenizer:
+    """A model's tokenizer and chat template.
+
+    `eos_token_ids` are the ids that end generation (the model's, not only the tokenizer's
+    own eos token); `vocab_size` counts every id the tokenizer can produce, added tokens
+    included.
+    """
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Sequence[int] = (), source: str = "") -> None:
+        self._hf = hf_tokenizer
+        self._backend = hf_tokenizer.backend_tokenizer  # tokenizers.Tokenizer
+        self.source = source
+        eos = [int(i) for i in eos_token_ids]
+        if not eos and hf_tokenizer.eos_token_id is not None:
+            eos = [int(hf_tokenizer.eos_token_id)]
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
+        bos = hf_tokenizer.bos_token_id
+        self.bos_token_id: int | None = None if bos is None else int(bos)
+        self.vocab_size: int = len(hf_tokenizer)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.source or type(self._hf).__name__}, vocab_size={self.vocab_size})"
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._hf, "chat_template", None))
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self._hf, "chat_template", None) or None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Decodes without `clean_up_tokenization_spaces`, so that incremental and full decodes agree."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_str(self, id: int) -> str:
+        """The text of one token, special tokens included (e.g. for logprobs).
+
+        A token holding part of a multi-byte character decodes to U+FFFD.
+        """
+        return self._backend.decode([int(id)], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Renders messages with the model's chat template; ValueError if there is none or it rejects them."""
+        if not self.has_chat_template:
+            where = f"{self.source}: " if self.source else ""
+            raise ValueError(f"{where}tokenizer has no chat template")
+        try:
+            rendered = self._hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except Exception as exc:  # jinja2 TemplateError, raise_exception() in templates, bad messages
+            raise ValueError(f"chat template failed: {exc}") from exc
+        if not isinstance(rendered, str):  # defensive: some versions return a list for batched input
+            raise ValueError(f"chat template returned {type(rendered).__name__}, expected str")
+        return rendered
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids, one at a time, into newly completed text.
+
+    Each step decodes two short windows, ids[prefix:read] and ids[prefix:], and emits the
+    text the new ids add after the first. Text ending in U+FFFD is held back until the
+    character completes. Concatenating every `add` result (and `flush`) equals decoding the
+    generated ids in the context of the prompt.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special_tokens)
+        new_text = decode(self._ids[self._prefix_offset:], self._skip_special_tokens)
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        delta = new_text[len(prefix_text):]
+        # Slide the window: the ids just read become the left context of the next step.
+        del self._ids[:self._read_offset]
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emits text held back at the end of a stream (e.g. a truly invalid byte sequence)."""
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self._skip_special_tokens)
+        new_text = decode(self._ids[self._prefix_offset:], self._skip_special_tokens)
+        delta = new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self.text += delta
+        return delta
+
+
+def load_hf_tokenizer(model_dir: str, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+    """A tokenizer from a Hugging Face model directory (tokenizer.json, tokenizer_config.json,
+    chat_template.jinja); ValueError naming the directory if it has none."""
+    from transformers import AutoTokenizer  # heavy import, only when a tokenizer is loaded
+
+    try:
+        hf = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except Exception as exc:
+        raise ValueError(f"{model_dir}: cannot load tokenizer ({_one_line(exc)})") from exc
+    if not getattr(hf, "is_fast", False):
+        raise ValueError(f"{model_dir}: tokenizer is not a fast (tokenizers) tokenizer; tokenizer.json is required")
+    return Tokenizer(hf, eos_token_ids, source=model_dir)
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_hf_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(
+            os.path.dirname(path) or ".", gguf_file=os.path.basename(path), local_files_only=True
+        )
+    except Exception as exc:
+        raise ValueError(f"{path}: cannot build tokenizer from GGUF metadata ({_one_line(exc)})") from exc
+
+
+def load_gguf_tokenizer(path: str, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+    """A tokenizer and chat template from GGUF metadata, converted by `transformers`.
+
+    The conversion takes seconds, so the result is cached per file.
+    """
+    path = os.path.abspath(path)
+    return Tokenizer(_gguf_hf_tokenizer(path), eos_token_ids, source=path)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

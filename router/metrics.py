@@ -1,0 +1,67 @@
+"""Prometheus metrics of the router, one CollectorRegistry per app.
+
+Latencies are observed per backend request (one per choice), request counts per HTTP request.
+`placement_decisions` is declared here and incremented by the placement layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST as METRICS_CONTENT_TYPE
+
+__all__ = ["METRICS_CONTENT_TYPE", "RequestStatus", "RouterMetrics"]
+
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class RequestStatus:
+    OK = "ok"
+    ERROR = "error"  # any error response: 4xx from validation or 5xx from the backend
+    ABORTED = "aborted"  # the client went away before the response was complete
+
+
+@dataclass
+class RouterMetrics:
+    registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry(auto_describe=True))
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "pdserve:time_to_first_token_seconds", "Time from request arrival to the first generated token.",
+            registry=r, buckets=TTFT_BUCKETS,
+        )
+        self.time_per_output_token = Histogram(
+            "pdserve:time_per_output_token_seconds", "Mean time between generated tokens after the first, per request.",
+            registry=r, buckets=TPOT_BUCKETS,
+        )
+        self.e2e_request_latency = Histogram(
+            "pdserve:e2e_request_latency_seconds", "Time from request arrival to the last generated token.",
+            registry=r, buckets=E2E_BUCKETS,
+        )
+        self.requests = Counter(
+            "pdserve:requests_total", "Generation requests by endpoint and final status (ok, error, aborted).",
+            ["endpoint", "status"], registry=r,
+        )
+        self.placement_decisions = Counter(
+            "pdserve:placement_decisions_total", "Placement decisions by policy and kind (e.g. disaggregated, local_prefill).",
+            ["policy", "kind"], registry=r,
+        )
+        self.prompt_tokens = Counter("pdserve:prompt_tokens_total", "Prompt tokens of accepted requests.", registry=r)
+        self.generation_tokens = Counter("pdserve:generation_tokens_total", "Generated tokens.", registry=r)
+
+    def observe_choice(self, *, arrival: float, first_token: float | None, last_token: float | None, num_output_tokens: int) -> None:
+        """Records the latencies of one backend request (times from time.monotonic())."""
+        self.generation_tokens.inc(num_output_tokens)
+        if first_token is None or last_token is None:
+            return
+        self.time_to_first_token.observe(first_token - arrival)
+        self.e2e_request_latency.observe(last_token - arrival)
+        if num_output_tokens > 1:
+            self.time_per_output_token.observe((last_token - first_token) / (num_output_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
