@@ -47,15 +47,21 @@ def _check_choice(value: str, source: str) -> str:
     return choice
 
 
+@functools.lru_cache(maxsize=8)
+def _env_choice(value: str) -> str:
+    return _check_choice(value, ENV_VAR)
+
+
 def kernel_backend(device: torch.device | str) -> Backend:
     """The backend that kernels run for tensors on `device`."""
     forced = _forced.get()
     if forced is not None:
         choice: str = forced
     else:
-        choice = _check_choice(os.environ.get(ENV_VAR, "auto"), ENV_VAR)
+        choice = _env_choice(os.environ.get(ENV_VAR, "auto"))
     if choice == "auto":
-        is_cuda = torch.device(device).type == "cuda"
+        kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+        is_cuda = kind == "cuda"
         return "triton" if is_cuda and triton_available() else "torch"
     if choice == "triton" and not triton_available():
         raise RuntimeError(f"kernel backend 'triton' was requested ({ENV_VAR} or force_backend) "

@@ -1,0 +1,36 @@
+"""KV data plane: push paged KV blocks from a prefill worker to a decode worker.
+
+Modules: ``base`` (interfaces, registry), ``layout`` (KV layout, wire header),
+``staging`` (gather/scatter), ``ledger`` (transfer bookkeeping), ``pacing`` (token
+buckets), ``fake`` (in-process backend for tests), ``ucx`` (UCX backend, via ucxx).
+Backends are imported on first use.
+"""
+
+from kvtransfer.base import (
+    KVReceiver,
+    KVSender,
+    TransferResult,
+    available_backends,
+    create_receiver,
+    create_sender,
+    register_backend,
+)
+from kvtransfer.errors import KVTransferError, KVTransferTimeout
+from kvtransfer.layout import WIRE_VERSION, KVLayout
+from kvtransfer.pacing import LinkPacer, TokenBucket
+
+__all__ = [
+    "KVLayout",
+    "KVReceiver",
+    "KVSender",
+    "KVTransferError",
+    "KVTransferTimeout",
+    "LinkPacer",
+    "TokenBucket",
+    "TransferResult",
+    "WIRE_VERSION",
+    "available_backends",
+    "create_receiver",
+    "create_sender",
+    "register_backend",
+]

@@ -9,6 +9,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -77,12 +78,13 @@ class FakeReceiver(KVReceiver):
         try:
             check_handshake(self.layout, header, unpack_layout(hello[HEADER_BYTES:]))
         except KVTransferError as e:
-            self._ledger.counters["handshake_errors"] += 1
+            self._ledger.count("handshake_errors")
             logger.error("rejected a KV sender: %s", e)
             return pack_hello(MsgKind.HELLO_REJECT, self.layout)
         return pack_hello(MsgKind.HELLO_OK, self.layout)
 
-    def _deliver(self, sender: FakeSender, control: bytes, payload: torch.Tensor) -> None:
+    def _transmit(self, control: bytes, payload: torch.Tensor) -> tuple[WireHeader, list[int], torch.Tensor]:
+        """The "wire": check the header and copy the payload into a receiver-side buffer."""
         header = unpack_header(control, expected_fingerprint=self.layout.fingerprint)
         if header.kind != MsgKind.LAYER:
             raise KVTransferError(f"expected a LAYER message, got {header.kind.name}")
@@ -90,8 +92,11 @@ class FakeReceiver(KVReceiver):
         if len(dst_ids) != header.num_blocks or header.num_bytes != self.layout.layer_message_bytes(header.num_blocks):
             raise KVTransferError("LAYER message counts disagree with its header")
         raw = torch.empty(header.num_bytes, dtype=torch.uint8, device=self._caches[0][0].device)
-        raw.copy_(payload)  # the "wire"
-        self._ledger.land(header.transfer_key, header.layer, dst_ids, from_bytes(raw, self.layout, header.num_blocks), sender)
+        raw.copy_(payload)
+        return header, dst_ids, from_bytes(raw, self.layout, header.num_blocks)
+
+    def _land(self, sender: FakeSender, header: WireHeader, dst_ids: list[int], staged: torch.Tensor) -> None:
+        self._ledger.land(header.transfer_key, header.layer, dst_ids, staged, sender)
 
     def _ack(self, peers: set, key: int, nbytes: int) -> None:
         for sender in peers:
@@ -108,6 +113,7 @@ class _Message:
     key: int
     control: bytes
     payload: torch.Tensor  # flat uint8
+    due: float  # monotonic time at which a paced message has crossed its link
 
 
 class FakeSender(KVSender):
@@ -121,6 +127,7 @@ class FakeSender(KVSender):
         self._queue: queue.Queue[_Message | None] = queue.Queue()
         self._connected: dict[str, FakeReceiver] = {}
         self._closed = False
+        self._pacing_delay = 0.0
         self._thread = threading.Thread(target=self._run, name="kvtransfer-fake-sender", daemon=True)
         self._thread.start()
 
@@ -134,11 +141,17 @@ class FakeSender(KVSender):
         pools = self._caches[layer][0]
         src = block_index(src_block_ids, pools.shape[0], "src_block_ids", pools.device)
         dst = block_index(dst_block_ids, None, "dst_block_ids", torch.device("cpu"))
+        due = time.monotonic()
+        if self._pacer is not None:  # reserve the link slot now; gather and copy overlap the wait
+            nbytes = HEADER_BYTES + 4 * dst.numel() + self.layout.layer_message_bytes(dst.numel())
+            delay = self._pacer.reserve(address, nbytes)
+            self._pacing_delay += delay
+            due += delay
         payload = as_bytes(gather_layer(self._caches, layer, src))
         key = self._ledger.on_enqueue(transfer_id, address, payload.numel())
         header = WireHeader(MsgKind.LAYER, key, layer, dst.numel(), payload.numel(), self.layout.fingerprint)
         control = header.pack() + dst.to(torch.int32).numpy().tobytes()
-        self._queue.put(_Message(address, key, control, payload))
+        self._queue.put(_Message(address, key, control, payload, due))
 
     def finish(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
         return self._ledger.finish(transfer_id, timeout)
@@ -147,8 +160,6 @@ class FakeSender(KVSender):
         out = self._ledger.snapshot()
         out["pacing_delay_seconds"] = self._pacing_delay
         return out
-
-    _pacing_delay = 0.0
 
     def close(self) -> None:
         if self._closed:
@@ -173,11 +184,14 @@ class FakeSender(KVSender):
 
     def _run(self) -> None:
         while (msg := self._queue.get()) is not None:
+            if self._ledger.should_skip(msg.key):
+                continue
             try:
                 receiver = self._connect(msg.address)
-                if self._pacer is not None:
-                    self._pacing_delay += self._pacer.acquire(msg.address, len(msg.control) + msg.payload.numel())
-                receiver._deliver(self, msg.control, msg.payload)
+                landing = receiver._transmit(msg.control, msg.payload)
+                if msg.due > time.monotonic():  # paced: land when the message has crossed the link
+                    time.sleep(msg.due - time.monotonic())
+                receiver._land(self, *landing)
                 self._ledger.on_sent(msg.key, msg.payload.numel())
             except KVTransferError as e:
                 logger.error("fake KV send to %s failed: %s", msg.address, e)

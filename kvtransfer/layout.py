@@ -13,11 +13,14 @@ Wire format (little endian, ``WIRE_VERSION`` 1). Every message starts with a fix
 - HELLO / HELLO_OK / HELLO_REJECT (handshake, first message each way on a new
   connection): header followed by the 32-byte layout descriptor
   ``num_layers u32 | block_size u32 | num_kv_heads u32 | head_dim u32 | dtype 16s``.
+  A transport may append data to HELLO_OK (UCX: the receiver's worker address, its
+  length in ``num_bytes``, and the data-path tag in ``transfer_key``).
 - LAYER (sender -> receiver): header followed by ``num_blocks`` int32 destination block
   ids; then, as a separate payload message, ``num_bytes`` bytes: the K blocks then the V
   blocks, each ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous.
 - ACK / NACK (receiver -> sender), header only: the transfer landed (``num_bytes``
   landed) or was dropped (``status`` says why).
+- BYE (sender -> receiver), header only: the sender closes this connection.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class MsgKind(enum.IntEnum):
     LAYER = 4
     ACK = 5
     NACK = 6
+    BYE = 7
 
 
 class NackReason(enum.IntEnum):
@@ -219,9 +223,10 @@ def unpack_layout(buf) -> KVLayout:
         raise KVTransferError(f"peer sent an invalid KV layout: {e}") from None
 
 
-def pack_hello(kind: MsgKind, layout: KVLayout) -> bytes:
-    """A handshake message: header plus layout descriptor."""
-    return WireHeader(kind, fingerprint=layout.fingerprint).pack() + pack_layout(layout)
+def pack_hello(kind: MsgKind, layout: KVLayout, extra: bytes = b"", tag: int = 0) -> bytes:
+    """A handshake message: header, layout descriptor, then ``extra`` transport data."""
+    header = WireHeader(kind, transfer_key=tag, num_bytes=len(extra), fingerprint=layout.fingerprint)
+    return header.pack() + pack_layout(layout) + extra
 
 
 def check_handshake(local: KVLayout, header: WireHeader, peer: KVLayout) -> None:

@@ -32,6 +32,16 @@ NackFn = Callable[[set, int, NackReason], None]  # (peers, transfer_key, reason)
 
 _PENDING, _DONE, _FAILED = "pending", "done", "failed"
 
+RECEIVER_COUNTERS = (
+    "transfers_expected", "transfers_completed", "transfers_expired", "transfers_cancelled", "transfers_failed",
+    "messages_received", "messages_dropped", "bytes_received", "bytes_dropped", "bytes_landed",
+    "transfer_seconds", "handshake_errors", "protocol_errors",
+)
+SENDER_COUNTERS = (
+    "transfers_started", "transfers_completed", "transfers_failed", "messages_sent", "bytes_sent", "transfer_seconds",
+    "messages_skipped",
+)
+
 
 @dataclass
 class _Incoming:
@@ -84,7 +94,7 @@ class ReceiveLedger:
             collections.OrderedDict()
         )
         self._closed = False
-        self.counters: dict[str, float] = collections.defaultdict(float)
+        self.counters: dict[str, float] = dict.fromkeys(RECEIVER_COUNTERS, 0.0)
 
     # ---- engine side -------------------------------------------------------------------
 
@@ -152,6 +162,10 @@ class ReceiveLedger:
         for incoming in pending:
             self._drop(incoming, NackReason.RECEIVER_CLOSED)
 
+    def count(self, name: str, value: float = 1.0) -> None:
+        with self._cond:
+            self.counters[name] += value
+
     # ---- transport side ----------------------------------------------------------------
 
     def check_message(self, key: int, layer: int, dst_ids: Sequence[int], peer: Peer) -> NackReason:
@@ -164,8 +178,8 @@ class ReceiveLedger:
         ``layer`` if the transfer is still live; returns whether it landed. Late or bad
         data is counted and dropped, and the sender is told why."""
         nbytes = staged.numel() * staged.element_size()
-        self.counters["messages_received"] += 1
-        self.counters["bytes_received"] += nbytes
+        self.count("messages_received")
+        self.count("bytes_received", nbytes)
         incoming, reason = self._admit(key, layer, dst_ids, peer)
         if incoming is not None and reason == NackReason.NONE:
             with incoming.lock:
@@ -180,8 +194,8 @@ class ReceiveLedger:
                     reason = NackReason.NONE
                 else:
                     reason = NackReason.CANCELLED if incoming.error is None else NackReason.BAD_MESSAGE
-        self.counters["messages_dropped"] += 1
-        self.counters["bytes_dropped"] += nbytes
+        self.count("messages_dropped")
+        self.count("bytes_dropped", nbytes)
         logger.debug("dropped KV message for transfer key %#x layer %d: %s", key, layer, reason.name)
         if reason != NackReason.NONE:
             self._on_nack({peer}, key, reason)
@@ -316,7 +330,7 @@ class SendLedger:
         self._cond = threading.Condition()
         self._by_id: dict[str, _Outgoing] = {}
         self._by_key: dict[int, _Outgoing] = {}
-        self.counters: dict[str, float] = collections.defaultdict(float)
+        self.counters: dict[str, float] = dict.fromkeys(SENDER_COUNTERS, 0.0)
 
     def on_enqueue(self, transfer_id: str, address: str, nbytes: int) -> int:
         """Record one more message of ``transfer_id``; returns its wire key."""
@@ -342,6 +356,16 @@ class SendLedger:
                 out.sent += 1
                 out.num_bytes += nbytes
                 self._cond.notify_all()
+
+    def should_skip(self, key: int) -> bool:
+        """True when the transfer already failed (e.g. the receiver dropped it): its
+        remaining messages need not cross the link. Counts the skip."""
+        with self._cond:
+            out = self._by_key.get(key)
+            if out is not None and out.error is None:
+                return False
+            self.counters["messages_skipped"] += 1
+            return True
 
     def on_ack(self, key: int) -> None:
         with self._cond:

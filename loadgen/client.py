@@ -67,8 +67,7 @@ async def list_models(http: httpx.AsyncClient, cfg: ClientConfig, timeout_s: flo
     try:
         resp = await http.get(url, headers=cfg.headers(), timeout=timeout_s)
     except httpx.ConnectError as e:
-        reason = "connection refused" if "refused" in str(e).lower() or not str(e) else str(e).splitlines()[0]
-        raise ServerUnreachable(f"cannot reach {cfg.root}: {reason}") from None
+        raise ServerUnreachable(f"cannot reach {cfg.root}: {_connect_reason(e)}") from None
     except httpx.TimeoutException:
         raise ServerUnreachable(f"cannot reach {cfg.root}: no answer within {timeout_s:g}s") from None
     except httpx.HTTPError as e:
@@ -90,6 +89,21 @@ async def resolve_model(http: httpx.AsyncClient, cfg: ClientConfig) -> str:
     if not models:
         raise LoadgenError(f"{cfg.root}/v1/models lists no model; pass --model")
     return models[0]
+
+
+def _connect_reason(error: BaseException) -> str:
+    """'connection refused' when that is the root cause, else the first line of the error."""
+    seen = error
+    for _ in range(8):  # walk the cause chain; anyio wraps the OSError
+        if isinstance(seen, ConnectionRefusedError) or "refused" in str(seen).lower():
+            return "connection refused"
+        if isinstance(seen, ExceptionGroup):
+            seen = seen.exceptions[0]
+        else:
+            seen = seen.__cause__ or seen.__context__
+        if seen is None:
+            break
+    return (str(error).splitlines() or [type(error).__name__])[0]
 
 
 def _error_message(status: int, body: bytes) -> str:

@@ -145,6 +145,7 @@ async def _run_async(cfg: LoadConfig, schedule, records: list[RequestRecord], on
 
         tasks: list[asyncio.Task] = []
         t0 = time.perf_counter()
+        state["start_time_unix"] = time.time()  # wall clock of t0; record times are relative to it
         deadline = t0 + cfg.max_run_time_s if cfg.max_run_time_s else math.inf
         try:
             for index, (offset, spec) in enumerate(schedule):
@@ -192,6 +193,7 @@ def run_load(
     records.sort(key=lambda r: r.index)
     summary = summarize(records, duration_s=state["duration_s"], slo=cfg.slo)
     summary.update(state["kv"])
+    summary["start_time_unix"] = state.get("start_time_unix")
     return RunResult(records, summary, model=state["model"])
 
 

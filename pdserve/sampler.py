@@ -34,6 +34,7 @@ class Sampler:
         g.manual_seed(seed)
         return g
 
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
         """logits: [N, vocab] float32, one row per request. Returns token ids and logprobs."""
         if logits.shape[0] != len(rows):

@@ -51,6 +51,11 @@ class Tokenizer:
         return f"Tokenizer({self.source or type(self._hf).__name__}, vocab_size={self.vocab_size})"
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The wrapped `transformers` tokenizer, for features this wrapper does not expose."""
+        return self._hf
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._hf, "chat_template", None))
 

@@ -32,7 +32,7 @@ DEFAULT_SPECS = ("smollm2", "default")
 @dataclass
 class ModelSource:
     config: ModelConfig
-    tokenizer: Tokenizer | None  # None only for tiny random test shapes
+    tokenizer: Tokenizer | None  # None for tiny random shapes and HF dirs without tokenizer files
     description: str  # e.g. "gguf:/path/file.gguf (Q4_1 dequantized)"
     weights_factory: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
 

@@ -58,14 +58,29 @@ _LLAMA3_HIGH_FREQ_FACTOR = 4.0
 _LLAMA3_ORIGINAL_CONTEXT = 8192
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(name: str) -> str | None:
     """The HF Llama name of a GGUF tensor name, or None if it is not a model weight we know."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    match = _BLOCK_RE.match(gguf_name)
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _BLOCK_RE.match(name)
     if match and match.group(2) in _BLOCK_NAMES:
         return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
     return None
+
+
+_HF_TO_GGUF_GLOBAL = {v: k for k, v in _GLOBAL_NAMES.items()}
+_HF_TO_GGUF_BLOCK = {v: k for k, v in _BLOCK_NAMES.items()}
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def gguf_name(hf: str) -> str:
+    """The GGUF name of an HF Llama weight name (inverse of `hf_name`); unknown names pass through."""
+    if hf in _HF_TO_GGUF_GLOBAL:
+        return _HF_TO_GGUF_GLOBAL[hf]
+    match = _HF_LAYER_RE.match(hf)
+    if match and match.group(2) in _HF_TO_GGUF_BLOCK:
+        return f"blk.{match.group(1)}.{_HF_TO_GGUF_BLOCK[match.group(2)]}"
+    return hf
 
 
 def unpermute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -127,6 +142,16 @@ def _open_reader(path: str) -> Any:
     return reader
 
 
+def _dequantize(tensor: Any) -> torch.Tensor:
+    """A GGUF tensor as a float32 torch tensor in numpy (= torch) dimension order."""
+    from gguf.quants import dequantize
+
+    array = dequantize(tensor.data, tensor.tensor_type)
+    if not array.flags.writeable:  # F32 comes back as a view of the read-only memmap
+        array = array.copy()
+    return torch.from_numpy(np.ascontiguousarray(array))
+
+
 def load_gguf(path: str) -> ModelSource:
     path = os.path.abspath(path)
     reader = _open_reader(path)
@@ -142,11 +167,9 @@ def load_gguf(path: str) -> ModelSource:
         target = hf_name(name)
         if target is None:
             raise ValueError(f"{path}: unsupported tensor {name}")
-        if target == "lm_head.weight" and config.tie_word_embeddings:
-            continue
         hf_names[name] = target
         shapes[target] = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    check_weight_shapes(shapes, config, path, {v: k for k, v in hf_names.items()})
+    check_weight_shapes(shapes, config, path, gguf_name)
 
     tokenizer = load_gguf_tokenizer(path, config.eos_token_ids)
     if tokenizer.vocab_size > config.vocab_size:
@@ -156,12 +179,9 @@ def load_gguf(path: str) -> ModelSource:
     permute = meta.get("general.architecture") == "llama"
 
     def iter_weights() -> Iterator[tuple[str, torch.Tensor]]:
-        from gguf.quants import dequantize
-
         for name, target in hf_names.items():
             tensor = tensors[name]
-            array = dequantize(tensor.data, tensor.tensor_type)
-            weight = torch.from_numpy(np.ascontiguousarray(array)).reshape(shapes[target])
+            weight = _dequantize(tensor).reshape(shapes[target])
             if permute and (".attn_q." in name or ".attn_k." in name):
                 heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
                 weight = unpermute_qk(weight, heads).contiguous()
@@ -255,9 +275,7 @@ def llama3_rope_divisors(head_dim: int, theta: float, scaling: RopeScaling) -> t
 def _llama3_scaling_from_freqs(
     tensor: Any, meta: _Metadata, arch: str, head_dim: int, theta: float, path: str
 ) -> RopeScaling:
-    from gguf.quants import dequantize
-
-    stored = torch.from_numpy(np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type))).double().flatten()
+    stored = _dequantize(tensor).double().flatten()
     if stored.numel() != head_dim // 2:
         raise ValueError(f"{path}: rope_freqs has {stored.numel()} values, expected {head_dim // 2}")
     scaling = RopeScaling(

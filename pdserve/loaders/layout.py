@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from pdserve.config import ModelConfig
 
@@ -35,22 +35,24 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_weight_shapes(
-    found: Mapping[str, tuple[int, ...]], config: ModelConfig, where: str, source_names: Mapping[str, str] | None = None
+    found: Mapping[str, tuple[int, ...]],
+    config: ModelConfig,
+    where: str,
+    display_name: Callable[[str], str] = lambda name: name,
 ) -> None:
     """ValueError naming `where` if a weight is missing, unexpected, or has the wrong shape.
 
-    `source_names` maps HF names to the names in the file, for messages.
+    `display_name` turns an HF name into the name the file uses, for messages.
     """
     expected = expected_weight_shapes(config)
-    names = source_names or {}
     for name, shape in expected.items():
         if name not in found:
-            raise ValueError(f"{where}: missing tensor {names.get(name, name)}")
+            raise ValueError(f"{where}: missing tensor {display_name(name)}")
         if tuple(found[name]) != shape:
             raise ValueError(
-                f"{where}: tensor {names.get(name, name)} has shape {tuple(found[name])}, "
+                f"{where}: tensor {display_name(name)} has shape {tuple(found[name])}, "
                 f"expected {shape} from the model config"
             )
     for name in found:
         if name not in expected:
-            raise ValueError(f"{where}: unexpected tensor {names.get(name, name)}")
+            raise ValueError(f"{where}: unexpected tensor {display_name(name)}")

@@ -2,7 +2,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernel_testing import require_triton
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 
 
@@ -16,8 +15,7 @@ def test_ref_matches_llama_mlp_order(dtype):
 
 @pytest.mark.parametrize("inter", [40, 1100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_matches_ref(inter, dtype):
-    require_triton()
+def test_triton_matches_ref(inter, dtype, needs_triton):
     torch.manual_seed(1)
     x = torch.randn(3, 2 * inter).to(dtype)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)

@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from kernel_testing import require_triton
 from kernels.norm import rms_norm_ref, rms_norm_triton
 
 
@@ -37,8 +36,7 @@ def test_ref_fused_residual_matches_unfused():
 @pytest.mark.parametrize("hidden", [64, 96, 577])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_triton_matches_ref(hidden, dtype, with_residual):
-    require_triton()
+def test_triton_matches_ref(hidden, dtype, with_residual, needs_triton):
     torch.manual_seed(1)
     x = torch.randn(5, hidden).to(dtype)
     w = (torch.rand(hidden) + 0.5).to(dtype)
@@ -53,8 +51,7 @@ def test_triton_matches_ref(hidden, dtype, with_residual):
         torch.testing.assert_close(got, expected, **tol)
 
 
-def test_triton_strided_rows_and_promoted_weight():
-    require_triton()
+def test_triton_strided_rows_and_promoted_weight(needs_triton):
     torch.manual_seed(2)
     x = torch.randn(4, 128)[:, :64]  # row stride 128
     w = torch.rand(64, dtype=torch.float32)

@@ -1,0 +1,695 @@
+"""UCX backend over ``ucxx`` (asyncio API), usable from any thread.
+
+One process-wide runtime owns the ucxx context and an asyncio event loop in a daemon
+thread; senders and receivers share it (reference counted) and block on it through
+``asyncio.run_coroutine_threadsafe``. UCX picks the transport (``UCX_TLS`` unset): TCP
+and shared memory (posix, sysv, cma) on a CPU host; cuda_ipc / cuda_copy / RDMA where
+present.
+
+Per connection (sender -> receiver):
+
+1. Control path: the sender connects to the receiver's listener (``ucx://host:port``,
+   UCX endpoint error handling on, so a dead peer is detected). It sends HELLO (wire
+   version + layout); the receiver answers HELLO_OK or HELLO_REJECT and closes. A
+   mismatch raises KVTransferError on the sender (its transfers to that address
+   fail) and is logged and counted (``handshake_errors``) on the receiver. HELLO_OK
+   carries the receiver's UCX worker address and a per-connection tag.
+2. Data path: the sender opens a second endpoint from that worker address, without
+   endpoint error handling: UCX only offers its shared-memory transports (posix,
+   sysv, cma) and CUDA IPC to endpoints without peer-failure handling, and these are
+   what make same-host transfers fast. Per ``send_layer``: a control message (header
+   + int32 destination block ids) then the payload (K then V of the blocks, gathered
+   into one staging buffer), tagged with the connection's tag and posted back to back
+   so the receiver matches them in order. Up to ``max_inflight`` messages are in
+   flight per connection; ``pacer`` delays them to an emulated link rate. On close
+   the sender sends BYE on the data path.
+3. The receiver receives the payload into a staging buffer (CUDA memory for CUDA
+   caches) and scatters it into the reserved blocks; when a transfer has fully landed
+   it sends ACK (on the control path) to every sender that contributed, NACK when it
+   drops one (deadline, cancel, bad message, unknown id). Failure of a peer is seen
+   on the control path, which then tears down the data path.
+
+ucxx runs with ``enable_python_future=True`` (its notifier thread completes asyncio
+futures): the default polling mode spins the event loop at 100% CPU whenever a receive
+is posted, i.e. always on an idle receiver.
+
+Environment (read by UCX at the first use in the process, so set it before that):
+``UCX_TLS`` / ``UCX_NET_DEVICES`` choose transports and NICs (defaults: UCX decides).
+``UCX_WARN_UNUSED_ENV_VARS`` defaults to ``n`` here (ucxx sets variables that a given
+UCX build may not use). ucxx itself sets ``UCX_MEMTYPE_CACHE=n``,
+``UCX_RNDV_THRESH=8192``, ``UCX_RNDV_FRAG_MEM_TYPE=cuda`` and
+``UCX_MAX_RNDV_RAILS=1`` unless already set. ``PDSERVE_UCX_PROGRESS_MODE``:
+``thread`` (default; the progress thread sleeps in epoll) or ``thread-polling`` (it
+spins: lower latency per message, one core busy). The UCX libraries must be the
+``libucx`` wheel's (ucxx loads them by absolute path unless
+``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY`` is true); the runtime checks the loaded
+``libucp`` and raises if it is another one, unless ``PDSERVE_UCX_ALLOW_SYSTEM_LIB=1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import concurrent.futures
+import gc
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Coroutine, Sequence
+
+import numpy as np
+import torch
+
+from kvtransfer.base import KVCaches, KVReceiver, KVSender, TransferResult
+from kvtransfer.errors import KVTransferError, KVTransferTimeout
+from kvtransfer.layout import (
+    BLOCK_ID_BYTES,
+    HEADER_BYTES,
+    LAYOUT_BYTES,
+    MAX_BLOCKS_PER_MESSAGE,
+    KVLayout,
+    MsgKind,
+    NackReason,
+    WireHeader,
+    check_handshake,
+    pack_hello,
+    unpack_header,
+    unpack_layout,
+)
+from kvtransfer.ledger import ReceiveLedger, SendLedger
+from kvtransfer.pacing import LinkPacer
+from kvtransfer.staging import as_bytes, block_index, from_bytes, gather_layer, wire_buffer
+
+logger = logging.getLogger(__name__)
+
+SCHEME = "ucx://"
+_CALL_TIMEOUT_S = 30.0
+
+
+def _import_ucxx():
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    try:
+        import ucxx
+    except Exception as e:  # ImportError, or an OSError from loading the UCX libraries
+        raise KVTransferError(f"cannot import ucxx (pip package ucxx-cu12 / ucxx-cu13): {e}") from e
+    _check_ucx_library()
+    return ucxx
+
+
+def _check_ucx_library() -> None:
+    """Raise unless the loaded libucp is the libucx wheel's (see the module docstring)."""
+    try:
+        import libucx
+    except ImportError:
+        return  # UCX installed system-wide on purpose, no wheel to compare with
+    wheel_dir = os.path.realpath(os.path.dirname(libucx.__file__))
+    loaded = ucx_library_path()
+    if loaded is None or loaded.startswith(wheel_dir):
+        return
+    message = f"ucxx loaded UCX from {loaded}, not from the libucx wheel in {wheel_dir}"
+    if os.environ.get("PDSERVE_UCX_ALLOW_SYSTEM_LIB") == "1":
+        logger.warning("%s (allowed by PDSERVE_UCX_ALLOW_SYSTEM_LIB=1)", message)
+        return
+    raise KVTransferError(message + "; unset RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY / LD_PRELOAD, "
+                          "or set PDSERVE_UCX_ALLOW_SYSTEM_LIB=1")
+
+
+def ucx_library_path() -> str | None:
+    """Path of the libucp shared library mapped into this process (Linux), else None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libucp.so"):
+                    return os.path.realpath(path)
+    except OSError:
+        pass
+    return None
+
+
+class _Runtime:
+    """The process-wide ucxx context and its asyncio loop thread, reference counted."""
+
+    _lock = threading.Lock()
+    _instance: _Runtime | None = None
+    _refs = 0
+
+    def __init__(self):
+        self.ucxx = _import_ucxx()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvtransfer-ucx-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.call(self._init())
+        except BaseException:
+            self._stop()
+            raise
+
+    async def _init(self) -> None:
+        # on the loop thread: ucxx binds its progress and notifier to the running loop
+        try:
+            mode = os.environ.get("PDSERVE_UCX_PROGRESS_MODE", "thread")
+            if mode not in ("thread", "thread-polling"):
+                raise ValueError(f"PDSERVE_UCX_PROGRESS_MODE must be thread or thread-polling, got {mode!r}")
+            self.ucxx.init(progress_mode=mode, enable_python_future=True)
+        except Exception as e:
+            raise KVTransferError(f"UCX failed to initialise: {type(e).__name__}: {e}") from e
+        self.worker_address = bytes(self.ucxx.get_worker_address())
+
+    @classmethod
+    def acquire(cls) -> _Runtime:
+        with cls._lock:
+            if cls._instance is None:
+                cls._instance = _Runtime()
+            cls._refs += 1
+            return cls._instance
+
+    @classmethod
+    def release(cls) -> None:
+        with cls._lock:
+            cls._refs -= 1
+            if cls._refs > 0 or cls._instance is None:
+                return
+            runtime, cls._instance = cls._instance, None
+        runtime._stop()
+
+    def call(self, coro: Coroutine, timeout: float | None = _CALL_TIMEOUT_S) -> Any:
+        """Run ``coro`` on the loop and wait for its result from another thread."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("kvtransfer sync API called from its own event loop thread")
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise KVTransferTimeout(f"UCX event loop did not answer within {timeout}s") from None
+
+    def call_soon(self, fn, *args) -> None:
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def _stop(self) -> None:
+        try:
+            self.ucxx.stop_notifier_thread()
+        except Exception as e:
+            logger.debug("stopping the ucxx notifier thread: %s", e)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            logger.warning("kvtransfer UCX loop thread did not stop within 10s")
+            return
+        self.loop.close()  # ucxx cancels its progress tasks here
+        gc.collect()
+        try:
+            self.ucxx.reset()
+        except Exception as e:  # objects still referencing the context: harmless at exit
+            logger.debug("ucxx.reset() after the last kvtransfer endpoint closed: %s", e)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """``"ucx://host:port"`` (``"ucx://[v6addr]:port"``) -> (host, port)."""
+    if not isinstance(address, str) or not address.startswith(SCHEME):
+        raise ValueError(f"not a UCX KV address: {address!r} (expected {SCHEME}host:port)")
+    host, sep, port = address[len(SCHEME):].rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"not a UCX KV address: {address!r} (expected {SCHEME}host:port)")
+    return host.strip("[]"), int(port)
+
+
+class _Tasks:
+    """Strong references to fire-and-forget tasks until they finish."""
+
+    def __init__(self):
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Coroutine) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def cancel_all(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _abort(ep) -> None:
+    try:
+        ep.abort(period=10**9)  # ns
+    except Exception as e:
+        logger.debug("closing a UCX endpoint: %s", e)
+
+
+def _abort_link(link) -> None:
+    for ep in (link.data_ep, link.ep):
+        if ep is not None:
+            _abort(ep)
+
+
+_MAX_WORKER_ADDRESS = 64 * 1024
+
+
+# ---------------------------------------------------------------------------------------
+# receiver
+
+
+class _Conn:
+    """One sender's connection as the receiver sees it (also the ledger's peer handle)."""
+
+    def __init__(self, ep):
+        self.ep = ep
+        self.task: asyncio.Task | None = None
+        self.staging: torch.Tensor | None = None
+        self.open = True
+
+
+class UcxReceiver(KVReceiver):
+    """Options: ``host`` (advertised in ``address()``, default 127.0.0.1; the ucxx
+    listener accepts on every interface), ``port`` (0: ephemeral), ``connect_timeout``."""
+
+    def __init__(self, kv_caches: KVCaches, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0):
+        if not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"port must be an int in [0, 65536), got {port!r}")
+        self.layout = KVLayout.from_caches(kv_caches)
+        self._caches = kv_caches
+        self._device = kv_caches[0][0].device
+        self._host = host
+        self._connect_timeout = connect_timeout
+        self._ledger = ReceiveLedger(kv_caches, self.layout, on_ack=self._on_ack, on_nack=self._on_nack)
+        self._conns: set[_Conn] = set()
+        self._tasks = _Tasks()
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._rt = _Runtime.acquire()
+        try:
+            self._listener = self._rt.call(self._listen(port))
+        except BaseException:
+            _Runtime.release()
+            raise
+        self._address = f"{SCHEME}{'[' + host + ']' if ':' in host else host}:{self._listener.port}"
+        _LIVE.add(self)
+
+    def address(self) -> str:
+        return self._address
+
+    def expect(self, transfer_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
+        self._ledger.expect(transfer_id, block_ids, num_layers, deadline_s)
+
+    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        return self._ledger.wait(transfer_id, timeout)
+
+    def cancel(self, transfer_id: str) -> None:
+        self._ledger.cancel(transfer_id)
+
+    def metrics(self) -> dict[str, float]:
+        out = self._ledger.snapshot()
+        out["connections"] = float(len(self._conns))
+        return out
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        _LIVE.discard(self)
+        self._ledger.close()
+        try:
+            self._rt.call(self._shutdown())
+        finally:
+            _Runtime.release()
+
+    # ---- on the loop -------------------------------------------------------------------
+
+    async def _listen(self, port: int):
+        return self._rt.ucxx.create_listener(self._serve, port=port, connect_timeout=self._connect_timeout)
+
+    async def _shutdown(self) -> None:
+        self._listener.close()
+        conns = list(self._conns)
+        for conn in conns:
+            conn.open = False
+            _abort(conn.ep)
+        tasks = [c.task for c in conns if c.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.cancel_all()
+        self._conns.clear()
+
+    async def _serve(self, ep) -> None:
+        """Listener callback: serve one sender connection until it closes."""
+        conn = _Conn(ep)
+        conn.task = asyncio.current_task()
+        if self._closed:
+            _abort(ep)
+            return
+        self._conns.add(conn)
+        control = np.empty(HEADER_BYTES + MAX_BLOCKS_PER_MESSAGE * BLOCK_ID_BYTES, dtype=np.uint8)
+        data = watch = None
+        try:
+            tag = await self._handshake(conn, control)
+            if tag is not None:
+                loop = asyncio.get_running_loop()
+                data = loop.create_task(self._receive_data(conn, control, tag))
+                # the sender sends nothing more on the control path: this receive ends
+                # when the sender closes or dies
+                watch = loop.create_task(ep.recv(np.empty(HEADER_BYTES, dtype=np.uint8)))
+                await asyncio.wait({data, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if data.done():
+                    data.result()  # raises a protocol error
+        except asyncio.CancelledError:
+            pass
+        except KVTransferError as e:
+            self._ledger.count("protocol_errors")
+            logger.error("closing KV connection after a protocol error: %s", e)
+        except Exception as e:  # the sender closed or died: normal end of a connection
+            logger.debug("KV connection ended: %s: %s", type(e).__name__, e)
+        finally:
+            conn.open = False
+            self._conns.discard(conn)
+            _abort(ep)
+            for task in (data, watch):
+                if task is not None and not task.done():
+                    # a worker-level receive of a vanished sender stays posted until
+                    # the runtime shuts down; its buffer stays referenced by ucxx
+                    task.cancel()
+            await asyncio.gather(*(t for t in (data, watch) if t is not None), return_exceptions=True)
+
+    async def _handshake(self, conn: _Conn, control: np.ndarray) -> int | None:
+        """Answer HELLO; returns the data-path tag, or None after a reject."""
+        await asyncio.wait_for(conn.ep.recv(control), self._connect_timeout)
+        header = unpack_header(control, check_version=False)
+        if header.kind != MsgKind.HELLO:
+            raise KVTransferError(f"expected HELLO on a new KV connection, got {header.kind.name}")
+        try:
+            check_handshake(self.layout, header, unpack_layout(control[HEADER_BYTES:HEADER_BYTES + LAYOUT_BYTES]))
+        except KVTransferError as e:
+            self._ledger.count("handshake_errors")
+            logger.error("rejected a KV sender at handshake: %s", e)
+            await conn.ep.send(np.frombuffer(pack_hello(MsgKind.HELLO_REJECT, self.layout), dtype=np.uint8))
+            await asyncio.sleep(0.05)  # let the reject reach the sender before we close
+            return None
+        tag = int.from_bytes(os.urandom(8), "little")
+        hello = pack_hello(MsgKind.HELLO_OK, self.layout, extra=self._rt.worker_address, tag=tag)
+        await conn.ep.send(np.frombuffer(hello, dtype=np.uint8))
+        return tag
+
+    async def _receive_data(self, conn: _Conn, control: np.ndarray, tag: int) -> None:
+        recv = self._rt.ucxx.recv  # worker-level receive, matched by the connection's tag
+        while True:
+            await recv(control, tag)
+            header = unpack_header(control, expected_fingerprint=self.layout.fingerprint)
+            if header.kind == MsgKind.BYE:
+                return
+            if header.kind != MsgKind.LAYER:
+                raise KVTransferError(f"expected a LAYER message, got {header.kind.name}")
+            n = header.num_blocks
+            if not 0 < n <= MAX_BLOCKS_PER_MESSAGE or header.num_bytes != self.layout.layer_message_bytes(n):
+                raise KVTransferError(f"LAYER header with {n} blocks and {header.num_bytes} bytes is inconsistent")
+            dst_ids = control[HEADER_BYTES:HEADER_BYTES + n * BLOCK_ID_BYTES].view("<i4").tolist()
+            if conn.staging is None or conn.staging.numel() < header.num_bytes:
+                conn.staging = torch.empty(header.num_bytes, dtype=torch.uint8, device=self._device)
+            raw = conn.staging[: header.num_bytes]
+            await recv(wire_buffer(raw), tag)  # always drained, even when the transfer is gone
+            self._ledger.land(header.transfer_key, header.layer, dst_ids, from_bytes(raw, self.layout, n), conn)
+
+    # ---- ledger callbacks (any thread) -------------------------------------------------
+
+    def _on_ack(self, peers: set, key: int, nbytes: int) -> None:
+        self._reply(peers, WireHeader(MsgKind.ACK, key, num_bytes=nbytes, fingerprint=self.layout.fingerprint))
+
+    def _on_nack(self, peers: set, key: int, reason: NackReason) -> None:
+        self._reply(peers, WireHeader(MsgKind.NACK, key, fingerprint=self.layout.fingerprint, status=int(reason)))
+
+    def _reply(self, peers: set, header: WireHeader) -> None:
+        payload = np.frombuffer(header.pack(), dtype=np.uint8)
+        for conn in peers:
+            if conn.open and not self._closed:
+                self._rt.call_soon(self._spawn_reply, conn, payload)
+
+    def _spawn_reply(self, conn: _Conn, payload: np.ndarray) -> None:
+        if conn.open:
+            self._tasks.spawn(self._send_reply(conn, payload))
+
+    async def _send_reply(self, conn: _Conn, payload: np.ndarray) -> None:
+        try:
+            await conn.ep.send(payload)
+        except Exception as e:
+            logger.debug("could not send ACK/NACK: %s", e)
+
+
+# ---------------------------------------------------------------------------------------
+# sender
+
+
+@dataclass
+class _Message:
+    key: int
+    control: np.ndarray  # header + int32 dst ids
+    payload: torch.Tensor  # flat uint8 staging buffer
+    ready: torch.cuda.Event | None  # gather finished (CUDA)
+
+    @property
+    def nbytes(self) -> int:
+        return self.control.nbytes + self.payload.numel()
+
+
+class _Link:
+    """The sender's connection to one receiver address."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.queue: asyncio.Queue[_Message] = asyncio.Queue()
+        self.ep = None  # control path
+        self.data_ep = None  # data path (from the receiver's worker address)
+        self.data_tag = 0
+        self.driver: asyncio.Task | None = None
+        self.acks: asyncio.Task | None = None
+
+
+class UcxSender(KVSender):
+    """Options: ``pacer`` (a LinkPacer keyed by address), ``connect_timeout``,
+    ``max_inflight`` (messages posted and not yet completed, per connection)."""
+
+    def __init__(
+        self,
+        kv_caches: KVCaches,
+        pacer: LinkPacer | None = None,
+        connect_timeout: float = 5.0,
+        max_inflight: int = 4,
+    ):
+        if not isinstance(max_inflight, int) or max_inflight < 1:
+            raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+        self.layout = KVLayout.from_caches(kv_caches)
+        self._caches = kv_caches
+        self._pacer = pacer
+        self._connect_timeout = connect_timeout
+        self._max_inflight = max_inflight
+        self._ledger = SendLedger()
+        self._links: dict[str, _Link] = {}
+        self._pacing_delay = 0.0
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._rt = _Runtime.acquire()
+        _LIVE.add(self)
+
+    def send_layer(self, address, transfer_id, layer, src_block_ids, dst_block_ids) -> None:
+        if self._closed:
+            raise KVTransferError("sender is closed")
+        parse_address(address)
+        if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer!r} outside [0, {self.layout.num_layers})")
+        if len(src_block_ids) != len(dst_block_ids):
+            raise ValueError(f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks")
+        pool = self._caches[layer][0]
+        src = block_index(src_block_ids, pool.shape[0], "src_block_ids", pool.device)
+        dst = block_index(dst_block_ids, None, "dst_block_ids", torch.device("cpu"))
+        payload = as_bytes(gather_layer(self._caches, layer, src))
+        ready = None
+        if payload.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(payload.device))
+        key = self._ledger.on_enqueue(transfer_id, address, payload.numel())
+        header = WireHeader(MsgKind.LAYER, key, layer, dst.numel(), payload.numel(), self.layout.fingerprint)
+        control = np.frombuffer(header.pack() + dst.to(torch.int32).numpy().astype("<i4").tobytes(), dtype=np.uint8)
+        self._rt.call_soon(self._enqueue, address, _Message(key, control, payload, ready))
+
+    def finish(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        return self._ledger.finish(transfer_id, timeout)
+
+    def metrics(self) -> dict[str, float]:
+        out = self._ledger.snapshot()
+        out["pacing_delay_seconds"] = self._pacing_delay
+        out["connections"] = float(sum(1 for link in self._links.values() if link.ep is not None))
+        return out
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        _LIVE.discard(self)
+        try:
+            self._rt.call(self._shutdown())
+        finally:
+            self._ledger.fail_all(KVTransferError("sender closed"))
+            _Runtime.release()
+
+    # ---- on the loop -------------------------------------------------------------------
+
+    def _enqueue(self, address: str, msg: _Message) -> None:
+        if self._closed:
+            self._ledger.fail_key(msg.key, KVTransferError("sender closed"))
+            return
+        link = self._links.get(address)
+        if link is None:
+            link = self._links[address] = _Link(address)
+            link.driver = asyncio.get_running_loop().create_task(self._drive(link))
+        link.queue.put_nowait(msg)
+
+    async def _shutdown(self) -> None:
+        links = list(self._links.values())
+        self._links.clear()
+        bye = np.frombuffer(WireHeader(MsgKind.BYE, fingerprint=self.layout.fingerprint).pack(), dtype=np.uint8)
+        for link in links:
+            if link.data_ep is not None:
+                try:  # ends the receiver's data loop for this connection
+                    await asyncio.wait_for(link.data_ep.send(bye, tag=link.data_tag, force_tag=True), 1.0)
+                except Exception as e:
+                    logger.debug("BYE to %s: %s", link.address, e)
+            _abort_link(link)
+        tasks = [t for link in links for t in (link.driver, link.acks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _connect(self, link: _Link) -> None:
+        host, port = parse_address(link.address)
+        try:
+            link.ep = await asyncio.wait_for(
+                self._rt.ucxx.create_endpoint(host, port, connect_timeout=self._connect_timeout),
+                self._connect_timeout,
+            )
+        except Exception as e:
+            raise KVTransferError(f"cannot connect to KV receiver {link.address}: {type(e).__name__}: {e}") from e
+        await link.ep.send(np.frombuffer(pack_hello(MsgKind.HELLO, self.layout), dtype=np.uint8))
+        reply = np.zeros(HEADER_BYTES + LAYOUT_BYTES + _MAX_WORKER_ADDRESS, dtype=np.uint8)
+        try:
+            await asyncio.wait_for(link.ep.recv(reply), self._connect_timeout)
+        except Exception as e:
+            raise KVTransferError(f"no handshake reply from KV receiver {link.address}: {type(e).__name__}: {e}") from e
+        header = unpack_header(reply, check_version=False)
+        try:
+            check_handshake(self.layout, header, unpack_layout(reply[HEADER_BYTES:]))
+        except KVTransferError as e:
+            raise KVTransferError(f"KV receiver {link.address} rejected the handshake: {e}") from None
+        if header.kind != MsgKind.HELLO_OK or not 0 < header.num_bytes <= _MAX_WORKER_ADDRESS:
+            raise KVTransferError(f"KV receiver {link.address} answered the handshake with {header.kind.name}")
+        worker_address = reply[HEADER_BYTES + LAYOUT_BYTES:HEADER_BYTES + LAYOUT_BYTES + header.num_bytes].tobytes()
+        ucxx = self._rt.ucxx
+        link.data_ep = await ucxx.create_endpoint_from_worker_address(
+            ucxx.get_ucx_address_from_buffer(worker_address), endpoint_error_handling=False
+        )
+        link.data_tag = header.transfer_key
+        link.acks = asyncio.get_running_loop().create_task(self._read_replies(link))
+
+    async def _drive(self, link: _Link) -> None:
+        """Connect, then send queued messages in order, up to ``max_inflight`` at once."""
+        inflight: collections.deque[tuple[_Message, asyncio.Task, asyncio.Task]] = collections.deque()
+        try:
+            await self._connect(link)
+            while True:
+                while inflight and (len(inflight) >= self._max_inflight or link.queue.empty()):
+                    await self._complete(inflight.popleft())
+                msg = await link.queue.get()
+                if self._ledger.should_skip(msg.key):
+                    continue
+                if msg.ready is not None:
+                    while not msg.ready.query():
+                        await asyncio.sleep(50e-6)
+                if self._pacer is not None:
+                    delay = self._pacer.reserve(link.address, msg.nbytes)
+                    if delay > 0:
+                        self._pacing_delay += delay
+                        await asyncio.sleep(delay)
+                # Tasks take their first step (which posts the UCX send) in creation order,
+                # so the receiver matches control and payload of each message in order.
+                loop = asyncio.get_running_loop()
+                control = loop.create_task(link.data_ep.send(msg.control, tag=link.data_tag, force_tag=True))
+                payload = loop.create_task(link.data_ep.send(wire_buffer(msg.payload), tag=link.data_tag, force_tag=True))
+                inflight.append((msg, control, payload))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            error = e if isinstance(e, KVTransferError) else KVTransferError(
+                f"KV link to {link.address} failed: {type(e).__name__}: {e}"
+            )
+            logger.error("%s", error)
+            if self._links.get(link.address) is link:
+                del self._links[link.address]  # the next send_layer reconnects
+            self._ledger.fail_address(link.address, error)
+            for msg, control, payload in inflight:
+                control.cancel()
+                payload.cancel()
+            while not link.queue.empty():
+                self._ledger.fail_key(link.queue.get_nowait().key, error)
+            if link.acks is not None:
+                link.acks.cancel()
+            _abort_link(link)
+
+    async def _complete(self, entry: tuple[_Message, asyncio.Task, asyncio.Task]) -> None:
+        msg, control, payload = entry
+        await control
+        await payload
+        self._ledger.on_sent(msg.key, msg.payload.numel())
+
+    async def _read_replies(self, link: _Link) -> None:
+        buf = np.zeros(HEADER_BYTES, dtype=np.uint8)
+        try:
+            while True:
+                await link.ep.recv(buf)
+                header = unpack_header(buf, expected_fingerprint=self.layout.fingerprint)
+                if header.kind == MsgKind.ACK:
+                    self._ledger.on_ack(header.transfer_key)
+                elif header.kind == MsgKind.NACK:
+                    self._ledger.on_nack(header.transfer_key, NackReason(header.status))
+                else:
+                    raise KVTransferError(f"unexpected {header.kind.name} from KV receiver {link.address}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if self._closed:
+                return
+            error = KVTransferError(f"KV receiver {link.address} went away: {type(e).__name__}: {e}")
+            logger.warning("%s", error)
+            self._ledger.fail_address(link.address, error)
+            if self._links.get(link.address) is link:
+                del self._links[link.address]
+                if link.driver is not None:
+                    link.driver.cancel()
+                _abort_link(link)
+
+
+# Senders and receivers still open at interpreter exit are closed, so that the loop
+# thread and UCX shut down in order instead of hanging in finalizers.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def _close_all() -> None:
+    for obj in list(_LIVE):
+        try:
+            obj.close()
+        except Exception as e:
+            logger.debug("closing %r at exit: %s", obj, e)
+
+
+# threading's own exit hook runs before non-daemon threads (ucxx's notifier) are joined;
+# a plain atexit hook would run after, i.e. never if one is left open.
+try:
+    threading._register_atexit(_close_all)
+except (AttributeError, RuntimeError):
+    atexit.register(_close_all)

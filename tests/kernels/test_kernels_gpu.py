@@ -1,0 +1,101 @@
+"""The Triton kernels compiled for a real GPU, against the torch references on the same
+device, in bf16 with bf16 tolerances. Skipped without CUDA."""
+
+import math
+
+import pytest
+import torch
+
+from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.cache import write_kv_cache_ref, write_kv_cache_triton
+from kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from kernels.dispatch import triton_available
+from kernels.norm import rms_norm_ref, rms_norm_triton
+from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+from kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not triton_available(), reason="needs triton"),
+]
+
+BF16 = torch.bfloat16
+TOL = dict(rtol=2e-2, atol=2e-2)
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _compiled_not_interpreted():
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 is set: these tests must compile for the GPU")
+
+
+@pytest.mark.parametrize("hidden", [576, 4096])
+def test_rms_norm(hidden):
+    x = torch.randn(33, hidden, device=DEV, dtype=BF16)
+    r = torch.randn(33, hidden, device=DEV, dtype=BF16)
+    w = torch.rand(hidden, device=DEV, dtype=BF16) + 0.5
+    torch.testing.assert_close(rms_norm_triton(x, w, 1e-5), rms_norm_ref(x, w, 1e-5), **TOL)
+    got, expected = rms_norm_triton(x, w, 1e-5, r), rms_norm_ref(x, w, 1e-5, r)
+    torch.testing.assert_close(got[0], expected[0], **TOL)
+    torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
+
+
+def test_silu_and_mul():
+    x = torch.randn(17, 2 * 1536, device=DEV, dtype=BF16)
+    torch.testing.assert_close(silu_and_mul_triton(x), silu_and_mul_ref(x), **TOL)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rope(head_dim):
+    cache = rope_cos_sin_cache(head_dim, 4096, 500000.0, None, device=DEV)
+    positions = torch.randint(0, 4096, (100,), device=DEV)
+    q = torch.randn(100, 32, head_dim, device=DEV, dtype=BF16)
+    k = torch.randn(100, 8, head_dim, device=DEV, dtype=BF16)
+    got, expected = apply_rope_triton(q, k, positions, cache), apply_rope_ref(q, k, positions, cache)
+    torch.testing.assert_close(got[0], expected[0], **TOL)
+    torch.testing.assert_close(got[1], expected[1], **TOL)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_write_kv_cache(block_size):
+    k = torch.randn(50, 8, 128, device=DEV, dtype=BF16)
+    v = torch.randn(50, 8, 128, device=DEV, dtype=BF16)
+    slots = torch.randperm(10 * block_size, device=DEV)[:50]
+    slots[::7] = -1
+    caches = [torch.zeros(10, block_size, 8, 128, device=DEV, dtype=BF16) for _ in range(4)]
+    write_kv_cache_triton(k, v, caches[0], caches[1], slots)
+    write_kv_cache_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("seq_lens, q_lens, hq, hk, d, bs", [
+    ([1, 15, 16, 17, 33], [1, 15, 16, 17, 33], 8, 8, 64, 16),
+    ([1000, 300, 77], [1000, 1, 40], 32, 8, 128, 16),
+    ([2048, 513], [700, 513], 24, 8, 128, 32),
+    ([129], [129], 9, 3, 64, 32),
+])
+def test_prefill_attention(paged_kv, seq_lens, q_lens, hq, hk, d, bs):
+    kv = paged_kv(seq_lens, hk, d, bs, BF16, device=DEV)
+    q = torch.randn(sum(q_lens), hq, d, device=DEV, dtype=BF16)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEV)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 1 / math.sqrt(d))
+    torch.testing.assert_close(prefill_attention_triton(*args), prefill_attention_ref(*args), **TOL)
+
+
+@pytest.mark.parametrize("seq_lens, hq, hk, d, bs, num_splits", [
+    ([1, 15, 16, 17, 33], 8, 8, 64, 16, None),
+    ([4000, 1, 777, 64], 32, 8, 128, 16, None),
+    ([3000, 2500], 32, 8, 128, 32, 7),
+    ([129] * 40, 9, 3, 64, 32, None),
+    ([5000], 64, 8, 128, 16, None),
+])
+def test_decode_attention(paged_kv, seq_lens, hq, hk, d, bs, num_splits):
+    kv = paged_kv(seq_lens, hk, d, bs, BF16, device=DEV)
+    q = torch.randn(len(seq_lens), hq, d, device=DEV, dtype=BF16)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 1 / math.sqrt(d))
+    got = decode_attention_triton(*args, num_splits=num_splits)
+    torch.testing.assert_close(got, decode_attention_ref(*args), **TOL)

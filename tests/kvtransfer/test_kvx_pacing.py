@@ -1,0 +1,86 @@
+import time
+
+import pytest
+
+import kvtransfer
+from kvtransfer import LinkPacer, TokenBucket
+from kvx_peer import CacheSpec, make_caches
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+        self.sleeps = []
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_token_bucket_exact_sleeps():
+    clock = FakeClock()
+    bucket = TokenBucket(rate_gbps=8.0, burst_bytes=1000, clock=clock, sleep=clock.sleep)  # 1e9 B/s
+    assert bucket.acquire(600) == 0.0  # from the initial burst
+    assert bucket.acquire(400) == 0.0  # burst used up exactly
+    assert bucket.acquire(2000) == pytest.approx(2e-6)  # 2000 B at 1e9 B/s
+    clock.now += 1e-6  # refills 1000 B, capped at the burst
+    assert bucket.acquire(500) == 0.0
+    clock.now += 10.0  # idle: refill capped at burst_bytes
+    assert bucket.acquire(1500) == pytest.approx(0.5e-6)
+    assert clock.sleeps == [pytest.approx(2e-6), pytest.approx(0.5e-6)]
+    assert bucket.delayed_seconds == pytest.approx(2.5e-6)
+
+
+def test_token_bucket_back_to_back_debt():
+    clock = FakeClock()
+    bucket = TokenBucket(rate_gbps=0.008, burst_bytes=1, clock=clock, sleep=lambda s: None)  # 1e6 B/s, no sleeping
+    assert bucket.reserve(1) == 0.0
+    assert bucket.reserve(1000) == pytest.approx(1e-3)
+    assert bucket.reserve(1000) == pytest.approx(2e-3)  # queued behind the first
+    with pytest.raises(ValueError):
+        TokenBucket(rate_gbps=0)
+
+
+def test_link_pacer_routes():
+    clock = FakeClock()
+    pacer = LinkPacer(clock=clock, sleep=clock.sleep, burst_bytes=100)
+    pacer.set_link("n0->n1", rate_gbps=0.0008)  # 1e5 B/s
+    pacer.route("ucx://a:1", "n0->n1")
+    pacer.route("ucx://a:2", "n0->n1")
+    assert pacer.acquire("ucx://a:1", 100) == 0.0
+    assert pacer.acquire("ucx://a:2", 100) == pytest.approx(1e-3)  # shares the link
+    assert pacer.acquire("ucx://b:1", 10**9) == 0.0  # unpaced
+    with pytest.raises(ValueError, match="unknown link"):
+        pacer.route("x", "nope")
+    assert LinkPacer(default_gbps=1.0).bucket_for("anything").rate_gbps == 1.0
+
+
+@pytest.mark.timeout(30)
+def test_paced_fake_transfer_20MB_at_1Gbps():
+    # 10 layers x (K+V) x 125 blocks x 8000 B = 20e6 B of payload
+    spec = CacheSpec(num_layers=10, num_blocks=125, block_size=16, num_kv_heads=1, head_dim=125)
+    src, dst = make_caches(spec, seed=3), make_caches(spec, seed=None)
+    pacer = LinkPacer(burst_bytes=64 * 1024)
+    with kvtransfer.create_receiver("fake", dst) as receiver:
+        pacer.set_link(receiver.address(), rate_gbps=1.0)
+        with kvtransfer.create_sender("fake", src, pacer=pacer) as sender:
+            ids = list(range(125))
+
+            def transfer(transfer_id):
+                receiver.expect(transfer_id, ids, 10, deadline_s=30)
+                start = time.perf_counter()
+                for layer in range(10):
+                    sender.send_layer(receiver.address(), transfer_id, layer, ids, ids)
+                result = sender.finish(transfer_id, timeout=20)
+                receiver.wait(transfer_id, timeout=5)
+                return result, time.perf_counter() - start
+
+            transfer("warm-up")  # first-touch page faults of the staging buffers
+            time.sleep(0.05)  # the bucket refills to its burst
+            result, elapsed = transfer("paced")
+    assert result.num_bytes == 20_000_000
+    assert elapsed == pytest.approx(0.16, rel=0.10)
+    assert result.gbps == pytest.approx(1.0, rel=0.10)

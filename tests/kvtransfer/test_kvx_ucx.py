@@ -1,0 +1,204 @@
+"""UCX backend between two processes over loopback (TCP / shared memory).
+
+ucxx must initialise here: a failure is a test failure, never a skip.
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import kvtransfer
+from kvtransfer import KVTransferError, KVTransferTimeout
+from kvx_peer import CacheSpec, Peer, PeerError, block_bytes, make_caches
+
+pytestmark = pytest.mark.timeout(60)
+
+FP32 = CacheSpec(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
+BF16 = CacheSpec(num_layers=3, num_blocks=12, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def peer():
+    peer = Peer()
+    yield peer
+    assert peer.stop() == 0, "peer process did not exit cleanly"
+
+
+def loop_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("kvtransfer-") and t.is_alive()]
+
+
+def test_ucx_imports_wheel_library():
+    from kvtransfer import ucx
+
+    runtime = ucx._Runtime.acquire()  # raises KVTransferError if ucxx cannot initialise
+    try:
+        assert runtime.ucxx.get_ucx_version() >= (1, 19, 0)
+        assert "/libucx/" in (ucx.ucx_library_path() or "/libucx/")
+    finally:
+        ucx._Runtime.release()
+
+
+def test_ucx_fp32_lands_exact_blocks(peer):
+    src = make_caches(FP32, seed=11)
+    address = peer.call("open_receiver", FP32)
+    assert address.startswith("ucx://127.0.0.1:")
+    src_ids, dst_ids = [9, 2, 14, 5, 0], [3, 11, 0, 7, 15]
+    with kvtransfer.create_sender("ucx", src) as sender:
+        for n in range(2):  # a second transfer reuses the connection
+            transfer_id = f"fp32-{n}"
+            peer.call("expect", transfer_id, dst_ids, 3, 20.0)
+            for layer in range(3):
+                sender.send_layer(address, transfer_id, layer, src_ids, dst_ids)
+            sent = sender.finish(transfer_id, timeout=20)
+            landed = peer.call("wait", transfer_id, 20.0)
+            assert sent.num_bytes == landed.num_bytes == 3 * 2 * 5 * FP32.block_size * 2 * 8 * 4
+        assert sender.metrics()["transfers_completed"] == 2
+    after = peer.call("read_all")
+    zeros = make_caches(FP32, seed=None)
+    for layer in range(3):
+        for pool in range(2):
+            raw = torch.frombuffer(bytearray(after[layer][pool]), dtype=torch.float32).view(16, 4, 2, 8)
+            assert torch.equal(raw[dst_ids], src[layer][pool][src_ids])
+            untouched = [b for b in range(16) if b not in dst_ids]
+            assert torch.equal(raw[untouched], zeros[layer][pool][untouched])
+    metrics = peer.call("metrics")
+    assert metrics["transfers_completed"] == 2 and metrics["messages_dropped"] == 0
+
+
+def test_ucx_bf16_child_sends_to_parent(peer):
+    dst = make_caches(BF16, seed=None)
+    src_ids, dst_ids = [1, 10, 4], [8, 2, 5]
+    with kvtransfer.create_receiver("ucx", dst) as receiver:
+        receiver.expect("bf16", dst_ids, 3, deadline_s=20)
+        peer.call("open_sender", BF16, 22)
+        for layer in range(3):  # two chunks per layer, as chunked prefill sends them
+            peer.call("send_layer", receiver.address(), "bf16", layer, src_ids[:2], dst_ids[:2])
+            peer.call("send_layer", receiver.address(), "bf16", layer, src_ids[2:], dst_ids[2:])
+        result = receiver.wait("bf16", timeout=20)
+        assert peer.call("finish", "bf16", 20.0).num_bytes == result.num_bytes
+    src = make_caches(BF16, seed=22)
+    for layer in range(3):
+        assert block_bytes(dst, layer, dst_ids) == block_bytes(src, layer, src_ids)
+        others = [b for b in range(12) if b not in dst_ids]
+        assert not dst[layer][0][others].any() and not dst[layer][1][others].any()
+
+
+def wait_for(predicate, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_ucx_deadline_drops_late_data(peer):
+    src = make_caches(FP32, seed=33)
+    zeros = make_caches(FP32, seed=None)
+    address = peer.call("open_receiver", FP32)
+    with kvtransfer.create_sender("ucx", src) as sender:
+        # A: layer 0 lands in time, the deadline passes, the rest is never written
+        peer.call("expect", "late", [4, 5], 3, 1.0)
+        sender.send_layer(address, "late", 0, [1, 2], [4, 5])
+        wait_for(lambda: peer.call("metrics")["messages_received"] >= 1)
+        with pytest.raises(PeerError) as missed:
+            peer.call("wait", "late", 10.0)
+        assert missed.value.type_name == "KVTransferTimeout"
+        for layer in (1, 2):
+            sender.send_layer(address, "late", layer, [1, 2], [4, 5])
+        with pytest.raises(KVTransferError, match="deadline_passed"):
+            sender.finish("late", timeout=10)
+        assert peer.call("read", 0, [4, 5]) == block_bytes(src, 0, [1, 2])
+
+        # B: nothing arrives before the deadline; data that arrives later is dropped
+        peer.call("expect", "later", [8, 9], 3, 0.3)
+        with pytest.raises(PeerError, match="KVTransferTimeout"):
+            peer.call("wait", "later", 10.0)
+        for layer in range(3):
+            sender.send_layer(address, "later", layer, [1, 2], [8, 9])
+        with pytest.raises(KVTransferError, match="deadline_passed"):
+            sender.finish("later", timeout=10)
+        wait_for(lambda: peer.call("metrics")["messages_dropped"] >= 1)
+        metrics = peer.call("metrics")
+        assert metrics["transfers_expired"] == 2 and metrics["transfers_pending"] == 0
+        for layer in range(3):
+            for ids in ([8, 9], [4, 5]) if layer else ([8, 9],):
+                assert peer.call("read", layer, ids) == block_bytes(zeros, layer, ids)
+
+        # the connection stays in sync: the next transfer on it lands
+        peer.call("expect", "next", [6], 3, 20.0)
+        for layer in range(3):
+            sender.send_layer(address, "next", layer, [3], [6])
+        sender.finish("next", timeout=20)
+        peer.call("wait", "next", 20.0)
+        assert peer.call("read", 2, [6]) == block_bytes(src, 2, [3])
+
+
+def test_ucx_layout_mismatch_rejected_at_handshake(peer):
+    address = peer.call("open_receiver", FP32)
+    other = CacheSpec(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=16)
+    with kvtransfer.create_sender("ucx", make_caches(other, seed=1)) as sender:
+        peer.call("expect", "mismatch", [0], 3, 5.0)
+        sender.send_layer(address, "mismatch", 0, [0], [0])
+        with pytest.raises(KVTransferError, match="layout mismatch"):
+            sender.finish("mismatch", timeout=10)
+    assert peer.call("metrics")["handshake_errors"] == 1
+    assert peer.call("read", 0, [0]) == block_bytes(make_caches(FP32, None), 0, [0])
+
+
+def test_ucx_wire_version_mismatch_rejected_at_handshake(peer):
+    address = peer.call("open_receiver", FP32, 99)
+    try:
+        with kvtransfer.create_sender("ucx", make_caches(FP32, seed=1)) as sender:
+            sender.send_layer(address, "v", 0, [0], [0])
+            with pytest.raises(KVTransferError, match="version mismatch"):
+                sender.finish("v", timeout=10)
+        assert peer.call("metrics")["handshake_errors"] == 1
+    finally:
+        peer.call("open_receiver", FP32)  # back to this process's wire version
+
+
+def test_ucx_close_leaves_no_thread_or_process():
+    peer = Peer()
+    try:
+        native_after_close = []
+        for round in range(2):  # a second open/close cycle must not add threads
+            address = peer.call("open_receiver", FP32)
+            sender = kvtransfer.create_sender("ucx", make_caches(FP32, seed=5))
+            peer.call("expect", "bye", [1], 3, 20.0)
+            for layer in range(3):
+                sender.send_layer(address, "bye", layer, [2], [1])
+            sender.finish("bye", timeout=20)
+            peer.call("wait", "bye", 20.0)
+            peer.call("expect", "pending", [2], 3, 20.0)  # still pending when the receiver closes
+            sender.close()
+            sender.close()
+            assert loop_threads() == []
+            peer.call("close")
+            assert peer.call("threads") == ["MainThread"]
+            native_after_close.append(peer.call("native_threads"))
+        # UCX keeps one process-wide async thread once started; nothing accumulates
+        assert native_after_close[1] == native_after_close[0]
+    finally:
+        assert peer.stop(timeout=20) == 0
+    assert not peer.process.is_alive()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ucx_cuda_to_cuda_between_processes(peer):
+    spec = CacheSpec(num_layers=2, num_blocks=32, block_size=16, num_kv_heads=8, head_dim=128,
+                     dtype="bfloat16", device="cuda")
+    src = make_caches(spec, seed=44)
+    address = peer.call("open_receiver", spec)
+    src_ids, dst_ids = [3, 30, 7, 12], [0, 5, 31, 9]
+    with kvtransfer.create_sender("ucx", src) as sender:
+        peer.call("expect", "cuda", dst_ids, 2, 30.0)
+        for layer in range(2):
+            sender.send_layer(address, "cuda", layer, src_ids, dst_ids)
+        sender.finish("cuda", timeout=30)
+        peer.call("wait", "cuda", 30.0)
+    for layer in range(2):
+        assert peer.call("read", layer, dst_ids) == block_bytes(src, layer, src_ids)
+    peer.call("open_receiver", FP32)

@@ -1,0 +1,127 @@
+"""Tokenizer wrapper and IncrementalDetokenizer, on the SmolLM2 GGUF tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.loaders import load_model_source
+from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+from .conftest import save_tiny_hf_tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and\ttabs\nnewlines  ",
+    "naïve café — déjà vu",
+    "日本語のテキストと中文混合",
+    "emoji 😀👍🏽 family 👨‍👩‍👧 flags 🇫🇷",
+    "code: def f(x):\n    return x ** 2  # ok",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_source) -> Tokenizer:
+    return smollm2_source.tokenizer
+
+
+def test_properties(tokenizer):
+    assert tokenizer.vocab_size == 49152
+    assert tokenizer.bos_token_id == 1
+    assert tokenizer.eos_token_ids == (2,)
+    assert tokenizer.has_chat_template
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_round_trip(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert ids and all(0 <= i < tokenizer.vocab_size for i in ids)
+    assert tokenizer.decode(ids) == text
+
+
+def test_ids_match_transformers_gguf_tokenizer(tokenizer):
+    """The wrapper (straight to the Rust backend) agrees with transformers' API on the tokenizer
+    transformers built from the GGUF (AutoTokenizer.from_pretrained(dir, gguf_file=...))."""
+    reference = tokenizer.hf_tokenizer
+    assert type(reference).__module__.startswith("transformers.")
+    for text in TEXTS + ["<|im_start|>user\nhi<|im_end|>"]:
+        assert tokenizer.encode(text) == reference.encode(text), text
+        assert tokenizer.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+        ids = reference.encode(text)
+        assert tokenizer.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens(tokenizer):
+    ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2
+    assert tokenizer.decode(ids) == "user\nhi"
+    assert tokenizer.decode(ids, skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+    assert tokenizer.token_to_str(2) == "<|im_end|>"
+    assert tokenizer.token_to_str(tokenizer.encode(" world")[0]) == " world"
+
+
+def test_chat_template(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    rendered = tokenizer.apply_chat_template(messages)
+    assert rendered == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    default_system = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert default_system.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    no_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    assert no_prompt.endswith("<|im_end|>\n")
+
+
+def test_no_chat_template_raises(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    save_tiny_hf_tokenizer(str(tmp_path), chat_template=None)
+    tokenizer = load_model_source(str(tmp_path)).tokenizer
+    assert not tokenizer.has_chat_template
+    with pytest.raises(ValueError, match="no chat template"):
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def _stream(tokenizer, ids, prompt_ids=None, skip_special_tokens=True):
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+    deltas = [detok.add(i) for i in ids]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == detok.text
+    return deltas
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_incremental_equals_full_decode(tokenizer, text):
+    ids = tokenizer.encode(text)
+    deltas = _stream(tokenizer, ids)
+    assert "".join(deltas) == tokenizer.decode(ids)
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_incremental_holds_back_split_characters(tokenizer):
+    ids = tokenizer.encode("😀日本")
+    assert len(ids) > 3  # byte-level pieces of multi-byte characters
+    deltas = _stream(tokenizer, ids)
+    assert "" in deltas[:-1]  # something was held back until its character completed
+    assert "".join(deltas) == "😀日本"
+
+
+def test_incremental_with_prompt(tokenizer):
+    prompt = tokenizer.encode("<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n")
+    generated = tokenizer.encode(" Hi there 👋, 你好!<|im_end|>")
+    deltas = _stream(tokenizer, generated, prompt_ids=prompt)
+    assert "".join(deltas) == " Hi there 👋, 你好!"
+    full = tokenizer.decode(prompt + generated, skip_special_tokens=False)
+    kept = _stream(tokenizer, generated, prompt_ids=prompt, skip_special_tokens=False)
+    assert full.endswith("".join(kept)) and "".join(kept).endswith("<|im_end|>")
+
+
+def test_flush_emits_incomplete_tail(tokenizer):
+    ids = tokenizer.encode("ok 😀")
+    detok = IncrementalDetokenizer(tokenizer)
+    partial = "".join(detok.add(i) for i in ids[:-1])
+    assert partial == "ok"  # " " shares a token with the emoji's first bytes
+    tail = detok.flush()
+    assert partial + tail == tokenizer.decode(ids[:-1]) and tail.endswith("\ufffd")
+    assert detok.text == partial + tail
