@@ -30,3 +30,7 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) *.egg-info
+
+# Regenerates the gRPC stubs of the request plane (committed; a test checks they are current).
+proto: setup
+	$(BIN)/python -m pdserve.proto.generate
