@@ -165,17 +165,17 @@ def main() -> int:
               f"(torch {torch.__version__}, cuda build: {torch.version.cuda}); nothing measured.", file=sys.stderr)
         return 2
 
-    import kvtransfer.ucx as ucx
+    from kvtransfer.ucx_runtime import UcxRuntime, ucx_library_path
 
     shape = SHAPES[args.device]
     hardware = torch.cuda.get_device_name(0) if args.device == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
-    runtime = ucx._Runtime.acquire()
+    runtime = UcxRuntime.acquire()
     transports = sorted(runtime.ucxx.get_active_transports())
     print(f"KV transfer, {shape.name} ({shape.num_layers} layers, {shape.num_kv_heads} kv heads, d{shape.head_dim}, "
           f"{shape.dtype}), block {BLOCK_SIZE}, on {args.device} ({hardware})")
-    print(f"UCX {'.'.join(map(str, runtime.ucxx.get_ucx_version()))} from {ucx.ucx_library_path()}; "
+    print(f"UCX {'.'.join(map(str, runtime.ucxx.get_ucx_version()))} from {ucx_library_path()}; "
           f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}; transports: {', '.join(transports)}")
-    ucx._Runtime.release()
+    UcxRuntime.release()
     print(f"median of {args.repeat} transfers after one warm-up; GB/s = 1e9 bytes/s\n")
     header = f"{'tokens':>7} {'KV MB':>8} {'copy GB/s':>10} {'fake GB/s':>10} {'UCX send GB/s':>14} {'UCX recv GB/s':>14} {'UCX/copy':>9}"
     print(header)

@@ -2,7 +2,8 @@
 
 Modules: ``base`` (interfaces, registry), ``layout`` (KV layout, wire header),
 ``staging`` (gather/scatter), ``ledger`` (transfer bookkeeping), ``pacing`` (token
-buckets), ``fake`` (in-process backend for tests), ``ucx`` (UCX backend, via ucxx).
+buckets), ``fake`` (in-process backend for tests), ``ucx`` (UCX backend, via ucxx) and
+``ucx_runtime`` (the process-wide ucxx context and event loop thread).
 Backends are imported on first use.
 """
 

@@ -33,17 +33,7 @@ ucxx runs with ``enable_python_future=True`` (its notifier thread completes asyn
 futures): the default polling mode spins the event loop at 100% CPU whenever a receive
 is posted, i.e. always on an idle receiver.
 
-Environment (read by UCX at the first use in the process, so set it before that):
-``UCX_TLS`` / ``UCX_NET_DEVICES`` choose transports and NICs (defaults: UCX decides).
-``UCX_WARN_UNUSED_ENV_VARS`` defaults to ``n`` here (ucxx sets variables that a given
-UCX build may not use). ucxx itself sets ``UCX_MEMTYPE_CACHE=n``,
-``UCX_RNDV_THRESH=8192``, ``UCX_RNDV_FRAG_MEM_TYPE=cuda`` and
-``UCX_MAX_RNDV_RAILS=1`` unless already set. ``PDSERVE_UCX_PROGRESS_MODE``:
-``thread`` (default; the progress thread sleeps in epoll) or ``thread-polling`` (it
-spins: lower latency per message, one core busy). The UCX libraries must be the
-``libucx`` wheel's (ucxx loads them by absolute path unless
-``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY`` is true); the runtime checks the loaded
-``libucp`` and raises if it is another one, unless ``PDSERVE_UCX_ALLOW_SYSTEM_LIB=1``.
+Environment variables: see ``kvtransfer.ucx_runtime``.
 """
 
 from __future__ import annotations
@@ -51,20 +41,18 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
-import concurrent.futures
-import gc
 import logging
 import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Coroutine, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from kvtransfer.base import KVCaches, KVReceiver, KVSender, TransferResult
-from kvtransfer.errors import KVTransferError, KVTransferTimeout
+from kvtransfer.errors import KVTransferError
 from kvtransfer.layout import (
     BLOCK_ID_BYTES,
     HEADER_BYTES,
@@ -82,172 +70,14 @@ from kvtransfer.layout import (
 from kvtransfer.ledger import ReceiveLedger, SendLedger
 from kvtransfer.pacing import LinkPacer
 from kvtransfer.staging import as_bytes, block_index, from_bytes, gather_layer, wire_buffer
+from kvtransfer.ucx_runtime import SCHEME, TaskSet, UcxRuntime, abort_endpoint, parse_address
 
 logger = logging.getLogger(__name__)
-
-SCHEME = "ucx://"
-_CALL_TIMEOUT_S = 30.0
-
-
-def _import_ucxx():
-    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    try:
-        import ucxx
-    except Exception as e:  # ImportError, or an OSError from loading the UCX libraries
-        raise KVTransferError(f"cannot import ucxx (pip package ucxx-cu12 / ucxx-cu13): {e}") from e
-    _check_ucx_library()
-    return ucxx
-
-
-def _check_ucx_library() -> None:
-    """Raise unless the loaded libucp is the libucx wheel's (see the module docstring)."""
-    try:
-        import libucx
-    except ImportError:
-        return  # UCX installed system-wide on purpose, no wheel to compare with
-    wheel_dir = os.path.realpath(os.path.dirname(libucx.__file__))
-    loaded = ucx_library_path()
-    if loaded is None or loaded.startswith(wheel_dir):
-        return
-    message = f"ucxx loaded UCX from {loaded}, not from the libucx wheel in {wheel_dir}"
-    if os.environ.get("PDSERVE_UCX_ALLOW_SYSTEM_LIB") == "1":
-        logger.warning("%s (allowed by PDSERVE_UCX_ALLOW_SYSTEM_LIB=1)", message)
-        return
-    raise KVTransferError(message + "; unset RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY / LD_PRELOAD, "
-                          "or set PDSERVE_UCX_ALLOW_SYSTEM_LIB=1")
-
-
-def ucx_library_path() -> str | None:
-    """Path of the libucp shared library mapped into this process (Linux), else None."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split()[-1]
-                if os.path.basename(path).startswith("libucp.so"):
-                    return os.path.realpath(path)
-    except OSError:
-        pass
-    return None
-
-
-class _Runtime:
-    """The process-wide ucxx context and its asyncio loop thread, reference counted."""
-
-    _lock = threading.Lock()
-    _instance: _Runtime | None = None
-    _refs = 0
-
-    def __init__(self):
-        self.ucxx = _import_ucxx()
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="kvtransfer-ucx-loop", daemon=True)
-        self._thread.start()
-        try:
-            self.call(self._init())
-        except BaseException:
-            self._stop()
-            raise
-
-    async def _init(self) -> None:
-        # on the loop thread: ucxx binds its progress and notifier to the running loop
-        try:
-            mode = os.environ.get("PDSERVE_UCX_PROGRESS_MODE", "thread")
-            if mode not in ("thread", "thread-polling"):
-                raise ValueError(f"PDSERVE_UCX_PROGRESS_MODE must be thread or thread-polling, got {mode!r}")
-            self.ucxx.init(progress_mode=mode, enable_python_future=True)
-        except Exception as e:
-            raise KVTransferError(f"UCX failed to initialise: {type(e).__name__}: {e}") from e
-        self.worker_address = bytes(self.ucxx.get_worker_address())
-
-    @classmethod
-    def acquire(cls) -> _Runtime:
-        with cls._lock:
-            if cls._instance is None:
-                cls._instance = _Runtime()
-            cls._refs += 1
-            return cls._instance
-
-    @classmethod
-    def release(cls) -> None:
-        with cls._lock:
-            cls._refs -= 1
-            if cls._refs > 0 or cls._instance is None:
-                return
-            runtime, cls._instance = cls._instance, None
-        runtime._stop()
-
-    def call(self, coro: Coroutine, timeout: float | None = _CALL_TIMEOUT_S) -> Any:
-        """Run ``coro`` on the loop and wait for its result from another thread."""
-        if threading.current_thread() is self._thread:
-            raise RuntimeError("kvtransfer sync API called from its own event loop thread")
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise KVTransferTimeout(f"UCX event loop did not answer within {timeout}s") from None
-
-    def call_soon(self, fn, *args) -> None:
-        self.loop.call_soon_threadsafe(fn, *args)
-
-    def _stop(self) -> None:
-        try:
-            self.ucxx.stop_notifier_thread()
-        except Exception as e:
-            logger.debug("stopping the ucxx notifier thread: %s", e)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        if self._thread.is_alive():
-            logger.warning("kvtransfer UCX loop thread did not stop within 10s")
-            return
-        self.loop.close()  # ucxx cancels its progress tasks here
-        gc.collect()
-        try:
-            self.ucxx.reset()
-        except Exception as e:  # objects still referencing the context: harmless at exit
-            logger.debug("ucxx.reset() after the last kvtransfer endpoint closed: %s", e)
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``"ucx://host:port"`` (``"ucx://[v6addr]:port"``) -> (host, port)."""
-    if not isinstance(address, str) or not address.startswith(SCHEME):
-        raise ValueError(f"not a UCX KV address: {address!r} (expected {SCHEME}host:port)")
-    host, sep, port = address[len(SCHEME):].rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"not a UCX KV address: {address!r} (expected {SCHEME}host:port)")
-    return host.strip("[]"), int(port)
-
-
-class _Tasks:
-    """Strong references to fire-and-forget tasks until they finish."""
-
-    def __init__(self):
-        self._tasks: set[asyncio.Task] = set()
-
-    def spawn(self, coro: Coroutine) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    async def cancel_all(self) -> None:
-        tasks = list(self._tasks)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _abort(ep) -> None:
-    try:
-        ep.abort(period=10**9)  # ns
-    except Exception as e:
-        logger.debug("closing a UCX endpoint: %s", e)
-
 
 def _abort_link(link) -> None:
     for ep in (link.data_ep, link.ep):
         if ep is not None:
-            _abort(ep)
+            abort_endpoint(ep)
 
 
 _MAX_WORKER_ADDRESS = 64 * 1024
@@ -281,14 +111,14 @@ class UcxReceiver(KVReceiver):
         self._connect_timeout = connect_timeout
         self._ledger = ReceiveLedger(kv_caches, self.layout, on_ack=self._on_ack, on_nack=self._on_nack)
         self._conns: set[_Conn] = set()
-        self._tasks = _Tasks()
+        self._tasks = TaskSet()
         self._closed = False
         self._close_lock = threading.Lock()
-        self._rt = _Runtime.acquire()
+        self._rt = UcxRuntime.acquire()
         try:
             self._listener = self._rt.call(self._listen(port))
         except BaseException:
-            _Runtime.release()
+            UcxRuntime.release()
             raise
         self._address = f"{SCHEME}{'[' + host + ']' if ':' in host else host}:{self._listener.port}"
         _LIVE.add(self)
@@ -320,7 +150,7 @@ class UcxReceiver(KVReceiver):
         try:
             self._rt.call(self._shutdown())
         finally:
-            _Runtime.release()
+            UcxRuntime.release()
 
     # ---- on the loop -------------------------------------------------------------------
 
@@ -332,7 +162,7 @@ class UcxReceiver(KVReceiver):
         conns = list(self._conns)
         for conn in conns:
             conn.open = False
-            _abort(conn.ep)
+            abort_endpoint(conn.ep)
         tasks = [c.task for c in conns if c.task is not None]
         for task in tasks:
             task.cancel()
@@ -345,7 +175,7 @@ class UcxReceiver(KVReceiver):
         conn = _Conn(ep)
         conn.task = asyncio.current_task()
         if self._closed:
-            _abort(ep)
+            abort_endpoint(ep)
             return
         self._conns.add(conn)
         control = np.empty(HEADER_BYTES + MAX_BLOCKS_PER_MESSAGE * BLOCK_ID_BYTES, dtype=np.uint8)
@@ -371,7 +201,7 @@ class UcxReceiver(KVReceiver):
         finally:
             conn.open = False
             self._conns.discard(conn)
-            _abort(ep)
+            abort_endpoint(ep)
             for task in (data, watch):
                 if task is not None and not task.done():
                     # a worker-level receive of a vanished sender stays posted until
@@ -494,7 +324,7 @@ class UcxSender(KVSender):
         self._pacing_delay = 0.0
         self._closed = False
         self._close_lock = threading.Lock()
-        self._rt = _Runtime.acquire()
+        self._rt = UcxRuntime.acquire()
         _LIVE.add(self)
 
     def send_layer(self, address, transfer_id, layer, src_block_ids, dst_block_ids) -> None:
@@ -537,7 +367,7 @@ class UcxSender(KVSender):
             self._rt.call(self._shutdown())
         finally:
             self._ledger.fail_all(KVTransferError("sender closed"))
-            _Runtime.release()
+            UcxRuntime.release()
 
     # ---- on the loop -------------------------------------------------------------------
 

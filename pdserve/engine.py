@@ -33,6 +33,10 @@ from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger(__name__)
 
 
+class NoKVSpaceError(RuntimeError):
+    """No free KV blocks for a reservation right now (the caller may retry elsewhere)."""
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
         self.config = config
@@ -128,14 +132,20 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
         if not self.block_manager.can_append(seq.table, seq.num_prompt_tokens):
-            raise RuntimeError("not enough free KV blocks to reserve")
+            raise NoKVSpaceError(f"not enough free KV blocks to reserve {seq.num_prompt_tokens} tokens")
         self.requests[request_id] = seq
         return self.scheduler.reserve(seq, seq.num_prompt_tokens)
 
-    def commit(self, request_id: str, first_token_id: int) -> list[RequestOutput]:
-        """Decode role: the KV landed; continue from the token the prefill worker sampled."""
+    def commit(self, request_id: str, first_token_id: int) -> RequestOutput | None:
+        """Decode role: the KV landed; continue from the token the prefill worker sampled.
+
+        The first token was already returned by the prefill worker, so its text counts as
+        emitted here. Returns an output only when that token also finishes the request.
+        """
         seq = self.scheduler.commit(request_id)
-        return [o for o in [self._append_token(seq, first_token_id, None)] if o is not None]
+        out = self._append_token(seq, first_token_id, None)
+        seq.num_emitted_chars = len(seq.output_text)
+        return out if out is not None and out.finished else None
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -102,6 +102,42 @@ class RequestTimeout(APIError):
     default_code = "timeout"
 
 
+class WorkerError(APIError):
+    """Raised by the worker client: which worker failed, so the router can route around it."""
+
+    def __init__(self, message: str, *, worker_id: str = "", **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.worker_id = worker_id
+
+
+class WorkerFailed(WorkerError, ServiceUnavailable):
+    """A worker is unreachable, dying, or broke a request (the router retries elsewhere)."""
+
+
+class WorkerOverloaded(WorkerError, Overloaded):
+    """A worker has no KV blocks to reserve for the request."""
+
+
+class KVTransferDeadline(WorkerError, RequestTimeout):
+    """The prompt's KV did not land on the decode worker within the deadline (the router falls back)."""
+
+    default_code = "kv_transfer_deadline"
+
+
+class WorkerRejected(WorkerError, InvalidRequest):
+    """A worker rejected the request as invalid (INVALID_ARGUMENT)."""
+
+
+# gRPC status code names (grpc.StatusCode.X.name) -> what the router raises; anything else is WorkerFailed.
+WORKER_STATUS_ERRORS: dict[str, type[WorkerError]] = {
+    "INVALID_ARGUMENT": WorkerRejected,
+    "OUT_OF_RANGE": WorkerRejected,
+    "RESOURCE_EXHAUSTED": WorkerOverloaded,
+    "DEADLINE_EXCEEDED": KVTransferDeadline,
+    "UNAVAILABLE": WorkerFailed,
+}
+
+
 class ClientDisconnected(Exception):
     """The HTTP client went away; nothing can be sent to it any more (internal, never a response)."""
 

@@ -1,7 +1,8 @@
 """Prometheus metrics of the router, one CollectorRegistry per app.
 
 Latencies are observed per backend request (one per choice), request counts per HTTP request.
-`placement_decisions` is declared here and incremented by the placement layer.
+`placement_decisions`, `kv_transfer_*` and `request_recoveries` are declared here and updated by
+the cluster backend (router.cluster_backend).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ __all__ = ["METRICS_CONTENT_TYPE", "RequestStatus", "RouterMetrics"]
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+KV_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -49,6 +51,19 @@ class RouterMetrics:
         self.placement_decisions = Counter(
             "pdserve:placement_decisions_total", "Placement decisions by policy and kind (e.g. disaggregated, local_prefill).",
             ["policy", "kind"], registry=r,
+        )
+        self.kv_transfer_bytes = Counter(
+            "pdserve:kv_transfer_bytes_total", "KV bytes pushed from prefill to decode workers, as reported by Prefill.",
+            registry=r,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "pdserve:kv_transfer_seconds", "Time a prefill worker spent pushing one request's KV.",
+            registry=r, buckets=KV_TRANSFER_BUCKETS,
+        )
+        self.request_recoveries = Counter(
+            "pdserve:request_recoveries_total",
+            "Requests recovered from a worker failure, by kind (replace, local_fallback, migrate).",
+            ["kind"], registry=r,
         )
         self.prompt_tokens = Counter("pdserve:prompt_tokens_total", "Prompt tokens of accepted requests.", registry=r)
         self.generation_tokens = Counter("pdserve:generation_tokens_total", "Generated tokens.", registry=r)

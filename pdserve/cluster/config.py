@@ -1,0 +1,231 @@
+"""`UpConfig`: everything `pdserve up` needs, from flags and an optional YAML file.
+
+The YAML file takes the flags' long names as keys (`max-model-len` or `max_model_len`);
+flags given on the command line win over the file, the file wins over the defaults. Unknown
+keys and bad values raise `ValueError` naming the flag, or the file and its key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from pdserve.engine_args import ENGINE_DEFAULTS
+
+MODES = ("disaggregated", "colocated")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+_RESOURCE_KEYS = ("resources", "prefill_resources", "decode_resources")
+
+
+def flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    # engine (one EngineConfig per worker, see `engine_values`)
+    model: str = ENGINE_DEFAULTS["model"]
+    dtype: str | None = ENGINE_DEFAULTS["dtype"]
+    device: str | None = ENGINE_DEFAULTS["device"]
+    max_model_len: int | None = ENGINE_DEFAULTS["max_model_len"]
+    kv_cache_gib: float = ENGINE_DEFAULTS["kv_cache_gib"]
+    gpu_memory_fraction: float = ENGINE_DEFAULTS["gpu_memory_fraction"]
+    block_size: int = ENGINE_DEFAULTS["block_size"]
+    max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"]
+    max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"]
+    no_prefix_caching: bool = ENGINE_DEFAULTS["no_prefix_caching"]
+    # pools
+    mode: str = "disaggregated"
+    prefill: int = 1
+    decode: int = 1
+    replicas: int | None = None  # colocated: number of mixed workers (default prefill + decode)
+    worker_cpus: float = 1.0
+    worker_gpus: float | None = None  # None: 1 when the Ray cluster has GPUs, else 0
+    resources: Mapping[str, float] = field(default_factory=dict)  # every worker
+    prefill_resources: Mapping[str, float] = field(default_factory=dict)
+    decode_resources: Mapping[str, float] = field(default_factory=dict)
+    placement_strategy: str = "PACK"
+    kv_backend: str = "ucx"
+    # Ray
+    address: str | None = None  # None: start a local Ray; "auto" or "ray://host:port": join one
+    namespace: str = "pdserve"
+    cluster_name: str = "default"
+    ray_object_store_mb: int = 256  # only for a Ray we start
+    startup_timeout_s: float = 600.0
+    # router
+    policy: str = "round-robin"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the --model spec
+    kv_deadline_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        def fail(key: str, message: str) -> None:
+            raise ValueError(f"{flag(key)}: {message}")
+
+        if not isinstance(self.model, str) or not self.model.strip():
+            fail("model", "must be a non-empty model spec")
+        if self.mode not in MODES:
+            fail("mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        for key in ("prefill", "decode"):
+            if getattr(self, key) < 0:
+                fail(key, f"must be >= 0, got {getattr(self, key)}")
+        if self.mode == "disaggregated":
+            if self.replicas is not None:
+                fail("replicas", "applies only to --mode colocated (use --prefill and --decode)")
+            for key in ("prefill", "decode"):
+                if getattr(self, key) < 1:
+                    fail(key, "must be >= 1 in --mode disaggregated")
+        elif self.replicas is not None and self.replicas < 1:
+            fail("replicas", f"must be >= 1, got {self.replicas}")
+        elif self.replicas is None and self.prefill + self.decode < 1:
+            fail("replicas", "--mode colocated needs at least one worker")
+        if not (self.worker_cpus >= 0 and math.isfinite(self.worker_cpus)):
+            fail("worker_cpus", f"must be >= 0, got {self.worker_cpus}")
+        if self.worker_gpus is not None and not (self.worker_gpus >= 0 and math.isfinite(self.worker_gpus)):
+            fail("worker_gpus", f"must be >= 0, got {self.worker_gpus}")
+        for key in _RESOURCE_KEYS:
+            object.__setattr__(self, key, check_resources(flag(key), getattr(self, key)))
+        if self.placement_strategy not in PLACEMENT_STRATEGIES:
+            fail("placement_strategy", f"must be one of {', '.join(PLACEMENT_STRATEGIES)}, "
+                                       f"got {self.placement_strategy!r}")
+        if self.mode == "disaggregated" and self.kv_backend == "fake":
+            fail("kv_backend", "'fake' moves KV only inside one process; Ray workers need 'ucx'")
+        if not 1 <= self.port <= 65535:
+            fail("port", f"must be in 1..65535, got {self.port}")
+        for key in ("kv_deadline_s", "startup_timeout_s"):
+            value = getattr(self, key)
+            if not (value > 0 and math.isfinite(value)):
+                fail(key, f"must be > 0, got {value}")
+        if self.ray_object_store_mb < 75:
+            fail("ray_object_store_mb", f"must be >= 75 (Ray's minimum), got {self.ray_object_store_mb}")
+        for key in ("namespace", "cluster_name"):
+            value = getattr(self, key)
+            if not value or ":" in value:
+                fail(key, f"must be non-empty without ':', got {value!r}")
+        if self.api_key is not None and not self.api_key:
+            fail("api_key", "must not be empty")
+        check_policy(self.policy)
+
+    # ---- derived ---------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def pool_sizes(self) -> dict[str, int]:
+        """role -> number of workers."""
+        if self.mode == "colocated":
+            return {"mixed": self.replicas if self.replicas is not None else self.prefill + self.decode}
+        return {"prefill": self.prefill, "decode": self.decode}
+
+    def pool_resources(self, role: str) -> dict[str, float]:
+        """Custom Ray resources each worker of `role` asks for."""
+        own = {"prefill": self.prefill_resources, "decode": self.decode_resources}.get(role, {})
+        return {**self.resources, **own}
+
+    def engine_values(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in ENGINE_DEFAULTS}
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(UpConfig)}
+_INTS = {"max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs", "prefill", "decode", "replicas",
+         "port", "ray_object_store_mb"}
+_FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s"}
+_BOOLS = {"no_prefix_caching"}
+_OPTIONAL = {"dtype", "device", "max_model_len", "replicas", "worker_gpus", "address", "api_key", "served_model_name"}
+
+
+def check_policy(name: str) -> None:
+    """ValueError naming --policy unless `name` is in the router's placement registry."""
+    from router.placement import POLICIES
+
+    if name not in POLICIES:
+        raise ValueError(f"--policy: unknown placement policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
+
+
+def check_resources(name: str, value: Any) -> dict[str, float]:
+    """A mapping of Ray resource name -> amount >= 0; ValueError naming `name`."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name}: must be a mapping of resource name to amount, e.g. {{\"node_a\": 1}}")
+    out: dict[str, float] = {}
+    for key, amount in value.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"{name}: resource names must be non-empty strings, got {key!r}")
+        if key in ("CPU", "GPU", "memory"):
+            raise ValueError(f"{name}: {key!r} is set by --worker-cpus/--worker-gpus, not as a custom resource")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not amount >= 0:
+            raise ValueError(f"{name}: amount of {key!r} must be a number >= 0, got {amount!r}")
+        out[key] = float(amount)
+    return out
+
+
+def _check_type(key: str, value: Any) -> str | None:
+    """None when `value` fits the key's type, else what it should be."""
+    if value is None:
+        return None if key in _OPTIONAL else "must not be empty"
+    if key in _BOOLS:
+        return None if isinstance(value, bool) else "must be true or false"
+    if key in _INTS:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
+    if key in _FLOATS:
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "must be a number"
+    if key in _RESOURCE_KEYS:
+        return None if isinstance(value, Mapping) else "must be a mapping of resource name to amount"
+    return None if isinstance(value, str) else "must be a string"
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The YAML file's settings, keys normalized to field names; ValueError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: config file not found") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read config file: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ValueError(f"{path}: invalid YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of settings at the top level")
+    settings: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("-", "_")
+        if key not in _FIELDS:
+            raise ValueError(f"{path}: unknown key {raw_key!r}")
+        if key in settings:
+            raise ValueError(f"{path}: key {raw_key!r} is given twice")
+        problem = _check_type(key, value)
+        if problem is not None:
+            raise ValueError(f"{path}: {raw_key} {problem}, got {value!r}")
+        if key in _FLOATS and value is not None:
+            value = float(value)
+        settings[key] = value
+    return settings
+
+
+def load_up_config(flags: Mapping[str, Any], config_file: str | None = None) -> UpConfig:
+    """Flags given on the command line (only those) over the file's settings over the defaults."""
+    unknown = sorted(set(flags) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"unknown settings: {unknown}")
+    settings = read_config_file(config_file) if config_file else {}
+    settings.update(flags)
+    try:
+        return UpConfig(**settings)
+    except ValueError as e:
+        if config_file:
+            from_file = [key for key in settings if key not in flags and str(e).startswith(flag(key) + ":")]
+            if from_file:
+                raise ValueError(f"{config_file}: {e}") from None
+        raise

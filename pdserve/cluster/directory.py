@@ -1,0 +1,119 @@
+"""`RayDirectory`: the router's view of the named worker actors (`router.directory.WorkerDirectory`).
+
+Each refresh resolves the actors by name and asks each for `info()` with a bounded timeout.
+An actor that is dead, restarting or slow is left out of that answer (the router routes
+around it) and is asked again on the next refresh; once Ray has restarted it, it answers with
+its new address. At most one query per actor is in flight, so a hung actor never piles up
+calls. Answers are cached for `refresh_interval_s`; concurrent callers share one refresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from router.directory import WorkerEndpoint
+
+from pdserve.cluster.pools import parse_actor_name
+
+logger = logging.getLogger(__name__)
+
+
+class RayDirectory:
+    """`names`: the actor names to follow; None discovers `pdserve:<cluster>:*` actors in the
+    namespace on each refresh (e.g. a router started apart from `pdserve up`)."""
+
+    def __init__(self, namespace: str, cluster: str = "default", names: Sequence[str] | None = None, *,
+                 probe_timeout_s: float = 2.0, refresh_interval_s: float = 1.0) -> None:
+        if probe_timeout_s <= 0:
+            raise ValueError(f"probe_timeout_s must be > 0, got {probe_timeout_s}")
+        self.namespace = namespace
+        self.cluster = cluster
+        self._names = list(names) if names is not None else None
+        self.probe_timeout_s = probe_timeout_s
+        self.refresh_interval_s = refresh_interval_s
+        self._handles: dict[str, Any] = {}
+        self._inflight: dict[str, asyncio.Future] = {}
+        self._cache: list[WorkerEndpoint] | None = None
+        self._cache_time = 0.0
+        self._lock: asyncio.Lock | None = None
+        self.last_info: dict[str, dict[str, Any]] = {}  # name -> last info() answer
+
+    async def endpoints(self) -> list[WorkerEndpoint]:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            now = time.monotonic()
+            if self._cache is None or now - self._cache_time >= self.refresh_interval_s:
+                self._cache = await self.refresh()
+                self._cache_time = time.monotonic()
+            return list(self._cache)
+
+    async def refresh(self) -> list[WorkerEndpoint]:
+        """Asks every actor now, ignoring the cache."""
+        names = self._names if self._names is not None else await asyncio.to_thread(self._discover)
+        answers = await asyncio.gather(*(self._probe(name) for name in names))
+        endpoints = []
+        for name, info in zip(names, answers):
+            if info is None:
+                continue
+            self.last_info[name] = info
+            endpoints.append(WorkerEndpoint(worker_id=info["worker_id"], role=info["role"],
+                                            address=info["address"], node=info.get("node_id", "")))
+        return endpoints
+
+    def _discover(self) -> list[str]:
+        import ray
+
+        names = []
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            parsed = parse_actor_name(entry["name"])
+            if entry["namespace"] == self.namespace and parsed is not None and parsed[0] == self.cluster:
+                names.append(entry["name"])
+        return sorted(names)
+
+    async def _probe(self, name: str) -> dict[str, Any] | None:
+        future = self._inflight.get(name)
+        if future is None or future.done():
+            try:
+                handle = await self._handle(name)
+            except Exception as exc:
+                logger.debug("worker %s: no actor handle (%s)", name, exc)
+                return None
+            future = asyncio.wrap_future(handle.info.remote().future())
+            self._inflight[name] = future
+        try:
+            info = await asyncio.wait_for(asyncio.shield(future), self.probe_timeout_s)
+        except asyncio.TimeoutError:
+            logger.info("worker %s did not answer within %.1fs; leaving it out", name, self.probe_timeout_s)
+            return None
+        except Exception as exc:  # RayActorError while restarting, ActorDiedError once dead
+            logger.info("worker %s unavailable: %s", name, type(exc).__name__)
+            if _is_dead_for_good(exc):
+                self._handles.pop(name, None)
+            return None
+        finally:
+            if future.done():
+                self._inflight.pop(name, None)
+        return info
+
+    async def _handle(self, name: str) -> Any:
+        handle = self._handles.get(name)
+        if handle is None:
+            import ray
+
+            handle = await asyncio.wait_for(
+                asyncio.to_thread(ray.get_actor, name, namespace=self.namespace), self.probe_timeout_s)
+            self._handles[name] = handle
+        return handle
+
+
+def _is_dead_for_good(exc: BaseException) -> bool:
+    try:
+        from ray.exceptions import ActorDiedError
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(exc, ActorDiedError)

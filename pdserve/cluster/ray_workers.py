@@ -1,0 +1,68 @@
+"""`WorkerActor`: one `WorkerServer` (engine + gRPC + KV plane) in a Ray actor process.
+
+Ray is the control plane only: the actor loads the model and starts the gRPC server in its
+constructor, then answers small queries (`address`, `info`, `health`). Requests and KV never
+pass through Ray. When Ray restarts a dead actor the constructor runs again, so the server
+comes back on a new port; `RayDirectory` asks again for the address.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+from pdserve.worker.server import WorkerConfig, WorkerServer
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerActor:
+    """Used as `ray.remote(WorkerActor)`; see `pdserve.cluster.pools`.
+
+    `bind_node_ip`: bind gRPC and KV to this Ray node's IP (the address other nodes reach)
+    instead of `config.host` / `config.kv_host`.
+    """
+
+    def __init__(self, config: WorkerConfig, bind_node_ip: bool = True) -> None:
+        import ray
+
+        context = ray.get_runtime_context()
+        self._node_id = context.get_node_id()
+        self._node_ip = ray.util.get_node_ip_address()
+        if bind_node_ip:
+            config = dataclasses.replace(config, host=self._node_ip, kv_host=self._node_ip)
+        self._config = config
+        self._started_at = time.time()
+        self._server = WorkerServer(config)
+        self._address = self._server.start()
+
+    def address(self) -> str:
+        return self._address
+
+    def kv_address(self) -> str:
+        return self._server.kv_address
+
+    def info(self) -> dict[str, Any]:
+        """Where the worker is: worker_id, role, address, kv_address, node_id, node_ip, pid."""
+        return {
+            "worker_id": self._config.worker_id,
+            "role": self._config.role,
+            "address": self._address,
+            "kv_address": self._server.kv_address,
+            "node_id": self._node_id,
+            "node_ip": self._node_ip,
+            "pid": os.getpid(),
+            "started_at": self._started_at,
+        }
+
+    def health(self) -> dict[str, Any]:
+        """{"healthy": bool, "detail": str, **info()}: healthy while the engine loop runs."""
+        alive = bool(self._server.loop.alive)
+        return {**self.info(), "healthy": alive, "detail": "" if alive else "engine loop stopped"}
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Stops the gRPC server and frees the engine and KV plane; the process stays until killed."""
+        self._server.stop(grace)

@@ -1,0 +1,89 @@
+"""Engine flags shared by the `pdserve` subcommands that load a model (generate, up, worker).
+
+`ENGINE_DEFAULTS` is the single source of the defaults: the argparse flags, the YAML keys of
+`pdserve up --config` and `engine_config` all read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any
+
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+ENGINE_DEFAULTS: dict[str, Any] = {
+    "model": "smollm2",
+    "dtype": None,
+    "device": None,
+    "max_model_len": None,
+    "kv_cache_gib": 0.5,
+    "gpu_memory_fraction": 0.85,
+    "block_size": 16,
+    "max_num_batched_tokens": 512,
+    "max_num_seqs": 64,
+    "no_prefix_caching": False,
+}
+
+
+def int_arg(flag: str):
+    def parse(text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
+    return parse
+
+
+def float_arg(flag: str):
+    def parse(text: str) -> float:
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
+    return parse
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, suppress_defaults: bool = False) -> None:
+    """Adds the engine flags. With `suppress_defaults`, flags not given stay out of the namespace
+    (so that a config file can fill them in before the defaults do)."""
+
+    def default(key: str) -> Any:
+        return argparse.SUPPRESS if suppress_defaults else ENGINE_DEFAULTS[key]
+
+    p.add_argument("--model", default=default("model"),
+                   help="smollm2 (default), a Hugging Face directory, a .gguf file, or random:<name>")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=default("dtype"))
+    p.add_argument("--device", default=default("device"), help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--max-model-len", type=int_arg("--max-model-len"), default=default("max_model_len"))
+    p.add_argument("--kv-cache-gib", type=float_arg("--kv-cache-gib"), default=default("kv_cache_gib"),
+                   help="KV cache budget on CPU, GiB")
+    p.add_argument("--gpu-memory-fraction", type=float_arg("--gpu-memory-fraction"),
+                   default=default("gpu_memory_fraction"))
+    p.add_argument("--block-size", type=int_arg("--block-size"), default=default("block_size"))
+    p.add_argument("--max-num-batched-tokens", type=int_arg("--max-num-batched-tokens"),
+                   default=default("max_num_batched_tokens"))
+    p.add_argument("--max-num-seqs", type=int_arg("--max-num-seqs"), default=default("max_num_seqs"))
+    p.add_argument("--no-prefix-caching", action="store_true", default=default("no_prefix_caching"))
+
+
+def engine_kwargs(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of `pdserve.llm.LLM` from parsed engine flags."""
+    v = vars(args) if isinstance(args, argparse.Namespace) else args
+    return dict(model=v["model"], dtype=v["dtype"], device=v["device"], max_model_len=v["max_model_len"],
+                kv_cache_gib=v["kv_cache_gib"], gpu_memory_fraction=v["gpu_memory_fraction"],
+                block_size=v["block_size"], max_num_batched_tokens=v["max_num_batched_tokens"],
+                max_num_seqs=v["max_num_seqs"], enable_prefix_caching=not v["no_prefix_caching"])
+
+
+def engine_config(values: argparse.Namespace | Mapping[str, Any], role: str = "mixed") -> EngineConfig:
+    """The `EngineConfig` of one worker from engine flag values (ValueError names a bad value)."""
+    v = vars(values) if isinstance(values, argparse.Namespace) else values
+    return EngineConfig(
+        model=v["model"], dtype=v["dtype"], device=v["device"], max_model_len=v["max_model_len"],
+        cache=CacheConfig(block_size=v["block_size"], cpu_kv_gib=v["kv_cache_gib"],
+                          gpu_memory_fraction=v["gpu_memory_fraction"],
+                          enable_prefix_caching=not v["no_prefix_caching"]),
+        scheduler=SchedulerConfig(max_num_batched_tokens=v["max_num_batched_tokens"],
+                                  max_num_seqs=v["max_num_seqs"], role=role),
+    )

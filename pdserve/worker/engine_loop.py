@@ -1,0 +1,127 @@
+"""The engine in its own thread.
+
+Only this thread touches the engine. Others send it commands (callables run between steps)
+and subscribe to a request's outputs; a subscriber is a thread-safe callback, usually one
+that hands the output to an asyncio queue with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from pdserve.engine import LLMEngine
+from pdserve.sampling_params import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+Subscriber = Callable[[RequestOutput | BaseException], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, name: str = "pdserve-engine") -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._subscribers: dict[str, Subscriber] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.num_generated_tokens = 0
+        self.started_at = time.monotonic()
+        self.last_error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    # ---- API for other threads -------------------------------------------------------------
+    def submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Runs `fn(engine)` on the engine thread between steps."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._stop.is_set():
+            future.set_exception(RuntimeError("engine loop is stopped"))
+            return future
+        self._commands.put((fn, future))
+        self._wake.set()
+        return future
+
+    def subscribe(self, request_id: str, callback: Subscriber) -> None:
+        with self._lock:
+            self._subscribers[request_id] = callback
+
+    def unsubscribe(self, request_id: str) -> None:
+        with self._lock:
+            self._subscribers.pop(request_id, None)
+
+    def deliver(self, output: RequestOutput) -> None:
+        with self._lock:
+            callback = self._subscribers.get(output.request_id)
+            if output.finished:
+                self._subscribers.pop(output.request_id, None)
+        if callback is not None:
+            callback(output)
+
+    def end_aborted(self, request_id: str) -> None:
+        """Ends an aborted request's stream with a final `abort` output."""
+        self.deliver(RequestOutput(request_id, [], "", True, "abort", 0, 0))
+
+    # ---- the thread ------------------------------------------------------------------------
+    def _drain(self) -> None:
+        while True:
+            try:
+                fn, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:  # handed to the caller
+                future.set_exception(exc)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._drain()
+            if not engine.has_unfinished_requests():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # a failed step fails its requests, not the worker
+                logger.exception("engine step failed")
+                self.last_error = exc
+                self._fail_all(exc)
+                continue
+            if not outputs and not engine.scheduler.running:
+                self._wake.wait(0.005)  # waiting requests that can't be admitted yet
+                self._wake.clear()
+            for out in outputs:
+                self.num_generated_tokens += len(out.new_token_ids)
+                self.deliver(out)
+        self._drain()
+        self._fail_all(RuntimeError("worker is shutting down"))
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            subscribers, self._subscribers = self._subscribers, {}
+        for request_id, callback in subscribers.items():
+            self.engine.abort_request(request_id)
+            callback(exc)
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)

@@ -1,0 +1,83 @@
+"""Prefill side of the KV hand-off: which blocks to push after each layer of each step.
+
+A request with a destination pushes every block of its prompt exactly once per layer: a
+block goes as soon as a chunk completes it (or, for the trailing partial block, when the
+prompt's last chunk is computed). The engine's layer hook calls `on_layer`, so layer L of
+a chunk is on the wire while layer L+1 computes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtransfer import KVSender
+from pdserve.scheduler import ScheduledBatch
+
+
+@dataclass
+class Destination:
+    address: str
+    transfer_id: str
+    dst_block_ids: list[int]
+    num_sent_blocks: int = 0  # blocks [0, n) are pushed for every layer
+    error: BaseException | None = None  # a push failed; the prefill reports it
+
+
+@dataclass
+class _Push:
+    dest: Destination
+    src: list[int]
+    dst: list[int]
+    end_block: int
+
+
+@dataclass
+class KVPusher:
+    sender: KVSender
+    block_size: int
+    num_layers: int
+    destinations: dict[str, Destination] = field(default_factory=dict)
+    _batch_id: int = -1
+    _pushes: list[_Push] = field(default_factory=list)
+
+    def add(self, request_id: str, dest: Destination) -> None:
+        self.destinations[request_id] = dest
+
+    def remove(self, request_id: str) -> Destination | None:
+        return self.destinations.pop(request_id, None)
+
+    def on_layer(self, layer: int, batch: ScheduledBatch) -> None:
+        if not self.destinations:
+            return
+        if layer == 0 or id(batch) != self._batch_id:
+            self._batch_id = id(batch)
+            self._pushes = self._plan(batch)
+        for push in self._pushes:
+            if push.dest.error is not None:
+                continue
+            try:
+                self.sender.send_layer(push.dest.address, push.dest.transfer_id, layer, push.src, push.dst)
+            except Exception as exc:  # the request fails, the step goes on
+                push.dest.error = exc
+        if layer == self.num_layers - 1:
+            for push in self._pushes:
+                push.dest.num_sent_blocks = push.end_block
+            self._pushes = []
+
+    def _plan(self, batch: ScheduledBatch) -> list[_Push]:
+        pushes = []
+        bs = self.block_size
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            dest = self.destinations.get(seq.request_id)
+            if dest is None:
+                continue
+            computed = seq.num_computed_tokens + num_new  # after this step
+            prompt_done = computed >= seq.num_prompt_tokens
+            end_block = -(-seq.num_prompt_tokens // bs) if prompt_done else computed // bs
+            end_block = min(end_block, len(dest.dst_block_ids))
+            if end_block <= dest.num_sent_blocks:
+                continue
+            blocks = range(dest.num_sent_blocks, end_block)
+            pushes.append(_Push(dest, [seq.block_ids[i] for i in blocks],
+                                [dest.dst_block_ids[i] for i in blocks], end_block))
+        return pushes

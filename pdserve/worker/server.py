@@ -1,0 +1,427 @@
+"""A worker: the engine in one role behind the gRPC request plane, with its KV data plane.
+
+Disaggregated request, as seen by the workers (the router drives it):
+
+1. D.Reserve: D allocates blocks for the prompt and expects a transfer into them.
+2. P.Prefill: P computes the prompt in chunks; after each layer of each chunk it pushes the
+   blocks that chunk completed to D (kv_push); it samples the first token, waits until D
+   acknowledged every layer, frees its blocks and returns the first token.
+3. D.Decode: D waits for the KV (bounded by the deadline), joins the request to its decode
+   batch and streams the remaining tokens.
+4. Abort (or a cancelled stream) frees whatever the request holds, on either worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvtransfer import KVTransferError, KVTransferTimeout, WIRE_VERSION, KVLayout, create_receiver, create_sender
+from pdserve.config import ROLES, EngineConfig
+from pdserve.engine import LLMEngine, NoKVSpaceError
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.proto.convert import output_to_chunk, params_from_proto
+from pdserve.sampling_params import RequestOutput
+from pdserve.worker.engine_loop import EngineLoop
+from pdserve.worker.kv_push import Destination, KVPusher
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    worker_id: str
+    role: str  # "prefill" | "decode" | "mixed"
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 0
+    kv_backend: str = "ucx"
+    kv_host: str = "127.0.0.1"
+    kv_options: tuple[tuple[str, object], ...] = ()  # extra backend options (e.g. pacing)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"worker role must be one of {ROLES}, got {self.role!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"worker port must be in [0, 65535], got {self.port}")
+
+
+class _Stream:
+    """Outputs of one request, from the engine thread to an asyncio consumer."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def __call__(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def next(self) -> RequestOutput:
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(self, worker: "WorkerServer") -> None:
+        self.w = worker
+
+    # ---- helpers ---------------------------------------------------------------------------
+    async def _engine(self, fn):
+        return await asyncio.wrap_future(self.w.loop.submit(fn))
+
+    async def _fail(self, context, code: grpc.StatusCode, message: str):
+        await context.abort(code, message)
+
+    def _check_role(self, allowed: tuple[str, ...], rpc: str) -> str | None:
+        if self.w.config.role not in allowed:
+            return f"{rpc} is not served by a {self.w.config.role} worker"
+        return None
+
+    async def _stream(self, request_id: str, start, context, offset: tuple[int, int] = (0, 0)):
+        """Subscribes, runs `start(engine)` on the engine thread, yields chunks until done;
+        a cancelled stream aborts the request."""
+        stream = _Stream(asyncio.get_running_loop())
+        self.w.loop.subscribe(request_id, stream)
+        finished = False
+        try:
+            try:
+                first = await self._engine(start)
+            except ValueError as exc:
+                self.w.loop.unsubscribe(request_id)
+                await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                return
+            if first is not None:  # the request finished at once
+                self.w.loop.unsubscribe(request_id)
+                finished = True
+                yield self._shift(first, offset)
+                return
+            while True:
+                out = await stream.next()
+                finished = out.finished
+                yield self._shift(out, offset)
+                if finished:
+                    return
+        except RuntimeError as exc:
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            if not finished:
+                self.w.loop.unsubscribe(request_id)
+                self.w.loop.submit(lambda e: e.abort_request(request_id))
+
+    @staticmethod
+    def _shift(out: RequestOutput, offset: tuple[int, int]) -> pb.TokenChunk:
+        chunk = output_to_chunk(out)
+        chunk.num_prompt_tokens -= offset[0]
+        chunk.num_output_tokens += offset[1]
+        return chunk
+
+    # ---- RPCs ------------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context):
+        if (err := self._check_role(("mixed", "decode"), "Generate")) is not None:
+            await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION, err)
+            return
+        try:
+            params = params_from_proto(request.params)
+        except ValueError as exc:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return
+        resumed = list(request.resumed_token_ids)
+        prompt = list(request.prompt_token_ids) + resumed
+        if resumed:
+            if len(resumed) >= params.max_tokens:
+                await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT,
+                                 "resumed_token_ids already reach max_tokens")
+                return
+            from dataclasses import replace
+
+            params = replace(params, max_tokens=params.max_tokens - len(resumed),
+                             min_tokens=max(0, params.min_tokens - len(resumed)))
+        rid = request.request_id
+        async for chunk in self._stream(rid, lambda e: e.add_request(rid, prompt, params), context,
+                                        offset=(len(resumed), len(resumed))):
+            yield chunk
+
+    async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
+        if (err := self._check_role(("decode",), "Reserve")) is not None:
+            await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION, err)
+        try:
+            params = params_from_proto(request.params)
+        except ValueError as exc:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid = request.request_id
+        prompt = list(request.prompt_token_ids)
+        transfer_id = f"{rid}/{uuid.uuid4().hex[:8]}"
+        deadline = request.deadline_s if request.deadline_s > 0 else self.w.default_deadline_s
+
+        def reserve(engine: LLMEngine) -> list[int]:
+            blocks = engine.reserve(rid, prompt, params)
+            try:
+                self.w.receiver.expect(transfer_id, blocks, engine.model_config.num_layers, deadline)
+            except Exception:
+                engine.abort_request(rid)
+                raise
+            return blocks
+
+        try:
+            blocks = await self._engine(reserve)
+        except NoKVSpaceError as exc:
+            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except ValueError as exc:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self.w.transfers[rid] = transfer_id
+        return pb.ReserveResponse(kv_address=self.w.kv_address, transfer_id=transfer_id, block_ids=blocks,
+                                  wire_version=WIRE_VERSION, layout=self.w.layout_fingerprint)
+
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        if (err := self._check_role(("prefill",), "Prefill")) is not None:
+            await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION, err)
+        if request.wire_version != WIRE_VERSION or request.layout != self.w.layout_fingerprint:
+            await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION,
+                             f"KV wire/layout mismatch: decode has v{request.wire_version} {request.layout!r}, "
+                             f"prefill has v{WIRE_VERSION} {self.w.layout_fingerprint!r}")
+        try:
+            params = params_from_proto(request.params)
+        except ValueError as exc:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        rid = request.request_id
+        prompt = list(request.prompt_token_ids)
+        dest = Destination(request.kv_address, request.transfer_id, list(request.dst_block_ids))
+        expected_blocks = -(-len(prompt) // self.w.block_size)
+        if len(dest.dst_block_ids) != expected_blocks:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT,
+                             f"{len(dest.dst_block_ids)} destination blocks for a {len(prompt)}-token prompt "
+                             f"(expected {expected_blocks})")
+        deadline = request.deadline_s if request.deadline_s > 0 else self.w.default_deadline_s
+        t0 = time.monotonic()
+
+        def start(engine: LLMEngine):
+            self.w.pusher.add(rid, dest)
+            try:
+                engine.add_request(rid, prompt, params)
+            except Exception:
+                self.w.pusher.remove(rid)
+                raise
+            return None
+
+        stream = _Stream(asyncio.get_running_loop())
+        self.w.loop.subscribe(rid, stream)
+        released = False
+
+        async def release():
+            nonlocal released
+            if not released:
+                released = True
+                self.w.loop.unsubscribe(rid)
+                await self._engine(lambda e: (self.w.pusher.remove(rid), e.release(rid), e.abort_request(rid)))
+
+        try:
+            try:
+                await self._engine(start)
+            except ValueError as exc:
+                await release()
+                await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            first = await stream.next()
+            t_first = time.monotonic()
+            if dest.error is not None:
+                await release()
+                await self._fail(context, grpc.StatusCode.UNAVAILABLE, f"KV push failed: {dest.error}")
+            try:
+                result = await asyncio.to_thread(self.w.sender.finish, dest.transfer_id, deadline)
+            except KVTransferTimeout as exc:
+                await release()
+                await self._fail(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"KV transfer: {exc}")
+            except KVTransferError as exc:
+                await release()
+                await self._fail(context, grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
+            await release()
+            self.w.kv_bytes += result.num_bytes
+            self.w.kv_seconds += result.seconds
+            chunk = output_to_chunk(first)
+            if first.finish_reason == "prefilled":
+                chunk.finished = False
+                chunk.finish_reason = ""
+            return pb.PrefillResponse(first=chunk, kv_bytes=result.num_bytes, kv_seconds=result.seconds,
+                                      prefill_seconds=t_first - t0)
+        except RuntimeError as exc:
+            await release()
+            await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            if not released:  # cancelled by the caller
+                self.w.loop.unsubscribe(rid)
+                self.w.loop.submit(lambda e: (self.w.pusher.remove(rid), e.release(rid), e.abort_request(rid)))
+
+    async def Decode(self, request: pb.DecodeRequest, context):
+        if (err := self._check_role(("decode",), "Decode")) is not None:
+            await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION, err)
+            return
+        rid = request.request_id
+        transfer_id = self.w.transfers.pop(rid, None)
+        if transfer_id is None or not len(request.first.token_ids):
+            await self._fail(context, grpc.StatusCode.NOT_FOUND, f"no reservation for request {rid!r}")
+            return
+        try:
+            result = await asyncio.to_thread(self.w.receiver.wait, transfer_id, self.w.default_deadline_s)
+        except (KVTransferTimeout, KVTransferError) as exc:
+            self.w.receiver.cancel(transfer_id)
+            await self._engine(lambda e: e.abort_request(rid))
+            code = (grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(exc, KVTransferTimeout)
+                    else grpc.StatusCode.UNAVAILABLE)
+            await self._fail(context, code, f"KV transfer: {exc}")
+            return
+        self.w.kv_bytes += result.num_bytes
+        self.w.kv_seconds += result.seconds
+        first_token = request.first.token_ids[-1]
+        async for chunk in self._stream(rid, lambda e: e.commit(rid, first_token), context):
+            yield chunk
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        rid = request.request_id
+        transfer_id = self.w.transfers.pop(rid, None)
+        if transfer_id is not None and self.w.receiver is not None:
+            self.w.receiver.cancel(transfer_id)
+
+        def abort(engine: LLMEngine) -> bool:
+            if self.w.pusher is not None:
+                self.w.pusher.remove(rid)
+            return engine.abort_request(rid)
+
+        found = await self._engine(abort)
+        self.w.loop.end_aborted(rid)
+        return pb.AbortResponse(found=found)
+
+    async def Stats(self, request, context) -> pb.StatsResponse:
+        return self.w.stats()
+
+    async def Health(self, request, context) -> pb.HealthResponse:
+        healthy = self.w.loop.alive
+        return pb.HealthResponse(healthy=healthy, worker_id=self.w.config.worker_id, role=self.w.config.role,
+                                 detail="" if healthy else "engine loop stopped")
+
+
+class WorkerServer:
+    """Loads the model, then serves it: `start()` returns the gRPC address."""
+
+    def __init__(self, config: WorkerConfig, default_deadline_s: float = 30.0) -> None:
+        self.config = config
+        self.default_deadline_s = default_deadline_s
+        engine_config = config.engine
+        if engine_config.scheduler.role != config.role:
+            from dataclasses import replace
+
+            engine_config = replace(engine_config, scheduler=replace(engine_config.scheduler, role=config.role))
+        self.engine = LLMEngine(engine_config)
+        self.block_size = engine_config.cache.block_size
+        self.loop = EngineLoop(self.engine, name=f"engine-{config.worker_id}")
+        kv_caches = self.engine.runner.kv_caches
+        self.layout_fingerprint = f"{KVLayout.from_caches(kv_caches).fingerprint:016x}"
+        opts = dict(config.kv_options)
+        self.sender = None
+        self.receiver = None
+        self.pusher: KVPusher | None = None
+        if config.role == "prefill":
+            self.sender = create_sender(config.kv_backend, kv_caches, **opts)
+            self.pusher = KVPusher(self.sender, self.block_size, self.engine.model_config.num_layers)
+            self.engine.layer_hook = self.pusher.on_layer
+        elif config.role == "decode":
+            if config.kv_backend != "fake":
+                opts.setdefault("host", config.kv_host)
+            self.receiver = create_receiver(config.kv_backend, kv_caches, **opts)
+        self.kv_address = self.receiver.address() if self.receiver is not None else ""
+        self.transfers: dict[str, str] = {}  # request id -> transfer id (decode role)
+        self.kv_bytes = 0
+        self.kv_seconds = 0.0
+        self.address = ""
+        self._aio_loop: asyncio.AbstractEventLoop | None = None
+        self._server: grpc.aio.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._stop_event: asyncio.Event | None = None
+        self._grace = 5.0
+
+    def start(self) -> str:
+        self.loop.start()
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._aio_loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self._serve(ready))
+            except BaseException as exc:  # surfaced to start()
+                errors.append(exc)
+                ready.set()
+            finally:
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name=f"grpc-{self.config.worker_id}", daemon=True)
+        self._thread.start()
+        ready.wait(30)
+        if errors:
+            self.stop()
+            raise errors[0]
+        logger.info("worker %s (%s) serving on %s, KV at %s", self.config.worker_id, self.config.role,
+                    self.address, self.kv_address or "-")
+        return self.address
+
+    async def _serve(self, ready: threading.Event) -> None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                          ("grpc.max_send_message_length", 64 << 20)])
+        pb_grpc.add_WorkerServicer_to_server(WorkerServicer(self), server)
+        port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if port == 0:
+            raise OSError(f"cannot bind the worker's gRPC port {self.config.host}:{self.config.port}")
+        self.address = f"{self.config.host}:{port}"
+        self._server = server
+        self._stop_event = asyncio.Event()
+        await server.start()
+        ready.set()
+        await self._stop_event.wait()
+        await server.stop(self._grace)
+
+    def stats(self) -> pb.StatsResponse:
+        s = self.engine.stats()
+        elapsed = max(time.monotonic() - self.loop.started_at, 1e-9)
+        return pb.StatsResponse(
+            worker_id=self.config.worker_id, role=self.config.role, num_waiting=s["num_waiting"],
+            num_running=s["num_running"], num_held=s["num_held"], num_awaiting_kv=s["num_awaiting_kv"],
+            num_blocks=s["num_blocks"], num_free_blocks=s["num_free_blocks"], block_size=self.block_size,
+            prefix_cache_hits=s["prefix_cache_hits"], prefix_cache_queries=s["prefix_cache_queries"],
+            kv_transfer_bytes=self.kv_bytes, kv_transfer_seconds=self.kv_seconds, kv_address=self.kv_address,
+            model=self.config.engine.model, max_model_len=self.engine.max_model_len,
+            num_preemptions=s["num_preemptions"],
+            tokens_per_second=self.loop.num_generated_tokens / elapsed)
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._grace = grace
+        if self._stop_event is not None and self._aio_loop is not None and self._aio_loop.is_running():
+            try:
+                self._aio_loop.call_soon_threadsafe(self._stop_event.set)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+        if self._thread is not None:
+            self._thread.join(grace + 5)
+        self.loop.stop()
+        for part in (self.sender, self.receiver):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:
+                    logger.warning("closing the KV transfer backend failed", exc_info=True)
+
+    def wait_for_termination(self) -> None:
+        if self._thread is not None:
+            self._thread.join()

@@ -1,0 +1,297 @@
+"""Placement: a pure function from (request, cluster snapshot) to a decision.
+
+No I/O, no clock, no gRPC: the router builds a `ClusterSnapshot` from what it knows (worker
+stats, its own in-flight counts, later topology and link congestion) and asks a policy where
+the request goes. The same policies run in a simulator.
+
+Decision kinds:
+- "disaggregated": prefill on `prefill`, KV pushed to `decode`, which streams the rest;
+- "local": the whole request on `decode` (prefill locally: no prefill worker, a short prompt,
+  or a request that resumes tokens generated elsewhere, which only `Generate` can carry);
+- "colocated": the whole request on `decode`, in a cluster of mixed workers.
+
+Rules shared by every policy (`PoolPolicy`):
+1. Candidates are healthy workers, not excluded for this request, whose capacity fits it.
+2. Colocated mode: a decode-capable worker (mixed, or decode) runs the whole request.
+3. Disaggregated mode: a resumed request, or a prompt of at most `local_prefill_max_tokens`
+   tokens, goes local; otherwise a (P, D) pair with P != D; with no prefill worker left, local.
+Policies differ in how they pick within a pool (`pick`) or a pair (`choose_pair`); a policy
+that needs the whole picture (network-aware) overrides `place`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+Role = Literal["prefill", "decode", "mixed"]
+Mode = Literal["disaggregated", "colocated"]
+DecisionKind = Literal["disaggregated", "local", "colocated"]
+Purpose = Literal["prefill", "decode", "colocated", "local"]
+
+ROLES: tuple[str, ...] = ("prefill", "decode", "mixed")
+MODES: tuple[str, ...] = ("disaggregated", "colocated")
+
+
+class NoWorkersAvailable(Exception):
+    """No healthy worker can take the request."""
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    """One worker as the router sees it at placement time.
+
+    `num_waiting`/`num_running`/block counts come from the worker's last Stats answer;
+    `num_inflight` is the router's own count of requests it has sent there and not seen finish,
+    so that load reacts at once, before the next poll. 0 for a block count or `max_model_len`
+    means unknown (no capacity check).
+    """
+
+    worker_id: str
+    role: Role
+    node: str = ""
+    healthy: bool = True
+    num_waiting: int = 0
+    num_running: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
+    block_size: int = 0
+    num_inflight: int = 0
+    max_model_len: int = 0
+    tokens_per_second: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"worker {self.worker_id!r}: role must be one of {ROLES}, got {self.role!r}")
+
+    @property
+    def can_prefill(self) -> bool:
+        return self.role in ("prefill", "mixed")
+
+    @property
+    def can_decode(self) -> bool:
+        return self.role in ("decode", "mixed")
+
+    @property
+    def load(self) -> int:
+        """Requests queued or running there: the worker's count, or the router's own when larger
+        (it is larger between a dispatch and the next Stats poll)."""
+        return max(self.num_waiting + self.num_running, self.num_inflight)
+
+    @property
+    def free_fraction(self) -> float:
+        return self.num_free_blocks / self.num_blocks if self.num_blocks else 1.0
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` could ever fit (capacity, not the free blocks of now)."""
+        if self.max_model_len and num_tokens > self.max_model_len:
+            return False
+        if self.num_blocks and self.block_size:
+            return -(-num_tokens // self.block_size) <= self.num_blocks
+        return True
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    """The workers (and, for later policies, topology and links) at one instant.
+
+    New views of the cluster are added as fields with defaults, so existing policies keep working.
+    """
+
+    workers: tuple[WorkerSnapshot, ...]
+    mode: Mode = "disaggregated"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        ids = [w.worker_id for w in self.workers]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"worker ids must be unique, got {sorted(ids)}")
+
+    def worker(self, worker_id: str) -> WorkerSnapshot:
+        for w in self.workers:
+            if w.worker_id == worker_id:
+                return w
+        raise KeyError(worker_id)
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    prompt_token_ids: tuple[int, ...] = ()  # for prefix-aware policies; may be empty
+    num_resumed_tokens: int = 0  # tokens generated elsewhere (migration): only a local run can carry them
+    excluded: frozenset[str] = field(default_factory=frozenset)  # workers that already failed this request
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the decode side holds at the end (prompt + everything generated)."""
+        return self.num_prompt_tokens + self.max_tokens
+
+
+@dataclass(frozen=True)
+class Decision:
+    kind: DecisionKind
+    prefill: str | None
+    decode: str
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind == "disaggregated":
+            if self.prefill is None or self.prefill == self.decode:
+                raise ValueError(f"a disaggregated decision needs a prefill worker other than {self.decode!r}")
+        elif self.kind in ("local", "colocated"):
+            if self.prefill is not None:
+                raise ValueError(f"a {self.kind} decision has no prefill worker, got {self.prefill!r}")
+        else:
+            raise ValueError(f"unknown decision kind {self.kind!r}")
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return (self.decode,) if self.prefill is None else (self.prefill, self.decode)
+
+
+class PlacementPolicy(ABC):
+    """Chooses where a request runs. Implementations are pure; a tiny internal state
+    (a round-robin counter) is allowed, I/O and clocks are not."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def place(self, request: RequestInfo, snapshot: ClusterSnapshot) -> Decision:
+        """Returns the decision; raises NoWorkersAvailable when no healthy worker fits."""
+
+
+class PoolPolicy(PlacementPolicy):
+    """The shared decision rules (module docstring); subclasses pick within a pool."""
+
+    def __init__(self, *, local_prefill_max_tokens: int = 0) -> None:
+        if not isinstance(local_prefill_max_tokens, int) or local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens must be an integer >= 0, got {local_prefill_max_tokens!r}")
+        self.local_prefill_max_tokens = local_prefill_max_tokens
+
+    @abstractmethod
+    def pick(
+        self, candidates: Sequence[WorkerSnapshot], purpose: Purpose, request: RequestInfo, snapshot: ClusterSnapshot
+    ) -> WorkerSnapshot:
+        """One of `candidates` (never empty, ordered by worker_id) for `purpose`."""
+
+    def choose_pair(
+        self,
+        prefills: Sequence[WorkerSnapshot],
+        decodes: Sequence[WorkerSnapshot],
+        request: RequestInfo,
+        snapshot: ClusterSnapshot,
+    ) -> tuple[WorkerSnapshot, WorkerSnapshot] | None:
+        """A (P, D) pair with P != D, or None when no pair exists. Default: D first, then P."""
+        decode = self.pick(decodes, "decode", request, snapshot)
+        others = [w for w in prefills if w.worker_id != decode.worker_id]
+        if not others:
+            return None
+        return self.pick(others, "prefill", request, snapshot), decode
+
+    def place(self, request: RequestInfo, snapshot: ClusterSnapshot) -> Decision:
+        usable = sorted(
+            (w for w in snapshot.workers if w.healthy and w.worker_id not in request.excluded),
+            key=lambda w: w.worker_id,
+        )
+        decodes = [w for w in usable if w.can_decode and w.fits(request.num_tokens)]
+        if not decodes:
+            raise NoWorkersAvailable(_none_left("decode-capable", snapshot, request))
+        if snapshot.mode == "colocated":
+            worker = self.pick(decodes, "colocated", request, snapshot)
+            return Decision("colocated", None, worker.worker_id, "colocated mode")
+        if request.num_resumed_tokens:
+            return self._local(decodes, request, snapshot, "resumed tokens need a local run")
+        if request.num_prompt_tokens <= self.local_prefill_max_tokens:
+            return self._local(
+                decodes, request, snapshot,
+                f"short prompt ({request.num_prompt_tokens} <= {self.local_prefill_max_tokens} tokens)",
+            )
+        prefills = [w for w in usable if w.can_prefill and w.fits(request.num_prompt_tokens)]
+        pair = self.choose_pair(prefills, decodes, request, snapshot) if prefills else None
+        if pair is None:
+            return self._local(decodes, request, snapshot, "no healthy prefill worker")
+        prefill, decode = pair
+        return Decision("disaggregated", prefill.worker_id, decode.worker_id, f"{self.name} pair")
+
+    def _local(
+        self, decodes: Sequence[WorkerSnapshot], request: RequestInfo, snapshot: ClusterSnapshot, reason: str
+    ) -> Decision:
+        return Decision("local", None, self.pick(decodes, "local", request, snapshot).worker_id, reason)
+
+
+def _none_left(what: str, snapshot: ClusterSnapshot, request: RequestInfo) -> str:
+    total = len(snapshot.workers)
+    healthy = sum(w.healthy for w in snapshot.workers)
+    excluded = f", {len(request.excluded)} excluded for this request" if request.excluded else ""
+    return (f"no healthy {what} worker fits request {request.request_id} "
+            f"({request.num_tokens} tokens; {healthy}/{total} workers healthy{excluded})")
+
+
+# ---------------------------------------------------------------- policies
+
+POLICIES: dict[str, type[PlacementPolicy]] = {}
+
+
+def register_policy(cls: type[PlacementPolicy]) -> type[PlacementPolicy]:
+    if cls.name in POLICIES:
+        raise ValueError(f"placement policy {cls.name!r} is already registered")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def make_policy(name: str, **options: object) -> PlacementPolicy:
+    """Builds the policy registered as `name`; unknown names and options raise ValueError."""
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown placement policy {name!r}; choose one of {sorted(POLICIES)}")
+    accepted = {
+        p.name for p in inspect.signature(cls.__init__).parameters.values()
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
+    }
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for placement policy {name!r}; accepted: {sorted(accepted)}")
+    return cls(**options)
+
+
+@register_policy
+class RoundRobin(PoolPolicy):
+    """Cycles through each pool in worker-id order, one counter per purpose."""
+
+    name = "round-robin"
+
+    def __init__(self, *, local_prefill_max_tokens: int = 0) -> None:
+        super().__init__(local_prefill_max_tokens=local_prefill_max_tokens)
+        self._counters: dict[str, int] = {}
+
+    def pick(
+        self, candidates: Sequence[WorkerSnapshot], purpose: Purpose, request: RequestInfo, snapshot: ClusterSnapshot
+    ) -> WorkerSnapshot:
+        key = "decode" if purpose == "local" else purpose  # local runs share the decode rotation
+        turn = self._counters.get(key, 0)
+        self._counters[key] = turn + 1
+        return candidates[turn % len(candidates)]
+
+
+@register_policy
+class LeastLoaded(PoolPolicy):
+    """The worker with the fewest queued and running requests; ties go to the one with the
+    larger free KV fraction, then to the smaller worker id."""
+
+    name = "least-loaded"
+
+    def pick(
+        self, candidates: Sequence[WorkerSnapshot], purpose: Purpose, request: RequestInfo, snapshot: ClusterSnapshot
+    ) -> WorkerSnapshot:
+        return min(candidates, key=_least_loaded_key)
+
+
+def _least_loaded_key(w: WorkerSnapshot) -> tuple[int, float, str]:
+    return (w.load, -w.free_fraction, w.worker_id)
+

@@ -1,0 +1,167 @@
+"""Workers in their roles over the real gRPC request plane; KV over the in-process fake
+backend here (the UCX backend between processes is tested in test_worker_ucx.py)."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.llm import LLM
+from pdserve.proto import worker_pb2 as pb
+from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.proto.convert import params_to_proto
+from pdserve.sampling_params import SamplingParams
+from pdserve.worker.server import WorkerConfig, WorkerServer
+
+MODEL = "random:tiny-qwen2"
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def engine_config(chunk: int = 16) -> EngineConfig:
+    return EngineConfig(model=MODEL, device="cpu", dtype="float32",
+                        cache=CacheConfig(block_size=4, num_blocks=64),
+                        scheduler=SchedulerConfig(max_num_batched_tokens=chunk))
+
+
+@pytest.fixture(scope="module")
+def workers():
+    started = []
+    stubs = {}
+    for role in ("prefill", "decode", "mixed"):
+        server = WorkerServer(WorkerConfig(f"{role}-0", role, engine_config(chunk=7), kv_backend="fake"))
+        address = server.start()
+        started.append(server)
+        stubs[role] = pb_grpc.WorkerStub(grpc.insecure_channel(address))
+    yield stubs, {s.config.role: s for s in started}
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLM(MODEL, device="cpu", dtype="float32", num_blocks=64, block_size=4)
+
+
+def prompts(n: int, seed: int = 0):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 600) for _ in range(rng.randrange(3, 30))] for _ in range(n)]
+
+
+def disaggregated(stubs, rid: str, prompt, params=GREEDY):
+    reserve = stubs["decode"].Reserve(pb.ReserveRequest(
+        request_id=rid, prompt_token_ids=prompt, params=params_to_proto(params), deadline_s=10), timeout=10)
+    prefill = stubs["prefill"].Prefill(pb.PrefillRequest(
+        request_id=rid, prompt_token_ids=prompt, params=params_to_proto(params), kv_address=reserve.kv_address,
+        transfer_id=reserve.transfer_id, dst_block_ids=reserve.block_ids, wire_version=reserve.wire_version,
+        layout=reserve.layout, deadline_s=10), timeout=20)
+    tokens = list(prefill.first.token_ids)
+    chunks = list(stubs["decode"].Decode(pb.DecodeRequest(request_id=rid, first=prefill.first), timeout=20))
+    for c in chunks:
+        tokens.extend(c.token_ids)
+    return tokens, prefill, chunks
+
+
+def assert_idle(servers):
+    for server in servers.values():
+        bm = server.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks, server.config.role
+        assert not server.engine.requests
+
+
+def test_disaggregated_equals_single_engine_and_colocated(workers, reference):
+    stubs, servers = workers
+    batch = prompts(6, seed=1)
+    expected = [o.token_ids for o in reference.generate(batch, GREEDY)]
+    for i, prompt in enumerate(batch):
+        tokens, prefill, chunks = disaggregated(stubs, f"pd-{i}", prompt)
+        assert tokens == expected[i]
+        assert prefill.kv_bytes > 0
+        assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+        assert chunks[-1].num_output_tokens == GREEDY.max_tokens
+        colocated = [t for c in stubs["mixed"].Generate(pb.GenerateRequest(
+            request_id=f"mixed-{i}", prompt_token_ids=prompt, params=params_to_proto(GREEDY)), timeout=20)
+            for t in c.token_ids]
+        assert colocated == expected[i]
+    assert_idle(servers)
+
+
+def test_migration_resumes_without_duplicates(workers, reference):
+    stubs, servers = workers
+    prompt = prompts(1, seed=2)[0]
+    full = reference.generate([prompt], GREEDY)[0].token_ids
+    chunks = list(stubs["decode"].Generate(pb.GenerateRequest(
+        request_id="migrated", prompt_token_ids=prompt, params=params_to_proto(GREEDY),
+        resumed_token_ids=full[:5]), timeout=20))
+    rest = [t for c in chunks for t in c.token_ids]
+    assert full[:5] + rest == full
+    assert chunks[-1].num_output_tokens == GREEDY.max_tokens
+    assert chunks[-1].num_prompt_tokens == len(prompt)
+    assert_idle(servers)
+
+
+def test_abort_frees_reservation_and_unknown_decode(workers):
+    stubs, servers = workers
+    prompt = prompts(1, seed=3)[0]
+    stubs["decode"].Reserve(pb.ReserveRequest(request_id="r-abort", prompt_token_ids=prompt,
+                                              params=params_to_proto(GREEDY), deadline_s=10), timeout=10)
+    assert servers["decode"].engine.block_manager.num_free_blocks < 64
+    assert stubs["decode"].Abort(pb.AbortRequest(request_id="r-abort"), timeout=10).found
+    with pytest.raises(grpc.RpcError) as err:
+        list(stubs["decode"].Decode(pb.DecodeRequest(request_id="r-abort", first=pb.TokenChunk(token_ids=[1])),
+                                    timeout=10))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert_idle(servers)
+
+
+def test_decode_deadline_missed_fails_cleanly(workers):
+    stubs, servers = workers
+    prompt = prompts(1, seed=4)[0]
+    stubs["decode"].Reserve(pb.ReserveRequest(request_id="late", prompt_token_ids=prompt,
+                                              params=params_to_proto(GREEDY), deadline_s=0.2), timeout=10)
+    with pytest.raises(grpc.RpcError) as err:  # no prefill ever pushes: the deadline passes
+        list(stubs["decode"].Decode(pb.DecodeRequest(request_id="late", first=pb.TokenChunk(token_ids=[1])),
+                                    timeout=10))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_idle(servers)
+
+
+def test_bad_requests_and_roles(workers):
+    stubs, servers = workers
+    bad = SamplingParams(max_tokens=4)
+    msg = params_to_proto(bad)
+    msg.top_p = 1.5
+    with pytest.raises(grpc.RpcError) as err:
+        list(stubs["mixed"].Generate(pb.GenerateRequest(request_id="bad", prompt_token_ids=[1, 2],
+                                                        params=msg), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "top_p" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stubs["mixed"].Generate(pb.GenerateRequest(request_id="long", prompt_token_ids=[1] * 5000,
+                                                        params=params_to_proto(bad)), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as err:
+        list(stubs["prefill"].Generate(pb.GenerateRequest(request_id="x", prompt_token_ids=[1],
+                                                          params=params_to_proto(bad)), timeout=10))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    stats = stubs["decode"].Stats(pb.StatsRequest(), timeout=5)
+    assert stats.role == "decode" and stats.num_blocks == 64 and stats.kv_address
+    assert stubs["prefill"].Health(pb.HealthRequest(), timeout=5).healthy
+    assert_idle(servers)
+
+
+def test_cancelled_stream_frees_blocks(workers):
+    stubs, servers = workers
+    call = stubs["mixed"].Generate(pb.GenerateRequest(
+        request_id="cancel-me", prompt_token_ids=prompts(1, seed=5)[0],
+        params=params_to_proto(SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))), timeout=20)
+    next(iter(call))
+    call.cancel()
+    import time
+
+    deadline = time.monotonic() + 10
+    while servers["mixed"].engine.requests and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert_idle(servers)
