@@ -7,50 +7,37 @@ import logging
 import sys
 import time
 
+from pdserve.engine_args import ENGINE_DEFAULTS, add_engine_args, engine_config, engine_kwargs, float_arg, int_arg
+
+__all__ = ["ENGINE_DEFAULTS", "add_engine_args", "build_parser", "engine_config", "engine_kwargs", "main"]
+
 
 class CliError(Exception):
     pass
 
 
-def _positive_int(flag: str):
-    def parse(text: str) -> int:
+class _Parser(argparse.ArgumentParser):
+    """Errors are one line naming the flag, exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"pdserve: error: {message}\n")
+
+
+def _json_resources(flag: str):
+    def parse(text: str) -> dict:
+        import json
+
+        from pdserve.cluster.config import check_resources
+
         try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
-        return value
-    return parse
-
-
-def _float(flag: str):
-    def parse(text: str) -> float:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"must be a JSON object like '{{\"node_a\": 1}}' ({e.msg})") from None
         try:
-            return float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
+            return check_resources(flag, value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(f"{flag}: ")) from None
     return parse
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2",
-                   help="smollm2 (default), a Hugging Face directory, a .gguf file, or random:<name>")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--max-model-len", type=_positive_int("--max-model-len"), default=None)
-    p.add_argument("--kv-cache-gib", type=_float("--kv-cache-gib"), default=0.5,
-                   help="KV cache budget on CPU, GiB")
-    p.add_argument("--gpu-memory-fraction", type=_float("--gpu-memory-fraction"), default=0.85)
-    p.add_argument("--block-size", type=_positive_int("--block-size"), default=16)
-    p.add_argument("--max-num-batched-tokens", type=_positive_int("--max-num-batched-tokens"), default=512)
-    p.add_argument("--max-num-seqs", type=_positive_int("--max-num-seqs"), default=64)
-    p.add_argument("--no-prefix-caching", action="store_true")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                kv_cache_gib=args.kv_cache_gib, gpu_memory_fraction=args.gpu_memory_fraction,
-                block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -78,23 +65,137 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    from pdserve.cluster.config import load_up_config
+    from pdserve.cluster.up import run_up
+
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "log_level", "config")}
+    config = load_up_config(flags, args.config)
+    return run_up(config, log_level=args.log_level)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from pdserve.cluster.standalone import default_worker_id, run_worker
+    from pdserve.worker.server import WorkerConfig
+
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be in 0..65535, got {args.port}")
+    config = WorkerConfig(
+        worker_id=args.worker_id or default_worker_id(args.role, args.port), role=args.role,
+        engine=engine_config(args, args.role), host=args.host, port=args.port, kv_backend=args.kv_backend,
+        kv_host=args.kv_host or args.host)
+    return run_worker(config)
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from pdserve.cluster.config import check_policy
+    from pdserve.cluster.serving import RouterSettings
+    from pdserve.cluster.standalone import run_router
+
+    check_policy(args.policy)
+    if not 1 <= args.port <= 65535:
+        raise CliError(f"--port must be in 1..65535, got {args.port}")
+    if not args.kv_deadline_s > 0:
+        raise CliError(f"--kv-deadline-s must be > 0, got {args.kv_deadline_s}")
+    if args.max_model_len is not None and args.max_model_len <= 0:
+        raise CliError(f"--max-model-len must be > 0, got {args.max_model_len}")
+    settings = RouterSettings(model=args.model, served_model_name=args.served_model_name,
+                              max_model_len=args.max_model_len, policy=args.policy, mode=args.mode,
+                              host=args.host, port=args.port, api_key=args.api_key,
+                              kv_deadline_s=args.kv_deadline_s, log_level=args.log_level.lower())
+    return run_router(args.worker, settings)
+
+
+def _add_up_args(u: argparse.ArgumentParser) -> None:
+    """`pdserve up` flags. Their defaults live in UpConfig (flags not given stay unset, so that
+    --config can fill them in)."""
+    S = argparse.SUPPRESS
+    u.add_argument("--config", metavar="FILE", default=None,
+                   help="YAML file with the same settings as the flags (flags win)")
+    add_engine_args(u, suppress_defaults=True)
+    g = u.add_argument_group("pools")
+    g.add_argument("--mode", default=S, help="disaggregated (default) or colocated")
+    g.add_argument("--prefill", type=int_arg("--prefill"), default=S, help="prefill workers (default 1)")
+    g.add_argument("--decode", type=int_arg("--decode"), default=S, help="decode workers (default 1)")
+    g.add_argument("--replicas", type=int_arg("--replicas"), default=S,
+                   help="colocated: mixed workers (default --prefill + --decode)")
+    g.add_argument("--worker-cpus", type=float_arg("--worker-cpus"), default=S, help="CPUs per worker (default 1)")
+    g.add_argument("--worker-gpus", type=float_arg("--worker-gpus"), default=S,
+                   help="GPUs per worker (default 1 when the Ray cluster has GPUs, else 0)")
+    g.add_argument("--resources", type=_json_resources("--resources"), default=S, metavar="JSON",
+                   help='custom Ray resources for every worker, e.g. \'{"gpu_node": 1}\'')
+    g.add_argument("--prefill-resources", type=_json_resources("--prefill-resources"), default=S, metavar="JSON",
+                   help='custom Ray resources for prefill workers, e.g. \'{"node_a": 1}\'')
+    g.add_argument("--decode-resources", type=_json_resources("--decode-resources"), default=S, metavar="JSON",
+                   help="custom Ray resources for decode workers")
+    g.add_argument("--placement-strategy", default=S, help="placement group strategy per pool: PACK (default), "
+                                                          "SPREAD, STRICT_PACK, STRICT_SPREAD")
+    g.add_argument("--kv-backend", default=S, help="KV transfer backend (default ucx)")
+    r = u.add_argument_group("ray")
+    r.add_argument("--address", default=S, help="Ray cluster to join (auto, ray://host:10001); "
+                                                "default: start a local Ray")
+    r.add_argument("--namespace", default=S, help="Ray namespace of the actors (default pdserve)")
+    r.add_argument("--cluster-name", default=S, help="actor names are pdserve:<cluster-name>:<role>:<i>")
+    r.add_argument("--ray-object-store-mb", type=int_arg("--ray-object-store-mb"), default=S,
+                   help="object store size of a Ray we start (default 256)")
+    r.add_argument("--startup-timeout-s", type=float_arg("--startup-timeout-s"), default=S)
+    h = u.add_argument_group("router")
+    _add_router_args(h, suppress=True)
+
+
+def _add_router_args(p, *, suppress: bool = False) -> None:
+    def d(value):
+        return argparse.SUPPRESS if suppress else value
+
+    p.add_argument("--policy", default=d("round-robin"), help="placement policy (round-robin, least-loaded, ...)")
+    p.add_argument("--host", default=d("127.0.0.1"), help="HTTP bind host")
+    p.add_argument("--port", type=int_arg("--port"), default=d(8000), help="HTTP port")
+    p.add_argument("--api-key", default=d(None), help="require 'Authorization: Bearer <key>'")
+    p.add_argument("--served-model-name", default=d(None), help="model id of the API (default: --model)")
+    p.add_argument("--kv-deadline-s", type=float_arg("--kv-deadline-s"), default=d(10.0),
+                   help="a KV transfer past this falls back to prefill on the decode worker")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode disaggregated LLM serving")
+    parser = _Parser(prog="pdserve", description="Prefill/decode disaggregated LLM serving")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate offline from one prompt")
     add_engine_args(g)
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=_positive_int("--max-tokens"), default=64)
-    g.add_argument("--temperature", type=_float("--temperature"), default=0.0)
-    g.add_argument("--top-p", type=_float("--top-p"), default=1.0)
-    g.add_argument("--top-k", type=_positive_int("--top-k"), default=-1)
-    g.add_argument("--seed", type=_positive_int("--seed"), default=None)
+    g.add_argument("--max-tokens", type=int_arg("--max-tokens"), default=64)
+    g.add_argument("--temperature", type=float_arg("--temperature"), default=0.0)
+    g.add_argument("--top-p", type=float_arg("--top-p"), default=1.0)
+    g.add_argument("--top-k", type=int_arg("--top-k"), default=-1)
+    g.add_argument("--seed", type=int_arg("--seed"), default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("-v", "--verbose", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    u = sub.add_parser("up", help="start workers on Ray and serve the router (foreground)")
+    _add_up_args(u)
+    u.set_defaults(func=cmd_up)
+
+    w = sub.add_parser("worker", help="one worker without Ray (foreground; prints its address)")
+    add_engine_args(w)
+    w.add_argument("--role", required=True, choices=["prefill", "decode", "mixed"])
+    w.add_argument("--host", default="127.0.0.1", help="gRPC bind host (the address others dial)")
+    w.add_argument("--port", type=int_arg("--port"), default=0, help="gRPC port (0: any free port)")
+    w.add_argument("--worker-id", default=None, help="default <role>-<hostname>[-<port>]")
+    w.add_argument("--kv-backend", default="ucx", help="KV transfer backend (ucx)")
+    w.add_argument("--kv-host", default=None, help="KV listen host (default: --host)")
+    w.set_defaults(func=cmd_worker)
+
+    r = sub.add_parser("router", help="the router over a fixed list of workers, without Ray (foreground)")
+    r.add_argument("--worker", action="append", required=True, metavar="ROLE[#ID][@NODE]=HOST:PORT",
+                   help="a worker (repeatable), e.g. prefill=10.0.0.1:50051")
+    r.add_argument("--model", default=ENGINE_DEFAULTS["model"], help="model spec, for the tokenizer")
+    r.add_argument("--max-model-len", type=int_arg("--max-model-len"), default=None)
+    r.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    _add_router_args(r)
+    r.set_defaults(func=cmd_router)
     return parser
 
 

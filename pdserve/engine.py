@@ -47,7 +47,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.seed is not None:
             torch.manual_seed(config.seed)
-        self.runner = ModelRunner(self.model_config, source.iter_weights(), config.cache,
+        self.runner = ModelRunner(self.model_config, source.iter_weights(self.device), config.cache,
                                   self.device, self.dtype, config.seed)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)

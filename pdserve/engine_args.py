@@ -31,7 +31,7 @@ def int_arg(flag: str):
         try:
             return int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
     return parse
 
 
@@ -40,7 +40,7 @@ def float_arg(flag: str):
         try:
             return float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
     return parse
 
 

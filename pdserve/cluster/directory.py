@@ -27,7 +27,7 @@ class RayDirectory:
     namespace on each refresh (e.g. a router started apart from `pdserve up`)."""
 
     def __init__(self, namespace: str, cluster: str = "default", names: Sequence[str] | None = None, *,
-                 probe_timeout_s: float = 2.0, refresh_interval_s: float = 1.0) -> None:
+                 probe_timeout_s: float = 1.0, refresh_interval_s: float = 1.0) -> None:
         if probe_timeout_s <= 0:
             raise ValueError(f"probe_timeout_s must be > 0, got {probe_timeout_s}")
         self.namespace = namespace
@@ -54,7 +54,8 @@ class RayDirectory:
 
     async def refresh(self) -> list[WorkerEndpoint]:
         """Asks every actor now, ignoring the cache."""
-        names = self._names if self._names is not None else await asyncio.to_thread(self._discover)
+        names = (self._names if self._names is not None
+                 else await asyncio.wait_for(asyncio.to_thread(self._discover), self.probe_timeout_s * 5))
         answers = await asyncio.gather(*(self._probe(name) for name in names))
         endpoints = []
         for name, info in zip(names, answers):
@@ -76,21 +77,23 @@ class RayDirectory:
         return sorted(names)
 
     async def _probe(self, name: str) -> dict[str, Any] | None:
+        """The actor's info(), or None when it cannot answer within probe_timeout_s (overall)."""
+        deadline = time.monotonic() + self.probe_timeout_s
         future = self._inflight.get(name)
         if future is None or future.done():
             try:
-                handle = await self._handle(name)
+                handle = await self._handle(name, self.probe_timeout_s)
             except Exception as exc:
                 logger.debug("worker %s: no actor handle (%s)", name, exc)
                 return None
             future = asyncio.wrap_future(handle.info.remote().future())
             self._inflight[name] = future
         try:
-            info = await asyncio.wait_for(asyncio.shield(future), self.probe_timeout_s)
+            info = await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             logger.info("worker %s did not answer within %.1fs; leaving it out", name, self.probe_timeout_s)
             return None
-        except Exception as exc:  # RayActorError while restarting, ActorDiedError once dead
+        except Exception as exc:  # ActorUnavailableError while restarting, ActorDiedError once dead
             logger.info("worker %s unavailable: %s", name, type(exc).__name__)
             if _is_dead_for_good(exc):
                 self._handles.pop(name, None)
@@ -100,13 +103,13 @@ class RayDirectory:
                 self._inflight.pop(name, None)
         return info
 
-    async def _handle(self, name: str) -> Any:
+    async def _handle(self, name: str, timeout_s: float) -> Any:
         handle = self._handles.get(name)
         if handle is None:
             import ray
 
-            handle = await asyncio.wait_for(
-                asyncio.to_thread(ray.get_actor, name, namespace=self.namespace), self.probe_timeout_s)
+            handle = await asyncio.wait_for(asyncio.to_thread(ray.get_actor, name, namespace=self.namespace),
+                                            timeout_s)
             self._handles[name] = handle
         return handle
 

@@ -46,7 +46,7 @@ class WorkerActor:
         return self._server.kv_address
 
     def info(self) -> dict[str, Any]:
-        """Where the worker is: worker_id, role, address, kv_address, node_id, node_ip, pid."""
+        """Where the worker is: worker_id, role, address, kv_address, node_id, node_ip, pid, max_model_len."""
         return {
             "worker_id": self._config.worker_id,
             "role": self._config.role,
@@ -55,6 +55,7 @@ class WorkerActor:
             "node_id": self._node_id,
             "node_ip": self._node_ip,
             "pid": os.getpid(),
+            "max_model_len": self._server.engine.max_model_len,
             "started_at": self._started_at,
         }
 

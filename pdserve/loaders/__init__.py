@@ -36,8 +36,14 @@ class ModelSource:
     description: str  # e.g. "gguf:/path/file.gguf (Q4_1 dequantized)"
     weights_factory: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yields (HF Llama name, tensor) one at a time; each call starts a fresh pass."""
+    # True when weights_factory takes a device and makes the tensors there (random weights).
+    device_aware: bool = False
+
+    def iter_weights(self, device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields (HF Llama name, tensor) one at a time; each call starts a fresh pass.
+        `device` is a hint: sources that can make tensors there directly do so."""
+        if self.device_aware:
+            return self.weights_factory(device)  # type: ignore[call-arg]
         return self.weights_factory()
 
 

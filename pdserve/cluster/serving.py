@@ -1,0 +1,126 @@
+"""The router in the foreground: a `ClusterBackend` over a worker directory, behind the HTTP app.
+
+Shared by `pdserve up` (Ray directory) and `pdserve router` (static list). Serves until
+SIGINT/SIGTERM, then stops accepting, lets in-flight requests finish (bounded) and closes the
+backend. A signal raises `KeyboardInterrupt` out of `serve_router`, after the server and
+backend are down, so that callers run their own cleanup in `finally`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    model: str  # model spec: the router loads its tokenizer and shape
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    policy: str = "round-robin"
+    mode: str = "disaggregated"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    kv_deadline_s: float = 10.0
+    log_level: str = "warning"
+    graceful_shutdown_s: float = 10.0
+
+
+@dataclass
+class RouterModel:
+    tokenizer: Any
+    max_model_len: int
+    name: str
+
+
+def load_router_model(model: str, max_model_len: int | None = None, served_model_name: str | None = None,
+                      flag: str = "--model") -> RouterModel:
+    """The tokenizer and length limit the router needs; ValueError naming `flag` when the model
+    has no tokenizer (tiny random shapes)."""
+    from pdserve.loaders import load_model_source
+
+    source = load_model_source(model)
+    if source.tokenizer is None:
+        raise ValueError(f"{flag}: {model!r} has no tokenizer, which the router needs "
+                         "(use a real model or random:smollm2-135m)")
+    limit = source.config.max_position_embeddings
+    if max_model_len is not None:
+        limit = min(limit, max_model_len)
+    return RouterModel(tokenizer=source.tokenizer, max_model_len=limit, name=served_model_name or model)
+
+
+def build_app(directory: Any, settings: RouterSettings, model: RouterModel):
+    """(app, backend) for `directory`."""
+    from router.cluster_backend import ClusterBackend
+    from router.metrics import RouterMetrics
+    from router.placement import make_policy
+    from router.server import create_app
+
+    metrics = RouterMetrics()
+    backend = ClusterBackend(directory, make_policy(settings.policy), model.tokenizer, model.name,
+                             model.max_model_len, mode=settings.mode, kv_deadline_s=settings.kv_deadline_s,
+                             metrics=metrics)
+    app = create_app(backend, api_key=settings.api_key, metrics=metrics)
+    return app, backend
+
+
+def install_shutdown_signals() -> None:
+    """SIGTERM behaves like Ctrl-C (KeyboardInterrupt) in the main thread."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
+
+
+def ignore_shutdown_signals() -> None:
+    """During cleanup: a second signal must not cut it short (it is bounded in time)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def restore_signals() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def serve_router(app: Any, backend: Any, settings: RouterSettings, on_ready=None) -> None:
+    """Serves in the foreground until a signal (see the module docstring)."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=int(settings.graceful_shutdown_s), proxy_headers=False,
+                            lifespan="off")
+    server = uvicorn.Server(config)
+
+    async def run() -> None:
+        await backend.start()
+        try:
+            if on_ready is not None:
+                asyncio.get_running_loop().call_later(0, _when_started, server, on_ready)
+            await server.serve()
+        finally:
+            try:
+                await asyncio.wait_for(backend.close(), settings.graceful_shutdown_s)
+            except Exception:
+                logger.warning("closing the router backend failed", exc_info=True)
+
+    asyncio.run(run())
+
+
+def _when_started(server: Any, on_ready) -> None:
+    async def poll() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.05)
+        on_ready()
+
+    asyncio.ensure_future(poll())

@@ -1,0 +1,137 @@
+"""`pdserve up`: Ray, the worker pools and the router, in one foreground command.
+
+1. Check the config and load the router's tokenizer (a bad --model fails before Ray starts).
+2. Start a local Ray (small footprint, no dashboard), or join `--address`.
+3. Place the pools and create the worker actors; wait for every worker, with a progress bar.
+4. Serve the router (HTTP) over a `RayDirectory` of the actors.
+5. On Ctrl-C or SIGTERM, at any step: stop the router, stop and kill the actors, remove the
+   placement groups, and shut Ray down if we started it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from pdserve.cluster.config import UpConfig
+
+logger = logging.getLogger(__name__)
+
+
+def pool_specs(config: UpConfig, gpus_in_cluster: float):
+    from pdserve.cluster.pools import PoolSpec
+    from pdserve.engine_args import engine_config
+
+    if config.worker_gpus is not None:
+        num_gpus = config.worker_gpus
+    else:
+        num_gpus = 1.0 if gpus_in_cluster > 0 else 0.0
+    values = config.engine_values()
+    if num_gpus == 0 and values["device"] is None:
+        values["device"] = "cpu"  # a worker without a GPU share must not grab one
+    return [
+        PoolSpec(role=role, size=size, engine=engine_config(values, role), num_cpus=config.worker_cpus,
+                 num_gpus=num_gpus, resources=config.pool_resources(role), strategy=config.placement_strategy,
+                 kv_backend=config.kv_backend)
+        for role, size in config.pool_sizes().items()
+    ]
+
+
+def _start_ray(config: UpConfig) -> bool:
+    """Starts or joins Ray; True when we started it (and so must shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        raise RuntimeError("Ray is already initialized in this process")
+    common = dict(namespace=config.namespace, include_dashboard=False, log_to_driver=True,
+                  configure_logging=True, logging_level=logging.WARNING)
+    if config.address:
+        ray.init(address=config.address, **common)
+        return False
+    needed_cpus = config.worker_cpus * sum(config.pool_sizes().values())
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(needed_cpus + 0.999)),
+             object_store_memory=config.ray_object_store_mb * 1024 * 1024, **common)
+    return True
+
+
+def run_up(config: UpConfig, log_level: str = "warning") -> int:
+    from tqdm import tqdm
+
+    from pdserve.cluster.pools import ClusterPools, ClusterStartError
+    from pdserve.cluster.serving import (
+        RouterSettings,
+        build_app,
+        ignore_shutdown_signals,
+        install_shutdown_signals,
+        load_router_model,
+        restore_signals,
+        serve_router,
+    )
+    from pdserve.engine_args import engine_config
+
+    engine_config(config.engine_values())  # bad engine values fail here, before Ray starts
+    model = load_router_model(config.model, config.max_model_len, config.served_model_name)
+    settings = RouterSettings(model=config.model, served_model_name=config.served_model_name,
+                              max_model_len=config.max_model_len, policy=config.policy, mode=config.mode,
+                              host=config.host, port=config.port, api_key=config.api_key,
+                              kv_deadline_s=config.kv_deadline_s, log_level=log_level.lower())
+
+    import ray
+
+    install_shutdown_signals()
+    started_ray = False
+    pools: ClusterPools | None = None
+    try:
+        started_ray = _start_ray(config)
+        install_shutdown_signals()  # ray.init installs its own SIGTERM handler
+        gpus = ray.cluster_resources().get("GPU", 0.0)
+        specs = pool_specs(config, gpus)
+        pools = ClusterPools(config.cluster_name, config.namespace, specs)
+        total = sum(s.size for s in specs)
+        print(f"pdserve up: starting {_describe(specs)} on Ray "
+              f"({'local' if started_ray else config.address}, namespace {config.namespace})",
+              file=sys.stderr, flush=True)
+        pools.start(config.startup_timeout_s)
+        with tqdm(total=total, desc="workers ready", unit="worker", file=sys.stderr) as bar:
+            health = pools.wait_ready(config.startup_timeout_s, on_ready=lambda name, h: bar.update(1))
+        for name, h in sorted(health.items()):
+            logger.info("%s at %s on node %s (pid %s)", name, h["address"], h["node_id"][:12], h["pid"])
+        max_len = min([model.max_model_len] + [h["max_model_len"] for h in health.values() if h.get("max_model_len")])
+        model.max_model_len = max_len
+
+        from pdserve.cluster.directory import RayDirectory
+
+        directory = RayDirectory(config.namespace, config.cluster_name, pools.names)
+        app, backend = build_app(directory, settings, model)
+        scheme_host = f"http://{config.host}:{config.port}"
+
+        def ready() -> None:
+            print(f"pdserve up: serving {model.name} at {scheme_host}/v1 ({total} workers, {config.mode}, "
+                  f"policy {config.policy}); Ctrl-C to stop", file=sys.stderr, flush=True)
+
+        serve_router(app, backend, settings, on_ready=ready)
+    except KeyboardInterrupt:
+        pass
+    except ClusterStartError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        ignore_shutdown_signals()
+        print("pdserve up: shutting down", file=sys.stderr, flush=True)
+        if pools is not None:
+            try:
+                pools.shutdown()
+            except Exception:
+                logger.warning("stopping the workers failed", exc_info=True)
+        if started_ray and ray.is_initialized():
+            ray.shutdown()
+        restore_signals()
+    return 0
+
+
+def _describe(specs) -> str:
+    parts = [f"{s.size} {s.role}" for s in specs]
+    first = specs[0]
+    each = f"{first.num_gpus:g} GPU" if first.num_gpus else f"{first.num_cpus:g} CPU"
+    return " + ".join(parts) + f" worker(s), {each} each"

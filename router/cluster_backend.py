@@ -1,0 +1,503 @@
+"""`ClusterBackend`: the GenerationBackend that runs requests on gRPC workers.
+
+A request goes through:
+1. placement: the policy sees a snapshot (worker stats + the router's own in-flight counts)
+   and answers disaggregated (P, D), local (whole request on D) or colocated;
+2. disaggregated: D.Reserve -> P.Prefill (P pushes KV to D, returns the first token, which is
+   yielded at once) -> D.Decode streams the rest. A first token that already finishes the
+   request frees D's reservation with D.Abort instead. Local/colocated: D.Generate;
+3. recovery, at most `max_retries` times per request:
+   - a worker fails (UNAVAILABLE, timeout, death) before any token: its parts are aborted, it
+     is marked unhealthy, and the request is placed again without it;
+   - the KV misses its deadline (Prefill or Decode): fall back to Generate on the same D;
+   - a worker fails after tokens were yielded: migrate, i.e. Generate on another decode-capable
+     worker with `resumed_token_ids` = the tokens yielded so far (the client sees one stream);
+   - nothing left to serve: ServiceUnavailable (503); no room anywhere: Overloaded (429);
+4. the end: a finished request frees itself on the workers; any other exit (error, client
+   abort, cancellation) sends Abort to every worker that holds a part of it, bounded in time.
+
+A background monitor re-reads the directory (addresses change when workers restart), polls
+Health and Stats of every worker each `stats_interval_s`, marks failures unhealthy (cancelling
+their live streams so readers migrate at once) and brings workers back when they answer.
+Worker-side request ids are "<request_id>" for the first attempt and "<request_id>.<n>" after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pdserve.proto import worker_pb2 as pb
+from pdserve.sampling_params import RequestOutput, SamplingParams
+from router.backend import Tokenizer
+from router.directory import WorkerDirectory, WorkerEndpoint
+from router.errors import (
+    KVTransferDeadline,
+    Overloaded,
+    ServiceUnavailable,
+    WorkerError,
+    WorkerFailed,
+    WorkerOverloaded,
+)
+from router.metrics import RouterMetrics
+from router.placement import (
+    MODES,
+    ClusterSnapshot,
+    Decision,
+    NoWorkersAvailable,
+    PlacementPolicy,
+    RequestInfo,
+    WorkerSnapshot,
+)
+from router.worker_client import WorkerClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Worker:
+    endpoint: WorkerEndpoint
+    client: WorkerClient
+    healthy: bool = False
+    detail: str = "not checked yet"
+    stats: pb.StatsResponse | None = None
+    num_inflight: int = 0  # requests the router has sent here and not seen end
+
+    @property
+    def worker_id(self) -> str:
+        return self.endpoint.worker_id
+
+    def snapshot(self) -> WorkerSnapshot:
+        s = self.stats or pb.StatsResponse()
+        return WorkerSnapshot(
+            worker_id=self.worker_id,
+            role=self.endpoint.role,
+            node=self.endpoint.node,
+            healthy=self.healthy,
+            num_waiting=s.num_waiting + s.num_awaiting_kv,
+            num_running=s.num_running,
+            num_free_blocks=s.num_free_blocks,
+            num_blocks=s.num_blocks,
+            block_size=s.block_size,
+            num_inflight=self.num_inflight,
+            max_model_len=s.max_model_len,
+            tokens_per_second=s.tokens_per_second,
+        )
+
+
+# (client, worker-side request id) of one worker's part in a request
+_Part = tuple[WorkerClient, str]
+
+
+@dataclass
+class _Flight:
+    """A live request: what it holds where, and what the client has already received."""
+
+    request_id: str
+    num_prompt_tokens: int
+    aborted: bool = False
+    num_attempts: int = 0
+    parts: dict[str, _Part] = field(default_factory=dict)  # worker id -> part
+    sent_token_ids: list[int] = field(default_factory=list)
+
+    def next_wire_id(self) -> str:
+        n = self.num_attempts
+        self.num_attempts += 1
+        return self.request_id if n == 0 else f"{self.request_id}.{n}"
+
+
+class ClusterBackend:
+    """Serves requests on the workers of `directory`, placed by `policy` (module docstring).
+
+    `kv_deadline_s` is the time the KV has to land on D; `rpc_timeout_s` bounds every other
+    unary call (Reserve, Abort); Prefill gets kv_deadline_s + rpc_timeout_s; Health and Stats
+    get `health_timeout_s`. Starts on first use if `start()` was not awaited.
+    """
+
+    def __init__(
+        self,
+        directory: WorkerDirectory,
+        policy: PlacementPolicy,
+        tokenizer: Tokenizer,
+        model_name: str,
+        max_model_len: int,
+        *,
+        mode: str = "disaggregated",
+        kv_deadline_s: float = 10.0,
+        stats_interval_s: float = 0.5,
+        health_timeout_s: float = 2.0,
+        max_retries: int = 2,
+        metrics: RouterMetrics | None = None,
+        rpc_timeout_s: float = 5.0,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        for name, value in (("kv_deadline_s", kv_deadline_s), ("stats_interval_s", stats_interval_s),
+                            ("health_timeout_s", health_timeout_s), ("rpc_timeout_s", rpc_timeout_s)):
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len!r}")
+        self.directory = directory
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.mode = mode
+        self.kv_deadline_s = float(kv_deadline_s)
+        self.stats_interval_s = float(stats_interval_s)
+        self.health_timeout_s = float(health_timeout_s)
+        self.max_retries = max_retries
+        self.metrics = metrics
+        self.rpc_timeout_s = float(rpc_timeout_s)
+        self._workers: dict[str, _Worker] = {}
+        self._flights: dict[str, _Flight] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._monitor: asyncio.Task[None] | None = None
+        self._started = False
+        self._closed = False
+        self._start_lock = asyncio.Lock()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Reads the directory and checks every worker once, then keeps doing so in the background."""
+        async with self._start_lock:
+            if self._started:
+                return
+            if self._closed:
+                raise ServiceUnavailable("The backend is closed.")
+            await self.refresh()
+            self._monitor = asyncio.create_task(self._monitor_loop(), name="cluster-backend-monitor")
+            self._started = True
+
+    async def close(self) -> None:
+        """Stops the monitor, aborts live requests (bounded) and closes every connection."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        await asyncio.gather(*(self.abort(rid) for rid in list(self._flights)), return_exceptions=True)
+        for worker in self._workers.values():
+            await worker.client.close()
+        if self._background:
+            await asyncio.wait(self._background, timeout=self.rpc_timeout_s)
+
+    async def refresh(self) -> None:
+        """One monitor round: re-read the directory, then poll every worker."""
+        await self._sync_endpoints()
+        await asyncio.gather(*(self._poll(w) for w in list(self._workers.values())))
+
+    async def _ensure_started(self) -> None:
+        if not self._started:
+            await self.start()
+        if self._closed:
+            raise ServiceUnavailable("The backend is shutting down.")
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.stats_interval_s)
+            try:
+                await self.refresh()
+            except Exception:
+                logger.exception("worker monitor round failed")
+
+    async def _sync_endpoints(self) -> None:
+        try:
+            endpoints = await asyncio.wait_for(self.directory.endpoints(), self.health_timeout_s)
+        except Exception as exc:
+            logger.warning("worker directory failed (%s); keeping the last view of %d workers", exc, len(self._workers))
+            return
+        seen = {e.worker_id for e in endpoints}
+        for endpoint in endpoints:
+            worker = self._workers.get(endpoint.worker_id)
+            if worker is None:
+                logger.info("worker %s (%s) at %s", endpoint.worker_id, endpoint.role, endpoint.address)
+                self._workers[endpoint.worker_id] = _Worker(endpoint, self._connect(endpoint))
+            elif worker.endpoint != endpoint:
+                logger.info("worker %s moved: %s -> %s", endpoint.worker_id, worker.endpoint.address, endpoint.address)
+                old = worker.client
+                worker.endpoint, worker.client = endpoint, self._connect(endpoint)
+                worker.healthy, worker.detail, worker.stats = False, "moved, not checked yet", None
+                await old.close()  # its streams raise WorkerFailed and migrate
+        for worker_id in [w for w in self._workers if w not in seen]:
+            logger.info("worker %s left the directory", worker_id)
+            await self._workers.pop(worker_id).client.close()
+
+    def _connect(self, endpoint: WorkerEndpoint) -> WorkerClient:
+        return WorkerClient(endpoint.worker_id, endpoint.address, rpc_timeout_s=self.rpc_timeout_s)
+
+    async def _poll(self, worker: _Worker) -> None:
+        client = worker.client
+        try:
+            health, stats = await asyncio.gather(
+                client.health(timeout_s=self.health_timeout_s), client.stats(timeout_s=self.health_timeout_s)
+            )
+        except WorkerError as exc:
+            if worker.client is client:  # not replaced meanwhile
+                self._mark_down(worker, str(exc), cancel_streams=True)
+            return
+        if worker.client is not client:
+            return
+        worker.stats = stats
+        if not health.healthy:
+            # it answers, so it can still end its own streams: they are not cancelled
+            self._mark_down(worker, f"reports unhealthy: {health.detail or 'no detail'}", cancel_streams=False)
+            return
+        if stats.role and stats.role != worker.endpoint.role:
+            logger.warning("worker %s reports role %r, the directory says %r", worker.worker_id, stats.role, worker.endpoint.role)
+        if not worker.healthy:
+            logger.info("worker %s is healthy", worker.worker_id)
+        worker.healthy, worker.detail = True, ""
+
+    def _mark_down(self, worker: _Worker, reason: str, *, cancel_streams: bool) -> None:
+        if worker.healthy:
+            logger.warning("worker %s is unhealthy: %s", worker.worker_id, reason)
+        worker.healthy, worker.detail = False, reason
+        if cancel_streams:
+            worker.client.cancel_calls(f"worker {worker.worker_id} is unreachable ({reason})")
+
+    # ---------------------------------------------------------------- views
+
+    def snapshot(self) -> ClusterSnapshot:
+        return ClusterSnapshot(tuple(w.snapshot() for w in self._workers.values()), mode=self.mode)  # type: ignore[arg-type]
+
+    async def health(self) -> dict[str, Any]:
+        """Healthy when at least one decode-capable worker is healthy (a disaggregated cluster can
+        always prefill locally on D)."""
+        await self._ensure_started()
+        workers = {
+            w.worker_id: {"role": w.endpoint.role, "address": w.endpoint.address, "node": w.endpoint.node,
+                          "healthy": w.healthy, "inflight": w.num_inflight, **({"detail": w.detail} if w.detail else {})}
+            for w in self._workers.values()
+        }
+        serving = any(w.healthy and w.endpoint.role in ("decode", "mixed") for w in self._workers.values())
+        info: dict[str, Any] = {"healthy": serving, "mode": self.mode, "policy": self.policy.name, "workers": workers}
+        if not serving:
+            info["reason"] = f"no healthy decode-capable worker among {len(workers)}"
+        return info
+
+    # ---------------------------------------------------------------- requests
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        await self._ensure_started()
+        if request_id in self._flights:
+            raise ValueError(f"request id {request_id!r} is already live")
+        flight = _Flight(request_id, len(prompt_token_ids))
+        self._flights[request_id] = flight
+        try:
+            async for output in self._serve(flight, list(prompt_token_ids), params):
+                yield output
+        finally:
+            if self._flights.get(request_id) is flight:
+                del self._flights[request_id]
+
+    async def abort(self, request_id: str) -> None:
+        flight = self._flights.get(request_id)
+        if flight is None or flight.aborted:
+            return
+        flight.aborted = True
+        parts = list(flight.parts.values())
+        for client, wire_id in parts:
+            client.cancel_calls("the request was aborted", wire_id)
+        await self._abort_parts(parts)
+
+    async def _serve(self, flight: _Flight, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        excluded: set[str] = set()
+        retries_left = self.max_retries
+        fallback_on: str | None = None  # the D whose KV missed its deadline: run there locally
+        last_error: WorkerError | None = None
+        while True:
+            if flight.aborted:
+                yield self._aborted_output(flight)
+                return
+            if fallback_on is not None:
+                decision, fallback_on = Decision("local", None, fallback_on, "kv deadline fallback"), None
+            else:
+                decision = self._place(flight, prompt, params, excluded, last_error)
+            if decision.kind == "disaggregated" and not flight.sent_token_ids:
+                attempt = self._run_disaggregated(flight, decision, prompt, params)
+            else:
+                attempt = self._run_local(flight, decision.decode, prompt, params)
+            try:
+                async with contextlib.aclosing(attempt):
+                    async for output in attempt:
+                        output.request_id = flight.request_id
+                        flight.sent_token_ids.extend(output.new_token_ids)
+                        yield output
+                        if output.finished:
+                            return
+                raise WorkerFailed(f"the stream of worker {decision.decode} ended before the request finished",
+                                   worker_id=decision.decode)
+            except WorkerError as exc:
+                if flight.aborted:
+                    yield self._aborted_output(flight)
+                    return
+                if self._closed:
+                    raise ServiceUnavailable("The backend is shutting down.") from exc
+                if isinstance(exc, KVTransferDeadline) and decision.kind == "disaggregated":
+                    logger.warning("request %s: %s; prefilling on %s instead", flight.request_id, exc.message, decision.decode)
+                    self._count_recovery("local_fallback")
+                    fallback_on = decision.decode
+                    continue
+                if not isinstance(exc, (WorkerFailed, WorkerOverloaded, KVTransferDeadline)):
+                    raise  # the worker rejected the request: the client's error
+                last_error = exc
+                worker = self._workers.get(exc.worker_id)
+                if isinstance(exc, WorkerFailed) and worker is not None:
+                    self._mark_down(worker, exc.message, cancel_streams=False)
+                excluded.add(exc.worker_id)
+                if retries_left == 0:
+                    logger.warning("request %s failed after %d retries: %s", flight.request_id, self.max_retries, exc.message)
+                    if isinstance(exc, Overloaded):
+                        raise
+                    raise ServiceUnavailable(f"The request failed on every worker tried; last error: {exc.message}") from exc
+                retries_left -= 1
+                kind = "migrate" if flight.sent_token_ids else "replace"
+                logger.warning("request %s: %s; %s (%d retries left)", flight.request_id, exc.message, kind, retries_left)
+                self._count_recovery(kind)
+
+    def _place(
+        self, flight: _Flight, prompt: list[int], params: SamplingParams, excluded: set[str],
+        last_error: WorkerError | None,
+    ) -> Decision:
+        request = RequestInfo(
+            request_id=flight.request_id,
+            num_prompt_tokens=len(prompt),
+            max_tokens=params.max_tokens,
+            prompt_token_ids=tuple(prompt),
+            num_resumed_tokens=len(flight.sent_token_ids),
+            excluded=frozenset(excluded),
+        )
+        try:
+            decision = self.policy.place(request, self.snapshot())
+        except NoWorkersAvailable as exc:
+            if isinstance(last_error, Overloaded):
+                raise last_error from exc  # every worker left is full: the client may retry later
+            cause = f"; last error: {last_error.message}" if last_error is not None else ""
+            raise ServiceUnavailable(f"No worker can serve the request: {exc}{cause}") from exc
+        if self.metrics is not None:
+            self.metrics.placement_decisions.labels(self.policy.name, decision.kind).inc()
+        logger.debug("request %s -> %s", flight.request_id, decision)
+        return decision
+
+    async def _run_disaggregated(
+        self, flight: _Flight, decision: Decision, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        assert decision.prefill is not None
+        prefill, decode = self._workers[decision.prefill], self._workers[decision.decode]
+        wire_id = flight.next_wire_id()
+        finished = False
+        flight.parts = {decode.worker_id: (decode.client, wire_id)}
+        decode.num_inflight += 1
+        try:
+            reservation = await decode.client.reserve(wire_id, prompt, params, self.kv_deadline_s)
+            flight.parts[prefill.worker_id] = (prefill.client, wire_id)
+            prefill.num_inflight += 1
+            try:
+                result = await prefill.client.prefill(
+                    wire_id, prompt, params, reservation, self.kv_deadline_s,
+                    timeout_s=self.kv_deadline_s + self.rpc_timeout_s,
+                )
+            finally:
+                prefill.num_inflight -= 1
+            self._record_transfer(result.kv_bytes, result.kv_seconds)
+            first = result.first
+            if first.finished:
+                finished = True
+                self._spawn(self._abort_parts([(decode.client, wire_id)]))  # frees D's reservation
+                yield first
+                return
+            yield first
+            async for output in decode.client.decode(wire_id, first):
+                if self._worker_aborted(flight, output):
+                    if output.new_token_ids:  # keep what it produced; the retry resumes after it
+                        yield replace(output, finished=False, finish_reason=None)
+                    raise WorkerFailed(f"worker {decode.worker_id} aborted the request", worker_id=decode.worker_id)
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            decode.num_inflight -= 1
+            parts, flight.parts = list(flight.parts.values()), {}
+            if not finished and not flight.aborted:
+                await self._abort_parts(parts)
+
+    async def _run_local(
+        self, flight: _Flight, worker_id: str, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        worker = self._workers[worker_id]
+        wire_id = flight.next_wire_id()
+        finished = False
+        flight.parts = {worker_id: (worker.client, wire_id)}
+        worker.num_inflight += 1
+        try:
+            async for output in worker.client.generate(wire_id, prompt, params, flight.sent_token_ids):
+                if self._worker_aborted(flight, output):
+                    if output.new_token_ids:
+                        yield replace(output, finished=False, finish_reason=None)
+                    raise WorkerFailed(f"worker {worker_id} aborted the request", worker_id=worker_id)
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            worker.num_inflight -= 1
+            parts, flight.parts = list(flight.parts.values()), {}
+            if not finished and not flight.aborted:
+                await self._abort_parts(parts)
+
+    @staticmethod
+    def _worker_aborted(flight: _Flight, output: RequestOutput) -> bool:
+        """A worker that ends a request with "abort" on its own (draining, dying) failed it."""
+        return output.finished and output.finish_reason == "abort" and not flight.aborted
+
+    @staticmethod
+    def _aborted_output(flight: _Flight) -> RequestOutput:
+        return RequestOutput(
+            request_id=flight.request_id, new_token_ids=[], new_text="", finished=True, finish_reason="abort",
+            num_prompt_tokens=flight.num_prompt_tokens, num_output_tokens=len(flight.sent_token_ids),
+        )
+
+    # ---------------------------------------------------------------- helpers
+
+    async def _abort_parts(self, parts: Sequence[_Part]) -> None:
+        """Best-effort Abort on each part, each bounded by rpc_timeout_s; finishes even if the caller is cancelled."""
+        if not parts:
+            return
+        task = self._spawn(asyncio.gather(*(self._abort_one(client, wire_id) for client, wire_id in parts)))
+        await asyncio.shield(task)
+
+    async def _abort_one(self, client: WorkerClient, wire_id: str) -> None:
+        try:
+            await client.abort(wire_id)
+        except Exception as exc:
+            logger.info("abort of %s on worker %s failed: %s", wire_id, client.worker_id, exc)
+
+    def _spawn(self, awaitable: Any) -> asyncio.Future[Any]:
+        task = asyncio.ensure_future(awaitable)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def _record_transfer(self, kv_bytes: int, kv_seconds: float) -> None:
+        if self.metrics is not None and kv_bytes:
+            self.metrics.kv_transfer_bytes.inc(kv_bytes)
+            self.metrics.kv_transfer_seconds.observe(kv_seconds)
+
+    def _count_recovery(self, kind: str) -> None:
+        if self.metrics is not None:
+            self.metrics.request_recoveries.labels(kind).inc()
+
