@@ -114,10 +114,10 @@ def main() -> int:
         from pdserve.loaders import load_model_source
 
         src = load_model_source(args.model)
-        weights = dict(src.iter_weights("cuda"))
         del llm, outs
         gc.collect()
         torch.cuda.empty_cache()
+        weights = dict(src.iter_weights("cuda"))
         c = src.config
         rope = None
         if c.rope_scaling is not None:

@@ -66,6 +66,7 @@ class _Worker:
     detail: str = "not checked yet"
     stats: pb.StatsResponse | None = None
     num_inflight: int = 0  # requests the router has sent here and not seen end
+    role_mismatch_logged: bool = False
 
     @property
     def worker_id(self) -> str:
@@ -253,8 +254,10 @@ class ClusterBackend:
             # it answers, so it can still end its own streams: they are not cancelled
             self._mark_down(worker, f"reports unhealthy: {health.detail or 'no detail'}", cancel_streams=False)
             return
-        if stats.role and stats.role != worker.endpoint.role:
-            logger.warning("worker %s reports role %r, the directory says %r", worker.worker_id, stats.role, worker.endpoint.role)
+        if stats.role and stats.role != worker.endpoint.role and not worker.role_mismatch_logged:
+            worker.role_mismatch_logged = True
+            logger.warning("worker %s reports role %r, the directory says %r",
+                           worker.worker_id, stats.role, worker.endpoint.role)
         if not worker.healthy:
             logger.info("worker %s is healthy", worker.worker_id)
         worker.healthy, worker.detail = True, ""
@@ -269,17 +272,19 @@ class ClusterBackend:
     # ---------------------------------------------------------------- views
 
     def snapshot(self) -> ClusterSnapshot:
-        return ClusterSnapshot(tuple(w.snapshot() for w in self._workers.values()), mode=self.mode)  # type: ignore[arg-type]
+        workers = tuple(w.snapshot() for w in self._workers.values())
+        return ClusterSnapshot(workers, mode=self.mode)  # type: ignore[arg-type]
 
     async def health(self) -> dict[str, Any]:
         """Healthy when at least one decode-capable worker is healthy (a disaggregated cluster can
         always prefill locally on D)."""
         await self._ensure_started()
-        workers = {
-            w.worker_id: {"role": w.endpoint.role, "address": w.endpoint.address, "node": w.endpoint.node,
-                          "healthy": w.healthy, "inflight": w.num_inflight, **({"detail": w.detail} if w.detail else {})}
-            for w in self._workers.values()
-        }
+        workers: dict[str, dict[str, Any]] = {}
+        for w in self._workers.values():
+            workers[w.worker_id] = {"role": w.endpoint.role, "address": w.endpoint.address, "node": w.endpoint.node,
+                                    "healthy": w.healthy, "inflight": w.num_inflight}
+            if w.detail:
+                workers[w.worker_id]["detail"] = w.detail
         serving = any(w.healthy and w.endpoint.role in ("decode", "mixed") for w in self._workers.values())
         info: dict[str, Any] = {"healthy": serving, "mode": self.mode, "policy": self.policy.name, "workers": workers}
         if not serving:
@@ -347,7 +352,8 @@ class ClusterBackend:
                 if self._closed:
                     raise ServiceUnavailable("The backend is shutting down.") from exc
                 if isinstance(exc, KVTransferDeadline) and decision.kind == "disaggregated":
-                    logger.warning("request %s: %s; prefilling on %s instead", flight.request_id, exc.message, decision.decode)
+                    logger.warning("request %s: %s; prefilling on %s instead",
+                                   flight.request_id, exc.message, decision.decode)
                     self._count_recovery("local_fallback")
                     fallback_on = decision.decode
                     continue
@@ -359,13 +365,16 @@ class ClusterBackend:
                     self._mark_down(worker, exc.message, cancel_streams=False)
                 excluded.add(exc.worker_id)
                 if retries_left == 0:
-                    logger.warning("request %s failed after %d retries: %s", flight.request_id, self.max_retries, exc.message)
+                    logger.warning("request %s failed after %d retries: %s",
+                                   flight.request_id, self.max_retries, exc.message)
                     if isinstance(exc, Overloaded):
                         raise
-                    raise ServiceUnavailable(f"The request failed on every worker tried; last error: {exc.message}") from exc
+                    raise ServiceUnavailable(
+                        f"The request failed on every worker tried; last error: {exc.message}") from exc
                 retries_left -= 1
                 kind = "migrate" if flight.sent_token_ids else "replace"
-                logger.warning("request %s: %s; %s (%d retries left)", flight.request_id, exc.message, kind, retries_left)
+                logger.warning("request %s: %s; %s (%d retries left)",
+                               flight.request_id, exc.message, kind, retries_left)
                 self._count_recovery(kind)
 
     def _place(

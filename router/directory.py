@@ -87,4 +87,5 @@ def parse_endpoint(entry: str, counts: dict[str, int] | None = None) -> WorkerEn
     counts = {} if counts is None else counts
     index = counts.get(role, 0)
     counts[role] = index + 1
-    return WorkerEndpoint(worker_id=match["id"] or f"{role}-{index}", role=role, address=address, node=match["node"] or "")
+    worker_id = match["id"] or f"{role}-{index}"
+    return WorkerEndpoint(worker_id=worker_id, role=role, address=address, node=match["node"] or "")

@@ -84,7 +84,8 @@ class WorkerClient:
         *, timeout_s: float | None = None,
     ) -> Reservation:
         msg = pb.ReserveRequest(
-            request_id=request_id, prompt_token_ids=prompt_token_ids, params=params_to_proto(params), deadline_s=deadline_s,
+            request_id=request_id, prompt_token_ids=prompt_token_ids, params=params_to_proto(params),
+            deadline_s=deadline_s,
         )
         r = await self._unary("Reserve", self._stub.Reserve, msg, request_id, timeout_s)
         return Reservation(r.kv_address, r.transfer_id, tuple(r.block_ids), r.wire_version, r.layout)
@@ -103,7 +104,7 @@ class WorkerClient:
         try:
             first = chunk_to_output(r.first)
         except ValueError as exc:
-            raise WorkerFailed(f"worker {self.worker_id} sent a bad first chunk: {exc}", worker_id=self.worker_id) from None
+            raise self._failed(f"worker {self.worker_id} sent a bad first chunk: {exc}") from None
         return PrefillResult(first, r.kv_bytes, r.kv_seconds, r.queue_seconds, r.prefill_seconds)
 
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> bool:
@@ -127,12 +128,12 @@ class WorkerClient:
             request_id=request_id, prompt_token_ids=prompt_token_ids, params=params_to_proto(params),
             resumed_token_ids=resumed_token_ids,
         )
-        return self._stream("Generate", self._stub.Generate(msg), request_id)
+        return self._stream("Generate", self._open("Generate", self._stub.Generate, msg, None), request_id)
 
     def decode(self, request_id: str, first: RequestOutput) -> AsyncIterator[RequestOutput]:
         """The tokens after `first` (which the worker does not repeat), once the KV has landed."""
         msg = pb.DecodeRequest(request_id=request_id, first=output_to_chunk(first))
-        return self._stream("Decode", self._stub.Decode(msg), request_id)
+        return self._stream("Decode", self._open("Decode", self._stub.Decode, msg, None), request_id)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -158,7 +159,7 @@ class WorkerClient:
     async def _unary(self, op: str, method: Any, msg: Any, request_id: str, timeout_s: float | None) -> Any:
         timeout = self.rpc_timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
-        call = method(msg, timeout=timeout)
+        call = self._open(op, method, msg, timeout)
         self._calls[call] = request_id
         try:
             return await call
@@ -178,7 +179,7 @@ class WorkerClient:
                 try:
                     output = chunk_to_output(chunk)
                 except ValueError as exc:
-                    raise WorkerFailed(f"worker {self.worker_id} sent a bad chunk: {exc}", worker_id=self.worker_id) from None
+                    raise self._failed(f"worker {self.worker_id} sent a bad chunk: {exc}") from None
                 yield output
         except grpc.aio.AioRpcError as exc:
             raise self._error(op, exc, 0.0, None) from None
@@ -190,6 +191,15 @@ class WorkerClient:
             self._forget(call)
             call.cancel()  # no-op when done; stops the worker's stream when the reader leaves early
 
+    def _open(self, op: str, method: Any, msg: Any, timeout: float | None) -> Any:
+        try:
+            return method(msg, timeout=timeout)
+        except grpc.aio.UsageError as exc:  # the channel was closed (the worker moved or left)
+            raise self._failed(f"{op} on worker {self.worker_id}: {exc}") from None
+
+    def _failed(self, message: str) -> WorkerFailed:
+        return WorkerFailed(message, worker_id=self.worker_id)
+
     def _forget(self, call: Any) -> None:
         self._calls.pop(call, None)
         self._cancelled.pop(call, None)
@@ -197,14 +207,14 @@ class WorkerClient:
     def _cancelled_error(self, call: Any, op: str) -> WorkerFailed:
         """A call cancelled under a task that is not itself cancelled: we (or the channel) cancelled it."""
         reason = self._cancelled.get(call, "the call was cancelled")
-        return WorkerFailed(f"{op} on worker {self.worker_id} was cancelled: {reason}", worker_id=self.worker_id)
+        return self._failed(f"{op} on worker {self.worker_id} was cancelled: {reason}")
 
     def _error(self, op: str, exc: grpc.aio.AioRpcError, elapsed: float, timeout: float | None) -> WorkerError:
         code = exc.code()
         details = exc.details() or code.name
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None and elapsed >= 0.98 * timeout:
             # our own call timeout, not a KV deadline reported by the worker
-            return WorkerFailed(f"worker {self.worker_id} did not answer {op} within {timeout:g} s", worker_id=self.worker_id)
+            return self._failed(f"worker {self.worker_id} did not answer {op} within {timeout:g} s")
         cls = WORKER_STATUS_ERRORS.get(code.name, WorkerFailed)
         if cls is WorkerFailed:
             message = f"worker {self.worker_id} failed {op} ({code.name}): {details}"

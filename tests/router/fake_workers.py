@@ -44,6 +44,7 @@ class Script:
     die_after_tokens: int | None = None  # stop the server once this many tokens were streamed by Generate/Decode
     push_kv: bool = True  # Prefill "pushes" the KV to D (False: D's Decode misses the deadline)
     healthy: bool = True  # what Health answers
+    hang: bool = False  # Health, Stats and token streams stop answering (a hung process)
 
 
 @dataclass
@@ -173,7 +174,12 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self.reservations.pop(request.request_id, None)
         return pb.AbortResponse(found=found)
 
+    async def _hang_if_scripted(self) -> None:
+        while self.script.hang:
+            await asyncio.sleep(0.01)
+
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        await self._hang_if_scripted()
         return pb.StatsResponse(
             worker_id=self.worker_id, role=self.role, num_running=len(self.live),
             num_awaiting_kv=len(self.reservations), num_blocks=1024, num_free_blocks=1024, block_size=4,
@@ -181,6 +187,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
         )
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        await self._hang_if_scripted()
         return pb.HealthResponse(healthy=self.script.healthy, worker_id=self.worker_id, role=self.role,
                                  detail="" if self.script.healthy else "scripted unhealthy")
 
@@ -194,6 +201,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
         try:
             for j in range(start, params.max_tokens):
                 await asyncio.sleep(self.script.step_delay_s)
+                await self._hang_if_scripted()
                 if self.aborts.count(request_id) > aborts_before:
                     yield pb.TokenChunk(request_id=request_id, finished=True, finish_reason="abort",
                                         num_prompt_tokens=len(prompt), num_output_tokens=j)
