@@ -130,10 +130,11 @@ def main() -> int:
             num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
             head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
             rope_theta=c.rope_theta, rope_scaling=rope, tie_word_embeddings=c.tie_word_embeddings)
-        with torch.device("meta"):
-            model = transformers.LlamaForCausalLM(cfg)
-        model.load_state_dict(weights, strict=False, assign=True)
-        model = model.to(torch.bfloat16).eval()
+        torch.set_default_dtype(torch.bfloat16)
+        with torch.device("cuda"):
+            model = transformers.LlamaForCausalLM(cfg).eval()
+        torch.set_default_dtype(torch.float32)
+        model.load_state_dict(weights, strict=False)
         del weights
         hf_reqs = reqs[: args.hf_requests]
         torch.cuda.synchronize()

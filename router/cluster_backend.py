@@ -16,9 +16,9 @@ A request goes through:
 4. the end: a finished request frees itself on the workers; any other exit (error, client
    abort, cancellation) sends Abort to every worker that holds a part of it, bounded in time.
 
-A background monitor re-reads the directory (addresses change when workers restart), polls
-Health and Stats of every worker each `stats_interval_s`, marks failures unhealthy (cancelling
-their live streams so readers migrate at once) and brings workers back when they answer.
+The `WorkerPool` (router.worker_pool) keeps the view of the workers: it re-reads the directory
+and polls Health/Stats each `stats_interval_s`, cancelling the live streams of a worker that
+stops answering, so that its requests migrate at once.
 Worker-side request ids are "<request_id>" for the first attempt and "<request_id>.<n>" after.
 """
 
@@ -31,10 +31,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdserve.proto import worker_pb2 as pb
 from pdserve.sampling_params import RequestOutput, SamplingParams
 from router.backend import Tokenizer
-from router.directory import WorkerDirectory, WorkerEndpoint
+from router.directory import WorkerDirectory
 from router.errors import (
     KVTransferDeadline,
     Overloaded,
@@ -51,43 +50,11 @@ from router.placement import (
     NoWorkersAvailable,
     PlacementPolicy,
     RequestInfo,
-    WorkerSnapshot,
 )
 from router.worker_client import WorkerClient
+from router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Worker:
-    endpoint: WorkerEndpoint
-    client: WorkerClient
-    healthy: bool = False
-    detail: str = "not checked yet"
-    stats: pb.StatsResponse | None = None
-    num_inflight: int = 0  # requests the router has sent here and not seen end
-    role_mismatch_logged: bool = False
-
-    @property
-    def worker_id(self) -> str:
-        return self.endpoint.worker_id
-
-    def snapshot(self) -> WorkerSnapshot:
-        s = self.stats or pb.StatsResponse()
-        return WorkerSnapshot(
-            worker_id=self.worker_id,
-            role=self.endpoint.role,
-            node=self.endpoint.node,
-            healthy=self.healthy,
-            num_waiting=s.num_waiting + s.num_awaiting_kv,
-            num_running=s.num_running,
-            num_free_blocks=s.num_free_blocks,
-            num_blocks=s.num_blocks,
-            block_size=s.block_size,
-            num_inflight=self.num_inflight,
-            max_model_len=s.max_model_len,
-            tokens_per_second=s.tokens_per_second,
-        )
 
 
 # (client, worker-side request id) of one worker's part in a request
@@ -137,30 +104,26 @@ class ClusterBackend:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        for name, value in (("kv_deadline_s", kv_deadline_s), ("stats_interval_s", stats_interval_s),
-                            ("health_timeout_s", health_timeout_s), ("rpc_timeout_s", rpc_timeout_s)):
-            if not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if not isinstance(kv_deadline_s, (int, float)) or kv_deadline_s <= 0:
+            raise ValueError(f"kv_deadline_s must be > 0, got {kv_deadline_s!r}")
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len!r}")
-        self.directory = directory
+        self.pool = WorkerPool(
+            directory, interval_s=stats_interval_s, health_timeout_s=health_timeout_s, rpc_timeout_s=rpc_timeout_s,
+        )
         self.policy = policy
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.mode = mode
         self.kv_deadline_s = float(kv_deadline_s)
-        self.stats_interval_s = float(stats_interval_s)
-        self.health_timeout_s = float(health_timeout_s)
         self.max_retries = max_retries
         self.metrics = metrics
         self.rpc_timeout_s = float(rpc_timeout_s)
-        self._workers: dict[str, _Worker] = {}
         self._flights: dict[str, _Flight] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        self._monitor: asyncio.Task[None] | None = None
         self._started = False
         self._closed = False
         self._start_lock = asyncio.Lock()
@@ -174,29 +137,22 @@ class ClusterBackend:
                 return
             if self._closed:
                 raise ServiceUnavailable("The backend is closed.")
-            await self.refresh()
-            self._monitor = asyncio.create_task(self._monitor_loop(), name="cluster-backend-monitor")
+            await self.pool.start()
             self._started = True
 
     async def close(self) -> None:
-        """Stops the monitor, aborts live requests (bounded) and closes every connection."""
+        """Aborts live requests (bounded), stops the monitor and closes every connection."""
         if self._closed:
             return
         self._closed = True
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
         await asyncio.gather(*(self.abort(rid) for rid in list(self._flights)), return_exceptions=True)
-        for worker in self._workers.values():
-            await worker.client.close()
+        await self.pool.close()
         if self._background:
             await asyncio.wait(self._background, timeout=self.rpc_timeout_s)
 
     async def refresh(self) -> None:
-        """One monitor round: re-read the directory, then poll every worker."""
-        await self._sync_endpoints()
-        await asyncio.gather(*(self._poll(w) for w in list(self._workers.values())))
+        """One monitor round now (re-read the directory, poll every worker)."""
+        await self.pool.refresh()
 
     async def _ensure_started(self) -> None:
         if not self._started:
@@ -204,88 +160,17 @@ class ClusterBackend:
         if self._closed:
             raise ServiceUnavailable("The backend is shutting down.")
 
-    async def _monitor_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.stats_interval_s)
-            try:
-                await self.refresh()
-            except Exception:
-                logger.exception("worker monitor round failed")
-
-    async def _sync_endpoints(self) -> None:
-        try:
-            endpoints = await asyncio.wait_for(self.directory.endpoints(), self.health_timeout_s)
-        except Exception as exc:
-            logger.warning("worker directory failed (%s); keeping the last view of %d workers", exc, len(self._workers))
-            return
-        seen = {e.worker_id for e in endpoints}
-        for endpoint in endpoints:
-            worker = self._workers.get(endpoint.worker_id)
-            if worker is None:
-                logger.info("worker %s (%s) at %s", endpoint.worker_id, endpoint.role, endpoint.address)
-                self._workers[endpoint.worker_id] = _Worker(endpoint, self._connect(endpoint))
-            elif worker.endpoint != endpoint:
-                logger.info("worker %s moved: %s -> %s", endpoint.worker_id, worker.endpoint.address, endpoint.address)
-                old = worker.client
-                worker.endpoint, worker.client = endpoint, self._connect(endpoint)
-                worker.healthy, worker.detail, worker.stats = False, "moved, not checked yet", None
-                await old.close()  # its streams raise WorkerFailed and migrate
-        for worker_id in [w for w in self._workers if w not in seen]:
-            logger.info("worker %s left the directory", worker_id)
-            await self._workers.pop(worker_id).client.close()
-
-    def _connect(self, endpoint: WorkerEndpoint) -> WorkerClient:
-        return WorkerClient(endpoint.worker_id, endpoint.address, rpc_timeout_s=self.rpc_timeout_s)
-
-    async def _poll(self, worker: _Worker) -> None:
-        client = worker.client
-        try:
-            health, stats = await asyncio.gather(
-                client.health(timeout_s=self.health_timeout_s), client.stats(timeout_s=self.health_timeout_s)
-            )
-        except WorkerError as exc:
-            if worker.client is client:  # not replaced meanwhile
-                self._mark_down(worker, str(exc), cancel_streams=True)
-            return
-        if worker.client is not client:
-            return
-        worker.stats = stats
-        if not health.healthy:
-            # it answers, so it can still end its own streams: they are not cancelled
-            self._mark_down(worker, f"reports unhealthy: {health.detail or 'no detail'}", cancel_streams=False)
-            return
-        if stats.role and stats.role != worker.endpoint.role and not worker.role_mismatch_logged:
-            worker.role_mismatch_logged = True
-            logger.warning("worker %s reports role %r, the directory says %r",
-                           worker.worker_id, stats.role, worker.endpoint.role)
-        if not worker.healthy:
-            logger.info("worker %s is healthy", worker.worker_id)
-        worker.healthy, worker.detail = True, ""
-
-    def _mark_down(self, worker: _Worker, reason: str, *, cancel_streams: bool) -> None:
-        if worker.healthy:
-            logger.warning("worker %s is unhealthy: %s", worker.worker_id, reason)
-        worker.healthy, worker.detail = False, reason
-        if cancel_streams:
-            worker.client.cancel_calls(f"worker {worker.worker_id} is unreachable ({reason})")
-
     # ---------------------------------------------------------------- views
 
     def snapshot(self) -> ClusterSnapshot:
-        workers = tuple(w.snapshot() for w in self._workers.values())
-        return ClusterSnapshot(workers, mode=self.mode)  # type: ignore[arg-type]
+        return ClusterSnapshot(self.pool.snapshots(), mode=self.mode)  # type: ignore[arg-type]
 
     async def health(self) -> dict[str, Any]:
         """Healthy when at least one decode-capable worker is healthy (a disaggregated cluster can
         always prefill locally on D)."""
         await self._ensure_started()
-        workers: dict[str, dict[str, Any]] = {}
-        for w in self._workers.values():
-            workers[w.worker_id] = {"role": w.endpoint.role, "address": w.endpoint.address, "node": w.endpoint.node,
-                                    "healthy": w.healthy, "inflight": w.num_inflight}
-            if w.detail:
-                workers[w.worker_id]["detail"] = w.detail
-        serving = any(w.healthy and w.endpoint.role in ("decode", "mixed") for w in self._workers.values())
+        workers = self.pool.describe()
+        serving = any(w["healthy"] and w["role"] in ("decode", "mixed") for w in workers.values())
         info: dict[str, Any] = {"healthy": serving, "mode": self.mode, "policy": self.policy.name, "workers": workers}
         if not serving:
             info["reason"] = f"no healthy decode-capable worker among {len(workers)}"
@@ -327,9 +212,10 @@ class ClusterBackend:
             if flight.aborted:
                 yield self._aborted_output(flight)
                 return
-            if fallback_on is not None:
+            if fallback_on is not None and fallback_on in self.pool.workers:
                 decision, fallback_on = Decision("local", None, fallback_on, "kv deadline fallback"), None
             else:
+                fallback_on = None
                 decision = self._place(flight, prompt, params, excluded, last_error)
             if decision.kind == "disaggregated" and not flight.sent_token_ids:
                 attempt = self._run_disaggregated(flight, decision, prompt, params)
@@ -360,9 +246,9 @@ class ClusterBackend:
                 if not isinstance(exc, (WorkerFailed, WorkerOverloaded, KVTransferDeadline)):
                     raise  # the worker rejected the request: the client's error
                 last_error = exc
-                worker = self._workers.get(exc.worker_id)
+                worker = self.pool.workers.get(exc.worker_id)
                 if isinstance(exc, WorkerFailed) and worker is not None:
-                    self._mark_down(worker, exc.message, cancel_streams=False)
+                    self.pool.mark_down(worker, exc.message, cancel_streams=False)
                 excluded.add(exc.worker_id)
                 if retries_left == 0:
                     logger.warning("request %s failed after %d retries: %s",
@@ -405,7 +291,7 @@ class ClusterBackend:
         self, flight: _Flight, decision: Decision, prompt: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         assert decision.prefill is not None
-        prefill, decode = self._workers[decision.prefill], self._workers[decision.decode]
+        prefill, decode = self.pool.workers[decision.prefill], self.pool.workers[decision.decode]
         wire_id = flight.next_wire_id()
         finished = False
         flight.parts = {decode.worker_id: (decode.client, wire_id)}
@@ -423,6 +309,8 @@ class ClusterBackend:
                 prefill.num_inflight -= 1
             self._record_transfer(result.kv_bytes, result.kv_seconds)
             first = result.first
+            if self._worker_aborted(flight, first):
+                raise WorkerFailed(f"worker {prefill.worker_id} aborted the request", worker_id=prefill.worker_id)
             if first.finished:
                 finished = True
                 self._spawn(self._abort_parts([(decode.client, wire_id)]))  # frees D's reservation
@@ -447,7 +335,7 @@ class ClusterBackend:
     async def _run_local(
         self, flight: _Flight, worker_id: str, prompt: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        worker = self._workers[worker_id]
+        worker = self.pool.workers[worker_id]
         wire_id = flight.next_wire_id()
         finished = False
         flight.parts = {worker_id: (worker.client, wire_id)}
