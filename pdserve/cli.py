@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
 from pdserve.engine_args import ENGINE_DEFAULTS, add_engine_args, engine_config, engine_kwargs, float_arg, int_arg
 
 __all__ = ["ENGINE_DEFAULTS", "add_engine_args", "build_parser", "engine_config", "engine_kwargs", "main"]
+
+
+API_KEY_ENV = "PDSERVE_API_KEY"
 
 
 class CliError(Exception):
@@ -70,6 +74,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from pdserve.cluster.up import run_up
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "log_level", "config")}
+    if "api_key" not in flags and os.environ.get(API_KEY_ENV):
+        flags["api_key"] = os.environ[API_KEY_ENV]
     config = load_up_config(flags, args.config)
     return run_up(config, log_level=args.log_level)
 
@@ -150,7 +156,8 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
     p.add_argument("--policy", default=d("round-robin"), help="placement policy (round-robin, least-loaded, ...)")
     p.add_argument("--host", default=d("127.0.0.1"), help="HTTP bind host")
     p.add_argument("--port", type=int_arg("--port"), default=d(8000), help="HTTP port")
-    p.add_argument("--api-key", default=d(None), help="require 'Authorization: Bearer <key>'")
+    p.add_argument("--api-key", default=d(os.environ.get(API_KEY_ENV) or None),
+                   help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV})")
     p.add_argument("--served-model-name", default=d(None), help="model id of the API (default: --model)")
     p.add_argument("--kv-deadline-s", type=float_arg("--kv-deadline-s"), default=d(10.0),
                    help="a KV transfer past this falls back to prefill on the decode worker")

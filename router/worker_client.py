@@ -25,7 +25,7 @@ import grpc
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.sampling_params import RequestOutput, SamplingParams
-from router.convert import chunk_to_output, output_to_chunk, params_to_proto
+from pdserve.proto.convert import chunk_to_output, output_to_chunk, params_to_proto
 from router.errors import WORKER_STATUS_ERRORS, WorkerError, WorkerFailed
 
 logger = logging.getLogger(__name__)

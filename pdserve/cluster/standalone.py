@@ -67,6 +67,9 @@ def run_router(entries: list[str], settings) -> int:
     roles = {parse_endpoint(entry).role for entry in entries}
     if settings.mode == "disaggregated" and not ({"prefill", "decode"} <= roles):
         raise ValueError("--worker: --mode disaggregated needs at least one prefill and one decode worker")
+    from pdserve.cluster.up import check_listen
+
+    check_listen(settings.host, settings.port)
     model = load_router_model(settings.model, settings.max_model_len, settings.served_model_name)
     app, backend = build_app(directory, settings, model)
     install_shutdown_signals()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 
 from pdserve.cluster.config import UpConfig
@@ -38,6 +39,28 @@ def pool_specs(config: UpConfig, gpus_in_cluster: float):
     ]
 
 
+def check_listen(host: str, port: int, flag: str = "--port") -> None:
+    """ValueError naming `flag` when host:port cannot be listened on (in use, bad host)."""
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as e:
+        raise ValueError(f"{flag}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """A quick reachability check, so that a wrong --address fails in seconds, not after Ray's
+    minute of retries. "auto" is left to Ray (it fails fast without a local cluster)."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--address: expected auto, host:port or ray://host:port, got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(f"--address: cannot reach Ray at {address} ({e.strerror or e})") from None
+
+
 def _start_ray(config: UpConfig) -> bool:
     """Starts or joins Ray; True when we started it (and so must shut it down)."""
     import ray
@@ -47,7 +70,11 @@ def _start_ray(config: UpConfig) -> bool:
     common = dict(namespace=config.namespace, include_dashboard=False, log_to_driver=True,
                   configure_logging=True, logging_level=logging.WARNING)
     if config.address:
-        ray.init(address=config.address, **common)
+        check_ray_address(config.address)
+        try:
+            ray.init(address=config.address, **common)
+        except ConnectionError as e:
+            raise ValueError(f"--address: cannot connect to Ray at {config.address}: {e}") from None
         return False
     needed_cpus = config.worker_cpus * sum(config.pool_sizes().values())
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(needed_cpus + 0.999)),
@@ -71,6 +98,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
     from pdserve.engine_args import engine_config
 
     engine_config(config.engine_values())  # bad engine values fail here, before Ray starts
+    check_listen(config.host, config.port)
     model = load_router_model(config.model, config.max_model_len, config.served_model_name)
     settings = RouterSettings(model=config.model, served_model_name=config.served_model_name,
                               max_model_len=config.max_model_len, policy=config.policy, mode=config.mode,

@@ -1,0 +1,178 @@
+"""The router's view of its workers: membership from the directory, health and stats by polling.
+
+Each `refresh` (every `interval_s` in the background once started):
+1. re-reads the directory: new workers are connected, a worker whose address changed (it
+   restarted) gets a new connection (the old one is closed, so its streams fail and migrate),
+   workers gone from the directory are dropped;
+2. polls Health and Stats of every worker, each bounded by `health_timeout_s`. A worker that
+   does not answer is marked unhealthy and its live calls are cancelled (that is how a hung or
+   dead worker is detected mid-stream); one that answers "unhealthy" is avoided but its streams
+   are left to end on their own; one that answers healthy is used again.
+Request paths also `mark_down` a worker when a call to it fails; the next good poll restores it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.proto import worker_pb2 as pb
+from router.directory import WorkerDirectory, WorkerEndpoint
+from router.errors import WorkerError
+from router.placement import WorkerSnapshot
+from router.worker_client import WorkerClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PooledWorker:
+    """A worker as the router tracks it: where it is, its last stats, and its health."""
+
+    endpoint: WorkerEndpoint
+    client: WorkerClient
+    healthy: bool = False
+    detail: str = "not checked yet"
+    stats: pb.StatsResponse | None = None
+    num_inflight: int = 0  # requests the router has sent here and not seen end
+    role_mismatch_logged: bool = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.endpoint.worker_id
+
+    def snapshot(self) -> WorkerSnapshot:
+        s = self.stats or pb.StatsResponse()
+        return WorkerSnapshot(
+            worker_id=self.worker_id,
+            role=self.endpoint.role,
+            node=self.endpoint.node,
+            healthy=self.healthy,
+            num_waiting=s.num_waiting + s.num_awaiting_kv,
+            num_running=s.num_running,
+            num_free_blocks=s.num_free_blocks,
+            num_blocks=s.num_blocks,
+            block_size=s.block_size,
+            num_inflight=self.num_inflight,
+            max_model_len=s.max_model_len,
+            tokens_per_second=s.tokens_per_second,
+        )
+
+
+class WorkerPool:
+    """The workers of one directory (module docstring). `workers` maps worker id -> PooledWorker."""
+
+    def __init__(
+        self, directory: WorkerDirectory, *, interval_s: float = 0.5, health_timeout_s: float = 2.0,
+        rpc_timeout_s: float = 5.0,
+    ) -> None:
+        for name, value in (("interval_s", interval_s), ("health_timeout_s", health_timeout_s),
+                            ("rpc_timeout_s", rpc_timeout_s)):
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        self.directory = directory
+        self.interval_s = float(interval_s)
+        self.health_timeout_s = float(health_timeout_s)
+        self.rpc_timeout_s = float(rpc_timeout_s)
+        self.workers: dict[str, PooledWorker] = {}
+        self._monitor: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """One refresh now, then one every interval_s in the background."""
+        await self.refresh()
+        if self._monitor is None:
+            self._monitor = asyncio.create_task(self._monitor_loop(), name="worker-pool-monitor")
+
+    async def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+            self._monitor = None
+        for worker in self.workers.values():
+            await worker.client.close()
+
+    async def refresh(self) -> None:
+        await self._sync_endpoints()
+        await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
+
+    def snapshots(self) -> tuple[WorkerSnapshot, ...]:
+        return tuple(w.snapshot() for w in self.workers.values())
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        """Per worker: role, address, node, healthy, inflight and (when unhealthy) why."""
+        info: dict[str, dict[str, Any]] = {}
+        for w in self.workers.values():
+            info[w.worker_id] = {"role": w.endpoint.role, "address": w.endpoint.address, "node": w.endpoint.node,
+                                 "healthy": w.healthy, "inflight": w.num_inflight}
+            if w.detail:
+                info[w.worker_id]["detail"] = w.detail
+        return info
+
+    async def _monitor_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.refresh()
+            except Exception:
+                logger.exception("worker monitor round failed")
+
+    async def _sync_endpoints(self) -> None:
+        try:
+            endpoints = await asyncio.wait_for(self.directory.endpoints(), self.health_timeout_s)
+        except Exception as exc:
+            logger.warning("worker directory failed (%s); keeping the last view of %d workers", exc, len(self.workers))
+            return
+        seen = {e.worker_id for e in endpoints}
+        for endpoint in endpoints:
+            worker = self.workers.get(endpoint.worker_id)
+            if worker is None:
+                logger.info("worker %s (%s) at %s", endpoint.worker_id, endpoint.role, endpoint.address)
+                self.workers[endpoint.worker_id] = PooledWorker(endpoint, self._connect(endpoint))
+            elif worker.endpoint != endpoint:
+                logger.info("worker %s moved: %s -> %s", endpoint.worker_id, worker.endpoint.address, endpoint.address)
+                old = worker.client
+                worker.endpoint, worker.client = endpoint, self._connect(endpoint)
+                worker.healthy, worker.detail, worker.stats = False, "moved, not checked yet", None
+                await old.close()  # its streams raise WorkerFailed and migrate
+        for worker_id in [w for w in self.workers if w not in seen]:
+            logger.info("worker %s left the directory", worker_id)
+            await self.workers.pop(worker_id).client.close()
+
+    def _connect(self, endpoint: WorkerEndpoint) -> WorkerClient:
+        return WorkerClient(endpoint.worker_id, endpoint.address, rpc_timeout_s=self.rpc_timeout_s)
+
+    async def _poll(self, worker: PooledWorker) -> None:
+        client = worker.client
+        try:
+            health, stats = await asyncio.gather(
+                client.health(timeout_s=self.health_timeout_s), client.stats(timeout_s=self.health_timeout_s)
+            )
+        except WorkerError as exc:
+            if worker.client is client:  # not replaced meanwhile
+                self.mark_down(worker, str(exc), cancel_streams=True)
+            return
+        if worker.client is not client:
+            return
+        worker.stats = stats
+        if not health.healthy:
+            # it answers, so it can still end its own streams: they are not cancelled
+            self.mark_down(worker, f"reports unhealthy: {health.detail or 'no detail'}", cancel_streams=False)
+            return
+        if stats.role and stats.role != worker.endpoint.role and not worker.role_mismatch_logged:
+            worker.role_mismatch_logged = True
+            logger.warning("worker %s reports role %r, the directory says %r",
+                           worker.worker_id, stats.role, worker.endpoint.role)
+        if not worker.healthy:
+            logger.info("worker %s is healthy", worker.worker_id)
+        worker.healthy, worker.detail = True, ""
+
+    def mark_down(self, worker: PooledWorker, reason: str, *, cancel_streams: bool) -> None:
+        if worker.healthy:
+            logger.warning("worker %s is unhealthy: %s", worker.worker_id, reason)
+        worker.healthy, worker.detail = False, reason
+        if cancel_streams:
+            worker.client.cancel_calls(f"worker {worker.worker_id} is unreachable ({reason})")

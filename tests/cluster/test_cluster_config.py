@@ -1,0 +1,169 @@
+"""`pdserve up` settings (flags, YAML, defaults), pool specs, and one-line CLI errors (exit 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cli import build_parser, main
+from pdserve.cluster.config import UpConfig, load_up_config, read_config_file
+from pdserve.cluster.up import pool_specs
+from pdserve.engine_args import ENGINE_DEFAULTS
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    try:
+        rc = main(list(argv))
+    except SystemExit as e:  # argparse
+        rc = e.code
+    err = capsys.readouterr().err
+    return rc, err
+
+
+def assert_one_line_error(rc: int, err: str, *needles: str) -> None:
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pdserve: error: "), err
+    for needle in needles:
+        assert needle in lines[0], err
+
+
+def test_defaults():
+    c = UpConfig()
+    assert (c.model, c.mode, c.prefill, c.decode, c.policy, c.host, c.port) == (
+        "smollm2", "disaggregated", 1, 1, "round-robin", "127.0.0.1", 8000)
+    assert c.pool_sizes() == {"prefill": 1, "decode": 1}
+    assert c.address is None and c.kv_backend == "ucx" and c.kv_deadline_s == 10.0
+    assert c.model_name == "smollm2"
+
+
+def test_engine_defaults_are_shared_with_generate():
+    generate = build_parser().parse_args(["generate", "--prompt", "x"])
+    assert {k: getattr(generate, k) for k in ENGINE_DEFAULTS} == ENGINE_DEFAULTS
+    assert UpConfig().engine_values() == ENGINE_DEFAULTS
+
+
+def test_up_flags_not_given_stay_unset_so_the_file_applies(tmp_path):
+    args = build_parser().parse_args(["up", "--prefill", "3"])
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "log_level", "config")}
+    assert given == {"prefill": 3}
+
+
+def test_file_then_flags(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: random:smollm2-135m\nmax-model-len: 256\nprefill: 2\ndecode: 3\n"
+                    "prefill_resources: {node_a: 1}\nresources: {gpu_pool: 1}\nport: 9000\n")
+    c = load_up_config({"decode": 1, "port": 9100}, str(path))
+    assert (c.model, c.max_model_len, c.prefill, c.decode, c.port) == ("random:smollm2-135m", 256, 2, 1, 9100)
+    assert c.pool_resources("prefill") == {"gpu_pool": 1.0, "node_a": 1.0}
+    assert c.pool_resources("decode") == {"gpu_pool": 1.0}
+
+
+def test_colocated_sizes():
+    assert UpConfig(mode="colocated", prefill=1, decode=2).pool_sizes() == {"mixed": 3}
+    assert UpConfig(mode="colocated", replicas=4).pool_sizes() == {"mixed": 4}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "split"}, "--mode: must be one of disaggregated, colocated"),
+    ({"prefill": 0}, "--prefill: must be >= 1 in --mode disaggregated"),
+    ({"replicas": 2}, "--replicas: applies only to --mode colocated"),
+    ({"mode": "colocated", "replicas": 0}, "--replicas: must be >= 1"),
+    ({"policy": "fastest"}, "--policy: unknown placement policy 'fastest'; choose one of least-loaded, round-robin"),
+    ({"port": 0}, "--port: must be in 1..65535"),
+    ({"kv_backend": "fake"}, "--kv-backend: 'fake' moves KV only inside one process"),
+    ({"kv_deadline_s": 0.0}, "--kv-deadline-s: must be > 0"),
+    ({"placement_strategy": "pack"}, "--placement-strategy: must be one of PACK"),
+    ({"prefill_resources": {"node_a": -1}}, "--prefill-resources: amount of 'node_a' must be a number >= 0"),
+    ({"resources": {"GPU": 1}}, "--resources: 'GPU' is set by --worker-cpus/--worker-gpus"),
+    ({"cluster_name": "a:b"}, "--cluster-name: must be non-empty without ':'"),
+    ({"ray_object_store_mb": 10}, "--ray-object-store-mb: must be >= 75"),
+])
+def test_bad_values_name_the_flag(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        UpConfig(**kwargs)
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("prefil: 2\n", "unknown key 'prefil'"),
+    ("prefill: two\n", "prefill must be an integer, got 'two'"),
+    ("no_prefix_caching: 1\n", "no_prefix_caching must be true or false"),
+    ("prefill_resources: node_a\n", "prefill_resources must be a mapping"),
+    ("- a\n- b\n", "expected a mapping of settings"),
+    ("prefill: [1\n", "invalid YAML"),
+    ("prefill: 1\nprefill-: 2\n", "unknown key 'prefill-'"),
+])
+def test_bad_files_name_the_file_and_key(tmp_path, text, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        read_config_file(str(path))
+    assert str(info.value).startswith(f"{path}: ") and message in str(info.value)
+
+
+def test_bad_value_from_file_names_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("mode: split\n")
+    with pytest.raises(ValueError, match=rf"^{path}: --mode: must be one of"):
+        load_up_config({}, str(path))
+    assert load_up_config({"mode": "colocated"}, str(path)).mode == "colocated"  # the flag wins
+
+
+def test_pool_specs_cpu_and_gpu():
+    c = UpConfig(model="random:tiny-llama", prefill=2, decode=1, prefill_resources={"node_a": 1}, worker_cpus=2)
+    cpu = {s.role: s for s in pool_specs(c, gpus_in_cluster=0)}
+    assert (cpu["prefill"].size, cpu["decode"].size) == (2, 1)
+    assert cpu["prefill"].num_gpus == 0 and cpu["prefill"].engine.device == "cpu"
+    assert cpu["prefill"].engine.scheduler.role == "prefill" and cpu["decode"].engine.scheduler.role == "decode"
+    assert cpu["prefill"].bundle() == {"CPU": 2.0, "node_a": 1.0} and cpu["decode"].bundle() == {"CPU": 2.0}
+    gpu = {s.role: s for s in pool_specs(c, gpus_in_cluster=8)}
+    assert gpu["decode"].num_gpus == 1.0 and gpu["decode"].engine.device is None
+    assert gpu["decode"].bundle() == {"CPU": 2.0, "GPU": 1.0}
+    (mixed,) = pool_specs(UpConfig(mode="colocated", replicas=3, worker_gpus=0.5), gpus_in_cluster=8)
+    assert (mixed.role, mixed.size, mixed.num_gpus) == ("mixed", 3, 0.5)
+
+
+# ---- the command line: one line, exit status 2, naming the flag or file ------------------
+
+def test_cli_bad_integer(capsys):
+    assert_one_line_error(*run_cli(capsys, "up", "--prefill", "x"), "--prefill", "'x'")
+
+
+def test_cli_bad_json_resources(capsys):
+    assert_one_line_error(*run_cli(capsys, "up", "--prefill-resources", "{node_a"), "--prefill-resources", "JSON")
+
+
+def test_cli_unknown_policy(capsys):
+    assert_one_line_error(*run_cli(capsys, "up", "--policy", "nope"), "--policy", "'nope'")
+
+
+def test_cli_missing_config_file(capsys, tmp_path):
+    missing = tmp_path / "missing.yaml"
+    assert_one_line_error(*run_cli(capsys, "up", "--config", str(missing)), str(missing), "not found")
+
+
+def test_cli_unknown_key_in_config_file(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("decode: 2\nworkers: 3\n")
+    assert_one_line_error(*run_cli(capsys, "up", "--config", str(path)), str(path), "unknown key 'workers'")
+
+
+def test_cli_model_without_tokenizer(capsys):
+    assert_one_line_error(*run_cli(capsys, "up", "--model", "random:tiny-llama"), "--model", "no tokenizer")
+
+
+def test_cli_worker_bad_role_and_port(capsys):
+    assert_one_line_error(*run_cli(capsys, "worker", "--role", "both"), "--role", "'both'")
+    assert_one_line_error(*run_cli(capsys, "worker", "--role", "decode", "--port", "70000"), "--port")
+
+
+def test_cli_router_bad_entries(capsys):
+    assert_one_line_error(*run_cli(capsys, "router", "--worker", "prefill:127.0.0.1:1"), "--worker", "bad worker entry")
+    assert_one_line_error(*run_cli(capsys, "router", "--worker", "decode=127.0.0.1:5000"), "--worker",
+                          "needs at least one prefill and one decode worker")
+    assert_one_line_error(*run_cli(capsys, "router", "--worker", "mixed=h:1", "--policy", "x"), "--policy")
+
+
+def test_generate_still_parses():
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--max-tokens", "3"])
+    assert (args.prompt, args.max_tokens, args.model) == ("hi", 3, "smollm2")
