@@ -6,14 +6,18 @@ Each public function runs `<name>_triton` or `<name>_ref` from its family module
 
 from kernels.activation import silu_and_mul
 from kernels.cache import write_kv_cache
-from kernels.decode_attention import decode_attention
+from kernels.decode_attention import decode_attention, decode_attention_planned, decode_gather_plan
 from kernels.dispatch import force_backend, kernel_backend
 from kernels.norm import rms_norm
 from kernels.prefill_attention import prefill_attention
-from kernels.rope import apply_rope, rope_cos_sin_cache
+from kernels.rope import apply_rope, apply_rope_tables, rope_cos_sin_cache, rope_tables
 
 __all__ = [
     "apply_rope",
+    "apply_rope_tables",
+    "decode_attention_planned",
+    "decode_gather_plan",
+    "rope_tables",
     "decode_attention",
     "force_backend",
     "kernel_backend",

@@ -231,3 +231,36 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
                                        num_splits)
     return decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+# ---- torch path with a per-step gather plan (the CPU engine builds it once per forward) -----
+
+def decode_gather_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(flat block ids [B * nblk], padding mask [B, L], L): what `decode_attention_ref`
+    derives per call, computed once for every layer of a step."""
+    batch = block_tables.shape[0]
+    max_len = int(seq_lens.max()) if batch else 0
+    num_blocks = max(cdiv(max_len, block_size), 1)
+    blocks = block_tables[:, :num_blocks].long()
+    used = torch.arange(num_blocks, device=blocks.device)[None, :] * block_size < seq_lens[:, None]
+    blocks = torch.where(used, blocks, 0).reshape(-1)
+    length = num_blocks * block_size
+    pad = torch.arange(length, device=blocks.device)[None, :] >= seq_lens[:, None]
+    return blocks, pad, length
+
+
+def decode_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             plan: tuple[torch.Tensor, torch.Tensor, int], scale: float) -> torch.Tensor:
+    """`decode_attention_ref` with a precomputed plan. The engine's caches start zeroed and
+    only ever hold finite values, so padding needs masking in the scores only."""
+    blocks, pad, length = plan
+    batch, hq, d = q.shape
+    hk = k_cache.shape[2]
+    k = k_cache.index_select(0, blocks).view(batch, length, hk, d)
+    v = v_cache.index_select(0, blocks).view(batch, length, hk, d)
+    qf = q.float().view(batch, hk, hq // hk, d) * scale
+    scores = torch.matmul(qf, k.float().permute(0, 2, 3, 1))
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.float().transpose(1, 2))
+    return out.reshape(batch, hq, d).to(q.dtype)

@@ -47,6 +47,7 @@ def _rms_norm_kernel(
 
 
 _TRITON = TritonKernels(globals(), "_rms_norm_kernel")
+_FUSED_RMS_NORM = hasattr(torch.nn.functional, "rms_norm")
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -54,6 +55,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None:
         x = x + residual
         residual = x
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and _FUSED_RMS_NORM:
+        out = torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)  # one op, same math
+        return out if residual is None else (out, residual)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     out = weight * h.to(x.dtype)

@@ -158,3 +158,23 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if kernel_backend(q.device) == "triton":
         return apply_rope_triton(q, k, positions, cos_sin)
     return apply_rope_ref(q, k, positions, cos_sin)
+
+
+# ---- torch path with per-step tables (the CPU engine builds them once per forward) ----------
+
+def rope_tables(positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed_sin), each [T, 1, D] float32, for `apply_rope_tables`: gathered once per
+    step instead of once per layer."""
+    half = cos_sin.shape[1] // 2
+    cs = cos_sin.index_select(0, positions)
+    cos, sin = cs[:, :half], cs[:, half:]
+    return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
+
+
+def apply_rope_tables(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x[T, H, D] rotated: x * cos + cat(x2, x1) * signed_sin, the same arithmetic as
+    `apply_rope_ref` (float32 inputs are not copied)."""
+    half = x.shape[-1] // 2
+    xf = x.float()
+    swapped = torch.cat((xf[..., half:], xf[..., :half]), -1)
+    return (xf * cos + swapped * signed_sin).to(x.dtype)

@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+import kernels
+
 from pdserve.config import CacheConfig, ModelConfig
 from pdserve.models.llama import AttentionMetadata, LayerHook, LlamaModel
 from pdserve.sampler import Sampler, SamplingRow
@@ -53,6 +55,7 @@ class ModelRunner:
             for _ in range(c.num_layers)
         ]
         self.sampler = Sampler(device, seed)
+        self.torch_path = kernels.kernel_backend(device) == "torch"
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                     self.kv_cache_bytes / (1 << 20))
 
@@ -136,6 +139,10 @@ class ModelRunner:
             prefill_seq_lens=seq_lens_t[nd:] if nd < len(order) else None,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
         )
+        if self.torch_path:
+            meta.rope_tables = kernels.rope_tables(meta.positions, self.model.cos_sin)
+            if nd == len(order):
+                meta.decode_plan = kernels.decode_gather_plan(block_tables, seq_lens_t, bs)
         return torch.tensor(input_ids, dtype=torch.long, device=dev), meta
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:

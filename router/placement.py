@@ -17,6 +17,10 @@ Rules shared by every policy (`PoolPolicy`):
    tokens, goes local; otherwise a (P, D) pair with P != D; with no prefill worker left, local.
 Policies differ in how they pick within a pool (`pick`) or a pair (`choose_pair`); a policy
 that needs the whole picture (network-aware) overrides `place`.
+
+The registry holds the baselines here (round-robin, least-loaded) and those of
+`router.policies` (random, power-of-two, prefix-aware, network-aware), which register when this
+module is imported.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
+
+from router.congestion import CongestionView, LinkState
+from router.topology import Link, Topology
 
 Role = Literal["prefill", "decode", "mixed"]
 Mode = Literal["disaggregated", "colocated"]
@@ -38,6 +45,10 @@ MODES: tuple[str, ...] = ("disaggregated", "colocated")
 
 class NoWorkersAvailable(Exception):
     """No healthy worker can take the request."""
+
+
+class SLOUnattainable(Exception):
+    """Admission control: no placement is predicted to meet the SLOs (the backend answers 429)."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,7 @@ class WorkerSnapshot:
     num_inflight: int = 0
     max_model_len: int = 0
     tokens_per_second: float = 0.0
+    num_inflight_tokens: int = 0  # prompt tokens of the router's in-flight requests there
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -103,6 +115,9 @@ class ClusterSnapshot:
 
     workers: tuple[WorkerSnapshot, ...]
     mode: Mode = "disaggregated"
+    topology: Topology = field(default_factory=Topology)
+    links: CongestionView = field(default_factory=CongestionView)
+    kv_bytes_per_token: int = 0  # measured from transfers; 0: unknown
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -116,6 +131,14 @@ class ClusterSnapshot:
             if w.worker_id == worker_id:
                 return w
         raise KeyError(worker_id)
+
+    def node_of(self, worker: WorkerSnapshot) -> str:
+        return self.topology.node_of(worker.worker_id, worker.node)
+
+    def link(self, src: WorkerSnapshot, dst: WorkerSnapshot) -> tuple[Link, LinkState]:
+        """The link KV takes from `src` to `dst`, and what is on it now."""
+        link = self.topology.link(self.node_of(src), self.node_of(dst))
+        return link, self.links.state(link.key)
 
 
 @dataclass(frozen=True)
@@ -160,6 +183,7 @@ class PlacementPolicy(ABC):
     (a round-robin counter) is allowed, I/O and clocks are not."""
 
     name: ClassVar[str]
+    topology: Topology | None = None  # set by policies built with a topology file; the backend uses it
 
     @abstractmethod
     def place(self, request: RequestInfo, snapshot: ClusterSnapshot) -> Decision:
@@ -295,3 +319,7 @@ class LeastLoaded(PoolPolicy):
 def _least_loaded_key(w: WorkerSnapshot) -> tuple[int, float, str]:
     return (w.load, -w.free_fraction, w.worker_id)
 
+
+
+# The other policies register themselves; imported last, once everything above exists.
+import router.policies  # noqa: E402,F401

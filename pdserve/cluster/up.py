@@ -44,21 +44,34 @@ def check_listen(host: str, port: int, flag: str = "--port") -> None:
     try:
         socket.create_server((host, port)).close()
     except OSError as e:
-        raise ValueError(f"{flag}: cannot listen on {host}:{port} ({e.strerror or e})") from None
+        raise ValueError(f"{flag}: cannot listen on {host}:{port} ({_reason(e)})") from None
 
 
 def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
     """A quick reachability check, so that a wrong --address fails in seconds, not after Ray's
-    minute of retries. "auto" is left to Ray (it fails fast without a local cluster)."""
+    minute of retries (e.g. "auto" finding a stale /tmp/ray/ray_current_cluster)."""
+    target = address
     if address == "auto":
-        return
-    host, _, port = address.removeprefix("ray://").rpartition(":")
+        try:  # Ray's own resolution of "auto" (RAY_ADDRESS, then the last `ray start`); private API
+            from ray._private.services import canonicalize_bootstrap_address
+
+            target = canonicalize_bootstrap_address(address)
+        except Exception:
+            return  # Ray reports it
+        if not target:
+            return
+    host, _, port = target.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"--address: expected auto, host:port or ray://host:port, got {address!r}")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
     except OSError as e:
-        raise ValueError(f"--address: cannot reach Ray at {address} ({e.strerror or e})") from None
+        where = address if target == address else f"{target} (from --address {address})"
+        raise ValueError(f"--address: cannot reach Ray at {where} ({_reason(e)})") from None
+
+
+def _reason(e: OSError) -> str:
+    return os.strerror(e.errno) if e.errno else str(e) or type(e).__name__
 
 
 def _start_ray(config: UpConfig) -> bool:
@@ -146,7 +159,8 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
         return 1
     finally:
         ignore_shutdown_signals()
-        print("pdserve up: shutting down", file=sys.stderr, flush=True)
+        if started_ray or pools is not None:
+            print("pdserve up: shutting down", file=sys.stderr, flush=True)
         if pools is not None:
             try:
                 pools.shutdown()

@@ -28,6 +28,9 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor | None  # [P + 1] int32, offsets within the prefill rows
     prefill_seq_lens: torch.Tensor | None  # [P] int32, context incl. the chunk
     logits_indices: torch.Tensor  # [N] int64, rows whose hidden state gives logits
+    # torch (CPU) path only: per-step tables shared by every layer
+    rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, signed sin) [T, 1, D]
+    decode_plan: tuple[torch.Tensor, torch.Tensor, int] | None = None  # see decode_gather_plan
 
 
 LayerHook = Callable[[int], None]  # called with the layer index once its KV is in the cache
@@ -175,12 +178,20 @@ class DecoderLayer(nn.Module):
         qkv = torch.nn.functional.linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         num_tokens = qkv.shape[0]
-        q = q.reshape(num_tokens, c.num_heads, c.head_dim)
-        k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)
-        v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
-        q, k = kernels.apply_rope(q, k, meta.positions, cos_sin)
         k_cache, v_cache = kv_cache
-        kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.rope_tables is not None:  # torch path: fewer, larger ops
+            heads = qkv.view(num_tokens, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+            qk = kernels.apply_rope_tables(heads[:, :c.num_heads + c.num_kv_heads], *meta.rope_tables)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
+            v = heads[:, c.num_heads + c.num_kv_heads:]
+            k_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, meta.slot_mapping, v)
+        else:
+            q = q.reshape(num_tokens, c.num_heads, c.head_dim)
+            k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)
+            v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
+            q, k = kernels.apply_rope(q, k, meta.positions, cos_sin)
+            kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         attn = _attention(q, k_cache, v_cache, meta, scale)
         hidden = torch.matmul(attn.reshape(num_tokens, c.q_size), self.o_proj.t())
         x, residual = kernels.rms_norm(hidden, self.post_norm, c.rms_norm_eps, residual)
@@ -191,6 +202,8 @@ class DecoderLayer(nn.Module):
 
 def _attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     nd = meta.num_decodes
+    if nd == q.shape[0] and meta.decode_plan is not None:
+        return kernels.decode_attention_planned(q, k_cache, v_cache, meta.decode_plan, scale)
     if nd == q.shape[0]:
         return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                         meta.decode_seq_lens, scale)

@@ -152,6 +152,28 @@ def test_cli_model_without_tokenizer(capsys):
     assert_one_line_error(*run_cli(capsys, "up", "--model", "random:tiny-llama"), "--model", "no tokenizer")
 
 
+def test_cli_port_in_use(capsys):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = str(busy.getsockname()[1])
+        assert_one_line_error(*run_cli(capsys, "up", "--model", "random:smollm2-135m", "--port", port),
+                              f"--port: cannot listen on 127.0.0.1:{port}")
+
+
+def test_cli_unreachable_ray_address_fails_fast(capsys):
+    import socket
+    import time
+
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]  # closed below: nothing listens there
+    t0 = time.monotonic()
+    rc, err = run_cli(capsys, "up", "--model", "random:smollm2-135m", "--address", f"127.0.0.1:{port}",
+                      "--port", str(port))
+    assert_one_line_error(rc, err, "--address: cannot reach Ray at", "Connection refused")
+    assert time.monotonic() - t0 < 10
+
+
 def test_cli_worker_bad_role_and_port(capsys):
     assert_one_line_error(*run_cli(capsys, "worker", "--role", "both"), "--role", "'both'")
     assert_one_line_error(*run_cli(capsys, "worker", "--role", "decode", "--port", "70000"), "--port")

@@ -5,6 +5,7 @@ so the KV crosses nodes over UCX. Every process started here is gone at the end.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -90,6 +91,18 @@ def two_nodes(tmp_path):
             except subprocess.TimeoutExpired:
                 pass
         assert wait_gone(tree, 20) == []
+        _forget_cluster(address)
+
+
+def _forget_cluster(address: str) -> None:
+    """`ray start --head` records its address for `--address auto`; drop the record if it is ours."""
+    path = "/tmp/ray/ray_current_cluster"
+    try:
+        with open(path) as f:
+            if f.read().strip() == address:
+                os.remove(path)
+    except OSError:
+        pass
 
 
 def test_prefill_and_decode_on_pinned_nodes(two_nodes, tmp_path):

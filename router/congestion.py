@@ -1,0 +1,156 @@
+"""Link congestion: what is on each link now, and what the link has been measured to carry.
+
+Two halves:
+- `CongestionView` / `LinkState` (frozen): what a placement snapshot carries, per link key
+  ("src->dst", see router.topology): bytes in flight, active flows, and the measured estimate.
+- `LinkMonitor` (mutable, router-side, no clock): the router calls `start` when it sends a
+  Prefill for a P->D pair (bytes = prompt tokens x KV bytes per token) and `finish` when the
+  Prefill returns, with the kv_bytes / kv_seconds / prefill_seconds the prefill worker reports.
+
+Bandwidth model (`available_gbps`): flows on a link share it fairly (what TCP and UCX
+streams do to first order), so a new flow gets
+
+    usable / (active_flows + 1),   usable = min(capacity, measured estimate)
+
+The router knows how many flows it started but not their instantaneous rates, so a
+"capacity minus in-flight rate" model would need rates it does not have; counting flows needs
+only what the router sees.
+
+Measured estimate: an EWMA (weight `alpha` for the newest sample) of the link throughput that
+real transfers achieved. A transfer that shared the link with k flows at most saw about 1/k
+of it, so its rate is scaled by that peak k. A transfer that ended no later than its prefill
+compute (kv_seconds <= prefill_seconds) was paced by the compute, not by the link: its rate
+is only a lower bound, which may raise the estimate but never lower it (and is ignored before
+the first real sample, so that a compute-bound transfer never makes a fast link look slow).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from router.topology import Link
+
+
+@dataclass(frozen=True)
+class LinkState:
+    bytes_in_flight: int = 0
+    active_flows: int = 0
+    measured_gbps: float | None = None  # EWMA of the achieved link throughput; None before a sample
+    num_samples: int = 0
+
+
+IDLE = LinkState()
+
+
+@dataclass(frozen=True)
+class CongestionView:
+    links: Mapping[str, LinkState] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
+
+    def state(self, key: str) -> LinkState:
+        return self.links.get(key, IDLE)
+
+
+def usable_gbps(link: Link, state: LinkState) -> float:
+    """What the link carries in all: its capacity, or less when transfers measured less."""
+    if state.measured_gbps is None:
+        return link.capacity_gbps
+    return min(link.capacity_gbps, state.measured_gbps)
+
+
+def available_gbps(link: Link, state: LinkState) -> float:
+    """The fair share a new flow gets (module docstring)."""
+    return usable_gbps(link, state) / (state.active_flows + 1)
+
+
+def transfer_seconds(link: Link, state: LinkState, num_bytes: int) -> float:
+    """Predicted time for a new flow of `num_bytes`: base latency + bytes at the fair share."""
+    if num_bytes <= 0:
+        return 0.0
+    return link.latency_ms / 1e3 + num_bytes * 8 / (available_gbps(link, state) * 1e9)
+
+
+@dataclass
+class Flow:
+    """One transfer the router started; `peak_flows` counts itself."""
+
+    key: str
+    num_bytes: int
+    peak_flows: int = 1
+    done: bool = False
+
+
+@dataclass
+class _Link:
+    flows: list[Flow] = field(default_factory=list)
+    measured_gbps: float | None = None
+    num_samples: int = 0
+
+
+class LinkMonitor:
+    """The router's mutable record of flows and measurements (module docstring)."""
+
+    def __init__(self, *, alpha: float = 0.3) -> None:
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        self.alpha = float(alpha)
+        self._links: dict[str, _Link] = {}
+
+    def start(self, key: str, num_bytes: int) -> Flow:
+        link = self._links.setdefault(key, _Link())
+        flow = Flow(key, max(0, int(num_bytes)))
+        link.flows.append(flow)
+        for other in link.flows:
+            other.peak_flows = max(other.peak_flows, len(link.flows))
+        return flow
+
+    def finish(
+        self, flow: Flow, *, kv_bytes: int = 0, kv_seconds: float = 0.0, prefill_seconds: float | None = None,
+    ) -> float | None:
+        """Ends `flow` (idempotent); with kv_bytes and kv_seconds > 0, records a sample and
+        returns the link throughput it implies (Gbit/s)."""
+        if flow.done:
+            return None
+        flow.done = True
+        link = self._links[flow.key]
+        link.flows.remove(flow)
+        if kv_bytes <= 0 or kv_seconds <= 0:
+            return None
+        gbps = kv_bytes * 8 / kv_seconds / 1e9 * flow.peak_flows
+        lower_bound = prefill_seconds is not None and kv_seconds <= prefill_seconds
+        self.record(flow.key, gbps, lower_bound=lower_bound)
+        return gbps
+
+    def record(self, key: str, gbps: float, *, lower_bound: bool = False) -> None:
+        """One throughput sample for link `key` (see the module docstring for `lower_bound`)."""
+        if not gbps > 0:
+            return
+        link = self._links.setdefault(key, _Link())
+        if link.measured_gbps is None:
+            if lower_bound:
+                return
+            link.measured_gbps = gbps
+        elif lower_bound and gbps <= link.measured_gbps:
+            return
+        else:
+            link.measured_gbps = self.alpha * gbps + (1 - self.alpha) * link.measured_gbps
+        link.num_samples += 1
+
+    def state(self, key: str) -> LinkState:
+        link = self._links.get(key)
+        if link is None:
+            return IDLE
+        return LinkState(
+            bytes_in_flight=sum(f.num_bytes for f in link.flows), active_flows=len(link.flows),
+            measured_gbps=link.measured_gbps, num_samples=link.num_samples,
+        )
+
+    def keys(self) -> tuple[str, ...]:
+        return tuple(self._links)
+
+    def view(self) -> CongestionView:
+        return CongestionView({key: self.state(key) for key in self._links})

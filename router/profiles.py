@@ -1,0 +1,201 @@
+"""Performance profiles: prefill and decode step times measured on the hardware (`pdserve profile`).
+
+The JSON file (version 1)::
+
+    {
+      "version": 1,
+      "hardware": {"device": "cuda", "name": "NVIDIA H100 80GB HBM3"},
+      "model": "random:llama-3.1-8b", "dtype": "bfloat16",
+      "num_layers": 32, "kv_bytes_per_token": 131072,
+      "block_size": 16, "max_num_batched_tokens": 512,
+      "prefill": {"tokens": [16, 64, 256, 1024, 4096],          # strictly increasing
+                  "seconds": [0.011, 0.012, 0.02, 0.07, 0.31]},  # time to first token, idle engine
+      "decode": {"batch_sizes": [1, 4, 16], "contexts": [128, 1024],  # strictly increasing
+                 "seconds": [[0.010, 0.011], [0.011, 0.013], [0.013, 0.02]]},  # [batch][context]
+      "created": "2025-01-01T00:00:00Z"
+    }
+
+Queries interpolate linearly between measured points; beyond the last point they extend the
+last segment's slope (never decreasing); below the first point they take the first point's
+value (a fixed per-step overhead dominates small work). Unknown keys and bad values raise
+ValueError naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+PROFILE_VERSION = 1
+_KEYS = ("version", "hardware", "model", "dtype", "num_layers", "kv_bytes_per_token", "block_size",
+         "max_num_batched_tokens", "prefill", "decode", "created")
+_OPTIONAL = ("created",)
+
+
+@dataclass(frozen=True)
+class Profile:
+    hardware: str
+    device: str
+    model: str
+    dtype: str
+    num_layers: int
+    kv_bytes_per_token: int
+    block_size: int
+    max_num_batched_tokens: int
+    prefill_tokens: tuple[int, ...]
+    prefill_times: tuple[float, ...]
+    decode_batch_sizes: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    decode_times: tuple[tuple[float, ...], ...]  # [batch index][context index]
+    created: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "kv_bytes_per_token", "block_size", "max_num_batched_tokens"):
+            _positive_int(name, getattr(self, name))
+        _axis("prefill.tokens", self.prefill_tokens)
+        _times("prefill.seconds", self.prefill_times, len(self.prefill_tokens))
+        _axis("decode.batch_sizes", self.decode_batch_sizes)
+        _axis("decode.contexts", self.decode_contexts)
+        if len(self.decode_times) != len(self.decode_batch_sizes):
+            raise ValueError(f"decode.seconds must have one row per batch size ({len(self.decode_batch_sizes)}), "
+                             f"got {len(self.decode_times)}")
+        for i, row in enumerate(self.decode_times):
+            _times(f"decode.seconds[{i}]", row, len(self.decode_contexts))
+
+    # ---------------------------------------------------------------- queries
+
+    def prefill_seconds(self, num_tokens: int) -> float:
+        """Time to prefill `num_tokens` tokens on an idle worker (0 for none)."""
+        if num_tokens <= 0:
+            return 0.0
+        return _interpolate(self.prefill_tokens, self.prefill_times, num_tokens)
+
+    def decode_step_seconds(self, batch: int, context: int) -> float:
+        """Time of one decode step of `batch` requests of about `context` tokens each (0 for an empty batch)."""
+        if batch <= 0:
+            return 0.0
+        per_batch = [_interpolate(self.decode_contexts, row, max(context, 1)) for row in self.decode_times]
+        return _interpolate(self.decode_batch_sizes, per_batch, batch)
+
+    # ---------------------------------------------------------------- JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": PROFILE_VERSION,
+            "hardware": {"device": self.device, "name": self.hardware},
+            "model": self.model, "dtype": self.dtype,
+            "num_layers": self.num_layers, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "block_size": self.block_size, "max_num_batched_tokens": self.max_num_batched_tokens,
+            "prefill": {"tokens": list(self.prefill_tokens), "seconds": list(self.prefill_times)},
+            "decode": {"batch_sizes": list(self.decode_batch_sizes), "contexts": list(self.decode_contexts),
+                       "seconds": [list(row) for row in self.decode_times]},
+            "created": self.created,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Profile:
+        """ValueError naming the field on unknown keys, missing keys and bad values."""
+        _keys("", data, _KEYS, _OPTIONAL)
+        if data["version"] != PROFILE_VERSION:
+            raise ValueError(f"version: this pdserve reads version {PROFILE_VERSION}, got {data['version']!r}")
+        hw = _keys("hardware", data["hardware"], ("device", "name"), ())
+        prefill = _keys("prefill", data["prefill"], ("tokens", "seconds"), ())
+        decode = _keys("decode", data["decode"], ("batch_sizes", "contexts", "seconds"), ())
+        for name, value in (("hardware.device", hw["device"]), ("hardware.name", hw["name"]),
+                            ("model", data["model"]), ("dtype", data["dtype"])):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+        rows = decode["seconds"]
+        if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
+            raise ValueError("decode.seconds must be a list of lists (one per batch size)")
+        return cls(
+            hardware=hw["name"], device=hw["device"], model=data["model"], dtype=data["dtype"],
+            num_layers=data["num_layers"], kv_bytes_per_token=data["kv_bytes_per_token"],
+            block_size=data["block_size"], max_num_batched_tokens=data["max_num_batched_tokens"],
+            prefill_tokens=_tuple("prefill.tokens", prefill["tokens"]),
+            prefill_times=_tuple("prefill.seconds", prefill["seconds"]),
+            decode_batch_sizes=_tuple("decode.batch_sizes", decode["batch_sizes"]),
+            decode_contexts=_tuple("decode.contexts", decode["contexts"]),
+            decode_times=tuple(tuple(r) for r in rows),
+            created=str(data.get("created", "")),
+        )
+
+
+def load_profile(path: str) -> Profile:
+    """Reads a profile file; ValueError naming `path` when it is missing or malformed."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the profile: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    try:
+        return Profile.from_dict(data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def save_profile(profile: Profile, path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(profile.to_dict(), f, indent=2)
+        f.write("\n")
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0] if x <= xs[0] else ys[0] * x / xs[0]
+    i = bisect.bisect_right(xs, x)
+    lo = min(i, len(xs) - 1) - 1  # the segment [lo, lo+1]; the last one beyond the end
+    slope = (ys[lo + 1] - ys[lo]) / (xs[lo + 1] - xs[lo])
+    if i >= len(xs):
+        slope = max(slope, 0.0)
+    return max(ys[lo] + slope * (x - xs[lo]), 0.0)
+
+
+def _keys(where: str, data: Any, allowed: tuple[str, ...], optional: tuple[str, ...]) -> Mapping[str, Any]:
+    prefix = f"{where}." if where else ""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where or 'the profile'} must be a JSON object")
+    unknown = sorted(set(data) - set(allowed))
+    if unknown:
+        raise ValueError(f"{prefix}{unknown[0]}: unknown key; allowed: {', '.join(allowed)}")
+    missing = [k for k in allowed if k not in data and k not in optional]
+    if missing:
+        raise ValueError(f"{prefix}{missing[0]}: missing")
+    return data
+
+
+def _tuple(name: str, value: Any) -> tuple:
+    if not isinstance(value, list):
+        raise ValueError(f"{name} must be a list, got {value!r}")
+    return tuple(value)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _axis(name: str, values: Sequence[Any]) -> None:
+    if not values:
+        raise ValueError(f"{name} must not be empty")
+    for v in values:
+        _positive_int(name, v)
+    if any(b <= a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name} must be strictly increasing, got {list(values)}")
+
+
+def _times(name: str, values: Sequence[Any], n: int) -> None:
+    if len(values) != n:
+        raise ValueError(f"{name} must have {n} values (one per point), got {len(values)}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{name} must hold numbers > 0, got {v!r}")
