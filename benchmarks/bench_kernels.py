@@ -4,14 +4,16 @@ Decode: achieved HBM bandwidth of `decode_attention` (bytes of K/V read plus q a
 batch x context, 32 query heads / 8 kv heads / head_dim 128 / bf16, as a fraction of the
 device-to-device copy bandwidth measured in the same run.
 Prefill: causal TFLOP/s of `prefill_attention` (one sequence, d128) against torch SDPA with
-the flash backend, in the same run.
+the flash backend, in the same run. `--sweep` also times other tile configurations of both
+kernels (the defaults live in kernels/prefill_attention.py and kernels/decode_attention.py).
 
-    python benchmarks/bench_kernels.py [--block-size 16] [--quick]
+    python benchmarks/bench_kernels.py [--block-sizes 16,32] [--quick] [--sweep] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 
@@ -45,7 +47,8 @@ def paged_cache(batch: int, context: int, block_size: int):
     return k_cache, v_cache, block_tables, seq_lens
 
 
-def bench_decode(do_bench, block_size: int, copy_bw: float, batches, contexts) -> list[str]:
+def bench_decode(do_bench, block_size: int, copy_bw: float, batches, contexts,
+                 config=None) -> list[dict]:
     from kernels.decode_attention import decode_attention_triton
 
     rows = []
@@ -55,26 +58,28 @@ def bench_decode(do_bench, block_size: int, copy_bw: float, batches, contexts) -
             kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * element
             free, _ = torch.cuda.mem_get_info()
             if kv_bytes * 1.1 + (1 << 30) > free:
-                rows.append(f"{batch:>6} {context:>8} {'skipped: KV cache does not fit':>40}")
+                rows.append(dict(block_size=block_size, batch=batch, context=context, skipped=True))
                 continue
             k_cache, v_cache, block_tables, seq_lens = paged_cache(batch, context, block_size)
             q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
             scale = 1 / math.sqrt(HEAD_DIM)
-            fn = lambda: decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)  # noqa: E731
+            fn = lambda: decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,  # noqa: E731
+                                                 config=config)
             ms = do_bench(fn, warmup=10, rep=50)
             moved = kv_bytes + 2 * q.numel() * element
             bw = moved / (ms * 1e-3)
-            rows.append(f"{batch:>6} {context:>8} {ms * 1e3:>12.1f} {bw / 1e9:>12.0f} {bw / copy_bw:>14.2f}")
+            rows.append(dict(block_size=block_size, batch=batch, context=context, us=ms * 1e3,
+                             gb_s=bw / 1e9, of_copy_bw=bw / copy_bw, config=config))
             del k_cache, v_cache, block_tables, seq_lens, q
             torch.cuda.empty_cache()
     return rows
 
 
-def bench_prefill(do_bench, block_size: int, token_counts) -> list[str]:
+def bench_prefill(do_bench, block_size: int, token_counts, configs=(None,)) -> list[dict]:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels.prefill_attention import prefill_attention_triton
+    from kernels.prefill_attention import prefill_attention_triton, prefill_config
 
     rows = []
     scale = 1 / math.sqrt(HEAD_DIM)
@@ -83,8 +88,6 @@ def bench_prefill(do_bench, block_size: int, token_counts) -> list[str]:
         q = torch.randn(tokens, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
         cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
         flops = 4 * tokens * tokens * NUM_HEADS * HEAD_DIM / 2  # causal: half the matrix
-        ours = do_bench(lambda: prefill_attention_triton(q, k_cache, v_cache, block_tables, cu,
-                                                         seq_lens, scale), warmup=10, rep=50)
         # Dense, unpaged copies for SDPA; GQA expanded up front (flash needs equal heads).
         order = block_tables[0].long()
         k = k_cache[order].flatten(0, 1)[:tokens].transpose(0, 1)
@@ -94,19 +97,63 @@ def bench_prefill(do_bench, block_size: int, token_counts) -> list[str]:
         v = v.repeat_interleave(group, 0)[None].contiguous()
         qd = q.transpose(0, 1)[None].contiguous()
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            want = F.scaled_dot_product_attention(qd, k, v, is_causal=True, scale=scale)
             sdpa = do_bench(lambda: F.scaled_dot_product_attention(qd, k, v, is_causal=True, scale=scale),
                             warmup=10, rep=50)
-        rows.append(f"{tokens:>8} {ours * 1e3:>12.1f} {flops / ours / 1e9:>10.1f} "
-                    f"{sdpa * 1e3:>12.1f} {flops / sdpa / 1e9:>10.1f} {sdpa / ours:>10.2f}")
+        for config in configs:
+            fn = lambda: prefill_attention_triton(q, k_cache, v_cache, block_tables, cu,  # noqa: E731
+                                                  seq_lens, scale, config=config)
+            try:
+                got = fn()
+                err = (got.transpose(0, 1)[None].float() - want.float()).abs().max().item()
+                ours = do_bench(fn, warmup=10, rep=50)
+            except Exception as exc:  # a config that does not compile (shared memory, ...)
+                rows.append(dict(tokens=tokens, config=config, error=f"{type(exc).__name__}: {exc}"[:200]))
+                continue
+            rows.append(dict(tokens=tokens, config=list(config or prefill_config(HEAD_DIM, True)),
+                             default=config is None, ours_us=ours * 1e3, ours_tflops=flops / ours / 1e9,
+                             sdpa_us=sdpa * 1e3, sdpa_tflops=flops / sdpa / 1e9, speedup=sdpa / ours,
+                             max_abs_err=err))
         del k_cache, v_cache, q, k, v, qd
         torch.cuda.empty_cache()
     return rows
 
 
+PREFILL_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 3), (128, 32, 4, 3),
+                 (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3)]
+DECODE_SWEEP = [(32, 4, 3), (64, 4, 3), (64, 8, 2), (128, 8, 2), (32, 2, 4), (16, 4, 4)]
+
+
+def print_decode(rows: list[dict]) -> None:
+    print(f"{'bs':>4} {'batch':>6} {'context':>8} {'time (us)':>12} {'GB/s':>10} {'of copy bw':>12}  config")
+    for r in rows:
+        if r.get("skipped"):
+            print(f"{r['block_size']:>4} {r['batch']:>6} {r['context']:>8}  skipped: KV cache does not fit")
+        else:
+            print(f"{r['block_size']:>4} {r['batch']:>6} {r['context']:>8} {r['us']:>12.1f} {r['gb_s']:>10.0f} "
+                  f"{r['of_copy_bw']:>12.2f}  {r['config'] or 'default'}", flush=True)
+
+
+def print_prefill(rows: list[dict]) -> None:
+    print(f"{'tokens':>8} {'ours (us)':>12} {'TFLOP/s':>9} {'sdpa (us)':>12} {'TFLOP/s':>9} {'speedup':>8}"
+          f" {'max err':>8}  config")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['tokens']:>8}  {r['config']}: {r['error']}")
+            continue
+        print(f"{r['tokens']:>8} {r['ours_us']:>12.1f} {r['ours_tflops']:>9.1f} {r['sdpa_us']:>12.1f} "
+              f"{r['sdpa_tflops']:>9.1f} {r['speedup']:>8.2f} {r['max_abs_err']:>8.4f}  "
+              f"{tuple(r['config'])}{' (default)' if r['default'] else ''}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-sizes", default="16,32", help="KV block sizes, comma-separated")
     parser.add_argument("--quick", action="store_true", help="a few configurations only")
+    parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--json", help="write every measured row here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)")
@@ -115,25 +162,41 @@ def main() -> int:
         from triton.testing import do_bench
     except ImportError:
         sys.exit("bench_kernels.py needs the triton package (pip install 'pdserve[triton]')")
+    block_sizes = [int(b) for b in args.block_sizes.split(",")]
 
     batches, contexts, token_counts = BATCHES, CONTEXTS, PREFILL_TOKENS
     if args.quick:
         batches, contexts, token_counts = (1, 64), (4096,), (1024, 4096)
     name = torch.cuda.get_device_name()
-    print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}, "
-          f"block size {args.block_size}")
+    print(f"device: {name}, torch {torch.__version__}, triton {triton.__version__}")
     copy_bw = copy_bandwidth(do_bench)
     print(f"device-to-device copy bandwidth: {copy_bw / 1e9:.0f} GB/s\n")
+    results: dict = {"gpu": name, "torch": torch.__version__, "triton": triton.__version__,
+                     "copy_gb_s": copy_bw / 1e9, "decode": [], "prefill": []}
 
-    print(f"decode attention, Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} bf16")
-    print(f"{'batch':>6} {'context':>8} {'time (us)':>12} {'GB/s':>12} {'of copy bw':>14}")
-    for row in bench_decode(do_bench, args.block_size, copy_bw, batches, contexts):
-        print(row, flush=True)
+    if not args.skip_decode:
+        print(f"decode attention, Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} bf16, block sizes {block_sizes}")
+        for bs in block_sizes:
+            rows = bench_decode(do_bench, bs, copy_bw, batches, contexts)
+            print_decode(rows)
+            results["decode"] += rows
+        if args.sweep:
+            print("\ndecode sweep (BLOCK_N, num_warps, num_stages), block size 16")
+            for config in DECODE_SWEEP:
+                rows = bench_decode(do_bench, 16, copy_bw, (1, 64), (4096, 32768), config)
+                print_decode(rows)
+                results["decode"] += rows
 
-    print(f"\nprefill attention, causal, one sequence, Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} bf16")
-    print(f"{'tokens':>8} {'ours (us)':>12} {'TFLOP/s':>10} {'sdpa (us)':>12} {'TFLOP/s':>10} {'speedup':>10}")
-    for row in bench_prefill(do_bench, args.block_size, token_counts):
-        print(row, flush=True)
+    if not args.skip_prefill:
+        print(f"\nprefill attention, causal, one sequence, Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} bf16, "
+              f"block size {block_sizes[0]}; speedup = sdpa time / ours")
+        configs = [None] + (PREFILL_SWEEP if args.sweep else [])
+        rows = bench_prefill(do_bench, block_sizes[0], token_counts, configs)
+        print_prefill(rows)
+        results["prefill"] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
     return 0
 
 

@@ -11,6 +11,7 @@ from kernels.dispatch import force_backend, kernel_backend
 from kernels.norm import rms_norm
 from kernels.prefill_attention import prefill_attention
 from kernels.rope import apply_rope, apply_rope_tables, rope_cos_sin_cache, rope_tables
+from kernels.rope_cache import rope_write_kv
 
 __all__ = [
     "apply_rope",
@@ -24,6 +25,7 @@ __all__ = [
     "prefill_attention",
     "rms_norm",
     "rope_cos_sin_cache",
+    "rope_write_kv",
     "silu_and_mul",
     "write_kv_cache",
 ]

@@ -21,7 +21,9 @@ tl = None  # bound to triton.language on the first launch (kernels._jit)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_SPLITS = 64
-_MIN_TOKENS_PER_SPLIT = 256
+_MIN_TOKENS_PER_SPLIT = 128
+# (BLOCK_N, num_warps, num_stages) of the split kernel on CUDA; see benchmarks/bench_kernels.py.
+_CUDA_CONFIG = (64, 4, 2)
 
 
 def _decode_split_kernel(
@@ -36,12 +38,12 @@ def _decode_split_kernel(
     stride_qh,
     stride_bt,
     qk_scale,  # softmax scale * log2(e)
+    NUM_SPLITS,  # runtime: a new split count needs no recompilation
     HQ: tl.constexpr,
     HK: tl.constexpr,
     GROUP: tl.constexpr,  # HQ // HK
     BS: tl.constexpr,
     D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr,  # next_power_of_2(GROUP), at least 16 for tl.dot
     BLOCK_N: tl.constexpr,
     IEEE_DOT: tl.constexpr,
@@ -101,9 +103,9 @@ def _decode_reduce_kernel(
     mid_out_ptr,  # [B, HQ, NUM_SPLITS, D] float32 contiguous
     mid_lse_ptr,  # [B, HQ, NUM_SPLITS] float32 contiguous (log2 domain)
     out_ptr,  # [B, HQ, D] contiguous
+    NUM_SPLITS,
     HQ: tl.constexpr,
     D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next_power_of_2(NUM_SPLITS)
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -181,7 +183,8 @@ def _sm_count(device_index: int) -> int:
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Enough (batch x kv head x split) programs for ~2 waves, at >= 256 tokens a split."""
+    """Enough (batch x kv head x split) programs for ~2 waves, at >= _MIN_TOKENS_PER_SPLIT
+    tokens a split."""
     limit = max(1, min(_MAX_SPLITS, cdiv(max_context, _MIN_TOKENS_PER_SPLIT)))
     if device.type != "cuda":
         return min(2, limit)
@@ -191,7 +194,10 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                            num_splits: int | None = None) -> torch.Tensor:
+                            num_splits: int | None = None,
+                            config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """`num_splits` defaults to a count bounded by the block table's width (no host sync, so
+    it is fixed under CUDA graphs); `config` = (BLOCK_N, num_warps, num_stages)."""
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     batch, hq, d = q.shape
     _, block_size, hk, _ = k_cache.shape
@@ -207,17 +213,21 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group = hq // hk
     mid_out = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
-    block_n = 64 if q.is_cuda else 16
+    if config is None:
+        config = _CUDA_CONFIG if q.is_cuda else (16, 4, 1)
+    block_n, num_warps, num_stages = config
+    if q.dtype == torch.float32 and q.is_cuda:
+        block_n = min(block_n, 32)
     _TRITON.get("_decode_split_kernel")[(batch, hk, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, mid_out, mid_lse,
         q.stride(0), q.stride(1), block_tables.stride(0), float(scale) * math.log2(math.e),
-        HQ=hq, HK=hk, GROUP=group, BS=block_size, D=d, NUM_SPLITS=num_splits,
+        num_splits, HQ=hq, HK=hk, GROUP=group, BS=block_size, D=d,
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n,
-        IEEE_DOT=q.dtype == torch.float32, num_warps=4, num_stages=2 if q.is_cuda else 1,
+        IEEE_DOT=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     _TRITON.get("_decode_reduce_kernel")[(batch, hq)](
-        mid_out, mid_lse, out,
-        HQ=hq, D=d, NUM_SPLITS=num_splits, BLOCK_S=max(next_power_of_2(num_splits), 2),
+        mid_out, mid_lse, out, num_splits,
+        HQ=hq, D=d, BLOCK_S=max(next_power_of_2(num_splits), 2),
         num_warps=4 if d >= 128 else 2,
     )
     return out

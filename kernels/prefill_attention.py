@@ -22,6 +22,52 @@ tl = None  # bound to triton.language on the first launch (kernels._jit)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _prefill_tile_update(q, k_cache_ptr, v_cache_ptr, table_row, offs_d, kv_head, n_start,
+                         m_i, l_i, acc, q_pos, kv_end, qk_scale,
+                         HK: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
+                         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """One BLOCK_N tile of keys: online-softmax update of (m_i, l_i, acc), log2 domain."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_mask = offs_n < kv_end
+        block_ids = tl.load(table_row + offs_n // BS, mask=n_mask, other=0).to(tl.int64)
+    else:
+        block_ids = tl.load(table_row + offs_n // BS).to(tl.int64)
+    kv_off = ((block_ids * BS + offs_n % BS) * HK + kv_head) * D
+    if MASKED:
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
+    if IEEE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows of the tile past q_len may see no key yet; keep their arithmetic finite.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+    else:
+        # Every key of the tile is visible to every row: no mask, scale folded into one FMA.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        m_safe = m_new
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None]
+    if MASKED:
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :])
+    if IEEE_DOT:
+        acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc += tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 def _prefill_attention_kernel(
     q_ptr,  # [T, HQ, D], strides (stride_qt, stride_qh, 1)
     k_cache_ptr,  # [NB, BS, HK, D] contiguous
@@ -47,7 +93,9 @@ def _prefill_attention_kernel(
 ):
     # Sequence b owns query tiles starting at cu_seqlens_q[b] // BLOCK_M + b; that layout
     # always leaves room for cdiv(q_len_b, BLOCK_M) tiles, so the grid needs no host sync.
-    tile = tl.program_id(0)
+    # Tiles run last first: under the causal mask later tiles see more keys, and starting the
+    # longest ones first balances the tail of the grid.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     offs_b = tl.arange(0, BLOCK_B)
     starts = tl.load(cu_seqlens_q_ptr + offs_b, mask=offs_b < B, other=0)
@@ -55,58 +103,44 @@ def _prefill_attention_kernel(
     seq = tl.sum(((first_tile <= tile) & (offs_b < B)).to(tl.int32), axis=0) - 1
     q_begin = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
-    seq_len = tl.load(seq_lens_ptr + seq)
-    context_len = seq_len - q_len
     m_start = (tile - (q_begin // BLOCK_M + seq)) * BLOCK_M
+    if m_start < q_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context_len = seq_len - q_len
+        kv_head = head // GROUP
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D)
+        m_mask = offs_m < q_len
+        rows = (q_begin + offs_m).to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None], other=0.0)
+        q_pos = context_len + offs_m
 
-    kv_head = head // GROUP
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    m_mask = offs_m < q_len
-    rows = (q_begin + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=m_mask[:, None], other=0.0)
-    q_pos = context_len + offs_m
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    # Keys past the last query row of this tile are never visible; empty tiles loop 0 times.
-    kv_end = tl.where(m_start < q_len, context_len + tl.minimum(m_start + BLOCK_M, q_len), 0)
-    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for n_start in range(0, kv_end, BLOCK_N):
-        offs_n = n_start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_end
-        block_ids = tl.load(table_row + offs_n // BS, mask=n_mask, other=0).to(tl.int64)
-        kv_off = ((block_ids * BS + offs_n % BS) * HK + kv_head) * D
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-        if IEEE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows of the tile past q_len may see no key yet; keep their arithmetic finite.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None]
-        if IEEE_DOT:
-            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    tl.store(out_ptr + rows[:, None] * (HQ * D) + head * D + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        # Keys before the tile's first query position are visible to all its rows: whole
+        # BLOCK_N tiles of them need no mask. The rest, up to the last row's position, do.
+        kv_end = context_len + tl.minimum(m_start + BLOCK_M, q_len)
+        full_end = ((context_len + m_start + 1) // BLOCK_N) * BLOCK_N
+        for n_start in range(0, full_end, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile_update(
+                q, k_cache_ptr, v_cache_ptr, table_row, offs_d, kv_head, n_start,
+                m_i, l_i, acc, q_pos, kv_end, qk_scale,
+                HK, BS, D, BLOCK_N, False, IEEE_DOT)
+        for n_start in range(full_end, kv_end, BLOCK_N):
+            m_i, l_i, acc = _prefill_tile_update(
+                q, k_cache_ptr, v_cache_ptr, table_row, offs_d, kv_head, n_start,
+                m_i, l_i, acc, q_pos, kv_end, qk_scale,
+                HK, BS, D, BLOCK_N, True, IEEE_DOT)
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(out_ptr + rows[:, None] * (HQ * D) + head * D + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
-_TRITON = TritonKernels(globals(), "_prefill_attention_kernel")
+_TRITON = TritonKernels(globals(), "_prefill_tile_update", "_prefill_attention_kernel")
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens) -> None:
@@ -163,9 +197,22 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head_dim on CUDA; see benchmarks/bench_kernels.py.
+_CUDA_CONFIGS = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)}
+_INTERPRETER_CONFIG = (16, 16, 4, 1)
+
+
+def prefill_config(head_dim: int, is_cuda: bool) -> tuple[int, int, int, int]:
+    if not is_cuda:
+        return _INTERPRETER_CONFIG
+    return _CUDA_CONFIGS.get(head_dim, (64, 64, 4, 2))
+
+
 def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                              block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                             seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                             seq_lens: torch.Tensor, scale: float,
+                             config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """`config` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tuned default."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
     T, hq, d = q.shape
     _, block_size, hk, _ = k_cache.shape
@@ -174,10 +221,9 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     out = torch.empty((T, hq, d), dtype=q.dtype, device=q.device)
     if T == 0 or batch == 0:
         return out
-    if q.is_cuda:
-        block_m, block_n, num_warps, num_stages = (128, 64, 8, 2) if d <= 64 else (64, 64, 4, 2)
-    else:  # interpreter: small tiles
-        block_m, block_n, num_warps, num_stages = 16, 16, 4, 1
+    block_m, block_n, num_warps, num_stages = config or prefill_config(d, q.is_cuda)
+    if q.dtype == torch.float32 and q.is_cuda:  # fp32 tiles take twice the shared memory
+        block_m, block_n, num_stages = min(block_m, 64), min(block_n, 32), min(num_stages, 2)
     grid = (T // block_m + batch, hq)
     _TRITON.get("_prefill_attention_kernel")[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,

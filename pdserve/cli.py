@@ -112,6 +112,40 @@ def cmd_router(args: argparse.Namespace) -> int:
     return run_router(args.worker, settings)
 
 
+def _int_list(flag: str):
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
+        if any(v < 1 for v in values):
+            raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+        return values
+    return parse
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from pdserve.profile import profile_engine
+    from router.profiles import save_profile
+
+    if args.repeats < 1:
+        raise CliError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.decode_steps < 1:
+        raise CliError(f"--decode-steps must be >= 1, got {args.decode_steps}")
+    grids = {k: getattr(args, k) for k in ("prefill_tokens", "decode_batches", "decode_contexts")
+             if getattr(args, k) is not None}
+    profile = profile_engine(engine_config(args), repeats=args.repeats, decode_steps=args.decode_steps,
+                             progress=not args.quiet, **grids)
+    try:
+        save_profile(profile, args.out)
+    except OSError as e:
+        raise CliError(f"--out: cannot write {args.out}: {e.strerror or e}") from None
+    print(f"{args.out}: {profile.model} on {profile.hardware} ({profile.dtype}): "
+          f"{len(profile.prefill_tokens)} prefill lengths, "
+          f"{len(profile.decode_batch_sizes)}x{len(profile.decode_contexts)} decode points")
+    return 0
+
+
 def _add_up_args(u: argparse.ArgumentParser) -> None:
     """`pdserve up` flags. Their defaults live in UpConfig (flags not given stay unset, so that
     --config can fill them in)."""
@@ -203,6 +237,22 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
     _add_router_args(r)
     r.set_defaults(func=cmd_router)
+
+    pr = sub.add_parser("profile", help="measure prefill and decode step times on this hardware (JSON for "
+                                        "--policy network-aware --profile)")
+    add_engine_args(pr)
+    pr.add_argument("--out", required=True, metavar="FILE", help="where to write the profile JSON")
+    pr.add_argument("--prefill-tokens", type=_int_list("--prefill-tokens"), default=None,
+                    metavar="N,N,...", help="prompt lengths to time (default 16..4096 by powers of 2; "
+                                            "those over the context are left out)")
+    pr.add_argument("--decode-batches", type=_int_list("--decode-batches"), default=None,
+                    metavar="N,N,...", help="decode batch sizes to time (default 1..64 by powers of 2)")
+    pr.add_argument("--decode-contexts", type=_int_list("--decode-contexts"), default=None,
+                    metavar="N,N,...", help="decode context lengths to time (default 128,512,2048)")
+    pr.add_argument("--repeats", type=int_arg("--repeats"), default=3, help="prefill runs per length (median)")
+    pr.add_argument("--decode-steps", type=int_arg("--decode-steps"), default=8, help="timed steps per decode point")
+    pr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    pr.set_defaults(func=cmd_profile)
     return parser
 
 

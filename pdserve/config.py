@@ -84,8 +84,14 @@ class CacheConfig:
     cpu_kv_gib: float = 0.5
     num_blocks: int | None = None  # overrides the memory budget when set (tests)
     enable_prefix_caching: bool = True
+    # Decode-only steps replay CUDA graphs captured for padded batch sizes up to this bound
+    # (CUDA + Triton kernels only). `enforce_eager` or PDSERVE_CUDA_GRAPHS=0 turns them off.
+    enforce_eager: bool = False
+    cuda_graph_max_batch: int = 256
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_max_batch <= 0:
+            raise ValueError(f"cache config: cuda_graph_max_batch must be > 0, got {self.cuda_graph_max_batch}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"cache config: block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

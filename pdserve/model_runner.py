@@ -1,9 +1,21 @@
-"""The only place that touches devices: weights, the paged KV pools, batch tensors, sampling."""
+"""The only place that touches devices: weights, the paged KV pools, batch tensors, sampling.
+
+Decode-only steps on CUDA replay CUDA graphs: at the first such step the decode forward is
+captured once per padded batch size (1, 2, 4, ... up to `CacheConfig.cuda_graph_max_batch`)
+over static input buffers (token ids, positions, slots, seq lens, block tables as wide as the
+longest possible sequence). A step copies its inputs into those buffers from pinned host
+memory and replays the graph of the next size up; padding rows have slot -1 (no KV write) and
+seq len 0 (attention reads nothing). Mixed and prefill steps, layer hooks, the torch kernel
+backend, `CacheConfig.enforce_eager` and PDSERVE_CUDA_GRAPHS=0 run eagerly.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 
+import numpy as np
 import torch
 
 import kernels
@@ -18,6 +30,17 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GIB = 1 << 30
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CUDA_GRAPHS_ENV = "PDSERVE_CUDA_GRAPHS"
+_ENV_TRUE, _ENV_FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def cuda_graphs_requested(cache_config: CacheConfig) -> bool:
+    """False when `enforce_eager` is set or PDSERVE_CUDA_GRAPHS is 0/false/no/off."""
+    value = os.environ.get(CUDA_GRAPHS_ENV, "1").strip().lower()
+    if value not in _ENV_TRUE + _ENV_FALSE:
+        raise ValueError(f"{CUDA_GRAPHS_ENV} must be 0 or 1, got {value!r}")
+    return value in _ENV_TRUE and not cache_config.enforce_eager
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -58,6 +81,18 @@ class ModelRunner:
         self.torch_path = kernels.kernel_backend(device) == "torch"
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
                     self.kv_cache_bytes / (1 << 20))
+        # CUDA graphs of the decode forward, captured at the first decode-only step.
+        self.use_cuda_graphs = (device.type == "cuda" and not self.torch_path
+                                and cuda_graphs_requested(cache_config))
+        cap = min(cache_config.cuda_graph_max_batch, self.num_blocks)
+        sizes = [b for b in GRAPH_BATCH_SIZES if b <= cap]
+        if cap < GRAPH_BATCH_SIZES[-1] and cap not in sizes:
+            sizes.append(cap)
+        self.graph_batch_sizes: list[int] = sizes
+        max_len = min(model_config.max_position_embeddings, self.num_blocks * self.block_size)
+        self.max_blocks_per_seq = -(-max_len // self.block_size)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
+        self.num_graph_replays = 0
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -81,9 +116,17 @@ class ModelRunner:
     # ---- one step --------------------------------------------------------------------------
     def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None) -> torch.Tensor:
         """Runs `batch`; returns float32 logits for the requests that sample this step, in the
-        order of `sampling_indices(batch)`."""
+        order of `order(batch)`."""
+        if (layer_hook is None and self.use_cuda_graphs and self.graph_batch_sizes
+                and len(batch) <= self.graph_batch_sizes[-1] and self.is_decode_only(batch)):
+            return self._execute_graph(batch)
         input_ids, meta = self.prepare(batch)
         return self.model(input_ids, meta, self.kv_caches, layer_hook)
+
+    @staticmethod
+    def is_decode_only(batch: ScheduledBatch) -> bool:
+        return all(n == 1 and seq.num_computed_tokens > 0
+                   for seq, n in zip(batch.seqs, batch.num_new_tokens))
 
     @staticmethod
     def order(batch: ScheduledBatch) -> list[int]:
@@ -144,6 +187,102 @@ class ModelRunner:
             if nd == len(order):
                 meta.decode_plan = kernels.decode_gather_plan(block_tables, seq_lens_t, bs)
         return torch.tensor(input_ids, dtype=torch.long, device=dev), meta
+
+    # ---- CUDA graphs ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        """Captures the decode forward for every size in `graph_batch_sizes` (largest first,
+        sharing one memory pool). Padding inputs make warm-up and capture write nothing.
+        Off CUDA (tests) only the static buffers are set up and "replay" runs eagerly."""
+        if self._graphs or not self.use_cuda_graphs:
+            return
+        t0 = time.perf_counter()
+        dev, max_b = self.device, self.graph_batch_sizes[-1]
+        on_cuda = dev.type == "cuda"
+        self._h_i64 = torch.zeros((3, max_b), dtype=torch.int64, pin_memory=on_cuda)  # ids, pos, slot
+        self._h_i64[2] = -1
+        self._h_lens = torch.zeros(max_b, dtype=torch.int32, pin_memory=on_cuda)
+        self._h_tables = torch.zeros(max_b * self.max_blocks_per_seq, dtype=torch.int32, pin_memory=on_cuda)
+        self._h_views = (self._h_i64.numpy(), self._h_lens.numpy(), self._h_tables.numpy())
+        self._d_i64 = self._h_i64.to(dev, copy=True)
+        self._d_lens = self._h_lens.to(dev, copy=True)
+        self._d_tables = torch.zeros((max_b, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
+        self._d_rows = torch.arange(max_b, dtype=torch.long, device=dev)
+        if not on_cuda:
+            self._copied = None
+            self._graphs = {size: None for size in self.graph_batch_sizes}
+            return
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(dev)
+        for size in reversed(self.graph_batch_sizes):
+            input_ids, meta = self._graph_inputs(size)
+            # One eager run first: Triton compiles and loads this size's kernels outside capture.
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream):
+                self.model(input_ids, meta, self.kv_caches)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.model(input_ids, meta, self.kv_caches)
+            self._graphs[size] = (graph, logits)
+        torch.cuda.synchronize(dev)
+        logger.info("captured CUDA graphs for decode batch sizes %s in %.1fs",
+                    self.graph_batch_sizes, time.perf_counter() - t0)
+
+    def _graph_inputs(self, size: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        return self._d_i64[0, :size], AttentionMetadata(
+            positions=self._d_i64[1, :size],
+            slot_mapping=self._d_i64[2, :size],
+            num_decodes=size,
+            decode_block_tables=self._d_tables[:size],
+            decode_seq_lens=self._d_lens[:size],
+            prefill_block_tables=None,
+            prefill_cu_seqlens_q=None,
+            prefill_seq_lens=None,
+            logits_indices=self._d_rows[:size],
+        )
+
+    @torch.inference_mode()
+    def _execute_graph(self, batch: ScheduledBatch) -> torch.Tensor:
+        if not self._graphs:
+            self.capture_cuda_graphs()
+        n = len(batch)
+        size = next(b for b in self.graph_batch_sizes if b >= n)
+        bs = self.block_size
+        width = max(len(seq.block_ids) for seq in batch.seqs)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have left the pinned buffers
+        i64, lens, flat = self._h_views
+        tables = flat[:size * width].reshape(size, width)
+        for i, seq in enumerate(batch.seqs):
+            pos = seq.num_computed_tokens
+            blocks = seq.block_ids
+            i64[0, i] = seq.token_at(pos)
+            i64[1, i] = pos
+            i64[2, i] = blocks[pos // bs] * bs + pos % bs
+            lens[i] = pos + 1
+            tables[i, :len(blocks)] = blocks
+        i64[0:2, n:size] = 0
+        i64[2, n:size] = -1
+        lens[n:size] = 0
+        self._d_i64.copy_(self._h_i64, non_blocking=True)
+        self._d_lens.copy_(self._h_lens, non_blocking=True)
+        self._d_tables[:size, :width].copy_(self._h_tables[:size * width].view(size, width),
+                                            non_blocking=True)
+        captured = self._graphs[size]
+        if captured is None:  # off CUDA: the same static inputs, run eagerly
+            logits = self.model(*self._graph_inputs(size), self.kv_caches)
+        else:
+            self._copied.record()
+            graph, logits = captured
+            graph.replay()
+        self.num_graph_replays += 1
+        sampling = [i for i in range(n) if batch.samples(i)]
+        if len(sampling) == n:
+            return logits[:n]
+        return logits[torch.tensor(sampling, dtype=torch.long, device=self.device)]
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
         return self.sampler(logits, rows)

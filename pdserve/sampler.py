@@ -39,6 +39,8 @@ class Sampler:
         """logits: [N, vocab] float32, one row per request. Returns token ids and logprobs."""
         if logits.shape[0] != len(rows):
             raise AssertionError("one sampling row per logits row")
+        suppress_rows: list[int] = []
+        suppress_cols: list[int] = []
         for i, row in enumerate(rows):
             p = row.params
             if p.has_penalties and row.output_token_ids:
@@ -46,18 +48,22 @@ class Sampler:
                 counts = torch.bincount(ids, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
             if row.suppress_token_ids:
-                logits[i, list(row.suppress_token_ids)] = float("-inf")
+                suppress_rows.extend([i] * len(row.suppress_token_ids))
+                suppress_cols.extend(row.suppress_token_ids)
+        if suppress_rows:  # one scatter for the whole batch
+            logits[torch.tensor(suppress_rows, device=logits.device),
+                   torch.tensor(suppress_cols, device=logits.device)] = float("-inf")
 
-        if all(r.params.greedy for r in rows):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-            greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-            if greedy:
-                idx = torch.tensor(greedy, device=logits.device)
-                tokens[idx] = logits[idx].argmax(dim=-1)
+        tokens = logits.argmax(dim=-1)  # greedy rows, on the GPU for the whole batch at once
+        if not all(r.params.greedy for r in rows):
+            # Unseeded rows draw together from the sampler's generator; seeded rows each from
+            # their own generator, so their tokens do not depend on the rest of the batch.
+            shared = [i for i, r in enumerate(rows) if not r.params.greedy and r.generator is None]
+            if shared:
+                tokens[torch.tensor(shared, device=logits.device)] = self._sample_rows(
+                    logits, shared, [rows[i].params for i in shared])
             for i, row in enumerate(rows):
-                if not row.params.greedy:
+                if not row.params.greedy and row.generator is not None:
                     tokens[i] = self._sample_row(logits[i], row)
         token_list = tokens.tolist()
 
@@ -75,6 +81,31 @@ class Sampler:
                     top = list(zip(top_idx[j, :n].tolist(), top_val[j, :n].tolist()))  # type: ignore[index]
                 logprobs[i] = TokenLogprob(token_list[i], float(lp[j, token_list[i]]), top)
         return token_list, logprobs
+
+    def _sample_rows(self, logits: torch.Tensor, index: list[int],
+                     params: list[SamplingParams]) -> torch.Tensor:
+        """`_sample_row` for several rows at once, drawing from the sampler's generator."""
+        dev = logits.device
+        vocab = logits.shape[1]
+        scaled = logits[torch.tensor(index, device=dev)] / torch.tensor(
+            [p.temperature for p in params], device=dev, dtype=logits.dtype)[:, None]
+        top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+        if any(top_k):
+            values = torch.topk(scaled, max(top_k), dim=-1).values
+            k = torch.tensor(top_k, device=dev)
+            kth = values.gather(1, (k - 1).clamp(min=0)[:, None])
+            kth = torch.where(k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        top_p = [p.top_p for p in params]
+        if any(v < 1.0 for v in top_p):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            cumulative = sorted_probs.cumsum(-1)
+            limit = torch.tensor(top_p, device=dev, dtype=probs.dtype)[:, None]
+            drop = (cumulative - sorted_probs >= limit) & (limit < 1.0)
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
 
     def _sample_row(self, logits: torch.Tensor, row: SamplingRow) -> int:
         p = row.params

@@ -20,6 +20,12 @@ The `WorkerPool` (router.worker_pool) keeps the view of the workers: it re-reads
 and polls Health/Stats each `stats_interval_s`, cancelling the live streams of a worker that
 stops answering, so that its requests migrate at once.
 Worker-side request ids are "<request_id>" for the first attempt and "<request_id>.<n>" after.
+
+Network view (router.network): each Prefill is a KV flow on the link from P's node to D's
+node (router.topology); the `LinkMonitor` (router.congestion) counts it while it runs and takes
+the throughput it reports as a sample; KV bytes per token are learned from those reports.
+Snapshots carry the topology, the links and that number; optional probes (router.probes)
+measure links between requests.
 """
 
 from __future__ import annotations
@@ -50,8 +56,10 @@ from router.placement import (
     NoWorkersAvailable,
     PlacementPolicy,
     RequestInfo,
+    SLOUnattainable,
 )
-from router.worker_client import WorkerClient
+from router.network import NetworkOptions, NetworkTracker
+from router.worker_client import PrefillResult, WorkerClient
 from router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -101,6 +109,7 @@ class ClusterBackend:
         max_retries: int = 2,
         metrics: RouterMetrics | None = None,
         rpc_timeout_s: float = 5.0,
+        network: NetworkOptions | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -122,6 +131,8 @@ class ClusterBackend:
         self.max_retries = max_retries
         self.metrics = metrics
         self.rpc_timeout_s = float(rpc_timeout_s)
+        self.network = NetworkTracker(network or NetworkOptions(), self.pool, policy, metrics,
+                                      rpc_timeout_s=self.rpc_timeout_s, max_model_len=max_model_len)
         self._flights: dict[str, _Flight] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._started = False
@@ -139,6 +150,7 @@ class ClusterBackend:
                 raise ServiceUnavailable("The backend is closed.")
             await self.pool.start()
             self._started = True
+            self.network.start()
 
     async def close(self) -> None:
         """Aborts live requests (bounded), stops the monitor and closes every connection."""
@@ -146,6 +158,7 @@ class ClusterBackend:
             return
         self._closed = True
         await asyncio.gather(*(self.abort(rid) for rid in list(self._flights)), return_exceptions=True)
+        await self.network.close()
         await self.pool.close()
         if self._background:
             await asyncio.wait(self._background, timeout=self.rpc_timeout_s)
@@ -163,7 +176,9 @@ class ClusterBackend:
     # ---------------------------------------------------------------- views
 
     def snapshot(self) -> ClusterSnapshot:
-        return ClusterSnapshot(self.pool.snapshots(), mode=self.mode)  # type: ignore[arg-type]
+        net = self.network
+        return ClusterSnapshot(self.pool.snapshots(), mode=self.mode, topology=net.topology,  # type: ignore[arg-type]
+                               links=net.links.view(), kv_bytes_per_token=net.kv_bytes_per_token)
 
     async def health(self) -> dict[str, Any]:
         """Healthy when at least one decode-capable worker is healthy (a disaggregated cluster can
@@ -277,6 +292,8 @@ class ClusterBackend:
         )
         try:
             decision = self.policy.place(request, self.snapshot())
+        except SLOUnattainable as exc:
+            raise Overloaded(f"The cluster cannot serve the request within its SLOs now; retry later ({exc})") from exc
         except NoWorkersAvailable as exc:
             if isinstance(last_error, Overloaded):
                 raise last_error from exc  # every worker left is full: the client may retry later
@@ -295,11 +312,16 @@ class ClusterBackend:
         wire_id = flight.next_wire_id()
         finished = False
         flight.parts = {decode.worker_id: (decode.client, wire_id)}
+        n = len(prompt)
         decode.num_inflight += 1
+        decode.num_inflight_tokens += n
         try:
             reservation = await decode.client.reserve(wire_id, prompt, params, self.kv_deadline_s)
             flight.parts[prefill.worker_id] = (prefill.client, wire_id)
             prefill.num_inflight += 1
+            prefill.num_inflight_tokens += n
+            flow = self.network.start_flow(prefill, decode, n)
+            result: PrefillResult | None = None
             try:
                 result = await prefill.client.prefill(
                     wire_id, prompt, params, reservation, self.kv_deadline_s,
@@ -307,6 +329,8 @@ class ClusterBackend:
                 )
             finally:
                 prefill.num_inflight -= 1
+                prefill.num_inflight_tokens -= n
+                self.network.finish_flow(flow, result, n)
             self._record_transfer(result.kv_bytes, result.kv_seconds)
             first = result.first
             if self._worker_aborted(flight, first):
@@ -328,6 +352,7 @@ class ClusterBackend:
                     return
         finally:
             decode.num_inflight -= 1
+            decode.num_inflight_tokens -= n
             parts, flight.parts = list(flight.parts.values()), {}
             if not finished and not flight.aborted:
                 await self._abort_parts(parts)
@@ -339,7 +364,9 @@ class ClusterBackend:
         wire_id = flight.next_wire_id()
         finished = False
         flight.parts = {worker_id: (worker.client, wire_id)}
+        n = len(prompt) + len(flight.sent_token_ids)
         worker.num_inflight += 1
+        worker.num_inflight_tokens += n
         try:
             async for output in worker.client.generate(wire_id, prompt, params, flight.sent_token_ids):
                 if self._worker_aborted(flight, output):
@@ -352,6 +379,7 @@ class ClusterBackend:
                     return
         finally:
             worker.num_inflight -= 1
+            worker.num_inflight_tokens -= n
             parts, flight.parts = list(flight.parts.values()), {}
             if not finished and not flight.aborted:
                 await self._abort_parts(parts)

@@ -1,15 +1,16 @@
 """Prometheus metrics of the router, one CollectorRegistry per app.
 
 Latencies are observed per backend request (one per choice), request counts per HTTP request.
-`placement_decisions`, `kv_transfer_*` and `request_recoveries` are declared here and updated by
-the cluster backend (router.cluster_backend).
+`placement_decisions`, `kv_transfer_*`, `request_recoveries` and the per-link gauges `link_*`
+(label `link` = "src_node->dst_node") are declared here and updated by the cluster backend
+(router.cluster_backend).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST as METRICS_CONTENT_TYPE
 
 __all__ = ["METRICS_CONTENT_TYPE", "RequestStatus", "RouterMetrics"]
@@ -64,6 +65,18 @@ class RouterMetrics:
             "pdserve:request_recoveries_total",
             "Requests recovered from a worker failure, by kind (replace, local_fallback, migrate).",
             ["kind"], registry=r,
+        )
+        self.link_bytes_in_flight = Gauge(
+            "pdserve:link_bytes_in_flight", "KV bytes of the transfers the router has started on a link and not seen end.",
+            ["link"], registry=r,
+        )
+        self.link_active_flows = Gauge(
+            "pdserve:link_active_flows", "KV transfers in flight on a link.", ["link"], registry=r,
+        )
+        self.link_estimated_gbps = Gauge(
+            "pdserve:link_estimated_gbps",
+            "Bandwidth the router assumes for a link: min(capacity, EWMA of measured throughput), Gbit/s.",
+            ["link"], registry=r,
         )
         self.prompt_tokens = Counter("pdserve:prompt_tokens_total", "Prompt tokens of accepted requests.", registry=r)
         self.generation_tokens = Counter("pdserve:generation_tokens_total", "Generated tokens.", registry=r)

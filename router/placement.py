@@ -237,6 +237,17 @@ class PoolPolicy(PlacementPolicy):
                 f"short prompt ({request.num_prompt_tokens} <= {self.local_prefill_max_tokens} tokens)",
             )
         prefills = [w for w in usable if w.can_prefill and w.fits(request.num_prompt_tokens)]
+        return self.decide(prefills, decodes, request, snapshot)
+
+    def decide(
+        self,
+        prefills: Sequence[WorkerSnapshot],
+        decodes: Sequence[WorkerSnapshot],
+        request: RequestInfo,
+        snapshot: ClusterSnapshot,
+    ) -> Decision:
+        """Disaggregated mode, a request that may go either way: a pair, or local when no pair
+        exists. `prefills` may be empty; `decodes` is not."""
         pair = self.choose_pair(prefills, decodes, request, snapshot) if prefills else None
         if pair is None:
             return self._local(decodes, request, snapshot, "no healthy prefill worker")
@@ -313,10 +324,10 @@ class LeastLoaded(PoolPolicy):
     def pick(
         self, candidates: Sequence[WorkerSnapshot], purpose: Purpose, request: RequestInfo, snapshot: ClusterSnapshot
     ) -> WorkerSnapshot:
-        return min(candidates, key=_least_loaded_key)
+        return min(candidates, key=least_loaded_key)
 
 
-def _least_loaded_key(w: WorkerSnapshot) -> tuple[int, float, str]:
+def least_loaded_key(w: WorkerSnapshot) -> tuple[int, float, str]:
     return (w.load, -w.free_fraction, w.worker_id)
 
 

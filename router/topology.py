@@ -131,7 +131,9 @@ class _Reader:
     def fail(self, node: yaml.Node, field_name: str, message: str) -> ValueError:
         return ValueError(f"{self.path}:{node.start_mark.line + 1}: {field_name}: {message}")
 
-    def mapping(self, node: yaml.Node, field_name: str, allowed: tuple[str, ...] | None) -> list[tuple[str, yaml.Node, yaml.Node]]:
+    def mapping(
+        self, node: yaml.Node, field_name: str, allowed: tuple[str, ...] | None,
+    ) -> list[tuple[str, yaml.Node, yaml.Node]]:
         if not isinstance(node, yaml.MappingNode):
             raise self.fail(node, field_name, "must be a mapping")
         items = []

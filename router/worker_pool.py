@@ -38,6 +38,7 @@ class PooledWorker:
     detail: str = "not checked yet"
     stats: pb.StatsResponse | None = None
     num_inflight: int = 0  # requests the router has sent here and not seen end
+    num_inflight_tokens: int = 0  # their prompt tokens
     role_mismatch_logged: bool = False
 
     @property
@@ -57,6 +58,7 @@ class PooledWorker:
             num_blocks=s.num_blocks,
             block_size=s.block_size,
             num_inflight=self.num_inflight,
+            num_inflight_tokens=self.num_inflight_tokens,
             max_model_len=s.max_model_len,
             tokens_per_second=s.tokens_per_second,
         )

@@ -106,6 +106,12 @@ class ClusterPools:
         for spec in self.specs:
             if spec.size <= 0:
                 continue
+            for index in range(spec.size):
+                name = actor_name(self.cluster, spec.role, index)
+                if _actor_exists(name, self.namespace):
+                    raise ClusterStartError(
+                        f"a worker named {name} already exists in Ray namespace {self.namespace!r} (another "
+                        "pdserve up?); choose another --cluster-name or --namespace")
             bundle = spec.bundle()
             group = placement_group([dict(bundle) for _ in range(spec.size)], strategy=spec.strategy,
                                     name=f"{NAME_PREFIX}:{self.cluster}:{spec.role}")
@@ -182,6 +188,16 @@ class ClusterPools:
                 logger.debug("removing a placement group failed", exc_info=True)
         self.workers.clear()
         self._groups.clear()
+
+
+def _actor_exists(name: str, namespace: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    return True
 
 
 def _resources_summary(resources: Mapping[str, float]) -> str:

@@ -9,14 +9,11 @@ comes back on a new port; `RayDirectory` asks again for the address.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import time
 from typing import Any
 
 from pdserve.worker.server import WorkerConfig, WorkerServer
-
-logger = logging.getLogger(__name__)
 
 
 class WorkerActor:

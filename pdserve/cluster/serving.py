@@ -55,15 +55,25 @@ def load_router_model(model: str, max_model_len: int | None = None, served_model
     return RouterModel(tokenizer=source.tokenizer, max_model_len=limit, name=served_model_name or model)
 
 
-def build_app(directory: Any, settings: RouterSettings, model: RouterModel):
+def make_router_policy(settings: RouterSettings) -> Any:
+    """The placement policy, built before anything starts so that a policy that cannot be built
+    (unknown, or missing what it needs) fails at once; ValueError naming --policy."""
+    from router.placement import make_policy
+
+    try:
+        return make_policy(settings.policy)
+    except ValueError as e:
+        raise ValueError(f"--policy {settings.policy}: {e}") from None
+
+
+def build_app(directory: Any, settings: RouterSettings, model: RouterModel, policy: Any):
     """(app, backend) for `directory`."""
     from router.cluster_backend import ClusterBackend
     from router.metrics import RouterMetrics
-    from router.placement import make_policy
     from router.server import create_app
 
     metrics = RouterMetrics()
-    backend = ClusterBackend(directory, make_policy(settings.policy), model.tokenizer, model.name,
+    backend = ClusterBackend(directory, policy, model.tokenizer, model.name,
                              model.max_model_len, mode=settings.mode, kv_deadline_s=settings.kv_deadline_s,
                              metrics=metrics)
     app = create_app(backend, api_key=settings.api_key, metrics=metrics)
@@ -100,12 +110,19 @@ def serve_router(app: Any, backend: Any, settings: RouterSettings, on_ready=None
                             lifespan="off")
     server = uvicorn.Server(config)
 
+    async def announce() -> None:
+        while not server.started and not server.should_exit:
+            await asyncio.sleep(0.05)
+        if server.started:
+            on_ready()
+
     async def run() -> None:
         await backend.start()
         try:
-            if on_ready is not None:
-                asyncio.get_running_loop().call_later(0, _when_started, server, on_ready)
+            announcer = asyncio.create_task(announce()) if on_ready is not None else None
             await server.serve()
+            if announcer is not None:
+                announcer.cancel()
         finally:
             try:
                 await asyncio.wait_for(backend.close(), settings.graceful_shutdown_s)
@@ -114,13 +131,3 @@ def serve_router(app: Any, backend: Any, settings: RouterSettings, on_ready=None
 
     asyncio.run(run())
 
-
-def _when_started(server: Any, on_ready) -> None:
-    async def poll() -> None:
-        while not server.started:
-            if server.should_exit:
-                return
-            await asyncio.sleep(0.05)
-        on_ready()
-
-    asyncio.ensure_future(poll())

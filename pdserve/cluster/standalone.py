@@ -6,14 +6,11 @@ serves over a fixed list of workers (`--worker role[#id][@node]=host:port`, repe
 
 from __future__ import annotations
 
-import logging
 import socket
 import sys
 import threading
 
 from pdserve.worker.server import WorkerConfig
-
-logger = logging.getLogger(__name__)
 
 
 def run_worker(config: WorkerConfig) -> int:
@@ -56,6 +53,7 @@ def run_router(entries: list[str], settings) -> int:
         build_app,
         install_shutdown_signals,
         load_router_model,
+        make_router_policy,
         restore_signals,
         serve_router,
     )
@@ -70,8 +68,9 @@ def run_router(entries: list[str], settings) -> int:
     from pdserve.cluster.up import check_listen
 
     check_listen(settings.host, settings.port)
+    policy = make_router_policy(settings)
     model = load_router_model(settings.model, settings.max_model_len, settings.served_model_name)
-    app, backend = build_app(directory, settings, model)
+    app, backend = build_app(directory, settings, model, policy)
     install_shutdown_signals()
     try:
         serve_router(app, backend, settings, on_ready=lambda: print(

@@ -105,6 +105,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
         ignore_shutdown_signals,
         install_shutdown_signals,
         load_router_model,
+        make_router_policy,
         restore_signals,
         serve_router,
     )
@@ -117,14 +118,15 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
                               max_model_len=config.max_model_len, policy=config.policy, mode=config.mode,
                               host=config.host, port=config.port, api_key=config.api_key,
                               kv_deadline_s=config.kv_deadline_s, log_level=log_level.lower())
+    policy = make_router_policy(settings)
 
     import ray
 
     install_shutdown_signals()
-    started_ray = False
+    started_ray = config.address is None  # ours to shut down, even if interrupted while starting
     pools: ClusterPools | None = None
     try:
-        started_ray = _start_ray(config)
+        _start_ray(config)
         install_shutdown_signals()  # ray.init installs its own SIGTERM handler
         gpus = ray.cluster_resources().get("GPU", 0.0)
         specs = pool_specs(config, gpus)
@@ -144,7 +146,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
         from pdserve.cluster.directory import RayDirectory
 
         directory = RayDirectory(config.namespace, config.cluster_name, pools.names)
-        app, backend = build_app(directory, settings, model)
+        app, backend = build_app(directory, settings, model, policy)
         scheme_host = f"http://{config.host}:{config.port}"
 
         def ready() -> None:
@@ -159,7 +161,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
         return 1
     finally:
         ignore_shutdown_signals()
-        if started_ray or pools is not None:
+        if ray.is_initialized():
             print("pdserve up: shutting down", file=sys.stderr, flush=True)
         if pools is not None:
             try:

@@ -190,8 +190,8 @@ class DecoderLayer(nn.Module):
             q = q.reshape(num_tokens, c.num_heads, c.head_dim)
             k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)
             v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
-            q, k = kernels.apply_rope(q, k, meta.positions, cos_sin)
-            kernels.write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            q = kernels.rope_write_kv(q, k, v, meta.positions, cos_sin, k_cache, v_cache,
+                                      meta.slot_mapping)
         attn = _attention(q, k_cache, v_cache, meta, scale)
         hidden = torch.matmul(attn.reshape(num_tokens, c.q_size), self.o_proj.t())
         x, residual = kernels.rms_norm(hidden, self.post_norm, c.rms_norm_eps, residual)

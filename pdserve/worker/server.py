@@ -328,10 +328,14 @@ class WorkerServer:
         self.receiver = None
         self.pusher: KVPusher | None = None
         if config.role == "prefill":
-            self.sender = create_sender(config.kv_backend, kv_caches, **opts)
+            # a "pacer" option may be a pacing spec string (pdserve.emulation.pacing_spec)
+            from pdserve.emulation.pacing_spec import sender_options
+
+            self.sender = create_sender(config.kv_backend, kv_caches, **sender_options(opts))
             self.pusher = KVPusher(self.sender, self.block_size, self.engine.model_config.num_layers)
             self.engine.layer_hook = self.pusher.on_layer
         elif config.role == "decode":
+            opts.pop("pacer", None)  # pacing is the sender's; one kv_options may serve both roles
             if config.kv_backend != "fake":
                 opts.setdefault("host", config.kv_host)
             self.receiver = create_receiver(config.kv_backend, kv_caches, **opts)

@@ -68,7 +68,7 @@ def test_colocated_sizes():
     ({"prefill": 0}, "--prefill: must be >= 1 in --mode disaggregated"),
     ({"replicas": 2}, "--replicas: applies only to --mode colocated"),
     ({"mode": "colocated", "replicas": 0}, "--replicas: must be >= 1"),
-    ({"policy": "fastest"}, "--policy: unknown placement policy 'fastest'; choose one of least-loaded, round-robin"),
+    ({"policy": "fastest"}, "--policy: unknown placement policy 'fastest'; choose one of "),
     ({"port": 0}, "--port: must be in 1..65535"),
     ({"kv_backend": "fake"}, "--kv-backend: 'fake' moves KV only inside one process"),
     ({"kv_deadline_s": 0.0}, "--kv-deadline-s: must be > 0"),
@@ -82,6 +82,16 @@ def test_bad_values_name_the_flag(kwargs, message):
     with pytest.raises(ValueError) as info:
         UpConfig(**kwargs)
     assert str(info.value).startswith(message)
+
+
+def test_policy_choices_come_from_the_routers_registry():
+    from router.placement import POLICIES
+
+    with pytest.raises(ValueError) as info:
+        UpConfig(policy="fastest")
+    assert str(info.value).endswith(", ".join(sorted(POLICIES)))
+    for name in POLICIES:
+        assert UpConfig(policy=name).policy == name
 
 
 @pytest.mark.parametrize("text, message", [

@@ -111,3 +111,17 @@ def test_dead_actor_is_left_out_quickly(local_ray):
     t0 = time.monotonic()
     assert asyncio.run(directory.endpoints()) == []
     assert time.monotonic() - t0 < 2.0
+
+
+def test_second_cluster_with_the_same_name_is_refused(local_ray):
+    first = ClusterPools("dup", NAMESPACE, [PoolSpec("mixed", 1, tiny_engine("mixed"), kv_backend="fake")])
+    second = ClusterPools("dup", NAMESPACE, [PoolSpec("mixed", 1, tiny_engine("mixed"), kv_backend="fake")])
+    try:
+        first.start(30)
+        with pytest.raises(ClusterStartError, match=r"pdserve:dup:mixed:0 already exists .* --cluster-name"):
+            second.start(30)
+        assert second.names == []
+        assert first.wait_ready(30)["pdserve:dup:mixed:0"]["healthy"]  # the first one is untouched
+    finally:
+        second.shutdown()
+        first.shutdown()

@@ -1,16 +1,18 @@
 """`pdserve up` as a user runs it: local Ray, one prefill + one decode worker (KV over UCX),
-the router on a free port; a completion and a chat completion; SIGTERM leaves no process."""
+the router on a free port; a completion and a chat completion; a worker killed with -9 comes
+back on a new address and serves again; SIGTERM leaves no process."""
 
 from __future__ import annotations
 
 import signal
+import time
 
 import httpx
 import pytest
 
 from tests.cluster.conftest import MODEL, descendants, free_port, kill_group, pdserve, stop, wait_gone, wait_healthy
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(240)
 
 
 def test_up_serves_and_sigterm_leaves_no_process(tmp_path):
@@ -27,7 +29,8 @@ def test_up_serves_and_sigterm_leaves_no_process(tmp_path):
         assert set(workers) == {"pdserve:default:prefill:0", "pdserve:default:decode:0"}
 
         auth = {"Authorization": "Bearer k3y"}
-        assert httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10).status_code == 401
+        unauthorized = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi"}, timeout=10)
+        assert unauthorized.status_code == 401
         r = httpx.post(f"{base}/v1/completions", headers=auth, timeout=60,
                        json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4})
         assert r.status_code == 200, r.text
@@ -38,6 +41,25 @@ def test_up_serves_and_sigterm_leaves_no_process(tmp_path):
                        json={"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 3
+
+        # kill -9 one worker: Ray restarts it, the router sees its new address and uses it again.
+        actors = [p for p in descendants(proc.pid) if "WorkerActo" in p.name()]
+        assert len(actors) == 2, [p.name() for p in descendants(proc.pid)]
+        before = {k: w["address"] for k, w in workers.items()}
+        actors[0].kill()
+        deadline = time.monotonic() + 60
+        while True:
+            health = httpx.get(f"{base}/health", timeout=5)  # 503 while no decode worker is up
+            workers = health.json()["backend"]["workers"] if health.status_code == 200 else {}
+            after = {k: w["address"] for k, w in workers.items()}
+            if after.keys() == before.keys() and after != before and all(w["healthy"] for w in workers.values()):
+                break
+            assert time.monotonic() < deadline, health.text
+            time.sleep(0.3)
+        assert sum(after[k] != before[k] for k in before) == 1
+        r = httpx.post(f"{base}/v1/completions", headers=auth, timeout=60,
+                       json={"model": MODEL, "prompt": "After a restart", "max_tokens": 2})
+        assert r.status_code == 200, r.text
 
         tree = descendants(proc.pid)
         names = [p.name() for p in tree]

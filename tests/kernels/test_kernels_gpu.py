@@ -99,3 +99,51 @@ def test_decode_attention(paged_kv, seq_lens, hq, hk, d, bs, num_splits):
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 1 / math.sqrt(d))
     got = decode_attention_triton(*args, num_splits=num_splits)
     torch.testing.assert_close(got, decode_attention_ref(*args), **TOL)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_rope_write_kv(block_size):
+    from kernels.rope_cache import rope_write_kv_ref, rope_write_kv_triton
+
+    cache = rope_cos_sin_cache(128, 4096, 500000.0, None, device=DEV)
+    qkv = torch.randn(60, (32 + 16) * 128, device=DEV, dtype=BF16)
+    q = qkv[:, :32 * 128].view(60, 32, 128)
+    k = qkv[:, 32 * 128:40 * 128].view(60, 8, 128)
+    v = qkv[:, 40 * 128:].view(60, 8, 128)
+    positions = torch.randint(0, 4096, (60,), device=DEV)
+    slots = torch.randperm(10 * block_size, device=DEV)[:60]
+    slots[::5] = -1
+    caches = [torch.zeros(10, block_size, 8, 128, device=DEV, dtype=BF16) for _ in range(4)]
+    got = rope_write_kv_triton(q, k, v, positions, cache, caches[0], caches[1], slots)
+    want = rope_write_kv_ref(q, k, v, positions, cache, caches[2], caches[3], slots)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(caches[0], caches[2], **TOL)
+    assert torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.parametrize("bs", [16, 32])
+def test_decode_attention_padding_rows_and_wide_tables(paged_kv, bs):
+    """CUDA-graph style inputs: rows with seq len 0 give zeros, and a block table much wider
+    than any sequence (the split count comes from its width) changes nothing."""
+    kv = paged_kv([700, 1, 2100], 8, 128, bs, BF16, device=DEV)
+    q = torch.randn(3, 32, 128, device=DEV, dtype=BF16)
+    want = decode_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, 0.088)
+    wide = torch.full((5, 4096), 123456, dtype=torch.int32, device=DEV)  # stale entries: never read
+    wide[:3, :kv.block_tables.shape[1]] = kv.block_tables
+    lens = torch.zeros(5, dtype=torch.int32, device=DEV)
+    lens[:3] = kv.seq_lens
+    qp = torch.cat([q, torch.randn(2, 32, 128, device=DEV, dtype=BF16)])
+    got = decode_attention_triton(qp, kv.k_cache, kv.v_cache, wide, lens, 0.088)
+    torch.testing.assert_close(got[:3], want, **TOL)
+    assert torch.equal(got[3:], torch.zeros_like(got[3:]))
+
+
+@pytest.mark.parametrize("config", [(128, 64, 8, 3), (64, 64, 4, 2), (128, 128, 8, 2)])
+def test_prefill_attention_configs(paged_kv, config):
+    seq_lens, q_lens = [3000, 257, 1], [1500, 257, 1]
+    kv = paged_kv(seq_lens, 8, 128, 16, BF16, device=DEV)
+    q = torch.randn(sum(q_lens), 32, 128, device=DEV, dtype=BF16)
+    cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEV)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 1 / math.sqrt(128))
+    torch.testing.assert_close(prefill_attention_triton(*args, config=config),
+                               prefill_attention_ref(*args), **TOL)

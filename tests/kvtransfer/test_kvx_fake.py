@@ -70,8 +70,10 @@ def test_fake_deadline_drops_late_data(pair):
         sender.finish("late", timeout=5)
     for layer in range(3):
         assert torch.equal(dst[layer][0], before[layer][0])
-    assert receiver.metrics()["messages_dropped"] == 1  # then the sender knows: it skips the rest
-    assert sender.metrics()["messages_skipped"] == 2
+    # The first late message is dropped; once the sender hears of it, it skips the rest (how
+    # many it skips depends on thread timing, not on correctness).
+    dropped, skipped = receiver.metrics()["messages_dropped"], sender.metrics()["messages_skipped"]
+    assert dropped >= 1 and dropped + skipped == 3
     assert receiver.metrics()["transfers_expired"] == 1
 
 

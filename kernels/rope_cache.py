@@ -1,0 +1,141 @@
+"""RoPE fused with the paged KV cache write: one launch per layer on the GPU path.
+
+For token t at position positions[t] and slot slot_mapping[t]:
+
+    q_out[t]               = rope(q[t])                      # returned, [T, Hq, D]
+    k_cache[slot // BS, slot % BS] = rope(k[t])              # in place, skipped when slot < 0
+    v_cache[slot // BS, slot % BS] = v[t]
+
+with the rotation of `kernels.rope` (neox style, float32 math, rounded to the input dtype).
+The torch reference is `apply_rope_ref` followed by `write_kv_cache_ref`, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels._jit import TritonKernels, check_tensor, next_power_of_2
+from kernels.cache import _check_cache_shapes, write_kv_cache_ref
+from kernels.dispatch import kernel_backend
+from kernels.rope import apply_rope_ref
+
+tl = None  # bound to triton.language on the first launch (kernels._jit)
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _rope_write_kv_kernel(
+    q_ptr,  # [T, HQ, D], strides (stride_qt, stride_qh, 1)
+    k_ptr,  # [T, HK, D], strides (stride_kt, stride_kh, 1)
+    v_ptr,  # [T, HK, D], strides (stride_vt, stride_vh, 1)
+    q_out_ptr,  # [T, HQ, D] contiguous
+    k_cache_ptr,  # [NB, BS, HK, D] contiguous
+    v_cache_ptr,  # [NB, BS, HK, D] contiguous
+    positions_ptr,  # [T] int64
+    slot_mapping_ptr,  # [T] int64, < 0: padding, nothing written
+    cos_sin_ptr,  # [max_positions, D] float32 contiguous
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    HQ,
+    HK,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + tok)
+    slot = tl.load(slot_mapping_ptr + tok)
+    offs_d = tl.arange(0, HALF)
+    cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + offs_d)[None, :]
+    sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + offs_d)[None, :]
+
+    offs_h = tl.arange(0, BLOCK_HQ)
+    mask = (offs_h < HQ)[:, None]
+    src = q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    y1 = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
+    y2 = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
+    dst = q_out_ptr + tok * HQ * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    tl.store(dst, y1.to(x1.dtype), mask=mask)
+    tl.store(dst + HALF, y2.to(x1.dtype), mask=mask)
+
+    offs_h = tl.arange(0, BLOCK_HK)
+    num_heads = tl.where(slot >= 0, HK, 0)  # padding token: write nothing
+    mask = (offs_h < num_heads)[:, None]
+    src = k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    y1 = (x1.to(tl.float32) * cos - x2.to(tl.float32) * sin).to(x1.dtype)
+    y2 = (x2.to(tl.float32) * cos + x1.to(tl.float32) * sin).to(x1.dtype)
+    dst = slot * HK * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    tl.store(k_cache_ptr + dst, y1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    src = v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    v1 = tl.load(src, mask=mask, other=0.0)
+    v2 = tl.load(src + HALF, mask=mask, other=0.0)
+    tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+_TRITON = TritonKernels(globals(), "_rope_write_kv_kernel")
+
+
+def _check_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> None:
+    check_tensor("q", q, 3, _FLOAT_DTYPES)
+    check_tensor("k", k, 3, (q.dtype,))
+    check_tensor("v", v, 3, (q.dtype,))
+    check_tensor("positions", positions, 1, (torch.int64,), contiguous=True)
+    check_tensor("cos_sin", cos_sin, 2, (torch.float32,), contiguous=True)
+    check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,), contiguous=True)
+    check_tensor("k_cache", k_cache, 4, (q.dtype,), contiguous=True)
+    check_tensor("v_cache", v_cache, 4, (q.dtype,), contiguous=True)
+    _check_cache_shapes(k, v, k_cache, v_cache, slot_mapping)
+    t, _, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d or positions.shape[0] != t:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"positions {tuple(positions.shape)}")
+    if cos_sin.shape[1] != d:
+        raise ValueError(f"cos_sin last dim {cos_sin.shape[1]} != head_dim {d}")
+
+
+def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> torch.Tensor:
+    _check_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    q_out, k_rot = apply_rope_ref(q, k, positions, cos_sin)
+    write_kv_cache_ref(k_rot, v, k_cache, v_cache, slot_mapping)
+    return q_out
+
+
+def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> torch.Tensor:
+    _check_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    if d < 2 or d & (d - 1):
+        raise ValueError(f"triton rope_write_kv needs a power-of-two head_dim, got {d}")
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if t > 0:
+        _TRITON.get("_rope_write_kv_kernel")[(t,)](
+            q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hq, hk,
+            HALF=d // 2, BLOCK_HQ=next_power_of_2(hq), BLOCK_HK=next_power_of_2(hk),
+            num_warps=4,
+        )
+    return q_out
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotates q[T, Hq, D] (returned) and k[T, Hkv, D] by positions[T], and writes the rotated
+    k and v[T, Hkv, D] into the paged cache at slot_mapping[T] (negative slots skipped)."""
+    if kernel_backend(q.device) == "triton":
+        return rope_write_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+    return rope_write_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)

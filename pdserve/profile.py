@@ -1,0 +1,189 @@
+"""`pdserve profile`: measure prefill and decode step times of a model on this hardware.
+
+    pdserve profile --model random:llama-3.1-8b --device cuda --out profile.json
+
+1. Prefill: for each prompt length, the time from `add_request` to the first token on an idle
+   engine (chunked as the engine flags say), the median of `repeats` runs after one warm-up.
+2. Decode: for each (batch, context), `batch` requests of `context` prompt tokens are
+   prefilled, then `decode_steps` pure decode steps are timed; the median step.
+3. The result is a router.profiles.Profile (the schema lives there), with the hardware named.
+
+Prefix caching is off while measuring, and every prompt is fresh random tokens, so no run
+reuses another's KV. Grid points that do not fit the model's context or the KV cache are
+left out (logged); the decode grid stays rectangular.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import platform
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+
+import torch
+from tqdm import tqdm
+
+from pdserve.config import EngineConfig
+from pdserve.engine import LLMEngine
+from pdserve.sampling_params import SamplingParams
+from router.profiles import Profile
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREFILL_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+DEFAULT_DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_DECODE_CONTEXTS = (128, 512, 2048)
+
+
+def hardware_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} ({torch.get_num_threads()} threads)"
+
+
+class Profiler:
+    def __init__(self, config: EngineConfig, *, repeats: int = 3, decode_steps: int = 8, seed: int = 0,
+                 progress: bool = True) -> None:
+        if repeats < 1 or decode_steps < 1:
+            raise ValueError(f"repeats and decode_steps must be >= 1, got {repeats} and {decode_steps}")
+        config = dataclasses.replace(
+            config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False),
+            scheduler=dataclasses.replace(config.scheduler, role="mixed"))
+        self.config = config
+        self.engine = LLMEngine(config)
+        self.repeats = repeats
+        self.decode_steps = decode_steps
+        self.progress = progress
+        self._rng = random.Random(seed)
+        self._ids = 0
+        self.capacity = self.engine.runner.num_blocks * config.cache.block_size
+
+    # ---------------------------------------------------------------- the grid
+
+    def prefill_grid(self, tokens: Sequence[int]) -> list[int]:
+        limit = min(self.engine.max_model_len - 1, self.capacity - self.config.cache.block_size)
+        kept = sorted({n for n in tokens if 1 <= n <= limit})
+        if len(kept) < len(set(tokens)):
+            logger.info("prefill: lengths over %d tokens left out (model context / KV cache)", limit)
+        if not kept:
+            raise ValueError(f"no prefill length fits this engine (at most {limit} tokens)")
+        return kept
+
+    def decode_grid(self, batches: Sequence[int], contexts: Sequence[int]) -> tuple[list[int], list[int]]:
+        ctxs = sorted({c for c in contexts if c >= 1})
+        bats = sorted({b for b in batches if 1 <= b <= self.config.scheduler.max_num_seqs})
+        while ctxs:
+            fit = [b for b in bats if self._fits(b, ctxs[-1])]  # a smaller context fits where a larger one does
+            if fit:
+                if len(fit) < len(bats):
+                    logger.info("decode: batches over %d left out (model context / KV cache)", fit[-1])
+                return fit, ctxs
+            logger.info("decode: context %d left out (model context / KV cache)", ctxs.pop())
+        raise ValueError("no decode (batch, context) point fits this engine")
+
+    def _max_tokens(self, batch: int, context: int) -> int:
+        """Enough tokens that no request of the batch finishes before the timed steps: the
+        first ones decode while the last ones still prefill."""
+        prefill_steps = -(-batch * context // self.config.scheduler.max_num_batched_tokens)
+        return self.decode_steps + 2 + prefill_steps
+
+    def _fits(self, batch: int, context: int) -> bool:
+        bs = self.config.cache.block_size
+        n = context + self._max_tokens(batch, context)
+        return n <= self.engine.max_model_len and batch * -(-n // bs) * bs <= self.capacity
+
+    # ---------------------------------------------------------------- measuring
+
+    def run(self, prefill_tokens: Sequence[int] = DEFAULT_PREFILL_TOKENS,
+            decode_batches: Sequence[int] = DEFAULT_DECODE_BATCHES,
+            decode_contexts: Sequence[int] = DEFAULT_DECODE_CONTEXTS) -> Profile:
+        tokens = self.prefill_grid(prefill_tokens)
+        batches, contexts = self.decode_grid(decode_batches, decode_contexts)
+        bar = tqdm(total=len(tokens) + len(batches) * len(contexts), desc="profile", disable=not self.progress)
+        prefill_times = []
+        for n in tokens:
+            prefill_times.append(self.prefill_seconds(n))
+            bar.update(1)
+        decode_times = []
+        for b in batches:
+            row = []
+            for c in contexts:
+                row.append(self.decode_step_seconds(b, c))
+                bar.update(1)
+            decode_times.append(tuple(row))
+        bar.close()
+        e = self.engine
+        element = torch.tensor([], dtype=e.dtype).element_size()
+        return Profile(
+            hardware=hardware_name(e.device), device=e.device.type, model=self.config.model,
+            dtype=str(e.dtype).removeprefix("torch."), num_layers=e.model_config.num_layers,
+            kv_bytes_per_token=e.model_config.kv_bytes_per_token(element),
+            block_size=self.config.cache.block_size,
+            max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
+            prefill_tokens=tuple(tokens), prefill_times=tuple(prefill_times),
+            decode_batch_sizes=tuple(batches), decode_contexts=tuple(contexts), decode_times=tuple(decode_times),
+            created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        )
+
+    def prefill_seconds(self, num_tokens: int) -> float:
+        times = []
+        for i in range(self.repeats + 1):  # the first run warms up (kernel compilation, caches)
+            rid = self._add(num_tokens, max_tokens=1)
+            self._sync()
+            t0 = time.perf_counter()
+            while not any(o.request_id == rid and o.finished for o in self.engine.step()):
+                pass
+            self._sync()
+            if i:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    def decode_step_seconds(self, batch: int, context: int) -> float:
+        e = self.engine
+        rids = [self._add(context, max_tokens=self._max_tokens(batch, context)) for _ in range(batch)]
+        try:
+            while any(e.requests[r].num_output_tokens == 0 for r in rids):
+                e.step()
+            e.step()  # warm-up: the first step of the pure decode batch
+            times = []
+            for _ in range(self.decode_steps):
+                self._sync()
+                t0 = time.perf_counter()
+                e.step()
+                self._sync()
+                times.append(time.perf_counter() - t0)
+        finally:
+            for r in rids:
+                e.abort_request(r)
+        return statistics.median(times)
+
+    def _add(self, num_tokens: int, max_tokens: int) -> str:
+        self._ids += 1
+        rid = f"profile-{self._ids}"
+        vocab = self.engine.model_config.vocab_size
+        prompt = [self._rng.randrange(vocab) for _ in range(num_tokens)]
+        self.engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        return rid
+
+    def _sync(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+
+
+def profile_engine(config: EngineConfig, *, prefill_tokens: Sequence[int] = DEFAULT_PREFILL_TOKENS,
+                   decode_batches: Sequence[int] = DEFAULT_DECODE_BATCHES,
+                   decode_contexts: Sequence[int] = DEFAULT_DECODE_CONTEXTS, repeats: int = 3,
+                   decode_steps: int = 8, progress: bool = True) -> Profile:
+    """Measures `config`'s engine on this machine (module docstring)."""
+    profiler = Profiler(config, repeats=repeats, decode_steps=decode_steps, seed=config.seed, progress=progress)
+    return profiler.run(prefill_tokens, decode_batches, decode_contexts)

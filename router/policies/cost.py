@@ -1,0 +1,126 @@
+"""The cost model of network-aware placement: predicted TTFT and TPOT of each option. Pure.
+
+Disaggregated (P, D)::
+
+    TTFT = queue(P) + prefill(uncached) + kv - hidden + admit(D)
+
+- queue(P) = profile.prefill_seconds(Q): Q is the prompt tokens queued or running at P. The
+  router is the only client of prefill workers, so its own in-flight prompt tokens are Q;
+  requests the worker reports beyond the router's count are assumed as long as this one.
+- prefill(uncached) = profile.prefill_seconds(prompt - cached), cached = the prefix the
+  policy last sent to P (an estimate: P may have evicted it).
+- kv = link latency + prompt x kv_bytes_per_token at the fair share of the P->D link
+  (router.congestion.available_gbps). The whole prompt's KV moves, cached or not.
+- hidden = (L-1)/L x min(kv, prefill): P pushes layer l while layers l+1.. compute, so when
+  the link keeps up only the last layer's share is exposed; when it does not, the compute
+  hides what it overlaps and the rest of the transfer is exposed.
+- admit(D) = one decode step at D's batch: Reserve runs on D's engine thread between steps.
+
+Local (prefill on D)::
+
+    TTFT = admit(D) + prefill(uncached on D) + chunks x decode_step(D's batch)
+
+because D's chunked prefill shares each step with its decode batch (chunks =
+ceil(uncached / max_num_batched_tokens)).
+
+TPOT at D = decode_step(batch + 1, context): the batch after this request joins, at the mean
+context of D's requests with this one. A local run also prefills inside D's steps: its TPOT
+adds the prefill of one chunk to that step when D has other requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.congestion import transfer_seconds
+from router.placement import ClusterSnapshot, RequestInfo, WorkerSnapshot
+from router.profiles import Profile
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One option's predicted times (seconds); `prefill` is None for a local run on `decode`."""
+
+    prefill: str | None
+    decode: str
+    queue_s: float
+    prefill_s: float
+    kv_s: float
+    hidden_s: float
+    admit_s: float
+    tpot_s: float
+    room: bool = True  # D has free KV blocks for the prompt (when it reports them)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.prefill_s + self.kv_s - self.hidden_s + self.admit_s
+
+    @property
+    def where(self) -> str:
+        return f"{self.prefill}->{self.decode}" if self.prefill is not None else f"local on {self.decode}"
+
+    def describe(self) -> str:
+        wait = "queue" if self.prefill is not None else "decode steps"
+        parts = f"{wait} {self.queue_s:.3f} + prefill {self.prefill_s:.3f}"
+        if self.prefill is not None:
+            parts += f" + kv {self.kv_s:.3f} - hidden {self.hidden_s:.3f}"
+        parts += f" + admit {self.admit_s:.3f}"
+        return f"TTFT {self.ttft_s:.3f}s {self.where} ({parts}), TPOT {self.tpot_s:.3f}s"
+
+
+def queued_tokens(worker: WorkerSnapshot, request: RequestInfo) -> int:
+    unknown = max(0, worker.num_waiting + worker.num_running - worker.num_inflight)
+    return worker.num_inflight_tokens + unknown * request.num_prompt_tokens
+
+
+def decode_context(worker: WorkerSnapshot, request: RequestInfo) -> tuple[int, int]:
+    """(batch, mean context in tokens) at `worker` once `request` joins."""
+    batch = worker.load
+    known = worker.num_inflight_tokens / worker.num_inflight if worker.num_inflight else request.num_prompt_tokens
+    context = (known * batch + request.num_tokens) / (batch + 1)
+    return batch, max(1, round(context))
+
+
+def has_room(worker: WorkerSnapshot, num_tokens: int) -> bool:
+    if not (worker.num_blocks and worker.block_size):
+        return True
+    return -(-num_tokens // worker.block_size) <= worker.num_free_blocks
+
+
+def estimate_pair(
+    profile: Profile, request: RequestInfo, prefill: WorkerSnapshot, decode: WorkerSnapshot,
+    snapshot: ClusterSnapshot, *, cached_tokens: int = 0,
+) -> Estimate:
+    n = request.num_prompt_tokens
+    uncached = max(1, n - cached_tokens)
+    queue = queued_tokens(prefill, request)
+    queue_s = profile.prefill_seconds(queue)
+    prefill_s = profile.prefill_seconds(uncached)
+    link, state = snapshot.link(prefill, decode)
+    kv_bytes_per_token = snapshot.kv_bytes_per_token or profile.kv_bytes_per_token
+    kv_s = transfer_seconds(link, state, n * kv_bytes_per_token)
+    layers = profile.num_layers
+    hidden_s = (layers - 1) / layers * min(kv_s, prefill_s)
+    batch, context = decode_context(decode, request)
+    return Estimate(
+        prefill=prefill.worker_id, decode=decode.worker_id, queue_s=queue_s, prefill_s=prefill_s, kv_s=kv_s,
+        hidden_s=hidden_s, admit_s=profile.decode_step_seconds(batch, context),
+        tpot_s=profile.decode_step_seconds(batch + 1, context), room=has_room(decode, n),
+    )
+
+
+def estimate_local(
+    profile: Profile, request: RequestInfo, decode: WorkerSnapshot, *, cached_tokens: int = 0,
+) -> Estimate:
+    uncached = max(1, request.num_prompt_tokens - cached_tokens)
+    batch, context = decode_context(decode, request)
+    step_s = profile.decode_step_seconds(batch, context)
+    chunk = profile.max_num_batched_tokens
+    chunks = -(-uncached // chunk)
+    return Estimate(
+        prefill=None, decode=decode.worker_id, queue_s=chunks * step_s,
+        prefill_s=profile.prefill_seconds(uncached), kv_s=0.0, hidden_s=0.0, admit_s=step_s,
+        tpot_s=profile.decode_step_seconds(batch + 1, context)
+        + (profile.prefill_seconds(min(uncached, chunk)) if batch else 0.0),
+        room=has_room(decode, request.num_prompt_tokens),
+    )

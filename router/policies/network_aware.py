@@ -1,0 +1,155 @@
+"""Network-aware placement: the option with the lowest predicted TTFT that meets the SLOs.
+
+For a request that may be disaggregated (router.placement's shared rules decide that):
+1. every (P, D) pair with P != D and every local run on D is estimated (router.policies.cost);
+2. an option is feasible when D has free KV blocks for the prompt (when it reports them) and,
+   with `slo_tpot`, its predicted TPOT at D is within it;
+3. the best feasible pair and the best feasible local run (lowest TTFT; ties to the less loaded
+   workers, then worker ids) compete: local wins only when its TTFT is lower than the best
+   pair's by more than `local_margin` (a fraction). Disaggregation is the default because it
+   keeps prefill work off decode workers, which the TTFT of one request does not price;
+4. with `slo_ttft`, an option that meets it beats one that does not;
+5. when no option is feasible, or none meets `slo_ttft`: with `admission_control`,
+   SLOUnattainable (the router answers 429); without, the lowest-TTFT option (best effort).
+
+Short prompts, resumed requests and colocated mode keep the shared rules; there the decode
+worker with the lowest predicted local TTFT (within the TPOT SLO where possible) is taken.
+The `Decision.reason` carries the predicted numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from router.placement import (
+    ClusterSnapshot,
+    Decision,
+    PoolPolicy,
+    Purpose,
+    RequestInfo,
+    SLOUnattainable,
+    WorkerSnapshot,
+    register_policy,
+)
+from router.policies.baselines import PrefixIndex
+from router.policies.cost import Estimate, estimate_local, estimate_pair
+from router.profiles import Profile
+from router.topology import Topology
+
+
+@register_policy
+class NetworkAware(PoolPolicy):
+    name = "network-aware"
+
+    def __init__(
+        self, *, profile: Profile | None = None, topology: Topology | None = None,
+        slo_ttft: float | None = None, slo_tpot: float | None = None, admission_control: bool = False,
+        local_margin: float = 0.2, block_size: int = 16, local_prefill_max_tokens: int = 0,
+    ) -> None:
+        super().__init__(local_prefill_max_tokens=local_prefill_max_tokens)
+        if not isinstance(profile, Profile):
+            raise ValueError("network-aware needs --profile (a file from `pdserve profile` measured on this "
+                             "hardware): its predictions come from measured prefill and decode times")
+        for name, value in (("slo_ttft", slo_ttft), ("slo_tpot", slo_tpot)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+        if not isinstance(admission_control, bool):
+            raise ValueError(f"admission_control must be true or false, got {admission_control!r}")
+        if admission_control and slo_ttft is None and slo_tpot is None:
+            raise ValueError("admission control needs an SLO to enforce (--slo-ttft and/or --slo-tpot)")
+        if isinstance(local_margin, bool) or not isinstance(local_margin, (int, float)) or not 0 <= local_margin < 1:
+            raise ValueError(f"local_margin must be in [0, 1), got {local_margin!r}")
+        self.profile = profile
+        self.topology = topology
+        self.slo_ttft = slo_ttft
+        self.slo_tpot = slo_tpot
+        self.admission_control = admission_control
+        self.local_margin = float(local_margin)
+        self.prefixes = PrefixIndex(block_size=block_size)
+
+    # ---------------------------------------------------------------- the disaggregated choice
+
+    def decide(
+        self,
+        prefills: Sequence[WorkerSnapshot],
+        decodes: Sequence[WorkerSnapshot],
+        request: RequestInfo,
+        snapshot: ClusterSnapshot,
+    ) -> Decision:
+        keys = self.prefixes.keys(request.prompt_token_ids)
+        pairs = [self._estimate_pair(request, p, d, snapshot, keys)
+                 for d in decodes for p in prefills if p.worker_id != d.worker_id]
+        locals_ = [self._estimate_local(request, d, keys) for d in decodes]
+        load = {w.worker_id: w.load for w in (*prefills, *decodes)}
+        feasible_pairs = [e for e in pairs if self._feasible(e)]
+        feasible_locals = [e for e in locals_ if self._feasible(e)]
+        best_pair = min(feasible_pairs, key=lambda e: _order(e, load), default=None)
+        best_local = min(feasible_locals, key=lambda e: _order(e, load), default=None)
+
+        chosen, why = self._compete(best_pair, best_local)
+        if chosen is None:
+            everything = pairs + locals_
+            summary = f"no option within the TPOT SLO or with free KV blocks ({len(everything)} estimated)"
+            if self.admission_control:
+                raise SLOUnattainable(f"request {request.request_id}: {summary}")
+            chosen = min(everything, key=lambda e: _order(e, load))
+            why = f"best effort, {summary}"
+        elif self.slo_ttft is not None and chosen.ttft_s > self.slo_ttft:
+            if self.admission_control:
+                raise SLOUnattainable(f"request {request.request_id}: no option meets the TTFT SLO of "
+                                      f"{self.slo_ttft:.3f}s; best: {chosen.describe()}")
+            why += f"; misses the TTFT SLO {self.slo_ttft:.3f}s"
+
+        over_tpot = sum(self.slo_tpot is not None and e.tpot_s > self.slo_tpot for e in pairs)
+        no_room = sum(not e.room for e in pairs)
+        others = f"{len(pairs)} pairs ({over_tpot} over the TPOT SLO, {no_room} without free KV blocks at D)"
+        rival = best_local if chosen.prefill is not None else best_pair
+        rival_text = f"; best {'local' if rival.prefill is None else 'pair'} {rival.ttft_s:.3f}s" if rival else ""
+        reason = f"{chosen.describe()}; {why}{rival_text}; {others}"
+        self.prefixes.record(keys, chosen.prefill if chosen.prefill is not None else chosen.decode)
+        if chosen.prefill is None:
+            return Decision("local", None, chosen.decode, reason)
+        return Decision("disaggregated", chosen.prefill, chosen.decode, reason)
+
+    def _compete(self, pair: Estimate | None, local: Estimate | None) -> tuple[Estimate | None, str]:
+        if pair is None or local is None:
+            if pair is not None:
+                return pair, "no feasible local run"
+            return local, ("no feasible pair" if local is not None else "")
+        slo = self.slo_ttft
+        if slo is not None and (pair.ttft_s <= slo) != (local.ttft_s <= slo):
+            return (pair, "only the pair meets the TTFT SLO") if pair.ttft_s <= slo else \
+                (local, "only local meets the TTFT SLO")
+        if local.ttft_s < (1 - self.local_margin) * pair.ttft_s:
+            return local, f"local beats every pair by > {self.local_margin:.0%}"
+        return pair, "lowest predicted TTFT"
+
+    def _feasible(self, e: Estimate) -> bool:
+        return e.room and (self.slo_tpot is None or e.tpot_s <= self.slo_tpot)
+
+    def _estimate_pair(self, request: RequestInfo, p: WorkerSnapshot, d: WorkerSnapshot, snapshot: ClusterSnapshot,
+              keys: list[int]) -> Estimate:
+        cached = self.prefixes.matched_blocks(keys, p.worker_id) * self.prefixes.block_size
+        return estimate_pair(self.profile, request, p, d, snapshot, cached_tokens=cached)
+
+    def _estimate_local(self, request: RequestInfo, d: WorkerSnapshot, keys: list[int]) -> Estimate:
+        cached = self.prefixes.matched_blocks(keys, d.worker_id) * self.prefixes.block_size
+        return estimate_local(self.profile, request, d, cached_tokens=cached)
+
+    # ---------------------------------------------------------------- local-only paths
+
+    def pick(
+        self, candidates: Sequence[WorkerSnapshot], purpose: Purpose, request: RequestInfo, snapshot: ClusterSnapshot
+    ) -> WorkerSnapshot:
+        """Colocated, resumed and short requests: the lowest local TTFT, TPOT-feasible first."""
+        keys = self.prefixes.keys(request.prompt_token_ids)
+        load = {w.worker_id: w.load for w in candidates}
+        estimates = [self._estimate_local(request, w, keys) for w in candidates]
+        best = min(estimates, key=lambda e: (not self._feasible(e), *_order(e, load)))
+        return next(w for w in candidates if w.worker_id == best.decode)
+
+
+def _order(e: Estimate, load: dict[str, int]) -> tuple[float, int, int, str, str]:
+    return (e.ttft_s, load.get(e.prefill or "", 0), load[e.decode], e.prefill or "", e.decode)

@@ -1,0 +1,61 @@
+"""The decode path that CUDA graphs replay (static padded input buffers), run eagerly on CPU:
+the same greedy tokens as the ordinary path for a batch that mixes prefills and decodes and
+shrinks as requests finish."""
+
+from __future__ import annotations
+
+import random
+
+from pdserve.llm import LLM
+from pdserve.sampling_params import SamplingParams
+
+LENGTHS = [5, 40, 77, 18]
+MAX_TOKENS = [3, 17, 9, 12]
+
+
+def _run(static: bool):
+    llm = LLM("random:tiny-llama", device="cpu", dtype="float32", num_blocks=64, block_size=16,
+              max_num_batched_tokens=32, max_num_seqs=8)
+    runner = llm.engine.runner
+    runner.use_cuda_graphs = static  # off CUDA: static buffers, eager "replay"
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in LENGTHS]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in MAX_TOKENS]
+    outs = llm.generate(prompts, params)
+    return [o.token_ids for o in outs], runner, llm
+
+
+def test_static_decode_inputs_match_eager_tokens():
+    eager, eager_runner, _ = _run(False)
+    static, runner, llm = _run(True)
+    assert eager_runner.num_graph_replays == 0
+    assert runner.num_graph_replays > 0
+    assert [len(t) for t in static] == MAX_TOKENS
+    assert static == eager
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_graph_sizes_are_capped_by_config_and_blocks():
+    from pdserve.config import CacheConfig, EngineConfig
+    from pdserve.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32",
+                                    cache=CacheConfig(num_blocks=40, cuda_graph_max_batch=24)))
+    assert engine.runner.graph_batch_sizes == [1, 2, 4, 8, 16, 24]
+    assert engine.runner.use_cuda_graphs is False  # CPU
+
+
+def test_env_var_disables_graphs(monkeypatch):
+    import pytest
+
+    from pdserve.config import CacheConfig
+    from pdserve.model_runner import cuda_graphs_requested
+
+    assert cuda_graphs_requested(CacheConfig())
+    assert not cuda_graphs_requested(CacheConfig(enforce_eager=True))
+    monkeypatch.setenv("PDSERVE_CUDA_GRAPHS", "0")
+    assert not cuda_graphs_requested(CacheConfig())
+    monkeypatch.setenv("PDSERVE_CUDA_GRAPHS", "maybe")
+    with pytest.raises(ValueError, match="PDSERVE_CUDA_GRAPHS"):
+        cuda_graphs_requested(CacheConfig())

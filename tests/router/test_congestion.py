@@ -1,0 +1,60 @@
+"""Link congestion: flows, the fair-share model, and the measured estimate."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.congestion import CongestionView, LinkMonitor, LinkState, available_gbps, transfer_seconds, usable_gbps
+from router.topology import Link
+
+LINK = Link("a", "b", 100.0, 0.5)
+
+
+def test_fair_share_model():
+    assert available_gbps(LINK, LinkState()) == 100.0
+    assert available_gbps(LINK, LinkState(active_flows=3)) == 25.0
+    assert available_gbps(LINK, LinkState(active_flows=1, measured_gbps=40.0)) == 20.0
+    assert usable_gbps(LINK, LinkState(measured_gbps=400.0)) == 100.0  # never above capacity
+    assert transfer_seconds(LINK, LinkState(active_flows=1), 10**9) == pytest.approx(0.0005 + 8e9 / 50e9)
+    assert transfer_seconds(LINK, LinkState(), 0) == 0.0
+
+
+def test_flows_start_and_finish():
+    m = LinkMonitor()
+    f1, f2 = m.start("a->b", 1000), m.start("a->b", 500)
+    assert m.state("a->b") == LinkState(bytes_in_flight=1500, active_flows=2)
+    assert m.finish(f1) is None
+    assert m.finish(f1) is None  # idempotent
+    assert m.state("a->b") == LinkState(bytes_in_flight=500, active_flows=1)
+    m.finish(f2)
+    assert m.state("a->b") == LinkState() and m.state("x->y") == LinkState()
+    view = m.view()
+    assert isinstance(view, CongestionView) and view.state("a->b") == LinkState()
+
+
+def test_ewma_of_samples_scaled_by_peak_sharing():
+    m = LinkMonitor(alpha=0.5)
+    flow = m.start("a->b", 10**9)
+    assert m.finish(flow, kv_bytes=10**9, kv_seconds=1.0) == pytest.approx(8.0)
+    assert m.state("a->b").measured_gbps == pytest.approx(8.0)
+    f1, f2 = m.start("a->b", 1), m.start("a->b", 1)  # two flows shared the link: each saw half
+    m.finish(f2)
+    assert m.finish(f1, kv_bytes=10**9, kv_seconds=1.0) == pytest.approx(16.0)
+    assert m.state("a->b").measured_gbps == pytest.approx(12.0) and m.state("a->b").num_samples == 2
+
+
+def test_compute_bound_samples_only_raise_the_estimate():
+    m = LinkMonitor(alpha=0.5)
+    # the transfer ended within the prefill: paced by the compute; no estimate yet, so it is ignored
+    m.finish(m.start("a->b", 1), kv_bytes=10**9, kv_seconds=1.0, prefill_seconds=2.0)
+    assert m.state("a->b").measured_gbps is None
+    m.finish(m.start("a->b", 1), kv_bytes=10**9, kv_seconds=1.0, prefill_seconds=0.5)  # link-bound: 8
+    m.finish(m.start("a->b", 1), kv_bytes=10**9, kv_seconds=2.0, prefill_seconds=3.0)  # lower bound 4 < 8
+    assert m.state("a->b").measured_gbps == pytest.approx(8.0)
+    m.finish(m.start("a->b", 1), kv_bytes=10**9, kv_seconds=0.5, prefill_seconds=3.0)  # lower bound 16 > 8
+    assert m.state("a->b").measured_gbps == pytest.approx(12.0)
+
+
+def test_alpha_is_checked():
+    with pytest.raises(ValueError, match="alpha"):
+        LinkMonitor(alpha=0)
