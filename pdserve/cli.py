@@ -94,11 +94,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from pdserve.cluster.config import check_policy
     from pdserve.cluster.serving import RouterSettings
     from pdserve.cluster.standalone import run_router
 
-    check_policy(args.policy)
     if not 1 <= args.port <= 65535:
         raise CliError(f"--port must be in 1..65535, got {args.port}")
     if not args.kv_deadline_s > 0:
@@ -108,7 +106,9 @@ def cmd_router(args: argparse.Namespace) -> int:
     settings = RouterSettings(model=args.model, served_model_name=args.served_model_name,
                               max_model_len=args.max_model_len, policy=args.policy, mode=args.mode,
                               host=args.host, port=args.port, api_key=args.api_key,
-                              kv_deadline_s=args.kv_deadline_s, log_level=args.log_level.lower())
+                              kv_deadline_s=args.kv_deadline_s, log_level=args.log_level.lower(),
+                              topology=args.topology, profile=args.profile, slo_ttft=args.slo_ttft,
+                              slo_tpot=args.slo_tpot, admission_control=args.admission_control)
     return run_router(args.worker, settings)
 
 
@@ -195,6 +195,14 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
     p.add_argument("--served-model-name", default=d(None), help="model id of the API (default: --model)")
     p.add_argument("--kv-deadline-s", type=float_arg("--kv-deadline-s"), default=d(10.0),
                    help="a KV transfer past this falls back to prefill on the decode worker")
+    p.add_argument("--topology", default=d(None), metavar="FILE",
+                   help="YAML of nodes, workers and links (Gbit/s, latency) for placement")
+    p.add_argument("--profile", default=d(None), metavar="FILE",
+                   help="`pdserve profile` JSON (needed by --policy network-aware)")
+    p.add_argument("--slo-ttft", type=float_arg("--slo-ttft"), default=d(None), help="TTFT SLO, seconds")
+    p.add_argument("--slo-tpot", type=float_arg("--slo-tpot"), default=d(None), help="TPOT SLO, seconds")
+    p.add_argument("--admission-control", action="store_true", default=d(False),
+                   help="429 when no placement can meet the SLOs (network-aware)")
 
 
 def build_parser() -> argparse.ArgumentParser:

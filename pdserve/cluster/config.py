@@ -64,6 +64,11 @@ class UpConfig:
     api_key: str | None = None
     served_model_name: str | None = None  # default: the --model spec
     kv_deadline_s: float = 10.0
+    topology: str | None = None
+    profile: str | None = None
+    slo_ttft: float | None = None
+    slo_tpot: float | None = None
+    admission_control: bool = False
 
     def __post_init__(self) -> None:
         def fail(key: str, message: str) -> None:
@@ -136,9 +141,11 @@ class UpConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(UpConfig)}
 _INTS = {"max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs", "prefill", "decode", "replicas",
          "port", "ray_object_store_mb"}
-_FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s"}
-_BOOLS = {"no_prefix_caching"}
-_OPTIONAL = {"dtype", "device", "max_model_len", "replicas", "worker_gpus", "address", "api_key", "served_model_name"}
+_FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s",
+           "slo_ttft", "slo_tpot"}
+_BOOLS = {"no_prefix_caching", "admission_control"}
+_OPTIONAL = {"dtype", "device", "max_model_len", "replicas", "worker_gpus", "address", "api_key", "served_model_name",
+             "topology", "profile", "slo_ttft", "slo_tpot"}
 
 
 def check_policy(name: str) -> None:

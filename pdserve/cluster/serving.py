@@ -30,6 +30,13 @@ class RouterSettings:
     kv_deadline_s: float = 10.0
     log_level: str = "warning"
     graceful_shutdown_s: float = 10.0
+    # placement options (see router.policies.build_policy)
+    topology: str | None = None
+    profile: str | None = None
+    slo_ttft: float | None = None
+    slo_tpot: float | None = None
+    admission_control: bool = False
+    seed: int = 0
 
 
 @dataclass
@@ -58,10 +65,12 @@ def load_router_model(model: str, max_model_len: int | None = None, served_model
 def make_router_policy(settings: RouterSettings) -> Any:
     """The placement policy, built before anything starts so that a policy that cannot be built
     (unknown, or missing what it needs) fails at once; ValueError naming --policy."""
-    from router.placement import make_policy
+    from router.policies import build_policy
 
     try:
-        return make_policy(settings.policy)
+        return build_policy(settings.policy, topology_path=settings.topology, profile_path=settings.profile,
+                            slo_ttft=settings.slo_ttft, slo_tpot=settings.slo_tpot,
+                            admission_control=settings.admission_control, seed=settings.seed)
     except ValueError as e:
         raise ValueError(f"--policy {settings.policy}: {e}") from None
 

@@ -1,10 +1,11 @@
 """`python -m pdserve.emulation up`: workers in namespaces, router on 127.0.0.1, a request
 through it whose KV crosses the shaped link; SIGTERM removes everything."""
 
+import dataclasses
+import ipaddress
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import httpx
@@ -30,12 +31,12 @@ def test_pacing_method_passes_the_pacer_to_workers(tmp_path):
     path = tmp_path / "t.yaml"
     path.write_text(SPEC + "method: pacing\n")
     deployment = EmulatedDeployment(load_topology(path), tmp_path, run_id="argv")
-    deployment.cluster.subnet = __import__("ipaddress").ip_network("10.250.0.0/24")
+    deployment.cluster.subnet = ipaddress.ip_network("10.250.0.0/24")
     deployment.cluster._created = True  # addresses only; nothing is created
     argv = deployment.worker_argv(0, deployment.spec.workers[0])
     assert argv[1:5] == ["-m", "pdserve.emulation.worker", "--kv-pacing", "10.250.0.2=2"]
     assert argv[argv.index("--host") + 1] == "10.250.0.1"
-    deployment.spec = load_topology(path).__class__(**{**deployment.spec.__dict__, "method": "tc"})
+    deployment.spec = dataclasses.replace(deployment.spec, method="tc")
     assert deployment.worker_argv(0, deployment.spec.workers[0])[1:4] == ["-m", "pdserve.cli", "worker"]
 
 
