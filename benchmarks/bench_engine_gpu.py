@@ -120,15 +120,28 @@ def main() -> int:
     t = time.perf_counter()
     replays = runner.num_graph_replays
     steps = llm.engine.num_steps
+    split = {"graph_s": 0.0, "eager_s": 0.0}
+    step = llm.engine.step
+
+    def timed_step():  # wall time of decode-only (graph) steps vs steps with prefill work
+        before, t_step = runner.num_graph_replays, time.perf_counter()
+        out = step()
+        split["graph_s" if runner.num_graph_replays > before else "eager_s"] += time.perf_counter() - t_step
+        return out
+
+    llm.engine.step = timed_step
     outs = llm.generate(reqs, params, use_tqdm=True)
     elapsed = time.perf_counter() - t
+    llm.engine.step = step
+    results.update(offline_graph_steps_s=split["graph_s"], offline_eager_steps_s=split["eager_s"])
     ours = sum(len(o.token_ids) for o in outs) / elapsed
     results.update(offline_out_tok_s=ours, offline_seconds=elapsed,
                    offline_steps=llm.engine.num_steps - steps,
                    offline_graph_steps=runner.num_graph_replays - replays)
     print(f"offline: {args.requests} x ({args.input_len} in / {args.output_len} out) in {elapsed:.1f}s = "
           f"{ours:.0f} output tok/s ({results['offline_steps']} steps, "
-          f"{results['offline_graph_steps']} replayed from CUDA graphs)")
+          f"{results['offline_graph_steps']} replayed from CUDA graphs in {split['graph_s']:.1f}s; "
+          f"the others, with prefill work, in {split['eager_s']:.1f}s)")
     dump(results, args.json)
 
     if not args.skip_hf:

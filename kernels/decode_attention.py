@@ -23,7 +23,8 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_SPLITS = 64
 _MIN_TOKENS_PER_SPLIT = 128
 # (BLOCK_N, num_warps, num_stages) of the split kernel on CUDA; see benchmarks/bench_kernels.py.
-_CUDA_CONFIG = (64, 4, 2)
+_CUDA_CONFIG = (64, 4, 3)
+_WAVES = 4  # programs per SM that the split count aims for
 
 
 def _decode_split_kernel(
@@ -183,13 +184,13 @@ def _sm_count(device_index: int) -> int:
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """Enough (batch x kv head x split) programs for ~2 waves, at >= _MIN_TOKENS_PER_SPLIT
-    tokens a split."""
+    """Enough (batch x kv head x split) programs for _WAVES per SM (memory-level parallelism
+    for small batches), at >= _MIN_TOKENS_PER_SPLIT tokens a split."""
     limit = max(1, min(_MAX_SPLITS, cdiv(max_context, _MIN_TOKENS_PER_SPLIT)))
     if device.type != "cuda":
         return min(2, limit)
     programs = batch * num_kv_heads
-    return max(1, min(limit, cdiv(2 * _sm_count(device.index or 0), programs)))
+    return max(1, min(limit, cdiv(_WAVES * _sm_count(device.index or 0), programs)))
 
 
 def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -197,15 +197,25 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) by head_dim on CUDA; see benchmarks/bench_kernels.py.
-_CUDA_CONFIGS = {64: (128, 64, 8, 3), 128: (128, 64, 8, 3)}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) on CUDA, measured on an H100 with
+# benchmarks/bench_kernels.py --sweep: wide key tiles with 8 warps win up to ~4k query tokens,
+# one warpgroup over 128 rows with 64-key tiles beyond that.
+_CUDA_CONFIGS = {
+    128: ((4096, (128, 128, 8, 3)), (None, (128, 64, 4, 3))),
+    64: ((None, (128, 64, 8, 3)),),
+}
+_CUDA_FALLBACK = (64, 64, 4, 2)
 _INTERPRETER_CONFIG = (16, 16, 4, 1)
 
 
-def prefill_config(head_dim: int, is_cuda: bool) -> tuple[int, int, int, int]:
+def prefill_config(head_dim: int, is_cuda: bool, num_tokens: int = 0) -> tuple[int, int, int, int]:
+    """The tile configuration for `num_tokens` query rows of `head_dim`."""
     if not is_cuda:
         return _INTERPRETER_CONFIG
-    return _CUDA_CONFIGS.get(head_dim, (64, 64, 4, 2))
+    for max_tokens, config in _CUDA_CONFIGS.get(head_dim, ((None, _CUDA_FALLBACK),)):
+        if max_tokens is None or num_tokens <= max_tokens:
+            return config
+    return _CUDA_FALLBACK
 
 
 def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -221,7 +231,7 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     out = torch.empty((T, hq, d), dtype=q.dtype, device=q.device)
     if T == 0 or batch == 0:
         return out
-    block_m, block_n, num_warps, num_stages = config or prefill_config(d, q.is_cuda)
+    block_m, block_n, num_warps, num_stages = config or prefill_config(d, q.is_cuda, T)
     if q.dtype == torch.float32 and q.is_cuda:  # fp32 tiles take twice the shared memory
         block_m, block_n, num_stages = min(block_m, 64), min(block_n, 32), min(num_stages, 2)
     grid = (T // block_m + batch, hq)

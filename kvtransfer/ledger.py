@@ -375,7 +375,10 @@ class SendLedger:
                 self._cond.notify_all()
 
     def on_nack(self, key: int, reason: NackReason) -> None:
-        self.fail_key(key, KVTransferError(f"receiver dropped the transfer: {reason.name.lower()}"))
+        # A missed deadline is a timeout on both sides, so callers can fall back instead of
+        # treating the peer as broken.
+        kind = KVTransferTimeout if reason == NackReason.DEADLINE_PASSED else KVTransferError
+        self.fail_key(key, kind(f"receiver dropped the transfer: {reason.name.lower()}"))
 
     def fail_key(self, key: int, error: KVTransferError) -> None:
         with self._cond:
