@@ -130,6 +130,10 @@ class ClusterBackend:
         self.kv_deadline_s = float(kv_deadline_s)
         self.max_retries = max_retries
         self.metrics = metrics
+        if metrics is not None:
+            from router.metrics import WorkerStatsCollector
+
+            metrics.registry.register(WorkerStatsCollector(lambda: list(self.pool.workers.values())))
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.network = NetworkTracker(network or NetworkOptions(), self.pool, policy, metrics,
                                       rpc_timeout_s=self.rpc_timeout_s, max_model_len=max_model_len)

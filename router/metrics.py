@@ -93,3 +93,49 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# Worker-side figures, read from the stats the router polls (one scrape of the router covers
+# the cluster): (name, help, StatsResponse field or callable, type).
+_WORKER_SERIES = (
+    ("pdserve:worker_up", "1 while the router sees the worker healthy.", None, "gauge"),
+    ("pdserve:num_requests_waiting", "Requests waiting to be scheduled on the worker.", "num_waiting", "gauge"),
+    ("pdserve:num_requests_running", "Requests in the worker's running batch.", "num_running", "gauge"),
+    ("pdserve:kv_cache_usage_ratio", "Fraction of the worker's KV blocks in use.",
+     lambda s: 1.0 - s.num_free_blocks / s.num_blocks if s.num_blocks else 0.0, "gauge"),
+    ("pdserve:prefix_cache_hits", "Blocks served from the worker's prefix cache.", "prefix_cache_hits", "counter"),
+    ("pdserve:prefix_cache_queries", "Full blocks looked up in the worker's prefix cache.", "prefix_cache_queries",
+     "counter"),
+    ("pdserve:worker_kv_transfer_bytes", "KV bytes the worker sent or received.", "kv_transfer_bytes", "counter"),
+    ("pdserve:worker_kv_transfer_seconds", "Seconds the worker's KV transfers took.", "kv_transfer_seconds",
+     "counter"),
+    ("pdserve:kv_transfer_gbps", "Achieved KV transfer rate of the worker, Gbit/s (bytes / transfer time).",
+     lambda s: s.kv_transfer_bytes * 8 / s.kv_transfer_seconds / 1e9 if s.kv_transfer_seconds else 0.0, "gauge"),
+    ("pdserve:num_preemptions", "Requests the worker preempted for lack of KV blocks.", "num_preemptions",
+     "counter"),
+)
+
+
+class WorkerStatsCollector:
+    """A prometheus collector over `workers()`: objects with worker_id, endpoint.role, healthy
+    and stats (a StatsResponse or None)."""
+
+    def __init__(self, workers) -> None:
+        self.workers = workers
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        workers = list(self.workers())
+        for name, help_text, field_name, kind in _WORKER_SERIES:
+            family_cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            family = family_cls(name.removesuffix("_total"), help_text, labels=["worker", "role"])
+            for w in workers:
+                labels = [w.worker_id, w.endpoint.role]
+                if field_name is None:
+                    family.add_metric(labels, 1.0 if w.healthy else 0.0)
+                elif w.stats is not None:
+                    value = field_name(w.stats) if callable(field_name) else getattr(w.stats, field_name)
+                    family.add_metric(labels, float(value))
+            yield family
+
