@@ -119,10 +119,20 @@ def test_prefill_and_decode_on_pinned_nodes(two_nodes, tmp_path):
         placed = {w["role"]: nodes[w["node"]] for w in workers.values()}
         assert placed == {"prefill": ["node_a"], "decode": ["node_b"]}
 
-        r = httpx.post(f"{base}/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": "Two nodes, one request", "max_tokens": 4})
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["completion_tokens"] == 4
+        from pdserve.llm import LLM
+        from pdserve.sampling_params import SamplingParams
+
+        prompts = ["Two nodes, one request", "The KV crosses nodes " * 12, "short"]
+        engine = LLM(MODEL, device="cpu", dtype="float32", kv_cache_gib=0.05)
+        expected = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
+        for prompt, ref in zip(prompts, expected):  # token-identical to the single-process engine
+            r = httpx.post(f"{base}/v1/completions", timeout=60, json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0})
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["usage"]["completion_tokens"] == 8
+            assert body["choices"][0]["logprobs"]["tokens"] == [engine.tokenizer.token_to_str(t)
+                                                                for t in ref.token_ids]
         assert stop(up, signal.SIGTERM, timeout_s=60) == 0
     finally:
         if up.poll() is None:

@@ -73,3 +73,33 @@ def test_up_serves_and_sigterm_leaves_no_process(tmp_path):
     with open(log) as f:
         text = f.read()
     assert "workers ready" in text and "shutting down" in text
+
+
+def test_up_default_smollm2_with_the_openai_client(tmp_path):
+    """The README's quick start: `pdserve up` on the embedded SmolLM2, the official client."""
+    openai = pytest.importorskip("openai")
+    port = free_port()
+    log = str(tmp_path / "up.log")
+    proc = pdserve("up", "--port", str(port), "--kv-cache-gib", "0.05", "--startup-timeout-s", "180", log_path=log)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", proc, 200, log)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        chat = client.chat.completions.create(model="smollm2", messages=question, max_tokens=24, temperature=0)
+        assert "Paris" in chat.choices[0].message.content
+        assert chat.choices[0].finish_reason == "stop"
+        chunks = list(client.chat.completions.create(model="smollm2", messages=question, max_tokens=24,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            chat.choices[0].message.content
+        assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+        assert chunks[-1].usage.prompt_tokens == chat.usage.prompt_tokens
+        comp = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=5,
+                                         temperature=0)
+        assert comp.usage.completion_tokens == 5
+        assert [m.id for m in client.models.list().data] == ["smollm2"]
+        assert stop(proc, signal.SIGTERM, timeout_s=60) == 0
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
