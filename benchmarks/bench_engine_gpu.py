@@ -150,7 +150,7 @@ def main() -> int:
         from pdserve.loaders import load_model_source
 
         src = load_model_source(args.model)
-        del llm, outs, runner
+        del llm, outs, runner, step, timed_step  # the closures hold the engine (and its KV cache)
         gc.collect()
         torch.cuda.empty_cache()
         weights = dict(src.iter_weights("cuda"))

@@ -119,7 +119,7 @@ def bench_prefill(do_bench, block_size: int, token_counts, configs=(None,)) -> l
             except Exception as exc:  # a config that does not compile (shared memory, ...)
                 rows.append(dict(tokens=tokens, config=config, error=f"{type(exc).__name__}: {exc}"[:200]))
                 continue
-            rows.append(dict(tokens=tokens, config=list(config or prefill_config(HEAD_DIM, True)),
+            rows.append(dict(tokens=tokens, config=list(config or prefill_config(HEAD_DIM, True, tokens)),
                              default=config is None, ours_us=ours * 1e3, ours_tflops=flops / ours / 1e9,
                              sdpa_us=sdpa * 1e3, sdpa_tflops=flops / sdpa / 1e9, speedup=sdpa / ours,
                              max_abs_err=err))

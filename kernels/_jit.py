@@ -26,9 +26,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 class TritonKernels:
-    def __init__(self, module_globals: dict[str, Any], *names: str) -> None:
+    """`do_not_specialize` maps a kernel name to integer arguments that vary from call to call
+    (batch counts, block table strides, split counts): Triton then compiles one variant instead
+    of one per value class (== 1, % 16 == 0, other), so a serving engine never stalls on a
+    fresh compilation when its batch shape changes."""
+
+    def __init__(self, module_globals: dict[str, Any], *names: str,
+                 do_not_specialize: dict[str, tuple[str, ...]] | None = None) -> None:
         self._globals = module_globals
         self._names = names
+        self._do_not_specialize = do_not_specialize or {}
         self._lock = threading.Lock()
         self._loaded = False
 
@@ -50,7 +57,11 @@ class TritonKernels:
                                "install pdserve[triton] or use PDSERVE_KERNEL_BACKEND=torch") from exc
         self._globals["tl"] = tl
         for name in self._names:
-            self._globals[name] = triton.jit(self._globals[name])
+            keep_generic = self._do_not_specialize.get(name)
+            if keep_generic:
+                self._globals[name] = triton.jit(self._globals[name], do_not_specialize=list(keep_generic))
+            else:
+                self._globals[name] = triton.jit(self._globals[name])
         self._loaded = True
 
 

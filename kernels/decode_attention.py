@@ -126,7 +126,9 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + (seq * HQ + head) * D + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-_TRITON = TritonKernels(globals(), "_decode_split_kernel", "_decode_reduce_kernel")
+_TRITON = TritonKernels(globals(), "_decode_split_kernel", "_decode_reduce_kernel",
+                        do_not_specialize={"_decode_split_kernel": ("stride_bt", "NUM_SPLITS"),
+                                           "_decode_reduce_kernel": ("NUM_SPLITS",)})
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
@@ -228,7 +230,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     )
     _TRITON.get("_decode_reduce_kernel")[(batch, hq)](
         mid_out, mid_lse, out, num_splits,
-        HQ=hq, D=d, BLOCK_S=max(next_power_of_2(num_splits), 2),
+        HQ=hq, D=d, BLOCK_S=max(next_power_of_2(num_splits), _MAX_SPLITS),  # one variant
         num_warps=4 if d >= 128 else 2,
     )
     return out

@@ -140,7 +140,8 @@ def _prefill_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
-_TRITON = TritonKernels(globals(), "_prefill_tile_update", "_prefill_attention_kernel")
+_TRITON = TritonKernels(globals(), "_prefill_tile_update", "_prefill_attention_kernel",
+                        do_not_specialize={"_prefill_attention_kernel": ("stride_bt", "B")})
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens) -> None:
@@ -240,7 +241,7 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         q.stride(0), q.stride(1), block_tables.stride(0),
         float(scale) * math.log2(math.e), batch, hq,
         HK=hk, GROUP=hq // hk, BS=block_size, D=d,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=max(next_power_of_2(batch), 2),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=max(next_power_of_2(batch), 16),
         IEEE_DOT=q.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -164,28 +164,33 @@ class ModelRunner:
 
         dev = self.device
         i32 = torch.int32
-        block_tables = torch.tensor(tables, dtype=i32, device=dev)
-        seq_lens_t = torch.tensor(seq_lens, dtype=i32, device=dev)
         nd = num_decodes
-        prefill_cu = None
+        # Decode and prefill parts are separate tensors, not slices of one: every kernel
+        # argument starts 16-byte aligned, so Triton never compiles an extra variant for it.
+        decode_tables = decode_lens = prefill_tables = prefill_lens = prefill_cu = None
+        if nd:
+            decode_tables = torch.tensor(tables[:nd], dtype=i32, device=dev)
+            decode_lens = torch.tensor(seq_lens[:nd], dtype=i32, device=dev)
         if nd < len(order):
             base = cu_q[nd]
+            prefill_tables = torch.tensor(tables[nd:], dtype=i32, device=dev)
+            prefill_lens = torch.tensor(seq_lens[nd:], dtype=i32, device=dev)
             prefill_cu = torch.tensor([c - base for c in cu_q[nd:]], dtype=i32, device=dev)
         meta = AttentionMetadata(
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decodes=nd,
-            decode_block_tables=block_tables[:nd] if nd else None,
-            decode_seq_lens=seq_lens_t[:nd] if nd else None,
-            prefill_block_tables=block_tables[nd:] if nd < len(order) else None,
+            decode_block_tables=decode_tables,
+            decode_seq_lens=decode_lens,
+            prefill_block_tables=prefill_tables,
             prefill_cu_seqlens_q=prefill_cu,
-            prefill_seq_lens=seq_lens_t[nd:] if nd < len(order) else None,
+            prefill_seq_lens=prefill_lens,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
         )
         if self.torch_path:
             meta.rope_tables = kernels.rope_tables(meta.positions, self.model.cos_sin)
             if nd == len(order):
-                meta.decode_plan = kernels.decode_gather_plan(block_tables, seq_lens_t, bs)
+                meta.decode_plan = kernels.decode_gather_plan(decode_tables, decode_lens, bs)
         return torch.tensor(input_ids, dtype=torch.long, device=dev), meta
 
     # ---- CUDA graphs ------------------------------------------------------------------------
