@@ -317,16 +317,18 @@ class ClusterBackend:
         finished = False
         flight.parts = {decode.worker_id: (decode.client, wire_id)}
         n = len(prompt)
+        # P's queue and the P->D flow count from the decision on, like D's: counted only
+        # after D's Reserve answered, requests placed meanwhile saw an idle P and link.
         decode.num_inflight += 1
         decode.num_inflight_tokens += n
+        prefill.num_inflight += 1
+        prefill.num_inflight_tokens += n
+        flow = self.network.start_flow(prefill, decode, n)
         try:
-            reservation = await decode.client.reserve(wire_id, prompt, params, self.kv_deadline_s)
-            flight.parts[prefill.worker_id] = (prefill.client, wire_id)
-            prefill.num_inflight += 1
-            prefill.num_inflight_tokens += n
-            flow = self.network.start_flow(prefill, decode, n)
             result: PrefillResult | None = None
             try:
+                reservation = await decode.client.reserve(wire_id, prompt, params, self.kv_deadline_s)
+                flight.parts[prefill.worker_id] = (prefill.client, wire_id)
                 result = await prefill.client.prefill(
                     wire_id, prompt, params, reservation, self.kv_deadline_s,
                     timeout_s=self.kv_deadline_s + self.rpc_timeout_s,

@@ -18,10 +18,15 @@ only what the router sees.
 
 Measured estimate: an EWMA (weight `alpha` for the newest sample) of the link throughput that
 real transfers achieved. A transfer that shared the link with k flows at most saw about 1/k
-of it, so its rate is scaled by that peak k. A transfer that ended no later than its prefill
-compute (kv_seconds <= prefill_seconds) was paced by the compute, not by the link: its rate
-is only a lower bound, which may raise the estimate but never lower it (and is ignored before
-the first real sample, so that a compute-bound transfer never makes a fast link look slow).
+of it, so its rate is scaled by that peak k. A transfer that ended about when its prefill
+compute did (kv_seconds <= (1 + compute_slack) x prefill_seconds) was paced by the compute,
+not by the link: P pushes each layer as it is computed, so such a transfer lasts as long as
+the prefill plus the last layer's push and the ACK (which a busy host delays further). Its
+rate is only a lower bound, which may raise the estimate but never lower it (and is ignored
+before the first real sample, so that a compute-bound transfer never makes a fast link look
+slow). Without the slack, a transfer that outlasted its compute by a few percent counted as
+a link measurement of about the compute's KV rate: on a host where prefill produces KV more
+slowly than the link carries it, every link converged to that rate.
 """
 
 from __future__ import annotations
@@ -94,10 +99,13 @@ class _Link:
 class LinkMonitor:
     """The router's mutable record of flows and measurements (module docstring)."""
 
-    def __init__(self, *, alpha: float = 0.3) -> None:
+    def __init__(self, *, alpha: float = 0.3, compute_slack: float = 0.25) -> None:
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        if isinstance(compute_slack, bool) or not isinstance(compute_slack, (int, float)) or not compute_slack >= 0:
+            raise ValueError(f"compute_slack must be a number >= 0, got {compute_slack!r}")
         self.alpha = float(alpha)
+        self.compute_slack = float(compute_slack)
         self._links: dict[str, _Link] = {}
 
     def start(self, key: str, num_bytes: int) -> Flow:
@@ -121,7 +129,7 @@ class LinkMonitor:
         if kv_bytes <= 0 or kv_seconds <= 0:
             return None
         gbps = kv_bytes * 8 / kv_seconds / 1e9 * flow.peak_flows
-        lower_bound = prefill_seconds is not None and kv_seconds <= prefill_seconds
+        lower_bound = prefill_seconds is not None and kv_seconds <= (1 + self.compute_slack) * prefill_seconds
         self.record(flow.key, gbps, lower_bound=lower_bound)
         return gbps
 

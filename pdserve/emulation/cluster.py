@@ -139,13 +139,14 @@ class EmulatedDeployment:
     # ---- router ------------------------------------------------------------------------
 
     def router_argv(self) -> list[str]:
-        argv = [self.python, "-m", "pdserve.cli", "router", "--model", self.spec.model, "--policy", self.policy,
+        level = ["--log-level", self.spec.router.log_level] if self.spec.router.log_level else []
+        argv = [self.python, "-m", "pdserve.cli", *level, "router", "--model", self.spec.model, "--policy", self.policy,
                 "--host", "127.0.0.1", "--port", str(self.port)]
         for worker in self.spec.workers:
             argv += ["--worker", f"{worker.role}#{worker.id}@{worker.node}={self.workers[worker.id][1]}"]
         if _router_takes_topology(self.python):
             argv += ["--topology", str(self.topology_path)]
-        return [*argv, *self.spec.router.args]
+        return [*argv, *self.spec.router.args_for(self.policy)]
 
     def _start_router(self) -> None:
         import httpx

@@ -11,7 +11,13 @@
     links:                           # node pairs; a pair not listed takes default_link
       - {a: <node>, b: <node>, gbps: number > 0, latency_ms: number >= 0 = 0}
     default_link: {gbps, latency_ms} # optional; without it unlisted pairs are unshaped
-    router: {port: int = 8000, policy: str = round-robin, args: [str] = []}
+    router:
+      port: int = 8000
+      policy: str = round-robin
+      args: [str] = []               # extra `pdserve router` flags, for every policy
+      policy_args:                   # extra flags for one policy only (baselines reject
+        network-aware: [--profile, p.json, --slo-ttft, "1.0"]   # --profile and --slo-*)
+      log_level: WARNING             # the router's --log-level (DEBUG logs every placement)
 
 ``gbps`` is the SET rate of a link (what the router's topology gets); which rate the
 transfers achieve is measured, see benchmarks/bench_links.py.
@@ -31,6 +37,7 @@ from pdserve.emulation.netns import LinkSpec
 
 METHODS = ("tc", "pacing")
 ROLES = ("prefill", "decode", "mixed")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -46,6 +53,11 @@ class RouterSpec:
     port: int = 8000
     policy: str = "round-robin"
     args: tuple[str, ...] = ()
+    policy_args: dict = field(default_factory=dict)  # policy name -> tuple of flags
+    log_level: str | None = None
+
+    def args_for(self, policy: str) -> tuple[str, ...]:
+        return (*self.args, *self.policy_args.get(policy, ()))
 
 
 @dataclass(frozen=True)
@@ -240,7 +252,7 @@ def load_topology(path: str | Path) -> TopologySpec:
 
     router = RouterSpec()
     if "router" in top:
-        m = doc.mapping(top["router"][1], "router", ("port", "policy", "args"))
+        m = doc.mapping(top["router"][1], "router", ("port", "policy", "args", "policy_args", "log_level"))
         port = router.port
         if "port" in m:
             port = doc.scalar(m["port"][1], "router.port")
@@ -248,7 +260,23 @@ def load_topology(path: str | Path) -> TopologySpec:
                 raise doc.error(m["port"][1], "router.port", f"expected a port in 1..65535, got {port!r}")
         policy = doc.string(m["policy"][1], "router.policy") if "policy" in m else router.policy
         args = _args(doc, m["args"][1], "router.args") if "args" in m else ()
-        router = RouterSpec(port, policy, args)
+        policy_args: dict[str, tuple[str, ...]] = {}
+        if "policy_args" in m:
+            node = m["policy_args"][1]
+            if not isinstance(node, yaml.MappingNode):
+                raise doc.error(node, "router.policy_args", "expected a mapping of policy name -> list of flags")
+            for key, value in node.value:
+                name = doc.string(key, "router.policy_args")
+                if name in policy_args:
+                    raise doc.error(key, f"router.policy_args.{name}", "given twice")
+                policy_args[name] = _args(doc, value, f"router.policy_args.{name}")
+        log_level = None
+        if "log_level" in m:
+            log_level = doc.string(m["log_level"][1], "router.log_level").upper()
+            if log_level not in LOG_LEVELS:
+                raise doc.error(m["log_level"][1], "router.log_level",
+                                f"expected one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+        router = RouterSpec(port, policy, args, policy_args, log_level)
     return TopologySpec(name=name, model=model, nodes=tuple(nodes), workers=tuple(workers), links=links,
                         default_link=default_link, method=method, worker_args=worker_args, router=router,
                         path=str(path))

@@ -78,3 +78,26 @@ def test_missing_and_invalid_files(tmp_path):
         load_topology(_write(tmp_path, "model: x\nnodes: [a\n"))
     with pytest.raises(EmulationSpecError, match="field 'nodes': required"):
         load_topology(_write(tmp_path, "model: x\nworkers: []\n"))
+
+
+def test_router_policy_args_go_to_that_policy_only(tmp_path):
+    text = GOOD.replace("router: {port: 9000, policy: least-loaded}",
+                        "router:\n  args: [--kv-deadline-s, 5]\n"
+                        "  policy_args: {network-aware: [--profile, p.json, --slo-ttft, 1.5]}")
+    router = load_topology(_write(tmp_path, text)).router
+    assert router.args_for("network-aware") == ("--kv-deadline-s", "5", "--profile", "p.json", "--slo-ttft", "1.5")
+    assert router.args_for("round-robin") == ("--kv-deadline-s", "5")
+
+
+def test_router_policy_args_must_be_lists(tmp_path):
+    text = GOOD.replace("router: {port: 9000, policy: least-loaded}",
+                        "router:\n  policy_args: {network-aware: --profile}")
+    with pytest.raises(EmulationSpecError, match="router.policy_args.network-aware"):
+        load_topology(_write(tmp_path, text))
+
+
+def test_router_log_level_is_checked(tmp_path):
+    text = GOOD.replace("router: {port: 9000, policy: least-loaded}", "router: {log_level: debug}")
+    assert load_topology(_write(tmp_path, text)).router.log_level == "DEBUG"
+    with pytest.raises(EmulationSpecError, match="router.log_level"):
+        load_topology(_write(tmp_path, text.replace("debug", "loud")))

@@ -55,6 +55,22 @@ def test_compute_bound_samples_only_raise_the_estimate():
     assert m.state("a->b").measured_gbps == pytest.approx(12.0)
 
 
+def test_a_transfer_just_past_its_compute_is_compute_bound():
+    m = LinkMonitor(alpha=0.5)
+    m.finish(m.start("a->b", 1), kv_bytes=10**9, kv_seconds=1.0, prefill_seconds=0.25)  # link-bound: 8
+    # layer-wise push on a slow host: the last layer and the ACK land 10% after the compute
+    m.finish(m.start("a->b", 1), kv_bytes=10**9, kv_seconds=2.2, prefill_seconds=2.0)
+    assert m.state("a->b").measured_gbps == pytest.approx(8.0) and m.state("a->b").num_samples == 1
+    # 30% past the compute is past the slack: the link held it back
+    m.finish(m.start("a->b", 1), kv_bytes=10**9, kv_seconds=2.0, prefill_seconds=1.5)
+    assert m.state("a->b").measured_gbps == pytest.approx(6.0)
+    strict = LinkMonitor(alpha=0.5, compute_slack=0)
+    strict.finish(strict.start("a->b", 1), kv_bytes=10**9, kv_seconds=2.2, prefill_seconds=2.0)
+    assert strict.state("a->b").measured_gbps == pytest.approx(8 / 2.2)
+    with pytest.raises(ValueError, match="compute_slack"):
+        LinkMonitor(compute_slack=-0.1)
+
+
 def test_alpha_is_checked():
     with pytest.raises(ValueError, match="alpha"):
         LinkMonitor(alpha=0)
