@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -114,6 +115,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--kv-cache-gib", type=float, default=0.5)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--rounds", type=int, default=3, help="alternating runs of each side; medians are reported")
     p.add_argument("--side", choices=["engine", "transformers"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if not 1 <= args.batch <= len(PROMPTS):
@@ -125,18 +127,23 @@ def main() -> int:
         result = run_engine(args) if args.side == "engine" else run_transformers(args)
         print(json.dumps(result))
         return 0
-    results = {}
-    for side in ("engine", "transformers"):
-        cmd = [sys.executable, __file__, "--side", side, "--model", args.model, "--new-tokens",
-               str(args.new_tokens), "--batch", str(args.batch), "--kv-cache-gib", str(args.kv_cache_gib),
-               "--threads", str(args.threads)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(proc.stderr, file=sys.stderr)
-            return proc.returncode
-        results[side] = json.loads(proc.stdout.strip().splitlines()[-1])
-    e, t = results["engine"], results["transformers"]
-    print(f"model {args.model}, fp32 CPU, {args.threads} threads, {args.new_tokens} new tokens")
+    runs: dict[str, list[dict]] = {"engine": [], "transformers": []}
+    for _ in range(args.rounds):  # alternate the sides so machine drift hits both alike
+        for side in ("engine", "transformers"):
+            cmd = [sys.executable, __file__, "--side", side, "--model", args.model, "--new-tokens",
+                   str(args.new_tokens), "--batch", str(args.batch), "--kv-cache-gib", str(args.kv_cache_gib),
+                   "--threads", str(args.threads)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(proc.stderr, file=sys.stderr)
+                return proc.returncode
+            runs[side].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    for side, rs in runs.items():
+        print(f"{side}: " + "; ".join(f"single {r['single_tok_s']:.1f}, batch {r['batch_tok_s']:.1f} tok/s"
+                                      for r in rs))
+    e, t = ({k: statistics.median(r[k] for r in runs[side]) for k in runs[side][0]} for side in runs)
+    print(f"model {args.model}, fp32 CPU, {args.threads} threads, {args.new_tokens} new tokens, "
+          f"median of {args.rounds} alternating rounds")
     print(f"{'':24}{'pdserve':>12}{'transformers':>14}{'ratio':>8}")
     print(f"{'single-stream tok/s':24}{e['single_tok_s']:12.1f}{t['single_tok_s']:14.1f}"
           f"{e['single_tok_s'] / t['single_tok_s']:8.2f}x")
