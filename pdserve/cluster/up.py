@@ -90,8 +90,10 @@ def _start_ray(config: UpConfig) -> bool:
             raise ValueError(f"--address: cannot connect to Ray at {config.address}: {e}") from None
         return False
     needed_cpus = config.worker_cpus * sum(config.pool_sizes().values())
+    # A Ray we start is this machine alone: keep its nodes, gRPC and KV on loopback.
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(needed_cpus + 0.999)),
-             object_store_memory=config.ray_object_store_mb * 1024 * 1024, **common)
+             object_store_memory=config.ray_object_store_mb * 1024 * 1024, _node_ip_address="127.0.0.1",
+             **common)
     return True
 
 

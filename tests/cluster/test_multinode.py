@@ -45,7 +45,7 @@ def _ray_start(args: list[str], log_path: str) -> subprocess.Popen:
                  "--runtime-env-agent-port"):
         ports += [flag, str(free_port())]
     cmd = [f"{BIN}/ray", "start", "--block", "--num-cpus", "2", "--object-store-memory", str(80 * 1024 * 1024),
-           "--disable-usage-stats", *ports, *args]
+           "--disable-usage-stats", "--node-ip-address", "127.0.0.1", *ports, *args]
     return subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=cluster_env(),
                             start_new_session=True)
 
@@ -59,10 +59,8 @@ def _cluster_state(address: str) -> dict:
 
 @pytest.fixture
 def two_nodes(tmp_path):
-    import ray
-
     gcs_port = free_port()
-    address = f"{ray.util.get_node_ip_address()}:{gcs_port}"
+    address = f"127.0.0.1:{gcs_port}"  # both nodes on loopback: the test sends nothing elsewhere
     head = _ray_start(["--head", "--port", str(gcs_port), "--include-dashboard", "false",
                        "--ray-client-server-port", str(free_port()), "--resources", '{"node_a": 2}'],
                       str(tmp_path / "head.log"))

@@ -27,7 +27,7 @@ def tiny_engine(role: str, model: str = "random:tiny-llama"):
 @pytest.fixture(scope="module")
 def local_ray():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", namespace=NAMESPACE, num_cpus=4, include_dashboard=False,
+    ray.init(address="local", namespace=NAMESPACE, num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
              object_store_memory=80 * 1024 * 1024, log_to_driver=False)
     try:
         yield
