@@ -124,23 +124,28 @@ class ModelRunner:
         return self.model(input_ids, meta, self.kv_caches, layer_hook)
 
     @staticmethod
-    def is_decode_only(batch: ScheduledBatch) -> bool:
-        return all(n == 1 and seq.num_computed_tokens > 0
-                   for seq, n in zip(batch.seqs, batch.num_new_tokens))
+    def _split(batch: ScheduledBatch) -> tuple[list[int], list[int]]:
+        """Indices of decodes (one new token, KV before it) and of prefill chunks."""
+        decodes, prefills = [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            (decodes if n == 1 and seq.num_computed_tokens > 0 else prefills).append(i)
+        return decodes, prefills
 
-    @staticmethod
-    def order(batch: ScheduledBatch) -> list[int]:
-        """Decodes (one new token, KV before it) first, then prefill chunks."""
-        decodes = [i for i, n in enumerate(batch.num_new_tokens)
-                   if n == 1 and batch.seqs[i].num_computed_tokens > 0]
-        decode_set = set(decodes)
-        return decodes + [i for i in range(len(batch)) if i not in decode_set]
+    @classmethod
+    def is_decode_only(cls, batch: ScheduledBatch) -> bool:
+        return not cls._split(batch)[1]
+
+    @classmethod
+    def order(cls, batch: ScheduledBatch) -> list[int]:
+        """Decodes first, then prefill chunks."""
+        decodes, prefills = cls._split(batch)
+        return decodes + prefills
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata]:
         bs = self.block_size
-        order = self.order(batch)
-        num_decodes = sum(1 for i in order if batch.num_new_tokens[i] == 1
-                          and batch.seqs[i].num_computed_tokens > 0)
+        decodes, prefills = self._split(batch)
+        order = decodes + prefills
+        num_decodes = len(decodes)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -176,7 +176,6 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = kernels.rms_norm(hidden, self.input_norm, c.rms_norm_eps, residual)
         qkv = torch.nn.functional.linear(x, self.qkv_proj, self.qkv_bias)
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         num_tokens = qkv.shape[0]
         k_cache, v_cache = kv_cache
         if meta.rope_tables is not None:  # torch path: fewer, larger ops
@@ -187,6 +186,7 @@ class DecoderLayer(nn.Module):
             k_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, meta.slot_mapping, k)
             v_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, meta.slot_mapping, v)
         else:
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = q.reshape(num_tokens, c.num_heads, c.head_dim)
             k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)
             v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)

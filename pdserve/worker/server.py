@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -141,8 +141,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT,
                                  "resumed_token_ids already reach max_tokens")
                 return
-            from dataclasses import replace
-
             params = replace(params, max_tokens=params.max_tokens - len(resumed),
                              min_tokens=max(0, params.min_tokens - len(resumed)))
         rid = request.request_id
@@ -315,8 +313,6 @@ class WorkerServer:
         self.default_deadline_s = default_deadline_s
         engine_config = config.engine
         if engine_config.scheduler.role != config.role:
-            from dataclasses import replace
-
             engine_config = replace(engine_config, scheduler=replace(engine_config.scheduler, role=config.role))
         self.engine = LLMEngine(engine_config)
         self.block_size = engine_config.cache.block_size
