@@ -249,31 +249,31 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 # ---- torch path with a per-step gather plan (the CPU engine builds it once per forward) -----
 
 def decode_gather_plan(block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                       block_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(flat block ids [B * nblk], padding mask [B, L], L): what `decode_attention_ref`
-    derives per call, computed once for every layer of a step."""
+                       block_size: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """(token slots [B * L], attention mask [B, 1, 1, L] or None, L): what
+    `decode_attention_planned` needs, computed once per step for every layer. L is the
+    longest context; shorter rows gather slot 0 for their tail and mask it out (no mask
+    when every row is L long, as for a single stream)."""
     batch = block_tables.shape[0]
-    max_len = int(seq_lens.max()) if batch else 0
-    num_blocks = max(cdiv(max_len, block_size), 1)
-    blocks = block_tables[:, :num_blocks].long()
-    used = torch.arange(num_blocks, device=blocks.device)[None, :] * block_size < seq_lens[:, None]
-    blocks = torch.where(used, blocks, 0).reshape(-1)
-    length = num_blocks * block_size
-    pad = torch.arange(length, device=blocks.device)[None, :] >= seq_lens[:, None]
-    return blocks, pad, length
+    length = max(int(seq_lens.max()) if batch else 0, 1)
+    pos = torch.arange(length, device=block_tables.device)
+    valid = pos[None, :] < seq_lens[:, None]
+    blocks = block_tables[:, : cdiv(length, block_size)].long()
+    slots = blocks[:, pos // block_size] * block_size + pos % block_size
+    slots = torch.where(valid, slots, 0).reshape(-1)
+    mask = None if bool(valid.all()) else valid[:, None, None, :]
+    return slots, mask, length
 
 
 def decode_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             plan: tuple[torch.Tensor, torch.Tensor, int], scale: float) -> torch.Tensor:
-    """`decode_attention_ref` with a precomputed plan. The engine's caches start zeroed and
-    only ever hold finite values, so padding needs masking in the scores only."""
-    blocks, pad, length = plan
+                             plan: tuple[torch.Tensor, torch.Tensor | None, int], scale: float) -> torch.Tensor:
+    """`decode_attention_ref` with a precomputed plan, as one fused SDPA call (GQA by
+    `enable_gqa`): the gathered K/V of each row, masked past its length."""
+    slots, mask, length = plan
     batch, hq, d = q.shape
     hk = k_cache.shape[2]
-    k = k_cache.index_select(0, blocks).view(batch, length, hk, d)
-    v = v_cache.index_select(0, blocks).view(batch, length, hk, d)
-    qf = q.float().view(batch, hk, hq // hk, d) * scale
-    scores = torch.matmul(qf, k.float().permute(0, 2, 3, 1))
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.float().transpose(1, 2))
-    return out.reshape(batch, hq, d).to(q.dtype)
+    k = k_cache.view(-1, hk, d).index_select(0, slots).view(batch, length, hk, d).transpose(1, 2)
+    v = v_cache.view(-1, hk, d).index_select(0, slots).view(batch, length, hk, d).transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.view(batch, hq, 1, d), k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hk)
+    return out.view(batch, hq, d)

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from kernels.decode_attention import (decode_attention_planned, decode_attention_ref, decode_attention_triton,
+                                      decode_gather_plan)
 from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
 
 F32, F16 = torch.float32, torch.float16
@@ -81,6 +82,22 @@ def test_decode_ref_bf16_close_to_naive(paged_kv, naive_attention):
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), naive_decode(naive_attention, kv, q, 0.125),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("seq_lens, hq, hk, d, bs, dtype, num_splits", DECODE_CASES[:5] + [
+    pytest.param([37], 6, 2, 64, 16, F32, None, id="single-unmasked"),
+    pytest.param([20, 20], 4, 4, 64, 16, F32, None, id="equal-unmasked")])
+def test_decode_planned_matches_ref(paged_kv, seq_lens, hq, hk, d, bs, dtype, num_splits):
+    """The CPU engine's per-step plan + SDPA equals the reference, with and without a mask."""
+    kv = paged_kv(seq_lens, hk, d, bs, dtype, seed=4, stale=0.0)
+    q = torch.randn(len(seq_lens), hq, d).to(dtype)
+    scale = 1 / math.sqrt(d)
+    slots, mask, length = plan = decode_gather_plan(kv.block_tables, kv.seq_lens, bs)
+    assert length == max(seq_lens) and slots.shape == (len(seq_lens) * length,)
+    assert (mask is None) == (len(set(seq_lens)) == 1)
+    got = decode_attention_planned(q, kv.k_cache, kv.v_cache, plan, scale)
+    expected = decode_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("seq_lens, q_lens, hq, hk, d, bs, dtype", PREFILL_CASES)
