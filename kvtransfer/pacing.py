@@ -6,6 +6,13 @@ A bucket holds up to ``burst_bytes`` tokens and refills at ``rate_gbps``. A mess
 until the debt is repaid. Debt (rather than waiting for ``n`` tokens up front) lets a
 message larger than the burst through at exactly the link rate, and lets concurrent
 senders reserve their slots without holding the lock while they sleep.
+
+A sender may say when a message's bytes became ready (``ready_at``, e.g. when the layer
+was enqueued). The link could have started on them then, so time the sender itself spent
+between messages (posting the previous one, polling a GPU event) is not lost to the
+burst cap: a backlogged link runs at its rate however slow the sender's loop, which at
+50-100 Gbit/s and MB-sized messages is what holds the rate. Without ``ready_at`` the
+bucket is the classic one.
 """
 
 from __future__ import annotations
@@ -13,6 +20,9 @@ from __future__ import annotations
 import threading
 import time
 from typing import Callable
+
+
+_EPSILON_S = 1e-9
 
 
 class TokenBucket:
@@ -32,30 +42,35 @@ class TokenBucket:
         self._clock = clock
         self._sleep = sleep
         self._lock = threading.Lock()
-        self._tokens = float(self.burst_bytes)
-        self._last = clock()
+        self._free_at = clock() - self.burst_bytes / self.bytes_per_second  # starts full
         self.delayed_seconds = 0.0
 
     @property
     def bytes_per_second(self) -> float:
         return self.rate_gbps * 1e9 / 8
 
-    def reserve(self, nbytes: int) -> float:
-        """Take ``nbytes`` tokens now; returns the seconds to wait before sending (0 if none)."""
+    def reserve(self, nbytes: int, ready_at: float | None = None) -> float:
+        """Take ``nbytes`` tokens; returns the seconds to wait before sending (0 if none).
+        ``ready_at`` (clock time, default now): when the bytes were ready to go."""
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         with self._lock:
             now = self._clock()
-            self._tokens = min(float(self.burst_bytes), self._tokens + (now - self._last) * self.bytes_per_second)
-            self._last = now
-            self._tokens -= nbytes
-            delay = -self._tokens / self.bytes_per_second if self._tokens < 0 else 0.0
+            at = now if ready_at is None else min(ready_at, now)
+            rate = self.bytes_per_second
+            window = self.burst_bytes / rate
+            # Virtual time: the bucket holds (t - free_at) * rate tokens at time t, capped at
+            # the burst. The bytes start on the link when they were ready or when the link is
+            # done with earlier ones; the burst lets them go that much earlier.
+            self._free_at = max(self._free_at, at - window) + nbytes / rate
+            delay = self._free_at - now
+            delay = delay if delay > _EPSILON_S else 0.0  # float rounding, not a wait
             self.delayed_seconds += delay
             return delay
 
-    def acquire(self, nbytes: int) -> float:
+    def acquire(self, nbytes: int, ready_at: float | None = None) -> float:
         """Block (via ``sleep``) until ``nbytes`` may go; returns the seconds slept."""
-        delay = self.reserve(nbytes)
+        delay = self.reserve(nbytes, ready_at)
         if delay > 0:
             self._sleep(delay)
         return delay
@@ -101,13 +116,17 @@ class LinkPacer:
             link = self._routes.get(address, address)
             return self._links.get(link, self._default)
 
-    def reserve(self, address: str, nbytes: int) -> float:
-        bucket = self.bucket_for(address)
-        return 0.0 if bucket is None else bucket.reserve(nbytes)
+    def now(self) -> float:
+        """The pacer's clock, for ``ready_at`` stamps."""
+        return self._clock()
 
-    def acquire(self, address: str, nbytes: int) -> float:
+    def reserve(self, address: str, nbytes: int, ready_at: float | None = None) -> float:
         bucket = self.bucket_for(address)
-        return 0.0 if bucket is None else bucket.acquire(nbytes)
+        return 0.0 if bucket is None else bucket.reserve(nbytes, ready_at)
+
+    def acquire(self, address: str, nbytes: int, ready_at: float | None = None) -> float:
+        bucket = self.bucket_for(address)
+        return 0.0 if bucket is None else bucket.acquire(nbytes, ready_at)
 
     def rates(self) -> dict[str, float]:
         with self._lock:

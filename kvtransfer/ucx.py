@@ -21,7 +21,9 @@ Per connection (sender -> receiver):
    + int32 destination block ids) then the payload (K then V of the blocks, gathered
    into one staging buffer), tagged with the connection's tag and posted back to back
    so the receiver matches them in order. Up to ``max_inflight`` messages are in
-   flight per connection; ``pacer`` delays them to an emulated link rate. On close
+   flight per connection; ``pacer`` delays them to an emulated link rate, counting
+   each message ready from its ``send_layer`` (the sender loop's own time between
+   messages is then not lost to the bucket: that is what holds 50-100 Gbit/s). On close
    the sender sends BYE on the data path.
 3. The receiver receives the payload into a staging buffer (CUDA memory for CUDA
    caches) and scatters it into the reserved blocks; when a transfer has fully landed
@@ -282,6 +284,7 @@ class _Message:
     control: np.ndarray  # header + int32 dst ids
     payload: torch.Tensor  # flat uint8 staging buffer
     ready: torch.cuda.Event | None  # gather finished (CUDA)
+    enqueued_at: float = 0.0  # pacer clock at send_layer (0 when unpaced)
 
     @property
     def nbytes(self) -> int:
@@ -346,7 +349,8 @@ class UcxSender(KVSender):
         key = self._ledger.on_enqueue(transfer_id, address, payload.numel())
         header = WireHeader(MsgKind.LAYER, key, layer, dst.numel(), payload.numel(), self.layout.fingerprint)
         control = np.frombuffer(header.pack() + dst.to(torch.int32).numpy().astype("<i4").tobytes(), dtype=np.uint8)
-        self._rt.call_soon(self._enqueue, address, _Message(key, control, payload, ready))
+        stamp = self._pacer.now() if self._pacer is not None else 0.0
+        self._rt.call_soon(self._enqueue, address, _Message(key, control, payload, ready, stamp))
 
     def finish(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
         return self._ledger.finish(transfer_id, timeout)
@@ -438,11 +442,16 @@ class UcxSender(KVSender):
                 msg = await link.queue.get()
                 if self._ledger.should_skip(msg.key):
                     continue
+                ready_at: float | None = msg.enqueued_at  # host bytes are ready when enqueued
                 if msg.ready is not None:
+                    # A gather already done when first looked at counts as ready since its
+                    # enqueue (a GPU gather takes microseconds; a backlogged link could not have
+                    # started it earlier anyway); one still running, from when it is seen done.
+                    ready_at = msg.enqueued_at if msg.ready.query() else None
                     while not msg.ready.query():
                         await asyncio.sleep(50e-6)
                 if self._pacer is not None:
-                    delay = self._pacer.reserve(link.address, msg.nbytes)
+                    delay = self._pacer.reserve(link.address, msg.nbytes, ready_at)
                     if delay > 0:
                         self._pacing_delay += delay
                         await asyncio.sleep(delay)

@@ -84,3 +84,30 @@ def test_paced_fake_transfer_20MB_at_1Gbps():
     assert result.num_bytes == 20_000_000
     assert elapsed == pytest.approx(0.16, rel=0.10)
     assert result.gbps == pytest.approx(1.0, rel=0.10)
+
+
+def test_token_bucket_ready_at_keeps_a_backlogged_link_at_rate():
+    """Messages queued at once and sent by a loop that loses 0.5 ms after every wait: without
+    ready_at each message's slot starts late; with it the link stays at its rate."""
+    def run(stamp: bool) -> float:
+        clock = FakeClock()
+        bucket = TokenBucket(rate_gbps=8.0, burst_bytes=1000, clock=clock, sleep=clock.sleep)  # 1e9 B/s
+        queued = clock.now
+        for _ in range(10):
+            bucket.acquire(1_000_000, ready_at=queued if stamp else None)  # 1 ms each at the rate
+            clock.now += 0.5e-3  # the sender's own work after each wait
+        return clock.now - queued
+    assert run(stamp=False) == pytest.approx(10 * 1.5e-3, rel=1e-3)
+    assert run(stamp=True) == pytest.approx(10e-3 - 1e-6 + 0.5e-3, rel=1e-3)
+
+
+def test_token_bucket_ready_at_banks_no_more_than_a_burst():
+    clock = FakeClock()
+    bucket = TokenBucket(rate_gbps=8.0, burst_bytes=1000, clock=clock, sleep=clock.sleep)  # 1e9 B/s
+    clock.now += 1.0
+    # ready 0.5 s ago on an idle link: it would have gone then
+    assert bucket.reserve(2000, ready_at=clock.now - 0.5) == 0.0
+    # what is ready now finds one burst, no more
+    assert bucket.reserve(1000) == 0.0
+    assert bucket.reserve(1000) == pytest.approx(1e-6)
+    assert bucket.reserve(500, ready_at=clock.now + 5) == pytest.approx(1.5e-6)  # a future stamp counts as now
