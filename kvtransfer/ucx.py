@@ -45,6 +45,7 @@ import atexit
 import collections
 import logging
 import os
+import queue
 import threading
 import weakref
 from dataclasses import dataclass
@@ -283,12 +284,24 @@ class _Message:
     key: int
     control: np.ndarray  # header + int32 dst ids
     payload: torch.Tensor  # flat uint8 staging buffer
-    ready: torch.cuda.Event | None  # gather finished (CUDA)
-    enqueued_at: float = 0.0  # pacer clock at send_layer (0 when unpaced)
+    ready: torch.cuda.Event | None  # gather finished (CUDA); the waiter clears it
+    ready_at: float = 0.0  # pacer clock when the payload was ready (0 when unpaced)
 
     @property
     def nbytes(self) -> int:
         return self.control.nbytes + self.payload.numel()
+
+
+async def _sleep_precisely(delay: float) -> None:
+    """asyncio.sleep rounds up to the selector's 1 ms: sleep to within 1.5 ms of the
+    deadline, then yield to the loop until it passes (a 100 Gbit/s link moves 4 MB in
+    0.3 ms)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + delay
+    if delay > 2e-3:
+        await asyncio.sleep(delay - 1.5e-3)
+    while loop.time() < deadline:
+        await asyncio.sleep(0)
 
 
 class _Link:
@@ -327,6 +340,7 @@ class UcxSender(KVSender):
         self._pacing_delay = 0.0
         self._closed = False
         self._close_lock = threading.Lock()
+        self._waiter: queue.SimpleQueue | None = None
         self._rt = UcxRuntime.acquire()
         _LIVE.add(self)
 
@@ -349,8 +363,38 @@ class UcxSender(KVSender):
         key = self._ledger.on_enqueue(transfer_id, address, payload.numel())
         header = WireHeader(MsgKind.LAYER, key, layer, dst.numel(), payload.numel(), self.layout.fingerprint)
         control = np.frombuffer(header.pack() + dst.to(torch.int32).numpy().astype("<i4").tobytes(), dtype=np.uint8)
-        stamp = self._pacer.now() if self._pacer is not None else 0.0
-        self._rt.call_soon(self._enqueue, address, _Message(key, control, payload, ready, stamp))
+        msg = _Message(key, control, payload, ready)
+        if ready is None:
+            msg.ready_at = self._pacer.now() if self._pacer is not None else 0.0
+            self._rt.call_soon(self._enqueue, address, msg)
+        else:
+            self._gpu_waiter().put((address, msg))
+
+    def _gpu_waiter(self) -> queue.SimpleQueue:
+        """A thread that waits for each CUDA gather and then enqueues its message, in
+        order. Waiting on the loop instead (polling the event) costs a millisecond per
+        message: asyncio cannot sleep for less than the selector's 1 ms resolution."""
+        with self._close_lock:
+            if self._waiter is None:
+                self._waiter = queue.SimpleQueue()
+                threading.Thread(target=self._wait_gathers, args=(self._waiter,), daemon=True,
+                                 name="kvtransfer-gpu-waiter").start()
+            return self._waiter
+
+    def _wait_gathers(self, todo: queue.SimpleQueue) -> None:
+        while (item := todo.get()) is not None:
+            address, msg = item
+            try:
+                msg.ready.synchronize()  # releases the GIL
+            except Exception as e:  # a failed CUDA context: the transfer fails, the thread goes on
+                self._ledger.fail_key(msg.key, KVTransferError(f"KV gather failed: {e}"))
+                continue
+            msg.ready = None
+            msg.ready_at = self._pacer.now() if self._pacer is not None else 0.0
+            try:
+                self._rt.call_soon(self._enqueue, address, msg)
+            except Exception as e:  # runtime gone (closing)
+                self._ledger.fail_key(msg.key, KVTransferError(f"sender closed: {e}"))
 
     def finish(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
         return self._ledger.finish(transfer_id, timeout)
@@ -366,6 +410,8 @@ class UcxSender(KVSender):
             if self._closed:
                 return
             self._closed = True
+            if self._waiter is not None:
+                self._waiter.put(None)  # the waiter ends after what it holds
         _LIVE.discard(self)
         try:
             self._rt.call(self._shutdown())
@@ -442,19 +488,11 @@ class UcxSender(KVSender):
                 msg = await link.queue.get()
                 if self._ledger.should_skip(msg.key):
                     continue
-                ready_at: float | None = msg.enqueued_at  # host bytes are ready when enqueued
-                if msg.ready is not None:
-                    # A gather already done when first looked at counts as ready since its
-                    # enqueue (a GPU gather takes microseconds; a backlogged link could not have
-                    # started it earlier anyway); one still running, from when it is seen done.
-                    ready_at = msg.enqueued_at if msg.ready.query() else None
-                    while not msg.ready.query():
-                        await asyncio.sleep(50e-6)
                 if self._pacer is not None:
-                    delay = self._pacer.reserve(link.address, msg.nbytes, ready_at)
+                    delay = self._pacer.reserve(link.address, msg.nbytes, msg.ready_at)
                     if delay > 0:
                         self._pacing_delay += delay
-                        await asyncio.sleep(delay)
+                        await _sleep_precisely(delay)
                 # Tasks take their first step (which posts the UCX send) in creation order,
                 # so the receiver matches control and payload of each message in order.
                 loop = asyncio.get_running_loop()
