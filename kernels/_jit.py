@@ -57,6 +57,8 @@ class TritonKernels:
                                "install pdserve[triton] or use PDSERVE_KERNEL_BACKEND=torch") from exc
         self._globals["tl"] = tl
         for name in self._names:
+            if isinstance(self._globals[name], triton.runtime.JITFunction):
+                continue  # a helper imported from a kernel file that loaded first
             keep_generic = self._do_not_specialize.get(name)
             if keep_generic:
                 self._globals[name] = triton.jit(self._globals[name], do_not_specialize=list(keep_generic))

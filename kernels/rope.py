@@ -61,11 +61,27 @@ def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
 
 
+def _rope_rotate(src, mask, cos, sin, HALF: tl.constexpr):
+    """Loads heads [H, 2 * HALF] at pointer block `src` and returns both rotated halves in
+    float32 (neox style). Shared with the fused RoPE + KV-write kernel (kernels.rope_cache)."""
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0)
+    y1 = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
+    y2 = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
+    return y1, y2
+
+
+def _store_halves(dst, y1, y2, mask, HALF: tl.constexpr):
+    """Stores the halves at pointer block `dst`, rounded to its element type."""
+    tl.store(dst, y1.to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, y2.to(dst.dtype.element_ty), mask=mask)
+
+
 def _rope_kernel(
     q_ptr,  # [T, HQ, D], strides (stride_qt, stride_qh, 1)
     k_ptr,  # [T, HK, D], strides (stride_kt, stride_kh, 1)
-    q_out_ptr,  # [T, HQ, D] contiguous
-    k_out_ptr,  # [T, HK, D] contiguous
+    q_out_ptr,  # [T, HQ, D] contiguous, q's dtype
+    k_out_ptr,  # [T, HK, D] contiguous, k's dtype
     positions_ptr,  # [T] int64
     cos_sin_ptr,  # [max_positions, D] float32 contiguous
     stride_qt,
@@ -86,28 +102,20 @@ def _rope_kernel(
 
     offs_h = tl.arange(0, BLOCK_HQ)
     mask = (offs_h < HQ)[:, None]
-    src = q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0)
-    y1 = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
-    y2 = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
-    dst = q_out_ptr + tok * HQ * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-    tl.store(dst, y1.to(x1.dtype), mask=mask)
-    tl.store(dst + HALF, y2.to(x1.dtype), mask=mask)
+    y1, y2 = _rope_rotate(q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                          mask, cos, sin, HALF)
+    _store_halves(q_out_ptr + tok * HQ * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :],
+                  y1, y2, mask, HALF)
 
     offs_h = tl.arange(0, BLOCK_HK)
     mask = (offs_h < HK)[:, None]
-    src = k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0)
-    y1 = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
-    y2 = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
-    dst = k_out_ptr + tok * HK * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-    tl.store(dst, y1.to(x1.dtype), mask=mask)
-    tl.store(dst + HALF, y2.to(x1.dtype), mask=mask)
+    y1, y2 = _rope_rotate(k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
+                          mask, cos, sin, HALF)
+    _store_halves(k_out_ptr + tok * HK * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :],
+                  y1, y2, mask, HALF)
 
 
-_TRITON = TritonKernels(globals(), "_rope_kernel")
+_TRITON = TritonKernels(globals(), "_rope_rotate", "_store_halves", "_rope_kernel")
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from kernels._jit import TritonKernels, check_tensor, next_power_of_2
 from kernels.cache import _check_cache_shapes, write_kv_cache_ref
 from kernels.dispatch import kernel_backend
-from kernels.rope import apply_rope_ref
+from kernels.rope import _rope_rotate, _store_halves, apply_rope_ref  # noqa: F401 (JIT helpers)
 
 tl = None  # bound to triton.language on the first launch (kernels._jit)
 
@@ -55,26 +55,18 @@ def _rope_write_kv_kernel(
 
     offs_h = tl.arange(0, BLOCK_HQ)
     mask = (offs_h < HQ)[:, None]
-    src = q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0)
-    y1 = x1.to(tl.float32) * cos - x2.to(tl.float32) * sin
-    y2 = x2.to(tl.float32) * cos + x1.to(tl.float32) * sin
-    dst = q_out_ptr + tok * HQ * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-    tl.store(dst, y1.to(x1.dtype), mask=mask)
-    tl.store(dst + HALF, y2.to(x1.dtype), mask=mask)
+    y1, y2 = _rope_rotate(q_ptr + tok * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                          mask, cos, sin, HALF)
+    _store_halves(q_out_ptr + tok * HQ * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :],
+                  y1, y2, mask, HALF)
 
     offs_h = tl.arange(0, BLOCK_HK)
     num_heads = tl.where(slot >= 0, HK, 0)  # padding token: write nothing
     mask = (offs_h < num_heads)[:, None]
-    src = k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0)
-    y1 = (x1.to(tl.float32) * cos - x2.to(tl.float32) * sin).to(x1.dtype)
-    y2 = (x2.to(tl.float32) * cos + x1.to(tl.float32) * sin).to(x1.dtype)
     dst = slot * HK * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
-    tl.store(k_cache_ptr + dst, y1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(k_cache_ptr + dst + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    y1, y2 = _rope_rotate(k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
+                          mask, cos, sin, HALF)
+    _store_halves(k_cache_ptr + dst, y1, y2, mask, HALF)
     src = v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
     v1 = tl.load(src, mask=mask, other=0.0)
     v2 = tl.load(src + HALF, mask=mask, other=0.0)
@@ -82,7 +74,7 @@ def _rope_write_kv_kernel(
     tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-_TRITON = TritonKernels(globals(), "_rope_write_kv_kernel")
+_TRITON = TritonKernels(globals(), "_rope_rotate", "_store_halves", "_rope_write_kv_kernel")
 
 
 def _check_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> None:
