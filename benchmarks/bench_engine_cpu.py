@@ -1,10 +1,12 @@
 """Engine vs transformers `generate` on the same SmolLM2 weights (fp32, CPU), in one run.
 
-    python benchmarks/bench_engine_cpu.py [--model smollm2] [--new-tokens 128] [--batch 16]
+    python benchmarks/bench_engine_cpu.py [--model smollm2] [--new-tokens 128] [--batch 16] [--compile]
 
 Each side runs in its own subprocess so peak resident memory is measured per side. Prints
 single-stream decode tokens/s, batch-of-16 output tokens/s, their ratios, and the engine's
-peak RSS (its KV budget included).
+peak RSS (its KV budget included). With ``--compile`` the engine runs its decode steps
+through torch.compile (`LLM(compile=True)`); the compilation happens in the warm-up and is
+reported apart (inductor's on-disk cache makes later runs start faster).
 """
 
 from __future__ import annotations
@@ -47,13 +49,17 @@ def run_engine(args) -> dict:
     from pdserve.sampling_params import SamplingParams
 
     llm = LLM(args.model, dtype="float32", device="cpu", kv_cache_gib=args.kv_cache_gib,
-              max_num_seqs=max(args.batch, 16))
+              max_num_seqs=max(args.batch, 16), compile=args.compile)
     tok = llm.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
                for p in PROMPTS[: args.batch]]
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     full = SamplingParams(max_tokens=args.new_tokens + 1, temperature=0, ignore_eos=True)
+    warm = time.perf_counter()
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))  # warm-up
+    if args.compile:  # the batch-1 and the batch > 1 graphs
+        llm.generate(prompts[:3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    warm = time.perf_counter() - warm
     t0 = time.perf_counter()
     llm.generate(prompts[:1], one)
     t1 = time.perf_counter()
@@ -65,7 +71,7 @@ def run_engine(args) -> dict:
     t4 = time.perf_counter()
     produced = sum(len(o.token_ids) for o in outs)
     return {"single_tok_s": single, "batch_tok_s": produced / (t4 - t3), "peak_rss_mib": peak_rss_mib(),
-            "kv_cache_mib": llm.engine.runner.kv_cache_bytes / (1 << 20)}
+            "kv_cache_mib": llm.engine.runner.kv_cache_bytes / (1 << 20), "warmup_s": warm}
 
 
 def run_transformers(args) -> dict:
@@ -116,6 +122,7 @@ def main() -> int:
     p.add_argument("--kv-cache-gib", type=float, default=0.5)
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--rounds", type=int, default=3, help="alternating runs of each side; medians are reported")
+    p.add_argument("--compile", action="store_true", help="engine decode steps through torch.compile")
     p.add_argument("--side", choices=["engine", "transformers"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if not 1 <= args.batch <= len(PROMPTS):
@@ -132,7 +139,7 @@ def main() -> int:
         for side in ("engine", "transformers"):
             cmd = [sys.executable, __file__, "--side", side, "--model", args.model, "--new-tokens",
                    str(args.new_tokens), "--batch", str(args.batch), "--kv-cache-gib", str(args.kv_cache_gib),
-                   "--threads", str(args.threads)]
+                   "--threads", str(args.threads)] + (["--compile"] if args.compile else [])
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 print(proc.stderr, file=sys.stderr)
@@ -142,8 +149,12 @@ def main() -> int:
         print(f"{side}: " + "; ".join(f"single {r['single_tok_s']:.1f}, batch {r['batch_tok_s']:.1f} tok/s"
                                       for r in rs))
     e, t = ({k: statistics.median(r[k] for r in runs[side]) for k in runs[side][0]} for side in runs)
+    mode = "eager"
+    if args.compile:
+        warmups = ", ".join(f"{r['warmup_s']:.0f}" for r in runs["engine"])
+        mode = f"torch.compile (warm-up with compilation: {warmups} s)"
     print(f"model {args.model}, fp32 CPU, {args.threads} threads, {args.new_tokens} new tokens, "
-          f"median of {args.rounds} alternating rounds")
+          f"median of {args.rounds} alternating rounds; engine decode {mode}")
     print(f"{'':24}{'pdserve':>12}{'transformers':>14}{'ratio':>8}")
     print(f"{'single-stream tok/s':24}{e['single_tok_s']:12.1f}{t['single_tok_s']:14.1f}"
           f"{e['single_tok_s'] / t['single_tok_s']:8.2f}x")

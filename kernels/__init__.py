@@ -8,7 +8,7 @@ from kernels.activation import silu_and_mul
 from kernels.cache import write_kv_cache
 from kernels.decode_attention import decode_attention, decode_attention_planned, decode_gather_plan
 from kernels.dispatch import force_backend, kernel_backend
-from kernels.norm import rms_norm
+from kernels.norm import rms_norm, rms_norm_ref
 from kernels.prefill_attention import prefill_attention
 from kernels.rope import apply_rope, apply_rope_tables, rope_cos_sin_cache, rope_tables
 from kernels.rope_cache import rope_write_kv
@@ -24,6 +24,7 @@ __all__ = [
     "kernel_backend",
     "prefill_attention",
     "rms_norm",
+    "rms_norm_ref",
     "rope_cos_sin_cache",
     "rope_write_kv",
     "silu_and_mul",

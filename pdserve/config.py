@@ -88,6 +88,10 @@ class CacheConfig:
     # (CUDA + Triton kernels only). `enforce_eager` or PDSERVE_CUDA_GRAPHS=0 turns them off.
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
+    # Decode-only steps on the torch (CPU) path run a torch.compile'd forward: fewer, fused
+    # ops. The first steps of each shape class (batch 1, batch > 1) compile, ~40 s each on
+    # a 2-core CPU; off by default.
+    compile_cpu_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.cuda_graph_max_batch <= 0:

@@ -11,6 +11,7 @@ backend, `CacheConfig.enforce_eager` and PDSERVE_CUDA_GRAPHS=0 run eagerly.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -21,7 +22,7 @@ import torch
 import kernels
 
 from pdserve.config import CacheConfig, ModelConfig
-from pdserve.models.llama import AttentionMetadata, LayerHook, LlamaModel
+from pdserve.models.llama import AttentionMetadata, LayerHook, LlamaModel, decode_forward_torch
 from pdserve.sampler import Sampler, SamplingRow
 from pdserve.scheduler import ScheduledBatch
 from pdserve.sampling_params import TokenLogprob
@@ -93,6 +94,12 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_len // self.block_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self.num_graph_replays = 0
+        # torch.compile'd decode steps on the torch path (CacheConfig.compile_cpu_decode)
+        self._compiled_decode = None
+        if self.torch_path and cache_config.compile_cpu_decode:
+            self._compiled_decode = torch.compile(
+                functools.partial(decode_forward_torch, self.model, self.kv_caches), dynamic=True, fullgraph=True)
+        self.num_compiled_steps = 0
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -121,6 +128,18 @@ class ModelRunner:
                 and len(batch) <= self.graph_batch_sizes[-1] and self.is_decode_only(batch)):
             return self._execute_graph(batch)
         input_ids, meta = self.prepare(batch)
+        if self._compiled_decode is not None and layer_hook is None and meta.decode_plan is not None:
+            cos, signed_sin = meta.rope_tables  # type: ignore[misc]
+            slots, mask, length = meta.decode_plan
+            self.num_compiled_steps += 1
+            args = (input_ids, cos, signed_sin, meta.slot_mapping, slots.view(-1, length), mask, meta.logits_indices)
+            for arg in args:  # one graph for every batch > 1 and every context length
+                if arg is not None:
+                    for dim in range(arg.dim()):
+                        if arg.shape[dim] > 1:
+                            torch._dynamo.maybe_mark_dynamic(arg, dim)
+            with torch.inference_mode():
+                return self._compiled_decode(*args)
         return self.model(input_ids, meta, self.kv_caches, layer_hook)
 
     @staticmethod
