@@ -4,7 +4,7 @@ Each public function runs `<name>_triton` or `<name>_ref` from its family module
 `kernel_backend(tensor.device)`. Triton is imported only when a Triton kernel first runs.
 """
 
-from kernels.activation import silu_and_mul
+from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.cache import write_kv_cache
 from kernels.decode_attention import decode_attention, decode_attention_planned, decode_gather_plan
 from kernels.dispatch import force_backend, kernel_backend
@@ -28,5 +28,6 @@ __all__ = [
     "rope_cos_sin_cache",
     "rope_write_kv",
     "silu_and_mul",
+    "silu_and_mul_ref",
     "write_kv_cache",
 ]

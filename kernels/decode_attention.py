@@ -275,5 +275,5 @@ def decode_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     k = k_cache.view(-1, hk, d).index_select(0, slots).view(batch, length, hk, d).transpose(1, 2)
     v = v_cache.view(-1, hk, d).index_select(0, slots).view(batch, length, hk, d).transpose(1, 2)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.view(batch, hq, 1, d), k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hk)
+        q.view(batch, hq, 1, d), k, v, attn_mask=mask, scale=scale, enable_gqa=True)  # also right for hq == hk
     return out.view(batch, hq, d)

@@ -98,7 +98,7 @@ class ModelRunner:
         self._compiled_decode = None
         if self.torch_path and cache_config.compile_cpu_decode:
             self._compiled_decode = torch.compile(
-                functools.partial(decode_forward_torch, self.model, self.kv_caches), dynamic=True, fullgraph=True)
+                functools.partial(decode_forward_torch, self.model, self.kv_caches), fullgraph=True)
         self.num_compiled_steps = 0
 
     @property
@@ -133,11 +133,14 @@ class ModelRunner:
             slots, mask, length = meta.decode_plan
             self.num_compiled_steps += 1
             args = (input_ids, cos, signed_sin, meta.slot_mapping, slots.view(-1, length), mask, meta.logits_indices)
-            for arg in args:  # one graph for every batch > 1 and every context length
-                if arg is not None:
-                    for dim in range(arg.dim()):
-                        if arg.shape[dim] > 1:
-                            torch._dynamo.maybe_mark_dynamic(arg, dim)
+            # one graph for every batch > 1 and every context length (the batch, dim 0 of each
+            # input, and the context, dim -1 of slots and mask); model dims stay static
+            for arg in args:
+                if arg is not None and arg.shape[0] > 1:
+                    torch._dynamo.maybe_mark_dynamic(arg, 0)
+            for arg in (args[4], mask):
+                if arg is not None and arg.shape[-1] > 1:
+                    torch._dynamo.maybe_mark_dynamic(arg, arg.dim() - 1)
             with torch.inference_mode():
                 return self._compiled_decode(*args)
         return self.model(input_ids, meta, self.kv_caches, layer_hook)

@@ -223,16 +223,13 @@ def decode_forward_torch(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, 
                          slot_mapping: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
                          logits_indices: torch.Tensor) -> torch.Tensor:
     """The decode-only forward of the torch (CPU) path written for `torch.compile`: one
-    token per request, no Python branches on tensor values, no layer hook. Same arithmetic
-    as `LlamaModel.forward` with `rope_tables` and `decode_plan` (kernels' torch
-    references): RMSNorm, RoPE by tables, cache write by slot, SDPA over the gathered
-    context (`slots` [B, L] from `decode_gather_plan`). Returns float32 logits of the rows
-    in `logits_indices`."""
+    token per request, no Python branches on tensor values, no layer hook. The same kernels'
+    torch references as `LlamaModel.forward` with `rope_tables` and `decode_plan` (`slots`
+    [B, L] from `decode_gather_plan`). Returns float32 logits of the rows in `logits_indices`."""
     c = model.config
     nh, nk, d, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
     batch, length = slots.shape
-    half, inter = c.head_dim // 2, c.intermediate_size
-    slots = slots.reshape(-1)
+    plan = (slots.reshape(-1), mask, length)
     hidden = model.embed_tokens[input_ids]
     residual = hidden
     for index, layer in enumerate(model.layers):
@@ -240,22 +237,16 @@ def decode_forward_torch(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, 
             residual = hidden + residual
         x = kernels.rms_norm_ref(residual, layer.input_norm, eps)
         heads = torch.nn.functional.linear(x, layer.qkv_proj, layer.qkv_bias).view(batch, nh + 2 * nk, d)
-        qk = heads[:, : nh + nk].float()
-        qk = (qk * cos + torch.cat((qk[..., half:], qk[..., :half]), -1) * signed_sin).to(heads.dtype)
+        qk = kernels.apply_rope_tables(heads[:, :nh + nk], cos, signed_sin)
         k_cache, v_cache = kv_caches[index]
-        k_flat, v_flat = k_cache.view(-1, nk, d), v_cache.view(-1, nk, d)
-        k_flat.index_copy_(0, slot_mapping, qk[:, nh:])
-        v_flat.index_copy_(0, slot_mapping, heads[:, nh + nk:])
-        k = k_flat.index_select(0, slots).view(batch, length, nk, d).transpose(1, 2)
-        v = v_flat.index_select(0, slots).view(batch, length, nk, d).transpose(1, 2)
-        attn = torch.nn.functional.scaled_dot_product_attention(
-            qk[:, :nh].reshape(batch, nh, 1, d), k, v, attn_mask=mask, scale=model.scale, enable_gqa=nh != nk)
+        k_cache.view(-1, nk, d).index_copy_(0, slot_mapping, qk[:, nh:])
+        v_cache.view(-1, nk, d).index_copy_(0, slot_mapping, heads[:, nh + nk:])
+        attn = kernels.decode_attention_planned(qk[:, :nh], k_cache, v_cache, plan, model.scale)
         out = torch.nn.functional.linear(attn.reshape(batch, nh * d), layer.o_proj)
         residual = out + residual
         x = kernels.rms_norm_ref(residual, layer.post_norm, eps)
-        gate_up = torch.nn.functional.linear(x, layer.gate_up_proj)
         hidden = torch.nn.functional.linear(
-            torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.down_proj)
+            kernels.silu_and_mul_ref(torch.nn.functional.linear(x, layer.gate_up_proj)), layer.down_proj)
     residual = (hidden + residual)[logits_indices]
     x = kernels.rms_norm_ref(residual, model.norm, eps)
     return torch.nn.functional.linear(x, model.lm_head).float()
