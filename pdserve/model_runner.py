@@ -94,11 +94,12 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_len // self.block_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self.num_graph_replays = 0
-        # torch.compile'd decode steps on the torch path (CacheConfig.compile_cpu_decode)
-        self._compiled_decode = None
-        if self.torch_path and cache_config.compile_cpu_decode:
-            self._compiled_decode = torch.compile(
-                functools.partial(decode_forward_torch, self.model, self.kv_caches), fullgraph=True)
+        # Decode-only steps on the torch path run `decode_forward_torch`, through torch.compile
+        # when CacheConfig.compile_cpu_decode is set.
+        self._decode_torch = functools.partial(decode_forward_torch, self.model, self.kv_caches)
+        self.compiled_decode = self.torch_path and cache_config.compile_cpu_decode
+        if self.compiled_decode:
+            self._decode_torch = torch.compile(self._decode_torch, fullgraph=True)
         self.num_compiled_steps = 0
 
     @property
@@ -128,11 +129,17 @@ class ModelRunner:
                 and len(batch) <= self.graph_batch_sizes[-1] and self.is_decode_only(batch)):
             return self._execute_graph(batch)
         input_ids, meta = self.prepare(batch)
-        if self._compiled_decode is not None and layer_hook is None and meta.decode_plan is not None:
-            cos, signed_sin = meta.rope_tables  # type: ignore[misc]
-            slots, mask, length = meta.decode_plan
+        if layer_hook is None and meta.decode_plan is not None:
+            return self._execute_decode_torch(input_ids, meta)
+        return self.model(input_ids, meta, self.kv_caches, layer_hook)
+
+    @torch.inference_mode()
+    def _execute_decode_torch(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        cos, signed_sin = meta.rope_tables  # type: ignore[misc]
+        slots, mask, length = meta.decode_plan  # type: ignore[misc]
+        args = (input_ids, cos, signed_sin, meta.slot_mapping, slots.view(-1, length), mask, meta.logits_indices)
+        if self.compiled_decode:
             self.num_compiled_steps += 1
-            args = (input_ids, cos, signed_sin, meta.slot_mapping, slots.view(-1, length), mask, meta.logits_indices)
             # one graph for every batch > 1 and every context length (the batch, dim 0 of each
             # input, and the context, dim -1 of slots and mask); model dims stay static
             for arg in args:
@@ -141,9 +148,7 @@ class ModelRunner:
             for arg in (args[4], mask):
                 if arg is not None and arg.shape[-1] > 1:
                     torch._dynamo.maybe_mark_dynamic(arg, arg.dim() - 1)
-            with torch.inference_mode():
-                return self._compiled_decode(*args)
-        return self.model(input_ids, meta, self.kv_caches, layer_hook)
+        return self._decode_torch(*args)
 
     @staticmethod
     def _split(batch: ScheduledBatch) -> tuple[list[int], list[int]]:

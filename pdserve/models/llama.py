@@ -30,7 +30,7 @@ class AttentionMetadata:
     logits_indices: torch.Tensor  # [N] int64, rows whose hidden state gives logits
     # torch (CPU) path only: per-step tables shared by every layer
     rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, signed sin) [T, 1, D]
-    decode_plan: tuple[torch.Tensor, torch.Tensor, int] | None = None  # see decode_gather_plan
+    decode_plan: tuple[torch.Tensor, torch.Tensor | None, int] | None = None  # decode_gather_plan
 
 
 LayerHook = Callable[[int], None]  # called with the layer index once its KV is in the cache
@@ -202,8 +202,6 @@ class DecoderLayer(nn.Module):
 
 def _attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     nd = meta.num_decodes
-    if nd == q.shape[0] and meta.decode_plan is not None:
-        return kernels.decode_attention_planned(q, k_cache, v_cache, meta.decode_plan, scale)
     if nd == q.shape[0]:
         return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                         meta.decode_seq_lens, scale)
@@ -222,10 +220,10 @@ def decode_forward_torch(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, 
                          input_ids: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
                          slot_mapping: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor | None,
                          logits_indices: torch.Tensor) -> torch.Tensor:
-    """The decode-only forward of the torch (CPU) path written for `torch.compile`: one
-    token per request, no Python branches on tensor values, no layer hook. The same kernels'
-    torch references as `LlamaModel.forward` with `rope_tables` and `decode_plan` (`slots`
-    [B, L] from `decode_gather_plan`). Returns float32 logits of the rows in `logits_indices`."""
+    """The decode-only forward of the torch (CPU) path, eager or through `torch.compile`: one
+    token per request, no Python branches on tensor values, no layer hook. The kernels'
+    torch references, with RoPE tables and one gather plan per step (`slots` [B, L] from
+    `decode_gather_plan`). Returns float32 logits of the rows in `logits_indices`."""
     c = model.config
     nh, nk, d, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
     batch, length = slots.shape
