@@ -1,12 +1,14 @@
 """Engine vs transformers `generate` on the same SmolLM2 weights (fp32, CPU), in one run.
 
     python benchmarks/bench_engine_cpu.py [--model smollm2] [--new-tokens 128] [--batch 16] [--compile]
+                                          [--no-packed-weights]
 
 Each side runs in its own subprocess so peak resident memory is measured per side. Prints
 single-stream decode tokens/s, batch-of-16 output tokens/s, their ratios, and the engine's
 peak RSS (its KV budget included). With ``--compile`` the engine runs its decode steps
 through torch.compile (`LLM(compile=True)`); the compilation happens in the warm-up and is
-reported apart (inductor's on-disk cache makes later runs start faster).
+reported apart (inductor's on-disk cache makes later runs start faster). The engine's weights
+are in MKL's packed GEMM layout (its default on CPU fp32) unless ``--no-packed-weights``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def run_engine(args) -> dict:
     from pdserve.sampling_params import SamplingParams
 
     llm = LLM(args.model, dtype="float32", device="cpu", kv_cache_gib=args.kv_cache_gib,
-              max_num_seqs=max(args.batch, 16), compile=args.compile)
+              max_num_seqs=max(args.batch, 16), compile=args.compile,
+              packed_weights=not args.no_packed_weights)
     tok = llm.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
                for p in PROMPTS[: args.batch]]
@@ -123,6 +126,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--rounds", type=int, default=3, help="alternating runs of each side; medians are reported")
     p.add_argument("--compile", action="store_true", help="engine decode steps through torch.compile")
+    p.add_argument("--no-packed-weights", action="store_true", help="engine weights dense, not MKL-packed")
     p.add_argument("--side", choices=["engine", "transformers"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if not 1 <= args.batch <= len(PROMPTS):
@@ -140,6 +144,7 @@ def main() -> int:
             cmd = [sys.executable, __file__, "--side", side, "--model", args.model, "--new-tokens",
                    str(args.new_tokens), "--batch", str(args.batch), "--kv-cache-gib", str(args.kv_cache_gib),
                    "--threads", str(args.threads)] + (["--compile"] if args.compile else [])
+                   + (["--no-packed-weights"] if args.no_packed_weights else []))
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 print(proc.stderr, file=sys.stderr)
@@ -153,8 +158,9 @@ def main() -> int:
     if args.compile:
         warmups = ", ".join(f"{r['warmup_s']:.0f}" for r in runs["engine"])
         mode = f"torch.compile (warm-up with compilation: {warmups} s)"
+    weights = "dense" if args.no_packed_weights else "MKL-packed"
     print(f"model {args.model}, fp32 CPU, {args.threads} threads, {args.new_tokens} new tokens, "
-          f"median of {args.rounds} alternating rounds; engine decode {mode}")
+          f"median of {args.rounds} alternating rounds; engine decode {mode}, {weights} weights")
     print(f"{'':24}{'pdserve':>12}{'transformers':>14}{'ratio':>8}")
     print(f"{'single-stream tok/s':24}{e['single_tok_s']:12.1f}{t['single_tok_s']:14.1f}"
           f"{e['single_tok_s'] / t['single_tok_s']:8.2f}x")

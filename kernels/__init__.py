@@ -8,6 +8,7 @@ from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.cache import write_kv_cache
 from kernels.decode_attention import decode_attention, decode_attention_planned, decode_gather_plan
 from kernels.dispatch import force_backend, kernel_backend
+from kernels.linear import PackedWeight, linear, packing_available
 from kernels.norm import rms_norm, rms_norm_ref
 from kernels.prefill_attention import prefill_attention
 from kernels.rope import apply_rope, apply_rope_tables, rope_cos_sin_cache, rope_tables
@@ -22,6 +23,9 @@ __all__ = [
     "decode_attention",
     "force_backend",
     "kernel_backend",
+    "linear",
+    "packing_available",
+    "PackedWeight",
     "prefill_attention",
     "rms_norm",
     "rms_norm_ref",

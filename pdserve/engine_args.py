@@ -24,6 +24,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "max_num_seqs": 64,
     "no_prefix_caching": False,
     "compile": False,
+    "no_packed_weights": False,
 }
 
 
@@ -69,6 +70,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, suppress_defaults: bool = Fal
     p.add_argument("--compile", action="store_true", default=default("compile"),
                    help="CPU: run decode steps through torch.compile (the first steps compile, "
                         "~40 s per shape on 2 cores; faster decode after)")
+    p.add_argument("--no-packed-weights", action="store_true", default=default("no_packed_weights"),
+                   help="CPU fp32: keep weights dense instead of in MKL's packed GEMM layout")
 
 
 def engine_kwargs(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
@@ -78,7 +81,7 @@ def engine_kwargs(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any
                 kv_cache_gib=v["kv_cache_gib"], gpu_memory_fraction=v["gpu_memory_fraction"],
                 block_size=v["block_size"], max_num_batched_tokens=v["max_num_batched_tokens"],
                 max_num_seqs=v["max_num_seqs"], enable_prefix_caching=not v["no_prefix_caching"],
-                compile=v.get("compile", False))
+                compile=v.get("compile", False), packed_weights=not v.get("no_packed_weights", False))
 
 
 def engine_config(values: argparse.Namespace | Mapping[str, Any], role: str = "mixed") -> EngineConfig:
@@ -89,7 +92,8 @@ def engine_config(values: argparse.Namespace | Mapping[str, Any], role: str = "m
         cache=CacheConfig(block_size=v["block_size"], cpu_kv_gib=v["kv_cache_gib"],
                           gpu_memory_fraction=v["gpu_memory_fraction"],
                           enable_prefix_caching=not v["no_prefix_caching"],
-                          compile_cpu_decode=v.get("compile", False)),
+                          compile_cpu_decode=v.get("compile", False),
+                          cpu_packed_weights=not v.get("no_packed_weights", False)),
         scheduler=SchedulerConfig(max_num_batched_tokens=v["max_num_batched_tokens"],
                                   max_num_seqs=v["max_num_seqs"], role=role),
     )

@@ -71,6 +71,9 @@ class ModelRunner:
         self.model = LlamaModel(model_config, dtype, device)
         self.model.load_weights(weights)
         self.model.eval()
+        if (cache_config.cpu_packed_weights and device.type == "cpu" and dtype == torch.float32
+                and kernels.packing_available()):
+            self.model.pack_weights()
         self.num_blocks = self._num_blocks(cache_config)
         c = model_config
         shape = (self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
@@ -99,7 +102,10 @@ class ModelRunner:
         self._decode_torch = functools.partial(decode_forward_torch, self.model, self.kv_caches)
         self.compiled_decode = self.torch_path and cache_config.compile_cpu_decode
         if self.compiled_decode:
-            self._decode_torch = torch.compile(self._decode_torch, fullgraph=True)
+            # inductor's per-call checks of every extern output's size, stride and alignment
+            # cost ~2 ms a step at batch 16; the graph's shapes are checked by its guards
+            self._decode_torch = torch.compile(self._decode_torch, fullgraph=True, options={
+                "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False})
         self.num_compiled_steps = 0
 
     @property

@@ -40,6 +40,7 @@ class UpConfig:
     max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"]
     no_prefix_caching: bool = ENGINE_DEFAULTS["no_prefix_caching"]
     compile: bool = ENGINE_DEFAULTS["compile"]
+    no_packed_weights: bool = ENGINE_DEFAULTS["no_packed_weights"]
     # pools
     mode: str = "disaggregated"
     prefill: int = 1
@@ -144,7 +145,7 @@ _INTS = {"max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"
          "port", "ray_object_store_mb"}
 _FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s",
            "slo_ttft", "slo_tpot"}
-_BOOLS = {"no_prefix_caching", "compile", "admission_control"}
+_BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control"}
 _OPTIONAL = {"dtype", "device", "max_model_len", "replicas", "worker_gpus", "address", "api_key", "served_model_name",
              "topology", "profile", "slo_ttft", "slo_tpot"}
 

@@ -50,6 +50,7 @@ class LlamaModel(nn.Module):
         else:
             self.lm_head = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **kw), requires_grad=False)
         self.scale = c.head_dim ** -0.5
+        self.packed_weights = False  # see pack_weights
         self.register_buffer(
             "cos_sin",
             kernels.rope_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta,
@@ -75,7 +76,17 @@ class LlamaModel(nn.Module):
         hidden = hidden[meta.logits_indices]
         residual = residual[meta.logits_indices]  # type: ignore[index]
         hidden, _ = kernels.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
-        return torch.matmul(hidden, self.lm_head.t()).float()
+        return kernels.linear(hidden, self.lm_head).float()
+
+    def pack_weights(self) -> None:
+        """Puts the projections and the LM head in MKL's packed GEMM layout (fp32 on the CPU;
+        see kernels/linear.py), dropping their dense tensors. A tied LM head gets a packed
+        copy of its own: the embedding table stays dense for the lookups."""
+        for layer in self.layers:
+            for name in PROJECTIONS:
+                _replace_weight(layer, name, kernels.PackedWeight(getattr(layer, name)))
+        _replace_weight(self, "lm_head", kernels.PackedWeight(self.lm_head))
+        self.packed_weights = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads Hugging Face-named tensors, fusing q/k/v and gate/up. Every parameter must
@@ -151,6 +162,14 @@ class LlamaModel(nn.Module):
         raise ValueError(f"unexpected weight {name!r}")
 
 
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _replace_weight(module: nn.Module, name: str, value: kernels.PackedWeight) -> None:
+    module._parameters.pop(name, None)  # a plain attribute from now on
+    setattr(module, name, value)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -175,7 +194,7 @@ class DecoderLayer(nn.Module):
             x = kernels.rms_norm(hidden, self.input_norm, c.rms_norm_eps)
         else:
             x, residual = kernels.rms_norm(hidden, self.input_norm, c.rms_norm_eps, residual)
-        qkv = torch.nn.functional.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = kernels.linear(x, self.qkv_proj, self.qkv_bias)
         num_tokens = qkv.shape[0]
         k_cache, v_cache = kv_cache
         if meta.rope_tables is not None:  # torch path: fewer, larger ops
@@ -193,10 +212,10 @@ class DecoderLayer(nn.Module):
             q = kernels.rope_write_kv(q, k, v, meta.positions, cos_sin, k_cache, v_cache,
                                       meta.slot_mapping)
         attn = _attention(q, k_cache, v_cache, meta, scale)
-        hidden = torch.matmul(attn.reshape(num_tokens, c.q_size), self.o_proj.t())
+        hidden = kernels.linear(attn.reshape(num_tokens, c.q_size), self.o_proj)
         x, residual = kernels.rms_norm(hidden, self.post_norm, c.rms_norm_eps, residual)
-        gate_up = torch.matmul(x, self.gate_up_proj.t())
-        hidden = torch.matmul(kernels.silu_and_mul(gate_up), self.down_proj.t())
+        gate_up = kernels.linear(x, self.gate_up_proj)
+        hidden = kernels.linear(kernels.silu_and_mul(gate_up), self.down_proj)
         return hidden, residual
 
 
@@ -234,17 +253,16 @@ def decode_forward_torch(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, 
         if index:
             residual = hidden + residual
         x = kernels.rms_norm_ref(residual, layer.input_norm, eps)
-        heads = torch.nn.functional.linear(x, layer.qkv_proj, layer.qkv_bias).view(batch, nh + 2 * nk, d)
+        heads = kernels.linear(x, layer.qkv_proj, layer.qkv_bias).view(batch, nh + 2 * nk, d)
         qk = kernels.apply_rope_tables(heads[:, :nh + nk], cos, signed_sin)
         k_cache, v_cache = kv_caches[index]
         k_cache.view(-1, nk, d).index_copy_(0, slot_mapping, qk[:, nh:])
         v_cache.view(-1, nk, d).index_copy_(0, slot_mapping, heads[:, nh + nk:])
         attn = kernels.decode_attention_planned(qk[:, :nh], k_cache, v_cache, plan, model.scale)
-        out = torch.nn.functional.linear(attn.reshape(batch, nh * d), layer.o_proj)
+        out = kernels.linear(attn.reshape(batch, nh * d), layer.o_proj)
         residual = out + residual
         x = kernels.rms_norm_ref(residual, layer.post_norm, eps)
-        hidden = torch.nn.functional.linear(
-            kernels.silu_and_mul_ref(torch.nn.functional.linear(x, layer.gate_up_proj)), layer.down_proj)
+        hidden = kernels.linear(kernels.silu_and_mul_ref(kernels.linear(x, layer.gate_up_proj)), layer.down_proj)
     residual = (hidden + residual)[logits_indices]
     x = kernels.rms_norm_ref(residual, model.norm, eps)
-    return torch.nn.functional.linear(x, model.lm_head).float()
+    return kernels.linear(x, model.lm_head).float()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import kernels
+
 from pdserve.engine_args import engine_config
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
@@ -42,3 +44,32 @@ def test_compile_flag_reaches_the_cache_config():
               "no_prefix_caching": False, "compile": True}
     assert engine_config(values).cache.compile_cpu_decode is True
     assert engine_config({**values, "compile": False}).cache.compile_cpu_decode is False
+
+
+def test_packed_weights_default_on_cpu_fp32_same_tokens():
+    """CPU fp32 engines pack their projections and LM head (kernels/linear.py) unless told not
+    to; the greedy tokens are the same either way."""
+    def run(packed: bool):
+        llm = LLM("random:tiny-qwen2", device="cpu", dtype="float32", num_blocks=64, block_size=16,
+                  max_num_batched_tokens=32, max_num_seqs=8, packed_weights=packed)
+        rng = random.Random(7)
+        prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in LENGTHS]
+        params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in MAX_TOKENS]
+        return [o.token_ids for o in llm.generate(prompts, params)], llm
+
+    packed, packed_llm = run(True)
+    dense, dense_llm = run(False)
+    assert packed_llm.engine.runner.model.packed_weights
+    assert not dense_llm.engine.runner.model.packed_weights
+    assert isinstance(packed_llm.engine.runner.model.layers[0].qkv_proj, kernels.PackedWeight)
+    assert packed == dense
+    bf16 = LLM("random:tiny-qwen2", device="cpu", dtype="bfloat16", num_blocks=8)
+    assert not bf16.engine.runner.model.packed_weights  # MKL packs fp32 only
+
+
+def test_no_packed_weights_flag_reaches_the_cache_config():
+    values = {"model": "smollm2", "dtype": None, "device": None, "max_model_len": None, "kv_cache_gib": 0.5,
+              "gpu_memory_fraction": 0.85, "block_size": 16, "max_num_batched_tokens": 512, "max_num_seqs": 8,
+              "no_prefix_caching": False}
+    assert engine_config(values).cache.cpu_packed_weights is True
+    assert engine_config({**values, "no_packed_weights": True}).cache.cpu_packed_weights is False

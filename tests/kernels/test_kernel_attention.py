@@ -87,15 +87,17 @@ def test_decode_ref_bf16_close_to_naive(paged_kv, naive_attention):
 @pytest.mark.parametrize("seq_lens, hq, hk, d, bs, dtype, num_splits", DECODE_CASES[:5] + [
     pytest.param([37], 6, 2, 64, 16, F32, None, id="single-unmasked"),
     pytest.param([20, 20], 4, 4, 64, 16, F32, None, id="equal-unmasked")])
-def test_decode_planned_matches_ref(paged_kv, seq_lens, hq, hk, d, bs, dtype, num_splits):
-    """The CPU engine's per-step plan + SDPA equals the reference, with and without a mask."""
+@pytest.mark.parametrize("gather_free", [False, True], ids=["sdpa", "gather-free"])
+def test_decode_planned_matches_ref(paged_kv, seq_lens, hq, hk, d, bs, dtype, num_splits, gather_free):
+    """The CPU engine's per-step plan equals the reference, with and without a mask, both as
+    SDPA over gathered K/V and in the gather-free form torch.compile runs."""
     kv = paged_kv(seq_lens, hk, d, bs, dtype, seed=4, stale=0.0)
     q = torch.randn(len(seq_lens), hq, d).to(dtype)
     scale = 1 / math.sqrt(d)
     slots, mask, length = plan = decode_gather_plan(kv.block_tables, kv.seq_lens, bs)
     assert length == max(seq_lens) and slots.shape == (len(seq_lens) * length,)
     assert (mask is None) == (len(set(seq_lens)) == 1)
-    got = decode_attention_planned(q, kv.k_cache, kv.v_cache, plan, scale)
+    got = decode_attention_planned(q, kv.k_cache, kv.v_cache, plan, scale, gather_free=gather_free)
     expected = decode_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
