@@ -2,10 +2,11 @@
 
 A dense fp32 GEMM on the CPU packs panels of the weight into the blocked layout its
 micro-kernel reads, on every call. At decode sizes (M = running requests, 1 to a few dozen)
-that repacking is a large share of the call: on 2 cores a SmolLM2 layer stack at M=16 runs
-~1.4x faster from weights packed once at load (`cblas_sgemm_pack` through torch's
-`mkl._mkl_reorder_linear_weight`), the same at M=1, and slower from M ~ 256 up (prefill
-chunks), where the dense path's own packing pays off.
+that repacking is a large share of the call: on 2 cores a SmolLM2 layer stack runs 1.3x
+faster at M=4..16 from weights packed once at load (`cblas_sgemm_pack` through torch's
+`mkl._mkl_reorder_linear_weight`), ~5% slower at M=1-2 (MKL's packed path is no faster for
+a matrix-vector product), and slower from M ~ 256 up, where the dense path's own packing pays
+off; a whole prefill of 500-640 tokens took within 3% of the dense time.
 
 The packed copy is the same size as the dense one and replaces it (`PackedWeight`); MKL's
 packed layout of a weight does not depend on M (`_mkl_reorder_linear_weight` gives the same
