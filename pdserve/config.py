@@ -93,8 +93,9 @@ class CacheConfig:
     # a 2-core CPU; off by default.
     compile_cpu_decode: bool = False
     # fp32 on the CPU: projections and LM head in MKL's packed GEMM layout (kernels/linear.py):
-    # 1.3x faster matmuls from 4 running requests up, ~5% slower at 1-2; the same memory but
-    # for a packed copy of a tied LM head. Ignored elsewhere.
+    # 1.3x faster matmuls from 4 running requests up, ~5% slower at 1-2 (single-stream decode
+    # ~9% slower end to end); the same memory but for a packed copy of a tied LM head.
+    # Ignored elsewhere.
     cpu_packed_weights: bool = True
 
     def __post_init__(self) -> None:
