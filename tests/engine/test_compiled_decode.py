@@ -17,10 +17,10 @@ LENGTHS = [5, 40, 77, 18]
 MAX_TOKENS = [3, 25, 9, 12]
 
 
-def _run(compile: bool):
+def _run(compile: bool, packed_weights: bool = True, seed: int = 5):
     llm = LLM("random:tiny-qwen2", device="cpu", dtype="float32", num_blocks=64, block_size=16,
-              max_num_batched_tokens=32, max_num_seqs=8, compile=compile)
-    rng = random.Random(5)
+              max_num_batched_tokens=32, max_num_seqs=8, compile=compile, packed_weights=packed_weights)
+    rng = random.Random(seed)
     prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in LENGTHS]
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in MAX_TOKENS]
     outs = llm.generate(prompts, params)
@@ -49,16 +49,8 @@ def test_compile_flag_reaches_the_cache_config():
 def test_packed_weights_default_on_cpu_fp32_same_tokens():
     """CPU fp32 engines pack their projections and LM head (kernels/linear.py) unless told not
     to; the greedy tokens are the same either way."""
-    def run(packed: bool):
-        llm = LLM("random:tiny-qwen2", device="cpu", dtype="float32", num_blocks=64, block_size=16,
-                  max_num_batched_tokens=32, max_num_seqs=8, packed_weights=packed)
-        rng = random.Random(7)
-        prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in LENGTHS]
-        params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in MAX_TOKENS]
-        return [o.token_ids for o in llm.generate(prompts, params)], llm
-
-    packed, packed_llm = run(True)
-    dense, dense_llm = run(False)
+    packed, packed_llm = _run(False, packed_weights=True, seed=7)
+    dense, dense_llm = _run(False, packed_weights=False, seed=7)
     assert packed_llm.engine.runner.model.packed_weights
     assert not dense_llm.engine.runner.model.packed_weights
     assert isinstance(packed_llm.engine.runner.model.layers[0].qkv_proj, kernels.PackedWeight)
