@@ -59,9 +59,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Ten
     if not isinstance(weight, PackedWeight):
         return torch.nn.functional.linear(x, weight, bias)
     n, k = weight.shape_of.shape
-    rows = x.reshape(-1, k)
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
+    rows = x.reshape(-1, k).contiguous()  # no copy when already contiguous
     if torch.compiler.is_compiling():  # inductor lowers _mkl_linear only for frozen constants
         out = torch.ops.pdserve.packed_linear(rows, weight.packed, weight.shape_of, bias)
     else:

@@ -50,7 +50,6 @@ class LlamaModel(nn.Module):
         else:
             self.lm_head = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **kw), requires_grad=False)
         self.scale = c.head_dim ** -0.5
-        self.packed_weights = False  # see pack_weights
         self.register_buffer(
             "cos_sin",
             kernels.rope_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta,
@@ -86,7 +85,10 @@ class LlamaModel(nn.Module):
             for name in PROJECTIONS:
                 _replace_weight(layer, name, kernels.PackedWeight(getattr(layer, name)))
         _replace_weight(self, "lm_head", kernels.PackedWeight(self.lm_head))
-        self.packed_weights = True
+
+    @property
+    def packed_weights(self) -> bool:
+        return isinstance(self.lm_head, kernels.PackedWeight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads Hugging Face-named tensors, fusing q/k/v and gate/up. Every parameter must
