@@ -337,7 +337,7 @@ class ClusterBackend:
                 prefill.num_inflight -= 1
                 prefill.num_inflight_tokens -= n
                 self.network.finish_flow(flow, result, n)
-            self._record_transfer(result.kv_bytes, result.kv_seconds, dict(result.kv_phases))
+            self._record_transfer(result.kv_bytes, result.kv_seconds, result.kv_phases)
             first = result.first
             if self._worker_aborted(flight, first):
                 raise WorkerFailed(f"worker {prefill.worker_id} aborted the request", worker_id=prefill.worker_id)
