@@ -59,7 +59,8 @@ class _Incoming:
     scatter_s: float = 0.0
     received_at: float | None = None  # the last payload handed to land()
     peers: set = field(default_factory=set)
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    lock: threading.RLock = field(default_factory=threading.RLock)  # held while its blocks are written
+    dst_index: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # on the pools' device
 
     @property
     def complete(self) -> bool:
@@ -178,38 +179,64 @@ class ReceiveLedger:
     def land(self, key: int, layer: int, dst_ids: list[int], staged: torch.Tensor, peer: Peer) -> bool:
         """Scatter ``staged`` ``[2, n, *block_shape]`` into blocks ``dst_ids`` ``[n]`` of
         ``layer`` if the transfer is still live; returns whether it landed. Late or bad
-        data is counted and dropped, and the sender is told why. On CUDA the scatter runs
-        on the caller's current stream and is waited for (only that stream): call it from
-        a thread that may block, with a stream of its own."""
-        nbytes = staged.numel() * staged.element_size()
-        received_at = self._clock()
-        self.count("messages_received")
-        self.count("bytes_received", nbytes)
-        incoming, reason = self._admit(key, layer, dst_ids, peer)
-        if incoming is not None and reason == NackReason.NONE:
-            with incoming.lock:
-                if incoming.state == _PENDING:  # cancel/expiry wait for this lock: no write after they return
-                    start = time.perf_counter()
-                    index = torch.tensor(dst_ids, dtype=torch.int64)
-                    if staged.is_cuda:
-                        index = index.pin_memory().to(self._device, non_blocking=True)
-                    scatter_layer(self._caches, layer, index, staged)
-                    if staged.is_cuda:
-                        torch.cuda.current_stream(staged.device).synchronize()
-                    incoming.scatter_s += time.perf_counter() - start
-                    incoming.received_at = received_at
-                    self._record_landing(incoming, layer, dst_ids, nbytes)
-                    return True
-                if incoming.state == _DONE:  # a duplicate after completion: harmless, nobody to tell
-                    reason = NackReason.NONE
-                else:
-                    reason = NackReason.CANCELLED if incoming.error is None else NackReason.BAD_MESSAGE
-        self.count("messages_dropped")
-        self.count("bytes_dropped", nbytes)
-        logger.debug("dropped KV message for transfer key %#x layer %d: %s", key, layer, reason.name)
-        if reason != NackReason.NONE:
-            self._on_nack({peer}, key, reason)
-        return False
+        data is counted and dropped, and the sender is told why."""
+        return self.land_many([(key, layer, dst_ids, staged, peer)])[0]
+
+    def land_many(self, items: Sequence[tuple[int, int, list[int], torch.Tensor, Peer]]) -> list[bool]:
+        """``land`` for several messages ``(key, layer, dst_ids, staged, peer)`` with one wait:
+        every scatter is enqueued on the caller's current stream, the stream is waited for once,
+        then the landings are recorded (and acknowledged). Each live transfer's lock is held
+        from its first scatter to that wait, so that cancel and expiry, which wait for the lock,
+        still promise that nothing is written after they return. On CUDA, call it from a
+        thread that may block, with a stream of its own."""
+        landed: list[tuple[_Incoming, int, list[int], int]] = []
+        held: list[_Incoming] = []
+        results = [False] * len(items)
+        start = time.perf_counter()
+        try:
+            for i, (key, layer, dst_ids, staged, peer) in enumerate(items):
+                nbytes = staged.numel() * staged.element_size()
+                self.count("messages_received")
+                self.count("bytes_received", nbytes)
+                incoming, reason = self._admit(key, layer, dst_ids, peer)
+                if incoming is not None and reason == NackReason.NONE:
+                    incoming.lock.acquire()
+                    held.append(incoming)
+                    if incoming.state == _PENDING:
+                        scatter_layer(self._caches, layer, self._dst_index(incoming, dst_ids), staged)
+                        landed.append((incoming, layer, dst_ids, nbytes))
+                        results[i] = True
+                        continue
+                    if incoming.state == _DONE:  # a duplicate after completion: harmless, nobody to tell
+                        reason = NackReason.NONE
+                    else:
+                        reason = NackReason.CANCELLED if incoming.error is None else NackReason.BAD_MESSAGE
+                self.count("messages_dropped")
+                self.count("bytes_dropped", nbytes)
+                logger.debug("dropped KV message for transfer key %#x layer %d: %s", key, layer, reason.name)
+                if reason != NackReason.NONE:
+                    self._on_nack({peer}, key, reason)
+            if landed and self._device.type == "cuda":
+                torch.cuda.current_stream(self._device).synchronize()
+            elapsed = time.perf_counter() - start
+            received_at = self._clock()
+            for incoming, layer, dst_ids, nbytes in landed:
+                incoming.scatter_s += elapsed / len(landed)
+                incoming.received_at = received_at
+                self._record_landing(incoming, layer, dst_ids, nbytes)
+        finally:
+            for incoming in held:
+                incoming.lock.release()
+        return results
+
+    def _dst_index(self, incoming: _Incoming, dst_ids: list[int]) -> torch.Tensor:
+        """The scatter index of ``dst_ids`` on the pools' device, built once per transfer and
+        block list (every layer of a chunk lands in the same blocks)."""
+        ids = tuple(dst_ids)
+        index = incoming.dst_index.get(ids)
+        if index is None:
+            index = incoming.dst_index[ids] = torch.tensor(ids, dtype=torch.int64, device=self._device)
+        return index
 
     def _admit(self, key: int, layer: int, dst_ids: Sequence[int], peer: Peer) -> tuple[_Incoming | None, NackReason]:
         self._expire_due()

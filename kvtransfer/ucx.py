@@ -136,9 +136,9 @@ class _Slot:
 
 
 class _Lander:
-    """The receiver's thread that scatters received payloads into the pools (``ledger.land``
-    blocks until its scatter is done), on a CUDA stream of its own, then runs each item's
-    ``done`` (which frees the staging slot)."""
+    """The receiver's thread that scatters received payloads into the pools, on a CUDA stream
+    of its own: it takes every payload queued so far, scatters them all and waits once
+    (``ledger.land_many``), then runs each item's ``done`` (which frees its staging slot)."""
 
     def __init__(self, ledger: ReceiveLedger, device: torch.device):
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
@@ -159,15 +159,22 @@ class _Lander:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             context = torch.cuda.stream(torch.cuda.Stream(device))
+        closing = False
         with context:
-            while (item := self._todo.get()) is not None:
-                key, layer, dst_ids, staged, conn, done = item
+            while not closing:
+                batch = [self._todo.get()]
+                while not self._todo.empty() and len(batch) < 64:  # what arrived meanwhile: one wait for all
+                    batch.append(self._todo.get())
+                if None in batch:
+                    closing = True
+                    batch = batch[:batch.index(None)]
                 try:
-                    ledger.land(key, layer, dst_ids, staged, conn)
+                    ledger.land_many([item[:5] for item in batch])
                 except Exception as e:  # a failed scatter fails the transfer, not the thread
-                    logger.error("landing a KV payload failed: %s: %s", type(e).__name__, e)
+                    logger.error("landing KV payloads failed: %s: %s", type(e).__name__, e)
                 finally:
-                    done()
+                    for item in batch:
+                        item[5]()
 
 
 class UcxReceiver(KVReceiver):
@@ -430,7 +437,7 @@ class UcxSender(KVSender):
     """Options: ``pacer`` (a LinkPacer keyed by address), ``connect_timeout``,
     ``max_inflight`` (messages posted and not yet completed, per connection)."""
 
-    _INDEX_CACHE = 16  # source block lists kept as device index tensors (one per chunk in flight)
+    _INDEX_CACHE = 16  # block lists kept as device index tensors and wire bytes (one per chunk in flight)
 
     def __init__(
         self,
@@ -452,28 +459,33 @@ class UcxSender(KVSender):
         self._closed = False
         self._close_lock = threading.Lock()
         self._waiter: queue.SimpleQueue | None = None
-        self._src_index: collections.OrderedDict[tuple[int, ...], torch.Tensor] = collections.OrderedDict()
+        self._index_cache: collections.OrderedDict[tuple, tuple[torch.Tensor, bytes]] = collections.OrderedDict()
         self._host_buffers = HostBuffers() if not kv_caches[0][0].is_cuda else None
         self._buffers_lock = threading.Lock()
         self._rt = UcxRuntime.acquire()
         _LIVE.add(self)
 
-    def _source_index(self, src_block_ids: Sequence[int], pool: torch.Tensor) -> torch.Tensor:
-        """The gather index of ``src_block_ids`` on the pools' device. Every layer of a chunk
-        sends the same blocks, so it is built once per chunk: building it on CUDA from a
-        Python list is a synchronous copy that would stall the engine's stream each layer."""
-        ids = tuple(src_block_ids)
-        index = self._src_index.get(ids)
-        if index is not None:
-            self._src_index.move_to_end(ids)
-            return index
-        index = block_index(ids, pool.shape[0], "src_block_ids", torch.device("cpu"))
+    def _indices(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+                 pool: torch.Tensor) -> tuple[torch.Tensor, bytes]:
+        """The gather index of the source blocks on the pools' device and the wire bytes of the
+        destination ids. Every layer of a chunk sends the same blocks, so both are built (and
+        checked) once per chunk: building the index on CUDA from a Python list is a
+        synchronous copy that would stall the engine's stream at every layer."""
+        ids = (tuple(src_block_ids), tuple(dst_block_ids))
+        cached = self._index_cache.get(ids)
+        if cached is not None:
+            self._index_cache.move_to_end(ids)
+            return cached
+        if len(ids[0]) != len(ids[1]):
+            raise ValueError(f"{len(ids[0])} source blocks but {len(ids[1])} destination blocks")
+        src = block_index(ids[0], pool.shape[0], "src_block_ids", torch.device("cpu"))
+        dst = block_index(ids[1], None, "dst_block_ids", torch.device("cpu"))
         if pool.is_cuda:
-            index = index.pin_memory().to(pool.device, non_blocking=True)
-        self._src_index[ids] = index
-        if len(self._src_index) > self._INDEX_CACHE:
-            self._src_index.popitem(last=False)
-        return index
+            src = src.pin_memory().to(pool.device, non_blocking=True)
+        cached = self._index_cache[ids] = (src, dst.numpy().astype("<i4").tobytes())
+        if len(self._index_cache) > self._INDEX_CACHE:
+            self._index_cache.popitem(last=False)
+        return cached
 
     def send_layer(self, address, transfer_id, layer, src_block_ids, dst_block_ids) -> None:
         if self._closed:
@@ -481,11 +493,8 @@ class UcxSender(KVSender):
         parse_address(address)
         if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer!r} outside [0, {self.layout.num_layers})")
-        if len(src_block_ids) != len(dst_block_ids):
-            raise ValueError(f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks")
         pool = self._caches[layer][0]
-        src = self._source_index(src_block_ids, pool)
-        dst = block_index(dst_block_ids, None, "dst_block_ids", torch.device("cpu"))
+        src, dst_bytes = self._indices(src_block_ids, dst_block_ids, pool)
         out = None
         if self._host_buffers is not None:
             with self._buffers_lock:
@@ -496,8 +505,8 @@ class UcxSender(KVSender):
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(payload.device))
         key = self._ledger.on_enqueue(transfer_id, address, payload.numel())
-        header = WireHeader(MsgKind.LAYER, key, layer, dst.numel(), payload.numel(), self.layout.fingerprint)
-        control = np.frombuffer(header.pack() + dst.numpy().astype("<i4").tobytes(), dtype=np.uint8)
+        header = WireHeader(MsgKind.LAYER, key, layer, src.numel(), payload.numel(), self.layout.fingerprint)
+        control = np.frombuffer(header.pack() + dst_bytes, dtype=np.uint8)
         msg = _Message(key, control, payload, ready)
         if ready is None:
             self._ledger.on_staged(key)
@@ -518,20 +527,36 @@ class UcxSender(KVSender):
             return self._waiter
 
     def _wait_gathers(self, todo: queue.SimpleQueue) -> None:
-        while (item := todo.get()) is not None:
-            address, msg = item
-            try:
-                msg.ready.synchronize()  # releases the GIL
-            except Exception as e:  # a failed CUDA context: the transfer fails, the thread goes on
-                self._ledger.fail_key(msg.key, KVTransferError(f"KV gather failed: {e}"))
+        """Takes every message queued so far, waits for the last one's gather (gathers run in
+        order on the stream their send_layer was called on, so one wait covers those before
+        it on that stream) and hands them all to the loop in one call."""
+        closing = False
+        while not closing:
+            batch = [todo.get()]
+            while not todo.empty() and len(batch) < 64:
+                batch.append(todo.get())
+            if None in batch:
+                closing = True
+                batch = batch[:batch.index(None)]
+            if not batch:
                 continue
-            msg.ready = None
-            self._ledger.on_staged(msg.key)
-            msg.ready_at = self._pacer.now() if self._pacer is not None else 0.0
             try:
-                self._rt.call_soon(self._enqueue, address, msg)
+                for _, msg in reversed(batch):  # the last first: the others are then (nearly) done
+                    msg.ready.synchronize()  # releases the GIL
+            except Exception as e:  # a failed CUDA context: the transfers fail, the thread goes on
+                for _, msg in batch:
+                    self._ledger.fail_key(msg.key, KVTransferError(f"KV gather failed: {e}"))
+                continue
+            now = self._pacer.now() if self._pacer is not None else 0.0
+            for _, msg in batch:
+                msg.ready = None
+                msg.ready_at = now
+                self._ledger.on_staged(msg.key)
+            try:
+                self._rt.call_soon(self._enqueue_many, batch)
             except Exception as e:  # runtime gone (closing)
-                self._ledger.fail_key(msg.key, KVTransferError(f"sender closed: {e}"))
+                for _, msg in batch:
+                    self._ledger.fail_key(msg.key, KVTransferError(f"sender closed: {e}"))
 
     def finish(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
         return self._ledger.finish(transfer_id, timeout)
@@ -557,6 +582,10 @@ class UcxSender(KVSender):
             UcxRuntime.release()
 
     # ---- on the loop -------------------------------------------------------------------
+
+    def _enqueue_many(self, batch: list[tuple[str, _Message]]) -> None:
+        for address, msg in batch:
+            self._enqueue(address, msg)
 
     def _enqueue(self, address: str, msg: _Message) -> None:
         if self._closed:
