@@ -4,11 +4,11 @@ Engine layout: per layer a K pool and a V pool, each a contiguous tensor
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Two workers may exchange KV only
 if their layouts match (``num_blocks`` may differ; it is not part of the layout).
 
-Wire format (little endian, ``WIRE_VERSION`` 1). Every message starts with a fixed
+Wire format (little endian, ``WIRE_VERSION`` 2). Every message starts with a fixed
 48-byte header::
 
     magic u32 | version u16 | kind u16 | transfer_key u64 | layer u32 | num_blocks u32
-    | num_bytes u64 | fingerprint u64 | status u32 | reserved u32
+    | num_bytes u64 | fingerprint u64 | status u32 | layers u32
 
 - HELLO / HELLO_OK / HELLO_REJECT (handshake, first message each way on a new
   connection): header followed by the 32-byte layout descriptor
@@ -16,8 +16,10 @@ Wire format (little endian, ``WIRE_VERSION`` 1). Every message starts with a fix
   A transport may append data to HELLO_OK (UCX: the receiver's worker address, its
   length in ``num_bytes``, and the data-path tag in ``transfer_key``).
 - LAYER (sender -> receiver): header followed by ``num_blocks`` int32 destination block
-  ids; then, as a separate payload message, ``num_bytes`` bytes: the K blocks then the V
-  blocks, each ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous.
+  ids; then, as a separate payload message, ``num_bytes`` bytes: for each of the ``layers``
+  consecutive layers from ``layer`` on (v2; v1 had one), the K blocks then the V blocks,
+  each ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous, i.e.
+  ``[layers, 2, num_blocks, *block_shape]``.
 - ACK / NACK (receiver -> sender), header only: the transfer landed (``num_bytes``
   landed) or was dropped (``status`` says why).
 - BYE (sender -> receiver), header only: the sender closes this connection.
@@ -36,7 +38,7 @@ import torch
 from kvtransfer.errors import KVTransferError
 
 WIRE_MAGIC = 0x3158564B  # b"KVX1" read as little-endian u32
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 
 _HEADER = struct.Struct("<IHHQIIQQII")
 _LAYOUT = struct.Struct("<IIII16s")
@@ -173,12 +175,13 @@ class WireHeader:
     fingerprint: int = 0
     status: int = 0
     version: int = -1  # -1: this process's WIRE_VERSION at pack time
+    layers: int = 1  # LAYER: consecutive layers in the payload, from `layer` on
 
     def pack(self) -> bytes:
         version = WIRE_VERSION if self.version < 0 else self.version
         return _HEADER.pack(
             WIRE_MAGIC, version, int(self.kind), self.transfer_key, self.layer,
-            self.num_blocks, self.num_bytes, self.fingerprint, self.status, 0,
+            self.num_blocks, self.num_bytes, self.fingerprint, self.status, self.layers,
         )
 
 
@@ -192,7 +195,7 @@ def unpack_header(buf, expected_fingerprint: int | None = None, check_version: b
     view = memoryview(buf).cast("B")
     if view.nbytes < HEADER_BYTES:
         raise KVTransferError(f"short KV header: {view.nbytes} bytes, need {HEADER_BYTES}")
-    magic, version, kind, key, layer, num_blocks, num_bytes, fingerprint, status, _ = _HEADER.unpack_from(view)
+    magic, version, kind, key, layer, num_blocks, num_bytes, fingerprint, status, layers = _HEADER.unpack_from(view)
     if magic != WIRE_MAGIC:
         raise KVTransferError(f"bad KV wire magic {magic:#x}, expected {WIRE_MAGIC:#x}: peer is not a kvtransfer endpoint")
     if check_version and version != WIRE_VERSION:
@@ -205,7 +208,7 @@ def unpack_header(buf, expected_fingerprint: int | None = None, check_version: b
         raise KVTransferError(
             f"KV layout fingerprint mismatch: peer {fingerprint:#018x}, local {expected_fingerprint:#018x}"
         )
-    return WireHeader(msg_kind, key, layer, num_blocks, num_bytes, fingerprint, status, version)
+    return WireHeader(msg_kind, key, layer, num_blocks, num_bytes, fingerprint, status, version, layers)
 
 
 def pack_layout(layout: KVLayout) -> bytes:

@@ -17,10 +17,16 @@ Per connection (sender -> receiver):
 2. Data path: the sender opens a second endpoint from that worker address, without
    endpoint error handling: UCX only offers its shared-memory transports (posix,
    sysv, cma) and CUDA IPC to endpoints without peer-failure handling, and these are
-   what make same-host transfers fast. Per ``send_layer``: a control message (header
-   + int32 destination block ids) then the payload (K then V of the blocks, gathered
-   into one staging buffer), tagged with the connection's tag and posted back to back
-   so the receiver matches them in order. Up to ``max_inflight`` messages are in
+   what make same-host transfers fast. Per message: a control message (header + int32
+   destination block ids) then the payload (K then V of the blocks of one or more
+   consecutive layers, gathered into one staging buffer), tagged with the connection's
+   tag and posted back to back so the receiver matches them in order. Consecutive
+   layers of one transfer's chunk are coalesced into one message up to
+   ``coalesce_bytes`` (default 64 MiB for CUDA pools, where a message costs far more in
+   fixed overhead than in bytes; 0, one layer per message, for host pools, where the link
+   is slow next to compute and each layer should leave as soon as it is computed); a
+   paced link coalesces at most what it moves in 2 ms. A group is sent when it is full
+   or at the chunk's last layer, so the layers of a chunk overlap the next chunk's compute. Up to ``max_inflight`` messages are in
    flight per connection; ``pacer`` delays them to an emulated link rate, counting
    each message ready from its ``send_layer`` (the sender loop's own time between
    messages is then not lost to the bucket: that is what holds 50-100 Gbit/s). On close
@@ -146,8 +152,9 @@ class _Lander:
                                         name="kvtransfer-landing")
         self._thread.start()
 
-    def put(self, key: int, layer: int, dst_ids: list[int], staged: torch.Tensor, conn: _Conn, done) -> None:
-        self._todo.put((key, layer, dst_ids, staged, conn, done))
+    def put(self, items: list[tuple[int, int, list[int], torch.Tensor, _Conn]], done) -> None:
+        """``items``: ``(key, layer, dst_ids, staged, conn)`` of one received message."""
+        self._todo.put((items, done))
 
     def close(self) -> None:
         self._todo.put(None)
@@ -169,12 +176,12 @@ class _Lander:
                     closing = True
                     batch = batch[:batch.index(None)]
                 try:
-                    ledger.land_many([item[:5] for item in batch])
+                    ledger.land_many([item for items, _ in batch for item in items])
                 except Exception as e:  # a failed scatter fails the transfer, not the thread
                     logger.error("landing KV payloads failed: %s: %s", type(e).__name__, e)
                 finally:
-                    for item in batch:
-                        item[5]()
+                    for _, done in batch:
+                        done()
 
 
 class UcxReceiver(KVReceiver):
@@ -335,9 +342,11 @@ class UcxReceiver(KVReceiver):
                     return
                 if header.kind != MsgKind.LAYER:
                     raise KVTransferError(f"expected a LAYER message, got {header.kind.name}")
-                n = header.num_blocks
-                if not 0 < n <= MAX_BLOCKS_PER_MESSAGE or header.num_bytes != self.layout.layer_message_bytes(n):
-                    raise KVTransferError(f"LAYER header with {n} blocks and {header.num_bytes} bytes is inconsistent")
+                n, layers = header.num_blocks, header.layers
+                if (not 0 < n <= MAX_BLOCKS_PER_MESSAGE or not 0 < layers <= self.layout.num_layers
+                        or header.num_bytes != layers * self.layout.layer_message_bytes(n)):
+                    raise KVTransferError(f"LAYER header with {n} blocks, {layers} layers and {header.num_bytes} "
+                                          "bytes is inconsistent")
                 dst_ids = control[HEADER_BYTES:HEADER_BYTES + n * BLOCK_ID_BYTES].view("<i4").tolist()
                 slot = await free.get()
                 raw = slot.view(header.num_bytes)
@@ -363,8 +372,11 @@ class UcxReceiver(KVReceiver):
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to free
                 loop.call_soon_threadsafe(free.put_nowait, slot)
 
-        staged = from_bytes(raw, self.layout, header.num_blocks)
-        self._lander.put(header.transfer_key, header.layer, dst_ids, staged, conn, done)
+        layer_bytes = self.layout.layer_message_bytes(header.num_blocks)
+        items = [(header.transfer_key, header.layer + i, dst_ids,
+                  from_bytes(raw[i * layer_bytes:(i + 1) * layer_bytes], self.layout, header.num_blocks), conn)
+                 for i in range(header.layers)]
+        self._lander.put(items, done)
 
     # ---- ledger callbacks (any thread) -------------------------------------------------
 
@@ -402,6 +414,7 @@ class _Message:
     payload: torch.Tensor  # flat uint8 staging buffer
     ready: torch.cuda.Event | None  # gather finished (CUDA); the waiter clears it
     ready_at: float = 0.0  # pacer clock when the payload was ready (0 when unpaced)
+    buffer: torch.Tensor | None = None  # the whole staging buffer the payload is a prefix of
 
     @property
     def nbytes(self) -> int:
@@ -433,9 +446,26 @@ class _Link:
         self.acks: asyncio.Task | None = None
 
 
+@dataclass
+class _Group:
+    """Consecutive layers of one transfer's chunk, gathered into one staging buffer."""
+
+    address: str
+    transfer_id: str
+    ids: tuple  # (src ids, dst ids)
+    dst_bytes: bytes
+    num_blocks: int
+    first_layer: int
+    capacity: int  # layers
+    buffer: torch.Tensor  # flat uint8, capacity * layer bytes
+    count: int = 0
+
+
 class UcxSender(KVSender):
     """Options: ``pacer`` (a LinkPacer keyed by address), ``connect_timeout``,
-    ``max_inflight`` (messages posted and not yet completed, per connection)."""
+    ``max_inflight`` (messages posted and not yet completed, per connection),
+    ``coalesce_bytes`` (most payload bytes per message; None: 64 MiB for CUDA pools, 0 --
+    one layer per message -- for host pools)."""
 
     _INDEX_CACHE = 16  # block lists kept as device index tensors and wire bytes (one per chunk in flight)
 
@@ -445,9 +475,15 @@ class UcxSender(KVSender):
         pacer: LinkPacer | None = None,
         connect_timeout: float = 5.0,
         max_inflight: int = 16,
+        coalesce_bytes: int | None = None,
     ):
         if not isinstance(max_inflight, int) or max_inflight < 1:
             raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
+        if coalesce_bytes is None:
+            coalesce_bytes = 64 << 20 if kv_caches and kv_caches[0][0].is_cuda else 0
+        if not isinstance(coalesce_bytes, int) or isinstance(coalesce_bytes, bool) or coalesce_bytes < 0:
+            raise ValueError(f"coalesce_bytes must be an int >= 0, got {coalesce_bytes!r}")
+        self._coalesce_bytes = coalesce_bytes
         self.layout = KVLayout.from_caches(kv_caches)
         self._caches = kv_caches
         self._pacer = pacer
@@ -459,14 +495,16 @@ class UcxSender(KVSender):
         self._closed = False
         self._close_lock = threading.Lock()
         self._waiter: queue.SimpleQueue | None = None
-        self._index_cache: collections.OrderedDict[tuple, tuple[torch.Tensor, bytes]] = collections.OrderedDict()
+        self._index_cache: collections.OrderedDict[tuple, tuple[torch.Tensor, bytes, tuple]] = collections.OrderedDict()
         self._host_buffers = HostBuffers() if not kv_caches[0][0].is_cuda else None
         self._buffers_lock = threading.Lock()
+        self._groups: dict[str, _Group] = {}  # open groups by transfer id
+        self._groups_lock = threading.Lock()
         self._rt = UcxRuntime.acquire()
         _LIVE.add(self)
 
     def _indices(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-                 pool: torch.Tensor) -> tuple[torch.Tensor, bytes]:
+                 pool: torch.Tensor) -> tuple[torch.Tensor, bytes, tuple]:
         """The gather index of the source blocks on the pools' device and the wire bytes of the
         destination ids. Every layer of a chunk sends the same blocks, so both are built (and
         checked) once per chunk: building the index on CUDA from a Python list is a
@@ -482,7 +520,7 @@ class UcxSender(KVSender):
         dst = block_index(ids[1], None, "dst_block_ids", torch.device("cpu"))
         if pool.is_cuda:
             src = src.pin_memory().to(pool.device, non_blocking=True)
-        cached = self._index_cache[ids] = (src, dst.numpy().astype("<i4").tobytes())
+        cached = self._index_cache[ids] = (src, dst.numpy().astype("<i4").tobytes(), ids)
         if len(self._index_cache) > self._INDEX_CACHE:
             self._index_cache.popitem(last=False)
         return cached
@@ -490,30 +528,67 @@ class UcxSender(KVSender):
     def send_layer(self, address, transfer_id, layer, src_block_ids, dst_block_ids) -> None:
         if self._closed:
             raise KVTransferError("sender is closed")
-        parse_address(address)
         if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer!r} outside [0, {self.layout.num_layers})")
         pool = self._caches[layer][0]
-        src, dst_bytes = self._indices(src_block_ids, dst_block_ids, pool)
-        out = None
+        src, dst_bytes, ids = self._indices(src_block_ids, dst_block_ids, pool)
+        with self._groups_lock:
+            group = self._groups.get(transfer_id)
+            if group is not None and (group.address != address or group.ids != ids
+                                      or layer != group.first_layer + group.count):
+                self._flush(self._groups.pop(transfer_id))
+                group = None
+            if group is None:
+                parse_address(address)
+                group = self._open_group(address, transfer_id, layer, ids, dst_bytes)
+            layer_bytes = self.layout.layer_message_bytes(group.num_blocks)
+            slot = group.buffer[group.count * layer_bytes:(group.count + 1) * layer_bytes]
+            gather_layer(self._caches, layer, src, slot)
+            group.count += 1
+            if group.count == group.capacity or layer == self.layout.num_layers - 1:
+                self._flush(self._groups.pop(transfer_id))
+
+    def _open_group(self, address: str, transfer_id: str, layer: int, ids: tuple, dst_bytes: bytes) -> _Group:
+        num_blocks = len(ids[0])
+        layer_bytes = self.layout.layer_message_bytes(num_blocks)
+        limit = self._coalesce_bytes
+        bucket = self._pacer.bucket_for(address) if self._pacer is not None else None
+        if bucket is not None:
+            limit = min(limit, int(bucket.bytes_per_second * 2e-3))
+        capacity = max(1, min(self.layout.num_layers - layer, limit // layer_bytes))
         if self._host_buffers is not None:
             with self._buffers_lock:
-                out = self._host_buffers.take(self.layout.layer_message_bytes(src.numel()))
-        payload = as_bytes(gather_layer(self._caches, layer, src, out))
+                buffer = self._host_buffers.take(capacity * layer_bytes)
+        else:
+            buffer = torch.empty(capacity * layer_bytes, dtype=torch.uint8, device=self._caches[0][0].device)
+        group = _Group(address, transfer_id, ids, dst_bytes, num_blocks, layer, capacity, buffer)
+        self._groups[transfer_id] = group
+        return group
+
+    def _flush(self, group: _Group) -> None:
+        """Sends an open group as one message (called with the groups lock held)."""
+        payload = group.buffer[:group.count * self.layout.layer_message_bytes(group.num_blocks)]
         ready = None
         if payload.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(payload.device))
-        key = self._ledger.on_enqueue(transfer_id, address, payload.numel())
-        header = WireHeader(MsgKind.LAYER, key, layer, src.numel(), payload.numel(), self.layout.fingerprint)
-        control = np.frombuffer(header.pack() + dst_bytes, dtype=np.uint8)
-        msg = _Message(key, control, payload, ready)
+        key = self._ledger.on_enqueue(group.transfer_id, group.address, payload.numel())
+        header = WireHeader(MsgKind.LAYER, key, group.first_layer, group.num_blocks, payload.numel(),
+                            self.layout.fingerprint, layers=group.count)
+        msg = _Message(key, np.frombuffer(header.pack() + group.dst_bytes, dtype=np.uint8), payload, ready,
+                       buffer=group.buffer)
         if ready is None:
             self._ledger.on_staged(key)
             msg.ready_at = self._pacer.now() if self._pacer is not None else 0.0
-            self._rt.call_soon(self._enqueue, address, msg)
+            self._rt.call_soon(self._enqueue, group.address, msg)
         else:
-            self._gpu_waiter().put((address, msg))
+            self._gpu_waiter().put((group.address, msg))
+
+    def _flush_transfer(self, transfer_id: str) -> None:
+        with self._groups_lock:
+            group = self._groups.pop(transfer_id, None)
+            if group is not None:
+                self._flush(group)
 
     def _gpu_waiter(self) -> queue.SimpleQueue:
         """A thread that waits for each CUDA gather and then enqueues its message, in
@@ -559,6 +634,7 @@ class UcxSender(KVSender):
                     self._ledger.fail_key(msg.key, KVTransferError(f"sender closed: {e}"))
 
     def finish(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        self._flush_transfer(transfer_id)  # layers gathered but not yet sent (no last layer came)
         return self._ledger.finish(transfer_id, timeout)
 
     def metrics(self) -> dict[str, float]:
@@ -692,7 +768,7 @@ class UcxSender(KVSender):
         self._ledger.on_sent(msg.key, msg.payload.numel())
         if self._host_buffers is not None:
             with self._buffers_lock:
-                self._host_buffers.give(msg.payload)
+                self._host_buffers.give(msg.buffer if msg.buffer is not None else msg.payload)
 
     async def _read_replies(self, link: _Link) -> None:
         buf = np.zeros(HEADER_BYTES, dtype=np.uint8)

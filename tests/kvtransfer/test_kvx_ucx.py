@@ -203,3 +203,35 @@ def test_ucx_cuda_to_cuda_between_processes(peer):
     for layer in range(2):
         assert peer.call("read", layer, dst_ids) == block_bytes(src, layer, src_ids)
     peer.call("open_receiver", FP32)
+
+
+def test_ucx_coalesces_consecutive_layers(peer):
+    """With coalesce_bytes set, a chunk's layers travel in one message; interleaved transfers
+    and a chunk that ends before the last layer (flushed by finish) land exactly too."""
+    src = make_caches(FP32, seed=31)
+    address = peer.call("open_receiver", FP32)
+    a_src, a_dst, b_src, b_dst = [1, 6], [4, 9], [3, 12, 7], [0, 2, 13]
+    with kvtransfer.create_sender("ucx", src, coalesce_bytes=1 << 20) as sender:
+        peer.call("expect", "a", a_dst, 3, 20.0)
+        peer.call("expect", "b", b_dst, 2, 20.0)  # b's chunk stops after layer 1
+        for layer in range(3):
+            sender.send_layer(address, "a", layer, a_src, a_dst)
+            if layer < 2:
+                sender.send_layer(address, "b", layer, b_src, b_dst)
+        assert sender.finish("a", timeout=20).num_bytes == 3 * 2 * 2 * FP32.block_size * 2 * 8 * 4
+        assert sender.finish("b", timeout=20).num_bytes == 2 * 2 * 3 * FP32.block_size * 2 * 8 * 4
+        assert sender.metrics()["messages_sent"] == 2  # one per transfer, not one per layer
+        peer.call("wait", "a", 20.0)
+        peer.call("wait", "b", 20.0)
+    after = peer.call("read_all")
+    for layer in range(3):
+        for pool in range(2):
+            raw = torch.frombuffer(bytearray(after[layer][pool]), dtype=torch.float32).view(16, 4, 2, 8)
+            assert torch.equal(raw[a_dst], src[layer][pool][a_src])
+            if layer < 2:
+                assert torch.equal(raw[b_dst], src[layer][pool][b_src])
+
+
+def test_ucx_coalesce_bytes_is_checked():
+    with pytest.raises(ValueError, match="coalesce_bytes must be an int >= 0"):
+        kvtransfer.create_sender("ucx", make_caches(FP32, seed=1), coalesce_bytes=-1)
