@@ -103,7 +103,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         raise CliError(f"--kv-deadline-s must be > 0, got {args.kv_deadline_s}")
     if args.max_model_len is not None and args.max_model_len <= 0:
         raise CliError(f"--max-model-len must be > 0, got {args.max_model_len}")
-    settings = RouterSettings(model=args.model, served_model_name=args.served_model_name,
+    settings = RouterSettings(model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                               max_model_len=args.max_model_len, policy=args.policy, mode=args.mode,
                               host=args.host, port=args.port, api_key=args.api_key,
                               kv_deadline_s=args.kv_deadline_s, log_level=args.log_level.lower(),
@@ -241,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--worker", action="append", required=True, metavar="ROLE[#ID][@NODE]=HOST:PORT",
                    help="a worker (repeatable), e.g. prefill=10.0.0.1:50051")
     r.add_argument("--model", default=ENGINE_DEFAULTS["model"], help="model spec, for the tokenizer")
+    r.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer to use instead of the model's (as the workers' --tokenizer)")
     r.add_argument("--max-model-len", type=int_arg("--max-model-len"), default=None)
     r.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
     _add_router_args(r)

@@ -69,7 +69,8 @@ def run_router(entries: list[str], settings) -> int:
 
     check_listen(settings.host, settings.port)
     policy = make_router_policy(settings)
-    model = load_router_model(settings.model, settings.max_model_len, settings.served_model_name)
+    model = load_router_model(settings.model, settings.max_model_len, settings.served_model_name,
+                              tokenizer=settings.tokenizer)
     app, backend = build_app(directory, settings, model, policy)
     install_shutdown_signals()
     try:

@@ -115,8 +115,9 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
 
     engine_config(config.engine_values())  # bad engine values fail here, before Ray starts
     check_listen(config.host, config.port)
-    model = load_router_model(config.model, config.max_model_len, config.served_model_name)
-    settings = RouterSettings(model=config.model, served_model_name=config.served_model_name,
+    model = load_router_model(config.model, config.max_model_len, config.served_model_name,
+                              tokenizer=config.tokenizer)
+    settings = RouterSettings(model=config.model, tokenizer=config.tokenizer, served_model_name=config.served_model_name,
                               max_model_len=config.max_model_len, policy=config.policy, mode=config.mode,
                               host=config.host, port=config.port, api_key=config.api_key,
                               kv_deadline_s=config.kv_deadline_s, log_level=log_level.lower(),
