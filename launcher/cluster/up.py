@@ -15,13 +15,13 @@ import os
 import socket
 import sys
 
-from pdserve.cluster.config import UpConfig
+from launcher.cluster.config import UpConfig
 
 logger = logging.getLogger(__name__)
 
 
 def pool_specs(config: UpConfig, gpus_in_cluster: float):
-    from pdserve.cluster.pools import PoolSpec
+    from launcher.cluster.pools import PoolSpec
     from pdserve.engine_args import engine_config
 
     if config.worker_gpus is not None:
@@ -100,8 +100,8 @@ def _start_ray(config: UpConfig) -> bool:
 def run_up(config: UpConfig, log_level: str = "warning") -> int:
     from tqdm import tqdm
 
-    from pdserve.cluster.pools import ClusterPools, ClusterStartError
-    from pdserve.cluster.serving import (
+    from launcher.cluster.pools import ClusterPools, ClusterStartError
+    from launcher.cluster.serving import (
         RouterSettings,
         build_app,
         ignore_shutdown_signals,
@@ -148,7 +148,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
         max_len = min([model.max_model_len] + [h["max_model_len"] for h in health.values() if h.get("max_model_len")])
         model.max_model_len = max_len
 
-        from pdserve.cluster.directory import RayDirectory
+        from launcher.cluster.directory import RayDirectory
 
         directory = RayDirectory(config.namespace, config.cluster_name, pools.names)
         app, backend = build_app(directory, settings, model, policy)
