@@ -1,23 +1,32 @@
-"""Benchmark KV transfer between two processes over UCX.
+"""Benchmark KV transfer between two processes over UCX, against raw ``ucxx`` in the same run.
 
 For the KV of one prompt (all layers, K and V, non-contiguous blocks of 16 tokens) the
-sender process pushes every layer to a receiver process and waits for its
-acknowledgement. Reported: achieved GB/s end to end (first ``send_layer`` to ACK, as
-the sender sees it, and first byte to last landing as the receiver sees it), and the
-ratio to a plain torch copy of the same number of bytes on the same device, measured in
-the same run. The in-process fake backend (gather + copy + scatter, no network) is shown
-for reference.
+sender process pushes every layer to a receiver process and waits for its acknowledgement.
+Reported, median of ``--repeat`` transfers after a warm-up:
+
+- ``kvx``: pdserve's UCX backend end to end, first ``send_layer`` to the receiver's ACK as
+  the sender sees it (the gather, the wire, the receiver's scatter and the ACK), and the
+  per-transfer breakdown (``TransferResult.phases``: stage, queue, wire, ack on the sender;
+  scatter, land on the receiver);
+- ``raw same``: raw ``ucxx`` between two other processes moving the same payload bytes in
+  the same messages (one per layer, K then V), every send and receive posted at once, from
+  the first send posted to the receiver's report that all landed;
+- ``raw one``: raw ``ucxx`` moving the same bytes in one message (context: the link);
+- ``fake``: the in-process fake backend (gather + copy + scatter, no network);
+- ``copy``: a plain device copy of the same bytes on the sender's device.
 
 Shapes: ``--device cpu``: SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, fp32);
-``--device cuda``: Llama-3.1-8B (32 layers, 8 KV heads, head_dim 128, bf16), both
-processes on GPU 0 (UCX then uses CUDA IPC where it can).
+``--device cuda``: Llama-3.1-8B (32 layers, 8 KV heads, head_dim 128, bf16). The receiver
+runs on ``--receiver-device`` (default: the sender's device: two processes on one GPU).
 
-    python benchmarks/bench_kvtransfer.py [--device cpu|cuda] [--tokens 1024 8192] [--repeat 5]
+    python benchmarks/bench_kvtransfer.py [--device cpu|cuda] [--receiver-device cuda:1]
+        [--tokens 2048 8192] [--repeat 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import multiprocessing
 import os
 import platform
@@ -31,6 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BLOCK_SIZE = 16
+RAW_TAG = 0x5244
 
 
 @dataclass(frozen=True)
@@ -41,8 +51,15 @@ class Shape:
     head_dim: int
     dtype: str
 
+    @property
+    def itemsize(self) -> int:
+        return getattr(torch, self.dtype).itemsize
+
+    def layer_bytes(self, tokens: int) -> int:
+        return 2 * tokens * self.num_kv_heads * self.head_dim * self.itemsize
+
     def kv_bytes(self, tokens: int) -> int:
-        return self.num_layers * 2 * tokens * self.num_kv_heads * self.head_dim * getattr(torch, self.dtype).itemsize
+        return self.num_layers * self.layer_bytes(tokens)
 
 
 SHAPES = {
@@ -59,9 +76,11 @@ def make_caches(shape: Shape, num_blocks: int, device: str, fill: bool):
 
 
 def _receiver_main(conn, shape: Shape, num_blocks: int, device: str) -> None:
-    """Child process: a UCX receiver driven over a Pipe."""
+    """Child process: a pdserve UCX receiver driven over a Pipe."""
     import kvtransfer
 
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
     receiver = kvtransfer.create_receiver("ucx", make_caches(shape, num_blocks, device, fill=False))
     conn.send(receiver.address())
     while True:
@@ -77,6 +96,82 @@ def _receiver_main(conn, shape: Shape, num_blocks: int, device: str) -> None:
             conn.send(receiver.wait(*args))
 
 
+def _raw_receiver_main(conn, device: str) -> None:
+    """Child process: raw ucxx receives of whatever message sizes the parent announces."""
+    from kvtransfer.ucx_runtime import UcxRuntime
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    rt = UcxRuntime.acquire()
+    conn.send(rt.worker_address)
+    while True:
+        cmd, sizes = conn.recv()
+        if cmd == "stop":
+            conn.send(None)
+            break
+        buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+
+        async def receive_all():
+            tasks = [asyncio.get_running_loop().create_task(rt.ucxx.recv(b if b.is_cuda else b.numpy(), RAW_TAG))
+                     for b in buffers]
+            await asyncio.sleep(0)  # every receive posted
+            conn.send("posted")
+            await asyncio.gather(*tasks)
+
+        rt.call(receive_all(), timeout=120)
+        conn.send("landed")
+    UcxRuntime.release()
+
+
+def raw_ucxx_gbps(sizes: list[int], device: str, receiver_device: str, repeat: int) -> float:
+    """GB/s of raw ucxx moving messages of ``sizes`` bytes (all posted at once) to a receiver
+    process: first send posted to the receiver's report that every message landed."""
+    from kvtransfer.ucx_runtime import UcxRuntime
+
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_raw_receiver_main, args=(child_conn, receiver_device), daemon=True)
+    child.start()
+    rt = UcxRuntime.acquire()
+    try:
+        if not conn.poll(120):
+            raise RuntimeError("raw ucxx receiver did not start")
+        address = conn.recv()
+        ucxx = rt.ucxx
+
+        async def connect():
+            return await ucxx.create_endpoint_from_worker_address(
+                ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=False)
+
+        ep = rt.call(connect())
+        buffers = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device) for n in sizes]
+        wires = [b if b.is_cuda else b.numpy() for b in buffers]
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+        async def send_all():
+            await asyncio.gather(*(ep.send(w, tag=RAW_TAG, force_tag=True) for w in wires))
+
+        times = []
+        for _ in range(repeat + 1):
+            conn.send(("recv", sizes))
+            if conn.recv() != "posted":
+                raise RuntimeError("raw ucxx receiver failed")
+            start = time.perf_counter()
+            rt.call(send_all(), timeout=120)
+            if conn.recv() != "landed":
+                raise RuntimeError("raw ucxx receiver failed")
+            times.append(time.perf_counter() - start)
+        conn.send(("stop", None))
+        conn.recv()
+    finally:
+        UcxRuntime.release()
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+    return sum(sizes) / statistics.median(times[1:]) / 1e9
+
+
 def copy_gbps(nbytes: int, device: str, repeat: int) -> float:
     """GB/s of ``dst.copy_(src)`` of ``nbytes`` bytes on ``device`` (best of ``repeat``)."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
@@ -84,11 +179,11 @@ def copy_gbps(nbytes: int, device: str, repeat: int) -> float:
     dst.copy_(src)  # first touch
     times = []
     for _ in range(max(repeat, 3)):
-        if device == "cuda":
+        if device.startswith("cuda"):
             torch.cuda.synchronize()
         start = time.perf_counter()
         dst.copy_(src)
-        if device == "cuda":
+        if device.startswith("cuda"):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return nbytes / min(times) / 1e9
@@ -102,22 +197,21 @@ def one_transfer(sender, address: str, transfer_id: str, shape: Shape, src_ids, 
     sent = sender.finish(transfer_id, timeout=120)
     seconds = time.perf_counter() - start
     landed = wait(transfer_id, 120.0)
-    return sent.num_bytes / seconds / 1e9, landed.num_bytes / landed.seconds / 1e9
+    return sent.num_bytes / seconds / 1e9, sent, landed
 
 
-def bench_tokens(shape: Shape, tokens: int, device: str, repeat: int) -> dict[str, float]:
+def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, repeat: int) -> dict:
     import kvtransfer
 
     blocks = -(-tokens // BLOCK_SIZE)
-    pool_blocks = 2 * blocks  # every other block: the ids are not contiguous
+    pool_blocks = 2 * blocks  # blocks drawn at random from twice as many: ids are not contiguous
     gen = torch.Generator().manual_seed(tokens)
     src_ids = torch.randperm(pool_blocks, generator=gen)[:blocks].tolist()
     dst_ids = torch.randperm(pool_blocks, generator=gen)[:blocks].tolist()
     nbytes = shape.kv_bytes(blocks * BLOCK_SIZE)
     src = make_caches(shape, pool_blocks, device, fill=True)
-    out = {"bytes": float(nbytes), "copy": copy_gbps(nbytes, device, repeat)}
+    out: dict = {"bytes": float(nbytes), "copy": copy_gbps(nbytes, device, repeat)}
 
-    # in-process reference: same gather / scatter, no network
     dst = make_caches(shape, pool_blocks, device, fill=False)
     with kvtransfer.create_receiver("fake", dst) as receiver, kvtransfer.create_sender("fake", src) as sender:
         runs = [one_transfer(sender, receiver.address(), f"fake-{i}", shape, src_ids, dst_ids, receiver.expect,
@@ -127,7 +221,7 @@ def bench_tokens(shape: Shape, tokens: int, device: str, repeat: int) -> dict[st
 
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_receiver_main, args=(child_conn, shape, pool_blocks, device), daemon=True)
+    child = ctx.Process(target=_receiver_main, args=(child_conn, shape, pool_blocks, receiver_device), daemon=True)
     child.start()
     try:
         if not conn.poll(120):
@@ -147,15 +241,26 @@ def bench_tokens(shape: Shape, tokens: int, device: str, repeat: int) -> dict[st
         child.join(30)
         if child.is_alive():
             child.kill()
-    out["ucx_send"] = statistics.median(r[0] for r in runs[1:])
-    out["ucx_recv"] = statistics.median(r[1] for r in runs[1:])
+    runs = runs[1:]
+    out["kvx"] = statistics.median(r[0] for r in runs)
+    out["kvx_recv"] = statistics.median(r[2].num_bytes / r[2].seconds / 1e9 for r in runs)
+    out["phases"] = {name: statistics.median(r[1].phases.get(name, 0.0) for r in runs)
+                     for name in kvtransfer.SENDER_PHASES}
+    out["phases"].update({name: statistics.median(r[2].phases.get(name, 0.0) for r in runs)
+                          for name in kvtransfer.RECEIVER_PHASES})
+    out["seconds"] = statistics.median(r[1].seconds for r in runs)
+    layer = shape.layer_bytes(blocks * BLOCK_SIZE)
+    out["raw_same"] = raw_ucxx_gbps([layer] * shape.num_layers, device, receiver_device, repeat)
+    out["raw_one"] = raw_ucxx_gbps([nbytes], device, receiver_device, repeat)
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
+    parser.add_argument("--receiver-device", default=None,
+                        help="device of the receiver process (default: the sender's, e.g. cuda:0); cuda:1 for GPU to GPU")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     if args.repeat < 1 or any(t < 1 for t in args.tokens):
@@ -164,6 +269,17 @@ def main() -> int:
         print("bench_kvtransfer: --device cuda requested but CUDA is not available "
               f"(torch {torch.__version__}, cuda build: {torch.version.cuda}); nothing measured.", file=sys.stderr)
         return 2
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    receiver_device = args.receiver_device or device
+    try:
+        torch.device(receiver_device)
+    except RuntimeError:
+        parser.error(f"--receiver-device: not a device: {receiver_device!r}")
+    if receiver_device.startswith("cuda") != device.startswith("cuda"):
+        parser.error("--receiver-device must be on the same kind of device as --device")
+    if receiver_device.startswith("cuda") and torch.device(receiver_device).index is not None \
+            and torch.device(receiver_device).index >= torch.cuda.device_count():
+        parser.error(f"--receiver-device {receiver_device}: only {torch.cuda.device_count()} GPU(s) here")
 
     from kvtransfer.ucx_runtime import UcxRuntime, ucx_library_path
 
@@ -172,20 +288,29 @@ def main() -> int:
     runtime = UcxRuntime.acquire()
     transports = sorted(runtime.ucxx.get_active_transports())
     print(f"KV transfer, {shape.name} ({shape.num_layers} layers, {shape.num_kv_heads} kv heads, d{shape.head_dim}, "
-          f"{shape.dtype}), block {BLOCK_SIZE}, on {args.device} ({hardware})")
+          f"{shape.dtype}), block {BLOCK_SIZE}, sender on {device}, receiver on {receiver_device} ({hardware})")
     print(f"UCX {'.'.join(map(str, runtime.ucxx.get_ucx_version()))} from {ucx_library_path()}; "
           f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}; transports: {', '.join(transports)}")
     UcxRuntime.release()
     print(f"median of {args.repeat} transfers after one warm-up; GB/s = 1e9 bytes/s\n")
-    header = f"{'tokens':>7} {'KV MB':>8} {'copy GB/s':>10} {'fake GB/s':>10} {'UCX send GB/s':>14} {'UCX recv GB/s':>14} {'UCX/copy':>9}"
-    print(header)
+    header = (f"{'tokens':>7} {'KV MB':>8} {'copy':>8} {'fake':>8} {'raw one':>8} {'raw same':>9} {'kvx':>8} "
+              f"{'kvx/raw same':>13} {'kvx ms':>8}")
+    print(header + "   (GB/s)")
     print("-" * len(header))
+    results = []
     for tokens in args.tokens:
-        r = bench_tokens(shape, tokens, args.device, args.repeat)
-        print(f"{tokens:>7} {r['bytes'] / 1e6:>8.1f} {r['copy']:>10.2f} {r['fake']:>10.2f} {r['ucx_send']:>14.2f} "
-              f"{r['ucx_recv']:>14.2f} {r['ucx_send'] / r['copy']:>9.2f}", flush=True)
-    print("\nUCX send: first send_layer to ACK (sender); UCX recv: first byte to last block landed (receiver);"
-          "\nUCX/copy: UCX send over a plain torch copy of the same bytes on the same device.")
+        r = bench_tokens(shape, tokens, device, receiver_device, args.repeat)
+        results.append((tokens, r))
+        print(f"{tokens:>7} {r['bytes'] / 1e6:>8.1f} {r['copy']:>8.1f} {r['fake']:>8.2f} {r['raw_one']:>8.2f} "
+              f"{r['raw_same']:>9.2f} {r['kvx']:>8.2f} {r['kvx'] / r['raw_same']:>13.2f} {r['seconds'] * 1e3:>8.2f}",
+              flush=True)
+    print("\nper-transfer breakdown, ms (median): sender stage / queue / wire / ack; receiver scatter / land")
+    for tokens, r in results:
+        p = {k: v * 1e3 for k, v in r["phases"].items()}
+        print(f"{tokens:>7}: stage {p['stage']:.2f} queue {p['queue']:.2f} wire {p['wire']:.2f} ack {p['ack']:.2f} | "
+              f"scatter {p['scatter']:.2f} land {p['land']:.2f}  (receiver first byte to landed: {r['kvx_recv']:.2f} GB/s)")
+    print("\nkvx: first send_layer to ACK (sender); raw same: raw ucxx, one message per layer, all posted at once;"
+          "\nraw one: raw ucxx, one message; copy: device copy of the same bytes (bytes read, once).")
     return 0
 
 

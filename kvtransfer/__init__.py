@@ -10,6 +10,8 @@ Backends are imported on first use.
 from kvtransfer.base import (
     KVReceiver,
     KVSender,
+    RECEIVER_PHASES,
+    SENDER_PHASES,
     TransferResult,
     available_backends,
     create_receiver,
@@ -28,6 +30,8 @@ __all__ = [
     "KVTransferTimeout",
     "LinkPacer",
     "TokenBucket",
+    "RECEIVER_PHASES",
+    "SENDER_PHASES",
     "TransferResult",
     "WIRE_VERSION",
     "available_backends",

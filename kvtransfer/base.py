@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -29,20 +29,34 @@ import torch
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
+# Where a transfer's time went (seconds), as ``TransferResult.phases`` reports it.
+# Sender: ``stage``: first send_layer to the last message staged (gathered; in serving this
+# includes the compute of the later layers); ``queue``: first send_layer to the first message
+# posted (connecting, waiting for an in-flight slot, pacing); ``wire``: first message posted to
+# the last one completed; ``ack``: last message completed to the receiver's acknowledgement.
+# Receiver: ``scatter``: time spent writing payloads into the reserved blocks (summed);
+# ``land``: last payload received to the transfer marked landed.
+SENDER_PHASES = ("stage", "queue", "wire", "ack")
+RECEIVER_PHASES = ("scatter", "land")
+
+
 @dataclass(frozen=True)
 class TransferResult:
     """One finished transfer: payload bytes moved, seconds from the first layer to the
-    last landing (receiver) or to the acknowledgement (sender), and the rate in Gbit/s."""
+    last landing (receiver) or to the acknowledgement (sender), the rate in Gbit/s, and
+    where the time went (``phases``, see SENDER_PHASES / RECEIVER_PHASES)."""
 
     transfer_id: str
     num_bytes: int
     seconds: float
     gbps: float
+    phases: dict[str, float] = field(default_factory=dict, compare=False)
 
     @classmethod
-    def of(cls, transfer_id: str, num_bytes: int, seconds: float) -> TransferResult:
+    def of(cls, transfer_id: str, num_bytes: int, seconds: float,
+           phases: dict[str, float] | None = None) -> TransferResult:
         seconds = max(seconds, 1e-9)
-        return cls(transfer_id, num_bytes, seconds, num_bytes * 8 / seconds / 1e9)
+        return cls(transfer_id, num_bytes, seconds, num_bytes * 8 / seconds / 1e9, dict(phases or {}))
 
 
 class KVReceiver(abc.ABC):

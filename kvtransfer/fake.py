@@ -149,6 +149,7 @@ class FakeSender(KVSender):
             due += delay
         payload = as_bytes(gather_layer(self._caches, layer, src))
         key = self._ledger.on_enqueue(transfer_id, address, payload.numel())
+        self._ledger.on_staged(key)
         header = WireHeader(MsgKind.LAYER, key, layer, dst.numel(), payload.numel(), self.layout.fingerprint)
         control = header.pack() + dst.to(torch.int32).numpy().tobytes()
         self._queue.put(_Message(address, key, control, payload, due))
@@ -188,6 +189,7 @@ class FakeSender(KVSender):
                 continue
             try:
                 receiver = self._connect(msg.address)
+                self._ledger.on_posted(msg.key)
                 landing = receiver._transmit(msg.control, msg.payload)
                 if msg.due > time.monotonic():  # paced: land when the message has crossed the link
                     time.sleep(msg.due - time.monotonic())

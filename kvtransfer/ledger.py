@@ -19,7 +19,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
-from kvtransfer.base import KVCaches, TransferResult
+from kvtransfer.base import RECEIVER_PHASES, SENDER_PHASES, KVCaches, TransferResult
 from kvtransfer.errors import KVTransferError, KVTransferTimeout
 from kvtransfer.layout import KVLayout, NackReason, transfer_key
 from kvtransfer.staging import block_index, scatter_layer
@@ -36,11 +36,11 @@ RECEIVER_COUNTERS = (
     "transfers_expected", "transfers_completed", "transfers_expired", "transfers_cancelled", "transfers_failed",
     "messages_received", "messages_dropped", "bytes_received", "bytes_dropped", "bytes_landed",
     "transfer_seconds", "handshake_errors", "protocol_errors",
-)
+) + tuple(f"{phase}_seconds" for phase in RECEIVER_PHASES)
 SENDER_COUNTERS = (
     "transfers_started", "transfers_completed", "transfers_failed", "messages_sent", "bytes_sent", "transfer_seconds",
     "messages_skipped",
-)
+) + tuple(f"{phase}_seconds" for phase in SENDER_PHASES)
 
 
 @dataclass
@@ -56,6 +56,8 @@ class _Incoming:
     num_bytes: int = 0
     first_at: float | None = None
     done_at: float | None = None
+    scatter_s: float = 0.0
+    received_at: float | None = None  # the last payload handed to land()
     peers: set = field(default_factory=set)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -176,18 +178,26 @@ class ReceiveLedger:
     def land(self, key: int, layer: int, dst_ids: list[int], staged: torch.Tensor, peer: Peer) -> bool:
         """Scatter ``staged`` ``[2, n, *block_shape]`` into blocks ``dst_ids`` ``[n]`` of
         ``layer`` if the transfer is still live; returns whether it landed. Late or bad
-        data is counted and dropped, and the sender is told why."""
+        data is counted and dropped, and the sender is told why. On CUDA the scatter runs
+        on the caller's current stream and is waited for (only that stream): call it from
+        a thread that may block, with a stream of its own."""
         nbytes = staged.numel() * staged.element_size()
+        received_at = self._clock()
         self.count("messages_received")
         self.count("bytes_received", nbytes)
         incoming, reason = self._admit(key, layer, dst_ids, peer)
         if incoming is not None and reason == NackReason.NONE:
             with incoming.lock:
                 if incoming.state == _PENDING:  # cancel/expiry wait for this lock: no write after they return
-                    index = torch.tensor(dst_ids, dtype=torch.int64).to(self._device, non_blocking=True)
+                    start = time.perf_counter()
+                    index = torch.tensor(dst_ids, dtype=torch.int64)
+                    if staged.is_cuda:
+                        index = index.pin_memory().to(self._device, non_blocking=True)
                     scatter_layer(self._caches, layer, index, staged)
                     if staged.is_cuda:
                         torch.cuda.current_stream(staged.device).synchronize()
+                    incoming.scatter_s += time.perf_counter() - start
+                    incoming.received_at = received_at
                     self._record_landing(incoming, layer, dst_ids, nbytes)
                     return True
                 if incoming.state == _DONE:  # a duplicate after completion: harmless, nobody to tell
@@ -241,6 +251,8 @@ class ReceiveLedger:
             self.counters["transfers_completed"] += 1
             self.counters["bytes_landed"] += incoming.num_bytes
             self.counters["transfer_seconds"] += incoming.done_at - (incoming.first_at or incoming.done_at)
+            for phase, seconds in self._phases(incoming).items():
+                self.counters[f"{phase}_seconds"] += seconds
             self._cond.notify_all()
         self._on_ack(peers, incoming.key, incoming.num_bytes)
 
@@ -298,9 +310,14 @@ class ReceiveLedger:
         for incoming in due:
             self._drop(incoming, NackReason.DEADLINE_PASSED)
 
+    @staticmethod
+    def _phases(incoming: _Incoming) -> dict[str, float]:
+        done = incoming.done_at or 0.0
+        return {"scatter": incoming.scatter_s, "land": max(0.0, done - (incoming.received_at or done))}
+
     def _result(self, incoming: _Incoming) -> TransferResult:
         seconds = (incoming.done_at or 0.0) - (incoming.first_at or incoming.done_at or 0.0)
-        return TransferResult.of(incoming.transfer_id, incoming.num_bytes, seconds)
+        return TransferResult.of(incoming.transfer_id, incoming.num_bytes, seconds, self._phases(incoming))
 
     def snapshot(self) -> dict[str, float]:
         with self._cond:
@@ -320,6 +337,17 @@ class _Outgoing:
     num_bytes: int = 0
     acked_at: float | None = None
     error: KVTransferError | None = None
+    staged_at: float | None = None  # the latest message staged (gathered)
+    posted_at: float | None = None  # the first message posted on the wire
+    sent_at: float | None = None  # the latest message completed
+
+    def phases(self) -> dict[str, float]:
+        end = self.acked_at or self.started
+        staged = self.staged_at or self.started
+        posted = self.posted_at or self.started
+        sent = self.sent_at or posted
+        return {"stage": staged - self.started, "queue": posted - self.started,
+                "wire": max(0.0, sent - posted), "ack": max(0.0, end - sent)}
 
 
 class SendLedger:
@@ -347,7 +375,24 @@ class SendLedger:
             out.enqueued += 1
             return out.key
 
+    def on_staged(self, key: int) -> None:
+        """A message of ``key`` is gathered and ready for the wire."""
+        now = self._clock()
+        with self._cond:
+            out = self._by_key.get(key)
+            if out is not None:
+                out.staged_at = now
+
+    def on_posted(self, key: int) -> None:
+        """A message of ``key`` was posted to the transport."""
+        now = self._clock()
+        with self._cond:
+            out = self._by_key.get(key)
+            if out is not None and out.posted_at is None:
+                out.posted_at = now
+
     def on_sent(self, key: int, nbytes: int) -> None:
+        now = self._clock()
         with self._cond:
             self.counters["messages_sent"] += 1
             self.counters["bytes_sent"] += nbytes
@@ -355,6 +400,7 @@ class SendLedger:
             if out is not None:
                 out.sent += 1
                 out.num_bytes += nbytes
+                out.sent_at = now
                 self._cond.notify_all()
 
     def should_skip(self, key: int) -> bool:
@@ -421,9 +467,12 @@ class SendLedger:
                     self.counters["transfers_failed"] += 1
                     raise out.error
                 seconds = out.acked_at - out.started
+                phases = out.phases()
                 self.counters["transfers_completed"] += 1
                 self.counters["transfer_seconds"] += seconds
-                return TransferResult.of(transfer_id, out.num_bytes, seconds)
+                for phase, value in phases.items():
+                    self.counters[f"{phase}_seconds"] += value
+                return TransferResult.of(transfer_id, out.num_bytes, seconds, phases)
             finally:
                 del self._by_id[transfer_id]
                 del self._by_key[out.key]

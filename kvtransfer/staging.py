@@ -32,13 +32,38 @@ def block_index(block_ids: Sequence[int], num_blocks: int | None, what: str, dev
     return torch.tensor(ids, dtype=torch.int64, device=device)
 
 
-def gather_layer(kv_caches: KVCaches, layer: int, src_index: torch.Tensor) -> torch.Tensor:
-    """Copy blocks ``src_index`` of ``layer`` into a new ``[2, n, *block_shape]`` tensor."""
+def gather_layer(kv_caches: KVCaches, layer: int, src_index: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy blocks ``src_index`` of ``layer`` into ``[2, n, *block_shape]``: ``out`` (flat
+    uint8 of the right size, reused memory) or a new tensor."""
     k_pool, v_pool = kv_caches[layer]
-    staged = torch.empty((2, src_index.numel(), *k_pool.shape[1:]), dtype=k_pool.dtype, device=k_pool.device)
+    shape = (2, src_index.numel(), *k_pool.shape[1:])
+    if out is None:
+        staged = torch.empty(shape, dtype=k_pool.dtype, device=k_pool.device)
+    else:
+        staged = out.view(k_pool.dtype).view(shape)
     torch.index_select(k_pool, 0, src_index, out=staged[0])
     torch.index_select(v_pool, 0, src_index, out=staged[1])
     return staged
+
+
+class HostBuffers:
+    """Reused host staging buffers, by size. A fresh host allocation of megabytes is paged in
+    on first touch (tens of ms per transfer on a small VM); CUDA memory needs no such pool,
+    the caching allocator is one."""
+
+    def __init__(self, max_per_size: int = 64):
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._max = max_per_size
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        free = self._free.get(nbytes)
+        return free.pop() if free else torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        free = self._free.setdefault(buffer.numel(), [])
+        if len(free) < self._max:
+            free.append(buffer)
 
 
 def scatter_layer(kv_caches: KVCaches, layer: int, dst_index: torch.Tensor, staged: torch.Tensor) -> None:

@@ -25,11 +25,21 @@ Per connection (sender -> receiver):
    each message ready from its ``send_layer`` (the sender loop's own time between
    messages is then not lost to the bucket: that is what holds 50-100 Gbit/s). On close
    the sender sends BYE on the data path.
-3. The receiver receives the payload into a staging buffer (CUDA memory for CUDA
-   caches) and scatters it into the reserved blocks; when a transfer has fully landed
+3. The receiver keeps receives posted ahead: as soon as a control message is parsed it
+   posts the payload's receive into a free staging slot (one of ``PDSERVE_KV_RECV_SLOTS``,
+   default 8, per connection; CUDA memory for CUDA caches) and then the next control
+   receive, so several payloads are on the wire at once. A landing thread scatters each
+   payload into the reserved blocks on a CUDA stream of its own (never on the event loop,
+   never behind the engine's kernels) and frees its slot; when a transfer has fully landed
    it sends ACK (on the control path) to every sender that contributed, NACK when it
    drops one (deadline, cancel, bad message, unknown id). Failure of a peer is seen
    on the control path, which then tears down the data path.
+
+The loop thread shares the GIL with the engine thread of a worker; a thread waiting for
+the GIL waits up to ``sys.getswitchinterval()`` (5 ms by default) each time, several times
+per message. The runtime lowers it to ``PDSERVE_GIL_SWITCH_INTERVAL_S`` (default 0.2 ms):
+under a busy engine that is the difference between a transfer of milliseconds and one of
+hundreds.
 
 ucxx runs with ``enable_python_future=True`` (its notifier thread completes asyncio
 futures): the default polling mode spins the event loop at 100% CPU whenever a receive
@@ -43,6 +53,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import contextlib
+import functools
 import logging
 import os
 import queue
@@ -72,7 +84,7 @@ from kvtransfer.layout import (
 )
 from kvtransfer.ledger import ReceiveLedger, SendLedger
 from kvtransfer.pacing import LinkPacer
-from kvtransfer.staging import as_bytes, block_index, from_bytes, gather_layer, wire_buffer
+from kvtransfer.staging import HostBuffers, as_bytes, block_index, from_bytes, gather_layer, wire_buffer
 from kvtransfer.ucx_runtime import SCHEME, TaskSet, UcxRuntime, abort_endpoint, parse_address
 
 logger = logging.getLogger(__name__)
@@ -86,6 +98,17 @@ def _abort_link(link) -> None:
 _MAX_WORKER_ADDRESS = 64 * 1024
 
 
+def _recv_slots() -> int:
+    value = os.environ.get("PDSERVE_KV_RECV_SLOTS", "8")
+    try:
+        slots = int(value)
+    except ValueError:
+        slots = 0
+    if slots < 1:
+        raise ValueError(f"PDSERVE_KV_RECV_SLOTS must be an int >= 1, got {value!r}")
+    return slots
+
+
 # ---------------------------------------------------------------------------------------
 # receiver
 
@@ -96,8 +119,55 @@ class _Conn:
     def __init__(self, ep):
         self.ep = ep
         self.task: asyncio.Task | None = None
-        self.staging: torch.Tensor | None = None
         self.open = True
+
+
+class _Slot:
+    """A staging buffer that one payload is received into, grown on demand."""
+
+    def __init__(self, device: torch.device):
+        self._device = device
+        self._buffer: torch.Tensor | None = None
+
+    def view(self, nbytes: int) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+        return self._buffer[:nbytes]
+
+
+class _Lander:
+    """The receiver's thread that scatters received payloads into the pools (``ledger.land``
+    blocks until its scatter is done), on a CUDA stream of its own, then runs each item's
+    ``done`` (which frees the staging slot)."""
+
+    def __init__(self, ledger: ReceiveLedger, device: torch.device):
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(ledger, device), daemon=True,
+                                        name="kvtransfer-landing")
+        self._thread.start()
+
+    def put(self, key: int, layer: int, dst_ids: list[int], staged: torch.Tensor, conn: _Conn, done) -> None:
+        self._todo.put((key, layer, dst_ids, staged, conn, done))
+
+    def close(self) -> None:
+        self._todo.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+
+    def _run(self, ledger: ReceiveLedger, device: torch.device) -> None:
+        context = contextlib.nullcontext()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            context = torch.cuda.stream(torch.cuda.Stream(device))
+        with context:
+            while (item := self._todo.get()) is not None:
+                key, layer, dst_ids, staged, conn, done = item
+                try:
+                    ledger.land(key, layer, dst_ids, staged, conn)
+                except Exception as e:  # a failed scatter fails the transfer, not the thread
+                    logger.error("landing a KV payload failed: %s: %s", type(e).__name__, e)
+                finally:
+                    done()
 
 
 class UcxReceiver(KVReceiver):
@@ -113,6 +183,8 @@ class UcxReceiver(KVReceiver):
         self._host = host
         self._connect_timeout = connect_timeout
         self._ledger = ReceiveLedger(kv_caches, self.layout, on_ack=self._on_ack, on_nack=self._on_nack)
+        self._slots = _recv_slots()
+        self._lander = _Lander(self._ledger, self._device)
         self._conns: set[_Conn] = set()
         self._tasks = TaskSet()
         self._closed = False
@@ -121,6 +193,7 @@ class UcxReceiver(KVReceiver):
         try:
             self._listener = self._rt.call(self._listen(port))
         except BaseException:
+            self._lander.close()
             UcxRuntime.release()
             raise
         self._address = f"{SCHEME}{'[' + host + ']' if ':' in host else host}:{self._listener.port}"
@@ -153,6 +226,7 @@ class UcxReceiver(KVReceiver):
         try:
             self._rt.call(self._shutdown())
         finally:
+            self._lander.close()
             UcxRuntime.release()
 
     # ---- on the loop -------------------------------------------------------------------
@@ -232,23 +306,58 @@ class UcxReceiver(KVReceiver):
         return tag
 
     async def _receive_data(self, conn: _Conn, control: np.ndarray, tag: int) -> None:
+        """Receive this connection's LAYER messages, keeping payload receives posted ahead.
+
+        UCX matches receives of one tag in the order they were posted, and the sender posts
+        control, payload, control, payload...: so each receive is a task created in that
+        order (a task posts its receive at its first step, and tasks start in creation
+        order), the payload's before the next control's."""
         recv = self._rt.ucxx.recv  # worker-level receive, matched by the connection's tag
-        while True:
-            await recv(control, tag)
-            header = unpack_header(control, expected_fingerprint=self.layout.fingerprint)
-            if header.kind == MsgKind.BYE:
-                return
-            if header.kind != MsgKind.LAYER:
-                raise KVTransferError(f"expected a LAYER message, got {header.kind.name}")
-            n = header.num_blocks
-            if not 0 < n <= MAX_BLOCKS_PER_MESSAGE or header.num_bytes != self.layout.layer_message_bytes(n):
-                raise KVTransferError(f"LAYER header with {n} blocks and {header.num_bytes} bytes is inconsistent")
-            dst_ids = control[HEADER_BYTES:HEADER_BYTES + n * BLOCK_ID_BYTES].view("<i4").tolist()
-            if conn.staging is None or conn.staging.numel() < header.num_bytes:
-                conn.staging = torch.empty(header.num_bytes, dtype=torch.uint8, device=self._device)
-            raw = conn.staging[: header.num_bytes]
-            await recv(wire_buffer(raw), tag)  # always drained, even when the transfer is gone
-            self._ledger.land(header.transfer_key, header.layer, dst_ids, from_bytes(raw, self.layout, n), conn)
+        loop = asyncio.get_running_loop()
+        free: asyncio.Queue[_Slot] = asyncio.Queue()
+        for _ in range(self._slots):
+            free.put_nowait(_Slot(self._device))
+        payloads: set[asyncio.Task] = set()
+        pending_control = loop.create_task(recv(control, tag))
+        try:
+            while True:
+                await pending_control
+                header = unpack_header(control, expected_fingerprint=self.layout.fingerprint)
+                if header.kind == MsgKind.BYE:
+                    pending_control = None
+                    return
+                if header.kind != MsgKind.LAYER:
+                    raise KVTransferError(f"expected a LAYER message, got {header.kind.name}")
+                n = header.num_blocks
+                if not 0 < n <= MAX_BLOCKS_PER_MESSAGE or header.num_bytes != self.layout.layer_message_bytes(n):
+                    raise KVTransferError(f"LAYER header with {n} blocks and {header.num_bytes} bytes is inconsistent")
+                dst_ids = control[HEADER_BYTES:HEADER_BYTES + n * BLOCK_ID_BYTES].view("<i4").tolist()
+                slot = await free.get()
+                raw = slot.view(header.num_bytes)
+                # always drained, even when the transfer is gone
+                payload = loop.create_task(recv(wire_buffer(raw), tag))
+                payloads.add(payload)
+                payload.add_done_callback(functools.partial(
+                    self._payload_received, payloads, free, slot, conn, header, dst_ids, raw))
+                pending_control = loop.create_task(recv(control, tag))
+        finally:
+            for task in (pending_control, *payloads):
+                if task is not None and not task.done():
+                    task.cancel()
+
+    def _payload_received(self, payloads: set, free: asyncio.Queue, slot: _Slot, conn: _Conn,
+                          header: WireHeader, dst_ids: list[int], raw: torch.Tensor, task: asyncio.Task) -> None:
+        payloads.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            return  # the connection is going away; its slots with it
+        loop = asyncio.get_running_loop()
+
+        def done() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to free
+                loop.call_soon_threadsafe(free.put_nowait, slot)
+
+        staged = from_bytes(raw, self.layout, header.num_blocks)
+        self._lander.put(header.transfer_key, header.layer, dst_ids, staged, conn, done)
 
     # ---- ledger callbacks (any thread) -------------------------------------------------
 
@@ -321,12 +430,14 @@ class UcxSender(KVSender):
     """Options: ``pacer`` (a LinkPacer keyed by address), ``connect_timeout``,
     ``max_inflight`` (messages posted and not yet completed, per connection)."""
 
+    _INDEX_CACHE = 16  # source block lists kept as device index tensors (one per chunk in flight)
+
     def __init__(
         self,
         kv_caches: KVCaches,
         pacer: LinkPacer | None = None,
         connect_timeout: float = 5.0,
-        max_inflight: int = 4,
+        max_inflight: int = 16,
     ):
         if not isinstance(max_inflight, int) or max_inflight < 1:
             raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
@@ -341,8 +452,28 @@ class UcxSender(KVSender):
         self._closed = False
         self._close_lock = threading.Lock()
         self._waiter: queue.SimpleQueue | None = None
+        self._src_index: collections.OrderedDict[tuple[int, ...], torch.Tensor] = collections.OrderedDict()
+        self._host_buffers = HostBuffers() if not kv_caches[0][0].is_cuda else None
+        self._buffers_lock = threading.Lock()
         self._rt = UcxRuntime.acquire()
         _LIVE.add(self)
+
+    def _source_index(self, src_block_ids: Sequence[int], pool: torch.Tensor) -> torch.Tensor:
+        """The gather index of ``src_block_ids`` on the pools' device. Every layer of a chunk
+        sends the same blocks, so it is built once per chunk: building it on CUDA from a
+        Python list is a synchronous copy that would stall the engine's stream each layer."""
+        ids = tuple(src_block_ids)
+        index = self._src_index.get(ids)
+        if index is not None:
+            self._src_index.move_to_end(ids)
+            return index
+        index = block_index(ids, pool.shape[0], "src_block_ids", torch.device("cpu"))
+        if pool.is_cuda:
+            index = index.pin_memory().to(pool.device, non_blocking=True)
+        self._src_index[ids] = index
+        if len(self._src_index) > self._INDEX_CACHE:
+            self._src_index.popitem(last=False)
+        return index
 
     def send_layer(self, address, transfer_id, layer, src_block_ids, dst_block_ids) -> None:
         if self._closed:
@@ -353,18 +484,23 @@ class UcxSender(KVSender):
         if len(src_block_ids) != len(dst_block_ids):
             raise ValueError(f"{len(src_block_ids)} source blocks but {len(dst_block_ids)} destination blocks")
         pool = self._caches[layer][0]
-        src = block_index(src_block_ids, pool.shape[0], "src_block_ids", pool.device)
+        src = self._source_index(src_block_ids, pool)
         dst = block_index(dst_block_ids, None, "dst_block_ids", torch.device("cpu"))
-        payload = as_bytes(gather_layer(self._caches, layer, src))
+        out = None
+        if self._host_buffers is not None:
+            with self._buffers_lock:
+                out = self._host_buffers.take(self.layout.layer_message_bytes(src.numel()))
+        payload = as_bytes(gather_layer(self._caches, layer, src, out))
         ready = None
         if payload.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(payload.device))
         key = self._ledger.on_enqueue(transfer_id, address, payload.numel())
         header = WireHeader(MsgKind.LAYER, key, layer, dst.numel(), payload.numel(), self.layout.fingerprint)
-        control = np.frombuffer(header.pack() + dst.to(torch.int32).numpy().astype("<i4").tobytes(), dtype=np.uint8)
+        control = np.frombuffer(header.pack() + dst.numpy().astype("<i4").tobytes(), dtype=np.uint8)
         msg = _Message(key, control, payload, ready)
         if ready is None:
+            self._ledger.on_staged(key)
             msg.ready_at = self._pacer.now() if self._pacer is not None else 0.0
             self._rt.call_soon(self._enqueue, address, msg)
         else:
@@ -390,6 +526,7 @@ class UcxSender(KVSender):
                 self._ledger.fail_key(msg.key, KVTransferError(f"KV gather failed: {e}"))
                 continue
             msg.ready = None
+            self._ledger.on_staged(msg.key)
             msg.ready_at = self._pacer.now() if self._pacer is not None else 0.0
             try:
                 self._rt.call_soon(self._enqueue, address, msg)
@@ -496,6 +633,7 @@ class UcxSender(KVSender):
                 # Tasks take their first step (which posts the UCX send) in creation order,
                 # so the receiver matches control and payload of each message in order.
                 loop = asyncio.get_running_loop()
+                self._ledger.on_posted(msg.key)
                 control = loop.create_task(link.data_ep.send(msg.control, tag=link.data_tag, force_tag=True))
                 payload = loop.create_task(link.data_ep.send(wire_buffer(msg.payload), tag=link.data_tag, force_tag=True))
                 inflight.append((msg, control, payload))
@@ -523,6 +661,9 @@ class UcxSender(KVSender):
         await control
         await payload
         self._ledger.on_sent(msg.key, msg.payload.numel())
+        if self._host_buffers is not None:
+            with self._buffers_lock:
+                self._host_buffers.give(msg.payload)
 
     async def _read_replies(self, link: _Link) -> None:
         buf = np.zeros(HEADER_BYTES, dtype=np.uint8)

@@ -8,7 +8,10 @@ UCX build may not use). ucxx itself sets ``UCX_MEMTYPE_CACHE=n``,
 ``UCX_RNDV_THRESH=8192``, ``UCX_RNDV_FRAG_MEM_TYPE=cuda`` and
 ``UCX_MAX_RNDV_RAILS=1`` unless already set. ``PDSERVE_UCX_PROGRESS_MODE``:
 ``thread`` (default; the progress thread sleeps in epoll) or ``thread-polling`` (it
-spins: lower latency per message, one core busy). The UCX libraries must be the
+spins: lower latency per message, one core busy). ``PDSERVE_GIL_SWITCH_INTERVAL_S``
+(default 0.0002): the runtime lowers ``sys.setswitchinterval`` to it (never raises it), so
+that the loop thread gets the GIL within that time from a busy engine thread, not within
+5 ms, at each of the few hand-offs every message needs. The UCX libraries must be the
 ``libucx`` wheel's (ucxx loads them by absolute path unless
 ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY`` is true); the runtime checks the loaded
 ``libucp`` and raises if it is another one, unless ``PDSERVE_UCX_ALLOW_SYSTEM_LIB=1``.
@@ -21,6 +24,7 @@ import concurrent.futures
 import gc
 import logging
 import os
+import sys
 import threading
 from typing import Any, Coroutine
 
@@ -82,6 +86,7 @@ class UcxRuntime:
 
     def __init__(self):
         self.ucxx = _import_ucxx()
+        _lower_switch_interval()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="kvtransfer-ucx-loop", daemon=True)
         self._thread.start()
@@ -149,6 +154,18 @@ class UcxRuntime:
             self.ucxx.reset()
         except Exception as e:  # objects still referencing the context: harmless at exit
             logger.debug("ucxx.reset() after the last kvtransfer endpoint closed: %s", e)
+
+
+def _lower_switch_interval() -> None:
+    value = os.environ.get("PDSERVE_GIL_SWITCH_INTERVAL_S", "0.0002")
+    try:
+        interval = float(value)
+    except ValueError:
+        interval = 0.0
+    if not interval > 0:
+        raise KVTransferError(f"PDSERVE_GIL_SWITCH_INTERVAL_S must be a positive number of seconds, got {value!r}")
+    if interval < sys.getswitchinterval():
+        sys.setswitchinterval(interval)
 
 
 def parse_address(address: str) -> tuple[str, int]:

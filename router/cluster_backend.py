@@ -340,7 +340,7 @@ class ClusterBackend:
                 prefill.num_inflight -= 1
                 prefill.num_inflight_tokens -= n
                 self.network.finish_flow(flow, result, n)
-            self._record_transfer(flow.key, result.kv_bytes, result.kv_seconds)
+            self._record_transfer(flow.key, result.kv_bytes, result.kv_seconds, dict(result.kv_phases))
             first = result.first
             if self._worker_aborted(flight, first):
                 raise WorkerFailed(f"worker {prefill.worker_id} aborted the request", worker_id=prefill.worker_id)
@@ -426,10 +426,12 @@ class ClusterBackend:
         task.add_done_callback(self._background.discard)
         return task
 
-    def _record_transfer(self, link: str, kv_bytes: int, kv_seconds: float) -> None:
+    def _record_transfer(self, link: str, kv_bytes: int, kv_seconds: float, phases: dict[str, float] | None = None) -> None:
         if self.metrics is not None and kv_bytes:
             self.metrics.kv_transfer_bytes.labels(link).inc(kv_bytes)
             self.metrics.kv_transfer_seconds.labels(link).observe(kv_seconds)
+            for phase, seconds in (phases or {}).items():
+                self.metrics.kv_transfer_phase_seconds.labels(phase=phase).observe(seconds)
 
     def _count_recovery(self, kind: str) -> None:
         if self.metrics is not None:

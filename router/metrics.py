@@ -18,7 +18,8 @@ __all__ = ["METRICS_CONTENT_TYPE", "RequestStatus", "RouterMetrics"]
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-KV_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+                       0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -65,6 +66,11 @@ class RouterMetrics:
         self.kv_transfer_seconds = Histogram(
             "pdserve:kv_transfer_seconds", "Time a prefill worker spent pushing one request's KV, per link.",
             ["link"], registry=r, buckets=KV_TRANSFER_BUCKETS,
+        )
+        self.kv_transfer_phase_seconds = Histogram(
+            "pdserve:kv_transfer_phase_seconds",
+            "Where one request's KV transfer time went, by phase (sender: stage, queue, wire, ack; "
+            "see kvtransfer.SENDER_PHASES).", ["phase"], registry=r, buckets=KV_TRANSFER_BUCKETS,
         )
         self.request_recoveries = Counter(
             "pdserve:request_recoveries_total",

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import sys
@@ -20,17 +21,44 @@ from launcher.cluster.config import UpConfig
 logger = logging.getLogger(__name__)
 
 
+def gpu_share(config: UpConfig, gpus_in_cluster: float) -> float:
+    """GPUs per worker: ``--worker-gpus`` when given, else one each when the cluster has that
+    many, else an even share of them (two workers on one GPU: 0.5 each). ValueError, naming
+    the flags that fit, when the pools cannot fit at all: Ray would wait for them forever."""
+    workers = sum(config.pool_sizes().values())
+    if config.worker_gpus is None:
+        if gpus_in_cluster <= 0:
+            return 0.0
+        if workers <= gpus_in_cluster:
+            return 1.0
+        share = math.floor(gpus_in_cluster / workers * 100) / 100  # Ray takes two decimals
+        if share <= 0:
+            raise ValueError(f"{workers} workers cannot share {gpus_in_cluster:g} GPU(s); use fewer workers "
+                             "(--prefill/--decode/--replicas) or --worker-gpus 0 for CPU workers")
+        logger.warning("%d workers on %g GPU(s): each gets %g of a GPU (set --worker-gpus to choose)",
+                       workers, gpus_in_cluster, share)
+        return share
+    need = workers * config.worker_gpus
+    if need > gpus_in_cluster + 1e-9:
+        fits = round(gpus_in_cluster / workers, 2) if gpus_in_cluster else 0
+        raise ValueError(
+            f"--worker-gpus {config.worker_gpus:g}: {workers} workers need {need:g} GPU(s), the Ray cluster has "
+            f"{gpus_in_cluster:g}; use --worker-gpus {fits:g}, --mode colocated, or fewer workers "
+            "(--prefill/--decode/--replicas)")
+    return config.worker_gpus
+
+
 def pool_specs(config: UpConfig, gpus_in_cluster: float):
     from launcher.cluster.pools import PoolSpec
-    from pdserve.engine_args import engine_config
+    from pdserve.engine_args import ENGINE_DEFAULTS, engine_config
 
-    if config.worker_gpus is not None:
-        num_gpus = config.worker_gpus
-    else:
-        num_gpus = 1.0 if gpus_in_cluster > 0 else 0.0
+    num_gpus = gpu_share(config, gpus_in_cluster)
     values = config.engine_values()
     if num_gpus == 0 and values["device"] is None:
         values["device"] = "cpu"  # a worker without a GPU share must not grab one
+    if 0 < num_gpus < 1 and values["gpu_memory_fraction"] == ENGINE_DEFAULTS["gpu_memory_fraction"]:
+        # workers sharing a GPU start together and each reads the free memory: give each its share
+        values["gpu_memory_fraction"] = round(values["gpu_memory_fraction"] * num_gpus, 4)
     return [
         PoolSpec(role=role, size=size, engine=engine_config(values, role), num_cpus=config.worker_cpus,
                  num_gpus=num_gpus, resources=config.pool_resources(role), strategy=config.placement_strategy,
@@ -134,7 +162,11 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
         _start_ray(config)
         install_shutdown_signals()  # ray.init installs its own SIGTERM handler
         gpus = ray.cluster_resources().get("GPU", 0.0)
-        specs = pool_specs(config, gpus)
+        try:
+            specs = pool_specs(config, gpus)
+        except ValueError as e:
+            print(f"pdserve: error: {e}", file=sys.stderr)
+            return 2
         pools = ClusterPools(config.cluster_name, config.namespace, specs)
         total = sum(s.size for s in specs)
         print(f"pdserve up: starting {_describe(specs)} on Ray "

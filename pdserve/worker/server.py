@@ -248,7 +248,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 chunk.finished = False
                 chunk.finish_reason = ""
             return pb.PrefillResponse(first=chunk, kv_bytes=result.num_bytes, kv_seconds=result.seconds,
-                                      prefill_seconds=t_first - t0)
+                                      prefill_seconds=t_first - t0, kv_phases=result.phases)
         except RuntimeError as exc:
             await release()
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc))

@@ -181,7 +181,7 @@ def test_cli_unreachable_ray_address_fails_fast(capsys):
     rc, err = run_cli(capsys, "up", "--model", "random:smollm2-135m", "--address", f"127.0.0.1:{port}",
                       "--port", str(port))
     assert_one_line_error(rc, err, "--address: cannot reach Ray at", "Connection refused")
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30  # Ray itself retries for a minute; a loaded 2-core CI host takes 10-15 s
 
 
 def test_cli_worker_bad_role_and_port(capsys):
@@ -200,3 +200,17 @@ def test_cli_router_bad_entries(capsys):
 def test_generate_still_parses():
     args = build_parser().parse_args(["generate", "--prompt", "hi", "--max-tokens", "3"])
     assert (args.prompt, args.max_tokens, args.model) == ("hi", 3, "smollm2")
+
+
+def test_pool_specs_share_too_few_gpus():
+    # the default on one GPU: the two workers share it, each with its share of the memory
+    specs = pool_specs(UpConfig(model="random:tiny-llama"), gpus_in_cluster=1)
+    assert [s.num_gpus for s in specs] == [0.5, 0.5]
+    assert all(s.engine.cache.gpu_memory_fraction == 0.425 for s in specs)
+    three = pool_specs(UpConfig(model="random:tiny-llama", prefill=2, decode=1), gpus_in_cluster=2)
+    assert {s.num_gpus for s in three} == {0.66}
+    # an explicit share that cannot fit fails at once, naming what fits
+    with pytest.raises(ValueError, match=r"--worker-gpus 1: 2 workers need 2 GPU\(s\), the Ray cluster has 1; "
+                                         r"use --worker-gpus 0.5, --mode colocated"):
+        pool_specs(UpConfig(model="random:tiny-llama", worker_gpus=1.0), gpus_in_cluster=1)
+    assert [s.num_gpus for s in pool_specs(UpConfig(model="random:tiny-llama", worker_gpus=0.5), 1)] == [0.5, 0.5]
