@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -58,6 +58,7 @@ class PrefillResult:
     kv_seconds: float
     queue_seconds: float
     prefill_seconds: float
+    kv_phases: dict[str, float] = field(default_factory=dict)  # where the transfer's time went
 
 
 class WorkerClient:
@@ -105,7 +106,7 @@ class WorkerClient:
             first = chunk_to_output(r.first)
         except ValueError as exc:
             raise self._failed(f"worker {self.worker_id} sent a bad first chunk: {exc}") from None
-        return PrefillResult(first, r.kv_bytes, r.kv_seconds, r.queue_seconds, r.prefill_seconds)
+        return PrefillResult(first, r.kv_bytes, r.kv_seconds, r.queue_seconds, r.prefill_seconds, dict(r.kv_phases))
 
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> bool:
         r = await self._unary("Abort", self._stub.Abort, pb.AbortRequest(request_id=request_id), request_id, timeout_s)
