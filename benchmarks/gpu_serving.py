@@ -108,38 +108,42 @@ def scrape(text: str) -> dict[tuple[str, frozenset], float]:
 
 
 def histogram(before: dict, after: dict, name: str, **labels: str) -> dict:
-    """count, mean and p50/p90 (linear within buckets) of the observations between scrapes."""
+    """count, mean and p50/p90 (linear within buckets) of the observations between scrapes,
+    over every series whose labels include ``labels`` (e.g. all links)."""
     want = frozenset(labels.items())
-
-    def delta(key):
-        return after.get(key, 0.0) - before.get(key, 0.0)
-
-    buckets = []
-    for key in after:
-        bucket = dict(key[1])
-        le = bucket.pop("le", None)
-        if key[0] == name + "_bucket" and le not in (None, "+Inf") and frozenset(bucket.items()) == want:
-            buckets.append((float(le), delta(key)))
-    buckets.sort()
-    count = delta((name + "_count", want))
-    total = delta((name + "_sum", want))
+    cum: dict[float, float] = {}
+    count = total = 0.0
+    for key, value in after.items():
+        series = dict(key[1])
+        le = series.pop("le", None)
+        if not want <= frozenset(series.items()):
+            continue
+        delta = value - before.get(key, 0.0)
+        if key[0] == name + "_bucket" and le not in (None, "+Inf"):
+            cum[float(le)] = cum.get(float(le), 0.0) + delta
+        elif key[0] == name + "_count":
+            count += delta
+        elif key[0] == name + "_sum":
+            total += delta
+    buckets = sorted(cum.items())
     res = {"count": count, "mean": total / count if count else None}
     for q in (0.5, 0.9):
         res[f"p{int(q * 100)}"] = None
         if count:
             target, lo, prev = q * count, 0.0, 0.0
-            for le, cum in buckets:
-                if cum >= target:
-                    frac = (target - prev) / (cum - prev) if cum > prev else 1.0
+            for le, c in buckets:
+                if c >= target:
+                    frac = (target - prev) / (c - prev) if c > prev else 1.0
                     res[f"p{int(q * 100)}"] = lo + frac * (le - lo)
                     break
-                lo, prev = le, cum
+                lo, prev = le, c
     return res
 
 
 def counter(before: dict, after: dict, name: str, **labels: str) -> float:
-    key = (name, frozenset(labels.items()))
-    return after.get(key, 0.0) - before.get(key, 0.0)
+    """The increase of ``name`` over every series whose labels include ``labels``."""
+    want = frozenset(labels.items())
+    return sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == name and want <= k[1])
 
 
 def openai_answer(url: str) -> str:

@@ -10,15 +10,27 @@ dtype. `apply_rope` is out of place on both backends: it returns new q and k ten
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from kernels._jit import TritonKernels, check_tensor, next_power_of_2
 from kernels.dispatch import kernel_backend
 
-if TYPE_CHECKING:
-    from pdserve.config import RopeScaling
+
+class RopeScaling(Protocol):
+    """Llama 3 frequency scaling as the kernels read it (the engine's config.RopeScaling has
+    these fields; kernels know nothing of the engine)."""
+
+    @property
+    def factor(self) -> float: ...
+    @property
+    def low_freq_factor(self) -> float: ...
+    @property
+    def high_freq_factor(self) -> float: ...
+    @property
+    def original_max_position_embeddings(self) -> int: ...
+
 
 tl = None  # bound to triton.language on the first launch (kernels._jit)
 

@@ -129,6 +129,7 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2"
+    tokenizer: str | None = None  # a tokenizer spec that replaces the model's own (pdserve.loaders)
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     device: str | None = None  # None: cuda when available, else cpu
     seed: int = 0

@@ -40,7 +40,7 @@ class NoKVSpaceError(RuntimeError):
 class LLMEngine:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
         self.config = config
-        source = source if source is not None else load_model_source(config.model)
+        source = source if source is not None else load_model_source(config.model, config.tokenizer)
         self.model_config: ModelConfig = source.config
         self.tokenizer: Tokenizer | None = source.tokenizer
         self.device = resolve_device(config.device)

@@ -14,6 +14,7 @@ from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
 ENGINE_DEFAULTS: dict[str, Any] = {
     "model": "smollm2",
+    "tokenizer": None,
     "dtype": None,
     "device": None,
     "max_model_len": None,
@@ -55,6 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, suppress_defaults: bool = Fal
 
     p.add_argument("--model", default=default("model"),
                    help="smollm2 (default), a Hugging Face directory, a .gguf file, or random:<name>")
+    p.add_argument("--tokenizer", default=default("tokenizer"), metavar="PATH",
+                   help="tokenizer to use instead of the model's own: a Hugging Face directory, a "
+                        "tokenizer.json or a .gguf file (random:<name> models use it too)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=default("dtype"))
     p.add_argument("--device", default=default("device"), help="cpu or cuda (default: cuda when available)")
     p.add_argument("--max-model-len", type=int_arg("--max-model-len"), default=default("max_model_len"))
@@ -77,7 +81,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, suppress_defaults: bool = Fal
 def engine_kwargs(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
     """Keyword arguments of `pdserve.llm.LLM` from parsed engine flags."""
     v = vars(args) if isinstance(args, argparse.Namespace) else args
-    return dict(model=v["model"], dtype=v["dtype"], device=v["device"], max_model_len=v["max_model_len"],
+    return dict(model=v["model"], tokenizer=v.get("tokenizer"), dtype=v["dtype"], device=v["device"], max_model_len=v["max_model_len"],
                 kv_cache_gib=v["kv_cache_gib"], gpu_memory_fraction=v["gpu_memory_fraction"],
                 block_size=v["block_size"], max_num_batched_tokens=v["max_num_batched_tokens"],
                 max_num_seqs=v["max_num_seqs"], enable_prefix_caching=not v["no_prefix_caching"],
@@ -88,8 +92,8 @@ def engine_config(values: argparse.Namespace | Mapping[str, Any], role: str = "m
     """The `EngineConfig` of one worker from engine flag values (ValueError names a bad value)."""
     v = vars(values) if isinstance(values, argparse.Namespace) else values
     return EngineConfig(
-        model=v["model"], dtype=v["dtype"], device=v["device"], max_model_len=v["max_model_len"],
-        cache=CacheConfig(block_size=v["block_size"], cpu_kv_gib=v["kv_cache_gib"],
+        model=v["model"], tokenizer=v.get("tokenizer"), dtype=v["dtype"], device=v["device"],
+        max_model_len=v["max_model_len"], cache=CacheConfig(block_size=v["block_size"], cpu_kv_gib=v["kv_cache_gib"],
                           gpu_memory_fraction=v["gpu_memory_fraction"],
                           enable_prefix_caching=not v["no_prefix_caching"],
                           compile_cpu_decode=v.get("compile", False),

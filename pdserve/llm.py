@@ -32,14 +32,14 @@ class CompletionOutput:
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2", *, dtype: str | None = None, device: str | None = None,
+    def __init__(self, model: str = "smollm2", *, tokenizer: str | None = None, dtype: str | None = None, device: str | None = None,
                  seed: int = 0, max_model_len: int | None = None, block_size: int = 16,
                  kv_cache_gib: float = 0.5, num_blocks: int | None = None,
                  gpu_memory_fraction: float = 0.85, max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 64, enable_prefix_caching: bool = True, compile: bool = False,
                  packed_weights: bool = True) -> None:
         config = EngineConfig(
-            model=model, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
+            model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
             cache=CacheConfig(block_size=block_size, cpu_kv_gib=kv_cache_gib, num_blocks=num_blocks,
                               gpu_memory_fraction=gpu_memory_fraction,
                               enable_prefix_caching=enable_prefix_caching,

@@ -155,6 +155,22 @@ def load_hf_tokenizer(model_dir: str, eos_token_ids: Sequence[int] = ()) -> Toke
     return Tokenizer(hf, eos_token_ids, source=model_dir)
 
 
+def load_tokenizer_json(path: str, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+    """A tokenizer from a `tokenizers` JSON file. Next to a tokenizer_config.json (a Hugging Face
+    directory), the directory is loaded, with its special tokens and chat template; alone, the
+    file gives the vocabulary only (no chat template, no eos token: the model's eos ids apply)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.basename(path) == "tokenizer.json" and os.path.isfile(os.path.join(directory, "tokenizer_config.json")):
+        return load_hf_tokenizer(directory, eos_token_ids)
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        hf = PreTrainedTokenizerFast(tokenizer_file=path)
+    except Exception as exc:
+        raise ValueError(f"{path}: cannot load tokenizer ({_one_line(exc)})") from exc
+    return Tokenizer(hf, eos_token_ids, source=path)
+
+
 @functools.lru_cache(maxsize=4)
 def _gguf_hf_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer

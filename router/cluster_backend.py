@@ -35,7 +35,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, get_args
 
 from pdserve.sampling_params import RequestOutput, SamplingParams
 from router.backend import Tokenizer
@@ -50,6 +50,7 @@ from router.errors import (
 )
 from router.metrics import RouterMetrics
 from router.placement import (
+    DecisionKind,
     MODES,
     ClusterSnapshot,
     Decision,
@@ -134,6 +135,8 @@ class ClusterBackend:
             from router.metrics import WorkerStatsCollector
 
             metrics.registry.register(WorkerStatsCollector(lambda: list(self.pool.workers.values())))
+            for kind in get_args(DecisionKind):  # every series exists (at 0) before its first decision
+                metrics.placement_decisions.labels(policy.name, kind)
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.network = NetworkTracker(network or NetworkOptions(), self.pool, policy, metrics,
                                       rpc_timeout_s=self.rpc_timeout_s, max_model_len=max_model_len)
@@ -337,7 +340,7 @@ class ClusterBackend:
                 prefill.num_inflight -= 1
                 prefill.num_inflight_tokens -= n
                 self.network.finish_flow(flow, result, n)
-            self._record_transfer(result.kv_bytes, result.kv_seconds, result.kv_phases)
+            self._record_transfer(flow.key, result.kv_bytes, result.kv_seconds, result.kv_phases)
             first = result.first
             if self._worker_aborted(flight, first):
                 raise WorkerFailed(f"worker {prefill.worker_id} aborted the request", worker_id=prefill.worker_id)
@@ -423,10 +426,10 @@ class ClusterBackend:
         task.add_done_callback(self._background.discard)
         return task
 
-    def _record_transfer(self, kv_bytes: int, kv_seconds: float, phases: dict[str, float] | None = None) -> None:
+    def _record_transfer(self, link: str, kv_bytes: int, kv_seconds: float, phases: dict[str, float] | None = None) -> None:
         if self.metrics is not None and kv_bytes:
-            self.metrics.kv_transfer_bytes.inc(kv_bytes)
-            self.metrics.kv_transfer_seconds.observe(kv_seconds)
+            self.metrics.kv_transfer_bytes.labels(link).inc(kv_bytes)
+            self.metrics.kv_transfer_seconds.labels(link).observe(kv_seconds)
             for phase, seconds in (phases or {}).items():
                 self.metrics.kv_transfer_phase_seconds.labels(phase=phase).observe(seconds)
 

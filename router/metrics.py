@@ -3,7 +3,8 @@
 Latencies are observed per backend request (one per choice), request counts per HTTP request.
 `placement_decisions`, `kv_transfer_*`, `request_recoveries` and the per-link gauges `link_*`
 (label `link` = "src_node->dst_node") are declared here and updated by the cluster backend
-(router.cluster_backend).
+(router.cluster_backend), which also sets its label sets to 0 at start, so that every series a
+dashboard queries (deploy/grafana) exists before its first event.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
                        0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0, 600.0)
+
+
+RECOVERY_KINDS = ("replace", "local_fallback", "migrate")
 
 
 class RequestStatus:
@@ -55,12 +59,13 @@ class RouterMetrics:
             ["policy", "kind"], registry=r,
         )
         self.kv_transfer_bytes = Counter(
-            "pdserve:kv_transfer_bytes_total", "KV bytes pushed from prefill to decode workers, as reported by Prefill.",
-            registry=r,
+            "pdserve:kv_transfer_bytes_total",
+            "KV bytes pushed from prefill to decode workers, as reported by Prefill, per link (src_node->dst_node).",
+            ["link"], registry=r,
         )
         self.kv_transfer_seconds = Histogram(
-            "pdserve:kv_transfer_seconds", "Time a prefill worker spent pushing one request's KV.",
-            registry=r, buckets=KV_TRANSFER_BUCKETS,
+            "pdserve:kv_transfer_seconds", "Time a prefill worker spent pushing one request's KV, per link.",
+            ["link"], registry=r, buckets=KV_TRANSFER_BUCKETS,
         )
         self.kv_transfer_phase_seconds = Histogram(
             "pdserve:kv_transfer_phase_seconds",
@@ -69,9 +74,13 @@ class RouterMetrics:
         )
         self.request_recoveries = Counter(
             "pdserve:request_recoveries_total",
-            "Requests recovered from a worker failure, by kind (replace, local_fallback, migrate).",
+            "Requests recovered by kind: replace (re-placed after a worker failed before its first token), "
+            "local_fallback (KV transfer past its deadline: prefill on the decode worker), migrate (moved "
+            "mid-stream with its generated tokens).",
             ["kind"], registry=r,
         )
+        for kind in RECOVERY_KINDS:
+            self.request_recoveries.labels(kind)
         self.link_bytes_in_flight = Gauge(
             "pdserve:link_bytes_in_flight", "KV bytes of the transfers the router has started on a link and not seen end.",
             ["link"], registry=r,

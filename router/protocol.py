@@ -7,13 +7,31 @@ Fields marked "extension" are not in OpenAI's API.
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from router.errors import InvalidRequest
 
 MAX_N = 16
+MAX_LOGPROBS = 20
+# Bounds of the request plane's integer fields (pdserve/proto/worker.proto), enforced here so that
+# a value the wire cannot carry is a 400 naming the field, not a failure further down.
+UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - MAX_N  # choice i uses seed + i
+
+# Input types as the JSON schema publishes them (the validators below normalise them).
+_Text = Annotated[str, Field(min_length=1)]
+_TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+_TokenIds = Annotated[list[_TokenId], Field(min_length=1)]
+
+
+def _doc(description: str, default: Any = ..., *, ge: int | None = None, le: int | None = None, **schema: Any) -> Any:
+    """A field with a description. `ge`/`le` are enforced by pydantic; the other JSON-schema bounds
+    are documented only: the server checks them itself (SamplingParams, preparation) with messages
+    that name the field."""
+    return Field(default, description=description, ge=ge, le=le, json_schema_extra=schema or None)
 
 
 class _Request(BaseModel):
@@ -21,7 +39,7 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool = _doc("Send a last chunk with the usage of the whole request (empty choices).", False)
 
 
 def _validate_stop(value: Any) -> list[str]:
@@ -37,33 +55,38 @@ def _validate_stop(value: Any) -> list[str]:
 def _validate_token_ids(value: Any, what: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ValueError(f"{what} must be a list of integers")
-    if any(t < 0 for t in value):
-        raise ValueError(f"{what} must hold token ids >= 0")
+    if any(not 0 <= t <= UINT32_MAX for t in value):
+        raise ValueError(f"{what} must hold token ids in [0, {UINT32_MAX}]")
     return value
 
 
 class _SamplingFields(_Request):
     """Fields shared by both endpoints."""
 
-    model: str
-    n: int = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: list[str] = Field(default_factory=list)
-    seed: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None  # accepted and ignored
+    model: str = _doc("The served model's id (GET /v1/models).")
+    n: int = _doc("Choices to generate for each prompt.", 1, minimum=1, maximum=MAX_N)
+    stream: bool = _doc("Stream the answer as server-sent events (text/event-stream), ending with `data: [DONE]`.", False)
+    stream_options: StreamOptions | None = _doc("Only with stream=true.", None)
+    stop: list[str] = Field(
+        default_factory=list, description="A string or strings that end the generation (not included in the text).",
+        json_schema_extra={"default": None},
+    )
+    seed: int | None = _doc("Seed of the sampler; choice i of n uses seed + i.", None, ge=SEED_MIN, le=SEED_MAX)
+    temperature: float | None = _doc("Sampling temperature; 0 is greedy. Default 1.", None, minimum=0)
+    top_p: float | None = _doc("Nucleus sampling mass. Default 1.", None, exclusiveMinimum=0, maximum=1)
+    presence_penalty: float | None = _doc("Default 0.", None, minimum=-2, maximum=2)
+    frequency_penalty: float | None = _doc("Default 0.", None, minimum=-2, maximum=2)
+    logit_bias: dict[str, float] | None = _doc("Not supported: only null or {} is accepted.", None, maxProperties=0)
+    user: str | None = _doc("Accepted and ignored.", None)
     # extensions
-    top_k: int | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    top_k: int | None = _doc("Extension: sample among the k most likely tokens; -1 or 0 disables. Default -1.", None, le=INT32_MAX, minimum=-1)
+    min_tokens: int = _doc("Extension: tokens generated before EOS or a stop may end the generation.", 0, le=UINT32_MAX, minimum=0)
+    ignore_eos: bool = _doc("Extension: keep generating past the end-of-sequence token.", False)
+    stop_token_ids: list[_TokenId] = Field(
+        default_factory=list, description="Extension: token ids that end the generation.", json_schema_extra={"default": []}
+    )
 
-    @field_validator("stop", mode="plain", json_schema_input_type=str | list[str] | None)
+    @field_validator("stop", mode="plain", json_schema_input_type=_Text | list[_Text] | None)
     @classmethod
     def _normalise_stop(cls, value: Any) -> list[str]:
         return _validate_stop(value)
@@ -71,14 +94,17 @@ class _SamplingFields(_Request):
 
 class CompletionRequest(_SamplingFields):
     # str | list[str] | list[int] | list[list[int]], normalised to a list of str or list of token lists
-    prompt: list[str] | list[list[int]]
-    max_tokens: int | None = None
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: list[str] | list[list[int]] = _doc("A string, a list of strings, a list of token ids or a list of lists of token ids.")
+    max_tokens: int | None = _doc("Tokens to generate per choice (prompt + max_tokens <= the model's context). Default 16.", None, minimum=1)
+    logprobs: int | None = _doc("Return the log-probability of each token and of this many alternatives.", None, minimum=0, maximum=MAX_LOGPROBS)
+    echo: bool = _doc("Prepend the prompt to the text (not with logprobs).", False)
+    suffix: str | None = _doc("Not supported: only null or an empty string is accepted.", None, maxLength=0)
+    best_of: int | None = _doc("Only null or equal to n is accepted.", None, minimum=1, maximum=MAX_N)
 
-    @field_validator("prompt", mode="plain", json_schema_input_type=str | list[str] | list[int] | list[list[int]])
+    @field_validator(
+        "prompt", mode="plain",
+        json_schema_input_type=str | Annotated[list[str], Field(min_length=1)] | _TokenIds | Annotated[list[_TokenIds], Field(min_length=1)],
+    )
     @classmethod
     def _normalise_prompt(cls, value: Any) -> list[str] | list[list[int]]:
         if isinstance(value, str):
@@ -132,11 +158,11 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    messages: list[ChatMessage] = _doc("The conversation, rendered with the model's chat template.", minItems=1)
+    max_tokens: int | None = _doc("Deprecated by OpenAI for max_completion_tokens, which wins when both are set.", None, minimum=1)
+    max_completion_tokens: int | None = _doc("Tokens to generate per choice. Default: the room left in the context.", None, minimum=1)
+    logprobs: bool = _doc("Return the log-probability of each generated token.", False)
+    top_logprobs: int | None = _doc("Alternatives per token (needs logprobs=true).", None, minimum=0, maximum=MAX_LOGPROBS)
 
 
 # ---------------------------------------------------------------- responses
@@ -223,6 +249,19 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatStreamChoice]
     usage: Usage | None = None
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body, the answer of every error status (router.errors)."""
+
+    error: ErrorBody
 
 
 class ModelCard(BaseModel):

@@ -1,7 +1,8 @@
 """The router's OpenAI-compatible HTTP server: app factory, edge middleware and `run_server`.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}] (these need
-`Authorization: Bearer <api_key>` when an api_key is set), GET /health, GET /metrics.
+`Authorization: Bearer <api_key>` when an api_key is set), GET /health, GET /metrics, and the
+API's description at GET /openapi.json and /docs (router.openapi).
 Every response carries `x-request-id`; every error has OpenAI's error body.
 """
 
@@ -18,7 +19,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.backend import GenerationBackend
@@ -34,6 +35,7 @@ from router.errors import (
     error_response,
 )
 from router.metrics import METRICS_CONTENT_TYPE, RouterMetrics
+from router.openapi import install_openapi
 from router.protocol import ModelCard, ModelList
 from router.serving import OpenAIServing
 
@@ -62,7 +64,10 @@ def create_app(
     serving = OpenAIServing(backend, metrics, request_timeout_s)
     created = int(time.time())
 
-    app = FastAPI(title="pdserve router", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="pdserve router", version="1", redoc_url=None,
+        description="OpenAI-compatible completions and chat completions served by a prefill/decode cluster.",
+    )
     app.state.metrics = metrics
     app.state.backend = backend
 
@@ -114,10 +119,14 @@ def create_app(
             raise ServiceUnavailable(f"The backend is unhealthy: {detail}")
         return JSONResponse({"status": "ok", "backend": info})
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics", response_class=PlainTextResponse,
+        responses={200: {"description": "Prometheus text exposition format.", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
+    install_openapi(app, backend.model_name, api_key_required=api_key is not None)
     _install_error_handlers(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     app.add_middleware(RequestIdMiddleware)  # outermost of ours, so 413s carry an id too

@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     ours = pre.parse_args(argv[:split])
 
-    from pdserve.cli import build_parser, engine_config
-    from pdserve.cluster.standalone import default_worker_id, run_worker
+    from launcher.cli import build_parser, engine_config
+    from launcher.cluster.standalone import default_worker_id, run_worker
     from pdserve.emulation.pacing_spec import PACER_OPTION, parse_pacing
     from pdserve.worker.server import WorkerConfig
 

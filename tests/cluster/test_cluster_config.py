@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cli import build_parser, main
-from pdserve.cluster.config import UpConfig, load_up_config, read_config_file
-from pdserve.cluster.up import pool_specs
+from launcher.cli import build_parser, main
+from launcher.cluster.config import UpConfig, load_up_config, read_config_file
+from launcher.cluster.up import pool_specs
 from pdserve.engine_args import ENGINE_DEFAULTS
 
 

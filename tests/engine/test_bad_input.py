@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pdserve.cli import main
+from launcher.cli import main
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
 

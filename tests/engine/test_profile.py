@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdserve.cli import main
+from launcher.cli import main
 from router.profiles import load_profile
 
 

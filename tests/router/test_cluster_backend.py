@@ -113,7 +113,8 @@ def test_disaggregated_flow():
             assert env["d0"].calls == [("Reserve", "r1"), ("Decode", "r1")]
             assert env["d0"].aborts == [] and env["p0"].aborts == []
             assert env.metric("pdserve:placement_decisions_total", policy="round-robin", kind="disaggregated") == 1
-            assert env.metric("pdserve:kv_transfer_bytes_total") == 3000
+            assert env.metric("pdserve:kv_transfer_bytes_total", link="p0->d0") == 3000
+            assert env.metric("pdserve:kv_transfer_seconds_count", link="p0->d0") == 1
             assert env.backend.snapshot().worker("d0").num_inflight == 0
             health = await env.backend.health()
             assert health["healthy"] is True and set(health["workers"]) == {"p0", "d0"}

@@ -15,7 +15,7 @@ from pdserve.worker.server import WorkerConfig
 
 def run_worker(config: WorkerConfig) -> int:
     """Loads the model, serves until SIGINT/SIGTERM or until the server stops, then frees it."""
-    from pdserve.cluster.serving import ignore_shutdown_signals, install_shutdown_signals, restore_signals
+    from launcher.cluster.serving import ignore_shutdown_signals, install_shutdown_signals, restore_signals
     from pdserve.worker.server import WorkerServer
 
     install_shutdown_signals()
@@ -49,7 +49,7 @@ def default_worker_id(role: str, port: int) -> str:
 def run_router(entries: list[str], settings) -> int:
     from router.directory import StaticDirectory, parse_endpoint
 
-    from pdserve.cluster.serving import (
+    from launcher.cluster.serving import (
         build_app,
         install_shutdown_signals,
         load_router_model,
@@ -65,11 +65,12 @@ def run_router(entries: list[str], settings) -> int:
     roles = {parse_endpoint(entry).role for entry in entries}
     if settings.mode == "disaggregated" and not ({"prefill", "decode"} <= roles):
         raise ValueError("--worker: --mode disaggregated needs at least one prefill and one decode worker")
-    from pdserve.cluster.up import check_listen
+    from launcher.cluster.up import check_listen
 
     check_listen(settings.host, settings.port)
     policy = make_router_policy(settings)
-    model = load_router_model(settings.model, settings.max_model_len, settings.served_model_name)
+    model = load_router_model(settings.model, settings.max_model_len, settings.served_model_name,
+                              tokenizer=settings.tokenizer)
     app, backend = build_app(directory, settings, model, policy)
     install_shutdown_signals()
     try:

@@ -30,6 +30,7 @@ def flag(key: str) -> str:
 class UpConfig:
     # engine (one EngineConfig per worker, see `engine_values`)
     model: str = ENGINE_DEFAULTS["model"]
+    tokenizer: str | None = ENGINE_DEFAULTS["tokenizer"]
     dtype: str | None = ENGINE_DEFAULTS["dtype"]
     device: str | None = ENGINE_DEFAULTS["device"]
     max_model_len: int | None = ENGINE_DEFAULTS["max_model_len"]
@@ -146,7 +147,7 @@ _INTS = {"max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"
 _FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s",
            "slo_ttft", "slo_tpot"}
 _BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control"}
-_OPTIONAL = {"dtype", "device", "max_model_len", "replicas", "worker_gpus", "address", "api_key", "served_model_name",
+_OPTIONAL = {"tokenizer", "dtype", "device", "max_model_len", "replicas", "worker_gpus", "address", "api_key", "served_model_name",
              "topology", "profile", "slo_ttft", "slo_tpot"}
 
 

@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RouterSettings:
     model: str  # model spec: the router loads its tokenizer and shape
+    tokenizer: str | None = None  # tokenizer spec that replaces the model's (--tokenizer)
     served_model_name: str | None = None
     max_model_len: int | None = None
     policy: str = "round-robin"
@@ -47,15 +48,15 @@ class RouterModel:
 
 
 def load_router_model(model: str, max_model_len: int | None = None, served_model_name: str | None = None,
-                      flag: str = "--model") -> RouterModel:
-    """The tokenizer and length limit the router needs; ValueError naming `flag` when the model
-    has no tokenizer (tiny random shapes)."""
+                      flag: str = "--model", tokenizer: str | None = None) -> RouterModel:
+    """The tokenizer and length limit the router needs (`tokenizer` replaces the model's own);
+    ValueError naming `flag` when there is none (tiny random shapes without --tokenizer)."""
     from pdserve.loaders import load_model_source
 
-    source = load_model_source(model)
+    source = load_model_source(model, tokenizer)
     if source.tokenizer is None:
         raise ValueError(f"{flag}: {model!r} has no tokenizer, which the router needs "
-                         "(use a real model or random:smollm2-135m)")
+                         "(name one with --tokenizer, or use a real model or random:smollm2-135m)")
     limit = source.config.max_position_embeddings
     if max_model_len is not None:
         limit = min(limit, max_model_len)

@@ -16,7 +16,7 @@ import os
 import socket
 import sys
 
-from pdserve.cluster.config import UpConfig
+from launcher.cluster.config import UpConfig
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def gpu_share(config: UpConfig, gpus_in_cluster: float) -> float:
 
 
 def pool_specs(config: UpConfig, gpus_in_cluster: float):
-    from pdserve.cluster.pools import PoolSpec
+    from launcher.cluster.pools import PoolSpec
     from pdserve.engine_args import ENGINE_DEFAULTS, engine_config
 
     num_gpus = gpu_share(config, gpus_in_cluster)
@@ -128,8 +128,8 @@ def _start_ray(config: UpConfig) -> bool:
 def run_up(config: UpConfig, log_level: str = "warning") -> int:
     from tqdm import tqdm
 
-    from pdserve.cluster.pools import ClusterPools, ClusterStartError
-    from pdserve.cluster.serving import (
+    from launcher.cluster.pools import ClusterPools, ClusterStartError
+    from launcher.cluster.serving import (
         RouterSettings,
         build_app,
         ignore_shutdown_signals,
@@ -143,8 +143,9 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
 
     engine_config(config.engine_values())  # bad engine values fail here, before Ray starts
     check_listen(config.host, config.port)
-    model = load_router_model(config.model, config.max_model_len, config.served_model_name)
-    settings = RouterSettings(model=config.model, served_model_name=config.served_model_name,
+    model = load_router_model(config.model, config.max_model_len, config.served_model_name,
+                              tokenizer=config.tokenizer)
+    settings = RouterSettings(model=config.model, tokenizer=config.tokenizer, served_model_name=config.served_model_name,
                               max_model_len=config.max_model_len, policy=config.policy, mode=config.mode,
                               host=config.host, port=config.port, api_key=config.api_key,
                               kv_deadline_s=config.kv_deadline_s, log_level=log_level.lower(),
@@ -179,7 +180,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
         max_len = min([model.max_model_len] + [h["max_model_len"] for h in health.values() if h.get("max_model_len")])
         model.max_model_len = max_len
 
-        from pdserve.cluster.directory import RayDirectory
+        from launcher.cluster.directory import RayDirectory
 
         directory = RayDirectory(config.namespace, config.cluster_name, pools.names)
         app, backend = build_app(directory, settings, model, policy)

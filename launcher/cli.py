@@ -31,7 +31,7 @@ def _json_resources(flag: str):
     def parse(text: str) -> dict:
         import json
 
-        from pdserve.cluster.config import check_resources
+        from launcher.cluster.config import check_resources
 
         try:
             value = json.loads(text)
@@ -70,8 +70,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from pdserve.cluster.config import load_up_config
-    from pdserve.cluster.up import run_up
+    from launcher.cluster.config import load_up_config
+    from launcher.cluster.up import run_up
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "log_level", "config")}
     if "api_key" not in flags and os.environ.get(API_KEY_ENV):
@@ -81,7 +81,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from pdserve.cluster.standalone import default_worker_id, run_worker
+    from launcher.cluster.standalone import default_worker_id, run_worker
     from pdserve.worker.server import WorkerConfig
 
     if not 0 <= args.port <= 65535:
@@ -94,8 +94,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    from pdserve.cluster.serving import RouterSettings
-    from pdserve.cluster.standalone import run_router
+    from launcher.cluster.serving import RouterSettings
+    from launcher.cluster.standalone import run_router
 
     if not 1 <= args.port <= 65535:
         raise CliError(f"--port must be in 1..65535, got {args.port}")
@@ -103,7 +103,7 @@ def cmd_router(args: argparse.Namespace) -> int:
         raise CliError(f"--kv-deadline-s must be > 0, got {args.kv_deadline_s}")
     if args.max_model_len is not None and args.max_model_len <= 0:
         raise CliError(f"--max-model-len must be > 0, got {args.max_model_len}")
-    settings = RouterSettings(model=args.model, served_model_name=args.served_model_name,
+    settings = RouterSettings(model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                               max_model_len=args.max_model_len, policy=args.policy, mode=args.mode,
                               host=args.host, port=args.port, api_key=args.api_key,
                               kv_deadline_s=args.kv_deadline_s, log_level=args.log_level.lower(),
@@ -125,7 +125,7 @@ def _int_list(flag: str):
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from pdserve.profile import profile_engine
+    from launcher.profile import profile_engine
     from router.profiles import save_profile
 
     if args.repeats < 1:
@@ -241,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--worker", action="append", required=True, metavar="ROLE[#ID][@NODE]=HOST:PORT",
                    help="a worker (repeatable), e.g. prefill=10.0.0.1:50051")
     r.add_argument("--model", default=ENGINE_DEFAULTS["model"], help="model spec, for the tokenizer")
+    r.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer to use instead of the model's (as the workers' --tokenizer)")
     r.add_argument("--max-model-len", type=int_arg("--max-model-len"), default=None)
     r.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
     _add_router_args(r)

@@ -17,7 +17,7 @@ from pdserve.worker.server import WorkerConfig, WorkerServer
 
 
 class WorkerActor:
-    """Used as `ray.remote(WorkerActor)`; see `pdserve.cluster.pools`.
+    """Used as `ray.remote(WorkerActor)`; see `launcher.cluster.pools`.
 
     `bind_node_ip`: bind gRPC and KV to this Ray node's IP (the address other nodes reach)
     instead of `config.host` / `config.kv_host`.

@@ -99,7 +99,7 @@ class ClusterPools:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from pdserve.cluster.ray_workers import WorkerActor
+        from launcher.cluster.ray_workers import WorkerActor
 
         remote_cls = ray.remote(WorkerActor)
         deadline = time.monotonic() + timeout_s

@@ -17,7 +17,7 @@ from typing import Any
 
 from router.directory import WorkerEndpoint
 
-from pdserve.cluster.pools import parse_actor_name
+from launcher.cluster.pools import parse_actor_name
 
 logger = logging.getLogger(__name__)
 
