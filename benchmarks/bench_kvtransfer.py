@@ -69,10 +69,11 @@ SHAPES = {
 
 
 def make_caches(shape: Shape, num_blocks: int, device: str, fill: bool):
-    dims = (num_blocks, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim)
+    """Per-layer (K, V) pools, views of one [layers, 2, ...] allocation as the engine makes them."""
+    dims = (shape.num_layers, 2, num_blocks, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim)
     dtype = getattr(torch, shape.dtype)
-    make = (lambda: torch.randn(dims, device=device).to(dtype)) if fill else (lambda: torch.zeros(dims, dtype=dtype, device=device))
-    return [(make(), make()) for _ in range(shape.num_layers)]
+    pools = torch.randn(dims, device=device).to(dtype) if fill else torch.zeros(dims, dtype=dtype, device=device)
+    return [(pools[i, 0], pools[i, 1]) for i in range(shape.num_layers)]
 
 
 def _receiver_main(conn, shape: Shape, num_blocks: int, device: str) -> None:

@@ -22,7 +22,7 @@ import torch
 from kvtransfer.base import RECEIVER_PHASES, SENDER_PHASES, KVCaches, TransferResult
 from kvtransfer.errors import KVTransferError, KVTransferTimeout
 from kvtransfer.layout import KVLayout, NackReason, transfer_key
-from kvtransfer.staging import block_index, scatter_layer
+from kvtransfer.staging import block_index, scatter_layer, scatter_layers, stacked_pools
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class ReceiveLedger:
         max_tombstones: int = 65536,
     ):
         self._caches = kv_caches
+        self._stacked = stacked_pools(kv_caches)
         self._layout = layout
         self._num_blocks = kv_caches[0][0].shape[0]
         self._device = kv_caches[0][0].device
@@ -180,10 +181,11 @@ class ReceiveLedger:
         """Scatter ``staged`` ``[2, n, *block_shape]`` into blocks ``dst_ids`` ``[n]`` of
         ``layer`` if the transfer is still live; returns whether it landed. Late or bad
         data is counted and dropped, and the sender is told why."""
-        return self.land_many([(key, layer, dst_ids, staged, peer)])[0]
+        return self.land_many([(key, layer, dst_ids, staged.unsqueeze(0), peer)])[0]
 
     def land_many(self, items: Sequence[tuple[int, int, list[int], torch.Tensor, Peer]]) -> list[bool]:
-        """``land`` for several messages ``(key, layer, dst_ids, staged, peer)`` with one wait:
+        """``land`` for several messages ``(key, first_layer, dst_ids, staged, peer)``, each
+        ``staged`` ``[layers, 2, n, *block_shape]`` for the layers from ``first_layer`` on, with one wait:
         every scatter is enqueued on the caller's current stream, the stream is waited for once,
         then the landings are recorded (and acknowledged). Each live transfer's lock is held
         from its first scatter to that wait, so that cancel and expiry, which wait for the lock,
@@ -196,15 +198,21 @@ class ReceiveLedger:
         try:
             for i, (key, layer, dst_ids, staged, peer) in enumerate(items):
                 nbytes = staged.numel() * staged.element_size()
+                layers = staged.shape[0]
                 self.count("messages_received")
                 self.count("bytes_received", nbytes)
-                incoming, reason = self._admit(key, layer, dst_ids, peer)
+                incoming, reason = self._admit(key, layer, dst_ids, peer, layers)
                 if incoming is not None and reason == NackReason.NONE:
                     incoming.lock.acquire()
                     held.append(incoming)
                     if incoming.state == _PENDING:
-                        scatter_layer(self._caches, layer, self._dst_index(incoming, dst_ids), staged)
-                        landed.append((incoming, layer, dst_ids, nbytes))
+                        index = self._dst_index(incoming, dst_ids)
+                        if self._stacked is not None:
+                            scatter_layers(self._stacked, layer, index, staged)
+                        else:
+                            for offset in range(layers):
+                                scatter_layer(self._caches, layer + offset, index, staged[offset])
+                        landed.append((incoming, range(layer, layer + layers), dst_ids, nbytes))
                         results[i] = True
                         continue
                     if incoming.state == _DONE:  # a duplicate after completion: harmless, nobody to tell
@@ -238,7 +246,8 @@ class ReceiveLedger:
             index = incoming.dst_index[ids] = torch.tensor(ids, dtype=torch.int64, device=self._device)
         return index
 
-    def _admit(self, key: int, layer: int, dst_ids: Sequence[int], peer: Peer) -> tuple[_Incoming | None, NackReason]:
+    def _admit(self, key: int, layer: int, dst_ids: Sequence[int], peer: Peer,
+               layers: int = 1) -> tuple[_Incoming | None, NackReason]:
         self._expire_due()
         with self._cond:
             incoming = self._by_key.get(key)
@@ -253,8 +262,8 @@ class ReceiveLedger:
             if incoming.first_at is None:
                 incoming.first_at = self._clock()
         dst_set = set(dst_ids)
-        if not 0 <= layer < incoming.num_layers:
-            problem = f"layer {layer} outside [0, {incoming.num_layers})"
+        if not (0 <= layer and layers >= 1 and layer + layers <= incoming.num_layers):
+            problem = f"layers [{layer}, {layer + layers}) outside [0, {incoming.num_layers})"
         elif len(dst_set) != len(dst_ids) or not dst_set <= incoming.block_set:
             problem = "destination block ids are duplicated or not reserved for it"
         else:
@@ -264,9 +273,10 @@ class ReceiveLedger:
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _record_landing(self, incoming: _Incoming, layer: int, dst_ids: Sequence[int], nbytes: int) -> None:
+    def _record_landing(self, incoming: _Incoming, layers: range, dst_ids: Sequence[int], nbytes: int) -> None:
         with self._cond:
-            incoming.landed[layer].update(dst_ids)
+            for layer in layers:
+                incoming.landed[layer].update(dst_ids)
             incoming.num_bytes += nbytes
             if not incoming.complete:
                 return

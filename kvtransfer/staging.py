@@ -66,6 +66,41 @@ class HostBuffers:
             free.append(buffer)
 
 
+def stacked_pools(kv_caches: KVCaches) -> torch.Tensor | None:
+    """``[num_layers, 2, num_blocks, *block_shape]`` over the pools when they are views of
+    one allocation in that order (the engine allocates them so), else None. Then a message of
+    several layers is gathered or scattered in one op instead of two per layer."""
+    k0 = kv_caches[0][0]
+    numel = k0.numel()
+    step = numel * k0.element_size()
+    try:
+        base = k0.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+    for layer, (k, v) in enumerate(kv_caches):
+        for which, pool in enumerate((k, v)):
+            if (pool.untyped_storage().data_ptr() != base or not pool.is_contiguous()
+                    or pool.data_ptr() != k0.data_ptr() + (2 * layer + which) * step):
+                return None
+    return torch.as_strided(k0, (len(kv_caches), 2, *k0.shape), (2 * numel, numel, *k0.stride()),
+                            k0.storage_offset())
+
+
+def gather_layers(stacked: torch.Tensor, first: int, count: int, src_index: torch.Tensor,
+                  out: torch.Tensor) -> torch.Tensor:
+    """Blocks ``src_index`` of layers ``[first, first + count)`` into ``out`` (flat uint8 of
+    the right size), seen as ``[count, 2, n, *block_shape]``; one op."""
+    staged = out.view(stacked.dtype).view(count, 2, src_index.numel(), *stacked.shape[3:])
+    torch.index_select(stacked[first:first + count], 2, src_index, out=staged)
+    return staged
+
+
+def scatter_layers(stacked: torch.Tensor, first: int, dst_index: torch.Tensor, staged: torch.Tensor) -> None:
+    """Write ``staged`` ``[count, 2, n, *block_shape]`` into blocks ``dst_index`` of layers
+    ``[first, first + count)``; one op."""
+    stacked[first:first + staged.shape[0]].index_copy_(2, dst_index, staged)
+
+
 def scatter_layer(kv_caches: KVCaches, layer: int, dst_index: torch.Tensor, staged: torch.Tensor) -> None:
     """Write ``staged`` ``[2, n, *block_shape]`` into blocks ``dst_index`` of ``layer``."""
     k_pool, v_pool = kv_caches[layer]

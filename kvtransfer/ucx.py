@@ -90,7 +90,7 @@ from kvtransfer.layout import (
 )
 from kvtransfer.ledger import ReceiveLedger, SendLedger
 from kvtransfer.pacing import LinkPacer
-from kvtransfer.staging import HostBuffers, as_bytes, block_index, from_bytes, gather_layer, wire_buffer
+from kvtransfer.staging import HostBuffers, block_index, gather_layer, gather_layers, stacked_pools, wire_buffer
 from kvtransfer.ucx_runtime import SCHEME, TaskSet, UcxRuntime, abort_endpoint, parse_address
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,8 @@ class _Lander:
         self._thread.start()
 
     def put(self, items: list[tuple[int, int, list[int], torch.Tensor, _Conn]], done) -> None:
-        """``items``: ``(key, layer, dst_ids, staged, conn)`` of one received message."""
+        """``items``: ``(key, first_layer, dst_ids, staged [layers, 2, n, ...], conn)`` of one
+        received message."""
         self._todo.put((items, done))
 
     def close(self) -> None:
@@ -372,11 +373,8 @@ class UcxReceiver(KVReceiver):
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to free
                 loop.call_soon_threadsafe(free.put_nowait, slot)
 
-        layer_bytes = self.layout.layer_message_bytes(header.num_blocks)
-        items = [(header.transfer_key, header.layer + i, dst_ids,
-                  from_bytes(raw[i * layer_bytes:(i + 1) * layer_bytes], self.layout, header.num_blocks), conn)
-                 for i in range(header.layers)]
-        self._lander.put(items, done)
+        staged = raw.view(self.layout.torch_dtype).view(header.layers, 2, header.num_blocks, *self.layout.block_shape)
+        self._lander.put([(header.transfer_key, header.layer, dst_ids, staged, conn)], done)
 
     # ---- ledger callbacks (any thread) -------------------------------------------------
 
@@ -458,6 +456,7 @@ class _Group:
     first_layer: int
     capacity: int  # layers
     buffer: torch.Tensor  # flat uint8, capacity * layer bytes
+    src: torch.Tensor  # the gather index on the pools' device
     count: int = 0
 
 
@@ -497,6 +496,7 @@ class UcxSender(KVSender):
         self._waiter: queue.SimpleQueue | None = None
         self._index_cache: collections.OrderedDict[tuple, tuple[torch.Tensor, bytes, tuple]] = collections.OrderedDict()
         self._host_buffers = HostBuffers() if not kv_caches[0][0].is_cuda else None
+        self._stacked = stacked_pools(kv_caches)  # then a message is gathered in one op, at flush
         self._buffers_lock = threading.Lock()
         self._groups: dict[str, _Group] = {}  # open groups by transfer id
         self._groups_lock = threading.Lock()
@@ -540,15 +540,16 @@ class UcxSender(KVSender):
                 group = None
             if group is None:
                 parse_address(address)
-                group = self._open_group(address, transfer_id, layer, ids, dst_bytes)
-            layer_bytes = self.layout.layer_message_bytes(group.num_blocks)
-            slot = group.buffer[group.count * layer_bytes:(group.count + 1) * layer_bytes]
-            gather_layer(self._caches, layer, src, slot)
+                group = self._open_group(address, transfer_id, layer, ids, dst_bytes, src)
+            if self._stacked is None:
+                layer_bytes = self.layout.layer_message_bytes(group.num_blocks)
+                gather_layer(self._caches, layer, src, group.buffer[group.count * layer_bytes:(group.count + 1) * layer_bytes])
             group.count += 1
             if group.count == group.capacity or layer == self.layout.num_layers - 1:
                 self._flush(self._groups.pop(transfer_id))
 
-    def _open_group(self, address: str, transfer_id: str, layer: int, ids: tuple, dst_bytes: bytes) -> _Group:
+    def _open_group(self, address: str, transfer_id: str, layer: int, ids: tuple, dst_bytes: bytes,
+                    src: torch.Tensor) -> _Group:
         num_blocks = len(ids[0])
         layer_bytes = self.layout.layer_message_bytes(num_blocks)
         limit = self._coalesce_bytes
@@ -561,13 +562,15 @@ class UcxSender(KVSender):
                 buffer = self._host_buffers.take(capacity * layer_bytes)
         else:
             buffer = torch.empty(capacity * layer_bytes, dtype=torch.uint8, device=self._caches[0][0].device)
-        group = _Group(address, transfer_id, ids, dst_bytes, num_blocks, layer, capacity, buffer)
+        group = _Group(address, transfer_id, ids, dst_bytes, num_blocks, layer, capacity, buffer, src)
         self._groups[transfer_id] = group
         return group
 
     def _flush(self, group: _Group) -> None:
         """Sends an open group as one message (called with the groups lock held)."""
         payload = group.buffer[:group.count * self.layout.layer_message_bytes(group.num_blocks)]
+        if self._stacked is not None:  # the group's layers are computed: gather them all at once
+            gather_layers(self._stacked, group.first_layer, group.count, group.src, payload)
         ready = None
         if payload.is_cuda:
             ready = torch.cuda.Event()

@@ -77,10 +77,12 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(cache_config)
         c = model_config
         shape = (self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(c.num_layers)
-        ]
+        # One allocation [layers, 2, *shape]; each layer's K and V pool is a contiguous view of
+        # it. The KV transfer then gathers or scatters all layers of a message in one op
+        # (kvtransfer.staging.stacked_pools).
+        pools = torch.zeros((c.num_layers, 2, *shape), dtype=dtype, device=device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [(pools[i, 0], pools[i, 1])
+                                                                   for i in range(c.num_layers)]
         self.sampler = Sampler(device, seed)
         self.torch_path = kernels.kernel_backend(device) == "torch"
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,

@@ -235,3 +235,28 @@ def test_ucx_coalesces_consecutive_layers(peer):
 def test_ucx_coalesce_bytes_is_checked():
     with pytest.raises(ValueError, match="coalesce_bytes must be an int >= 0"):
         kvtransfer.create_sender("ucx", make_caches(FP32, seed=1), coalesce_bytes=-1)
+
+
+def test_ucx_stacked_pools_one_op_per_message():
+    """Pools that are views of one [layers, 2, ...] allocation (as the engine makes them) are
+    gathered and scattered a message at a time; the blocks land exactly, in-process over UCX."""
+    from kvtransfer.staging import stacked_pools
+
+    gen = torch.Generator().manual_seed(7)
+    src_pools = torch.randn((3, 2, 16, 4, 2, 8), generator=gen)
+    dst_pools = torch.zeros_like(src_pools)
+    src = [(src_pools[i, 0], src_pools[i, 1]) for i in range(3)]
+    dst = [(dst_pools[i, 0], dst_pools[i, 1]) for i in range(3)]
+    assert stacked_pools(src) is not None
+    src_ids, dst_ids = [9, 2, 14], [3, 11, 0]
+    with kvtransfer.create_receiver("ucx", dst) as receiver, \
+            kvtransfer.create_sender("ucx", src, coalesce_bytes=1 << 20) as sender:
+        for n in range(2):  # the second reuses the connection and the staging slots
+            receiver.expect(f"s{n}", dst_ids, 3, 20.0)
+            for layer in range(3):
+                sender.send_layer(receiver.address(), f"s{n}", layer, src_ids, dst_ids)
+            sender.finish(f"s{n}", timeout=20)
+            receiver.wait(f"s{n}", timeout=20)
+            assert torch.equal(dst_pools[:, :, dst_ids], src_pools[:, :, src_ids])
+            dst_pools.zero_()
+        assert sender.metrics()["messages_sent"] == 2
