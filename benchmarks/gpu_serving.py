@@ -163,9 +163,11 @@ def measured_run(cluster: Cluster, name: str, n: int, rate: float, args, out_dir
     kv = histogram(before, after, "pdserve:kv_transfer_seconds")
     phases = {p: histogram(before, after, "pdserve:kv_transfer_phase_seconds", phase=p)
               for p in ("stage", "queue", "wire", "ack")}
+    first_token = {p: histogram(before, after, "pdserve:first_token_phase_seconds", phase=p)
+                   for p in ("reserve", "prefill", "kv_tail", "rpc")}
     kv_bytes = counter(before, after, "pdserve:kv_transfer_bytes_total")
     fallbacks = counter(before, after, "pdserve:request_recoveries_total", kind="local_fallback")
-    res = {"summary": summary, "kv": kv, "phases": phases, "fallbacks": fallbacks,
+    res = {"summary": summary, "kv": kv, "phases": phases, "first_token": first_token, "fallbacks": fallbacks,
            "kv_bytes_per_request": kv_bytes / kv["count"] if kv["count"] else None}
     ms = lambda v: "-" if v is None else f"{v * 1e3:.2f}"  # noqa: E731
     log(f"{name}: {summary['num_ok']}/{summary['num_requests']} ok, rate {rate}/s, TTFT p50 {ms(summary['ttft_p50'])} ms "
@@ -174,6 +176,8 @@ def measured_run(cluster: Cluster, name: str, n: int, rate: float, args, out_dir
     if kv["count"]:
         log("   phases p50 ms: " + ", ".join(f"{p} {ms(h['p50'])}" for p, h in phases.items())
             + f"; KV bytes/request {res['kv_bytes_per_request'] / 1e6:.1f} MB")
+        log("   first token p50 ms: " + ", ".join(f"{p} {ms(h['p50'])} (mean {ms(h['mean'])})"
+                                               for p, h in first_token.items()))
     return res
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, get_args
@@ -330,12 +331,15 @@ class ClusterBackend:
         try:
             result: PrefillResult | None = None
             try:
+                started = time.monotonic()
                 reservation = await decode.client.reserve(wire_id, prompt, params, self.kv_deadline_s)
+                reserved = time.monotonic()
                 flight.parts[prefill.worker_id] = (prefill.client, wire_id)
                 result = await prefill.client.prefill(
                     wire_id, prompt, params, reservation, self.kv_deadline_s,
                     timeout_s=self.kv_deadline_s + self.rpc_timeout_s,
                 )
+                self._record_first_token_phases(reserved - started, time.monotonic() - reserved, result)
             finally:
                 prefill.num_inflight -= 1
                 prefill.num_inflight_tokens -= n
@@ -432,6 +436,17 @@ class ClusterBackend:
             self.metrics.kv_transfer_seconds.labels(link).observe(kv_seconds)
             for phase, seconds in (phases or {}).items():
                 self.metrics.kv_transfer_phase_seconds.labels(phase=phase).observe(seconds)
+
+    def _record_first_token_phases(self, reserve_s: float, prefill_rpc_s: float, result: PrefillResult) -> None:
+        """Where a disaggregated first token's time went: D's Reserve, P's queue and prefill up
+        to the first token, the KV still in flight after it, and the rest of the Prefill RPC."""
+        if self.metrics is None:
+            return
+        kv_tail = max(0.0, result.kv_seconds - result.kv_phases.get("stage", result.kv_seconds))
+        phases = {"reserve": reserve_s, "prefill": result.prefill_seconds, "kv_tail": kv_tail,
+                  "rpc": max(0.0, prefill_rpc_s - result.prefill_seconds - kv_tail)}
+        for phase, seconds in phases.items():
+            self.metrics.first_token_phase_seconds.labels(phase=phase).observe(seconds)
 
     def _count_recovery(self, kind: str) -> None:
         if self.metrics is not None:

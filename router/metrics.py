@@ -72,6 +72,13 @@ class RouterMetrics:
             "Where one request's KV transfer time went, by phase (sender: stage, queue, wire, ack; "
             "see kvtransfer.SENDER_PHASES).", ["phase"], registry=r, buckets=KV_TRANSFER_BUCKETS,
         )
+        self.first_token_phase_seconds = Histogram(
+            "pdserve:first_token_phase_seconds",
+            "Where a disaggregated request's time to first token went: reserve (the decode worker's "
+            "Reserve call), prefill (the prefill worker's queue and compute up to the first token), "
+            "kv_tail (the KV still in flight after it), rpc (the rest of the Prefill call).",
+            ["phase"], registry=r, buckets=KV_TRANSFER_BUCKETS,
+        )
         self.request_recoveries = Counter(
             "pdserve:request_recoveries_total",
             "Requests recovered by kind: replace (re-placed after a worker failed before its first token), "
