@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from kernels.kv_copy import gather_blocks, scatter_blocks
 from kvtransfer.layout import MAX_BLOCKS_PER_MESSAGE, KVLayout
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -89,16 +90,20 @@ def stacked_pools(kv_caches: KVCaches) -> torch.Tensor | None:
 def gather_layers(stacked: torch.Tensor, first: int, count: int, src_index: torch.Tensor,
                   out: torch.Tensor) -> torch.Tensor:
     """Blocks ``src_index`` of layers ``[first, first + count)`` into ``out`` (flat uint8 of
-    the right size), seen as ``[count, 2, n, *block_shape]``; one op."""
-    staged = out.view(stacked.dtype).view(count, 2, src_index.numel(), *stacked.shape[3:])
-    torch.index_select(stacked[first:first + count], 2, src_index, out=staged)
+    the right size), seen as ``[count, 2, n, *block_shape]``; one launch (kernels.kv_copy)."""
+    n = src_index.numel()
+    staged = out.view(stacked.dtype).view(count, 2, n, *stacked.shape[3:])
+    pools = stacked[first:first + count].reshape(2 * count, stacked.shape[2], -1)
+    gather_blocks(pools, src_index, staged.view(2 * count, n, -1))
     return staged
 
 
 def scatter_layers(stacked: torch.Tensor, first: int, dst_index: torch.Tensor, staged: torch.Tensor) -> None:
     """Write ``staged`` ``[count, 2, n, *block_shape]`` into blocks ``dst_index`` of layers
-    ``[first, first + count)``; one op."""
-    stacked[first:first + staged.shape[0]].index_copy_(2, dst_index, staged)
+    ``[first, first + count)``; one launch (kernels.kv_copy)."""
+    count, n = staged.shape[0], staged.shape[2]
+    pools = stacked[first:first + count].reshape(2 * count, stacked.shape[2], -1)
+    scatter_blocks(pools, dst_index, staged.reshape(2 * count, n, -1))
 
 
 def scatter_layer(kv_caches: KVCaches, layer: int, dst_index: torch.Tensor, staged: torch.Tensor) -> None:

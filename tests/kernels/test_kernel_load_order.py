@@ -87,6 +87,17 @@ lens = torch.tensor([20, 40], dtype=torch.int32)
 close(prefill_attention_triton(q, kc, vc, tables, cu, lens, 0.17),
       prefill_attention_ref(q, kc, vc, tables, cu, lens, 0.17))
 """,
+    "kv_copy": """
+from kernels.kv_copy import gather_blocks, gather_blocks_ref
+from kernels.dispatch import force_backend
+pools = torch.randn(4, 6, 40)
+index = torch.tensor([5, 1, 2])
+got, want = torch.empty(4, 3, 40), torch.empty(4, 3, 40)
+with force_backend("triton"):
+    gather_blocks(pools, index, got)
+gather_blocks_ref(pools, index, want)
+close(got, want)
+""",
     # The engine's forward: whichever kernel the model reaches first binds everything it needs.
     "engine_forward": """
 from kernels.dispatch import force_backend
