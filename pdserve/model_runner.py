@@ -74,17 +74,21 @@ class ModelRunner:
         if (cache_config.cpu_packed_weights and device.type == "cpu" and dtype == torch.float32
                 and kernels.packing_available()):
             self.model.pack_weights()
+        self.kv_cache_dtype = kernels.kv_cache_torch_dtype(cache_config.kv_cache_dtype, dtype)
+        if self.kv_cache_dtype == kernels.FP8_DTYPE and cache_config.compile_cpu_decode:
+            raise ValueError("kv_cache_dtype fp8 does not support compile (the CPU torch.compile decode)")
         self.num_blocks = self._num_blocks(cache_config)
         c = model_config
-        shape = (self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        shape = self.pool_shape(self.num_blocks)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            (torch.zeros(shape, dtype=self.kv_cache_dtype, device=device),
+             torch.zeros(shape, dtype=self.kv_cache_dtype, device=device))
             for _ in range(c.num_layers)
         ]
         self.sampler = Sampler(device, seed)
         self.torch_path = kernels.kernel_backend(device) == "torch"
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
-                    self.kv_cache_bytes / (1 << 20))
+        logger.info("KV cache: %d blocks of %d tokens, %s (%.1f MiB)", self.num_blocks, self.block_size,
+                    self.kv_cache_dtype_name, self.kv_cache_bytes / (1 << 20))
         # CUDA graphs of the decode forward, captured at the first decode-only step.
         self.use_cuda_graphs = (device.type == "cuda" and not self.torch_path
                                 and cuda_graphs_requested(cache_config))
@@ -112,11 +116,33 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        return str(self.kv_cache_dtype).removeprefix("torch.")
+
+    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One K or V pool: [NB, BS, Hkv, D], or with the FP8 scale rows (kernels/kv_quant.py)."""
+        c = self.model_config
+        if self.kv_cache_dtype == kernels.FP8_DTYPE:
+            return kernels.fp8_pool_shape(num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        return (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block across all layers, K and V (FP8 scales included)."""
+        rows = self.pool_shape(1)
+        per_pool = rows[1] * rows[2] * rows[3] * torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        return 2 * self.model_config.num_layers * per_pool
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Bytes a decode step reads per token of context (FP8 scales included)."""
+        return self.kv_bytes_per_block / self.block_size
+
     def _num_blocks(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:
             return cache.num_blocks
-        per_block = self.model_config.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size())
-        per_block *= self.block_size
+        per_block = self.kv_bytes_per_block
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cache.gpu_memory_fraction)
