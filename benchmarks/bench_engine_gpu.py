@@ -107,12 +107,12 @@ class StepTimer:
 
         def step():
             running = engine.scheduler.running
-            before = runner.num_graph_replays + getattr(runner, "num_decode_only_steps", 0)
+            before = runner.num_decode_only_steps
             kv = sum(s.num_tokens for s in running)
             t = time.perf_counter()
             out = self._step()
             seconds = time.perf_counter() - t
-            decode_only = runner.num_graph_replays + getattr(runner, "num_decode_only_steps", 0) > before
+            decode_only = runner.num_decode_only_steps > before
             self.records.append((seconds, decode_only, len(out), kv))
             return out
 
@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     flops = matmul_rate(torch, device, MATMUL_N if device == "cuda" else 256)
     results: dict = {"gpu": gpu, "model": model_name, "kv_cache_dtype": args.kv_cache_dtype, "quick": quick,
                      "copy_gb_s": bw / 1e9, "matmul_tflop_s": flops / 1e12}
-    print(f"{gpu}: device copy {bw / 1e9:.0f} GB/s; bf16 matmul {MATMUL_N}^3 {flops / 1e12:.0f} TFLOP/s")
+    print(f"{gpu}: device copy {bw / 1e9:.0f} GB/s; bf16 matmul {MATMUL_N}^3 {flops / 1e12:.0f} TFLOP/s"
+          + ("" if device == "cuda" else " (cpu: fp32, 256^3)"))
 
     t = time.perf_counter()
     llm = LLM(model_name, dtype="bfloat16" if device == "cuda" else "float32", device=device,

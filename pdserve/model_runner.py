@@ -101,6 +101,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_len // self.block_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self.num_graph_replays = 0
+        self.num_decode_only_steps = 0
         # Decode-only steps on the torch path run `decode_forward_torch`, through torch.compile
         # when CacheConfig.compile_cpu_decode is set.
         self._decode_torch = functools.partial(decode_forward_torch, self.model, self.kv_caches)
@@ -157,8 +158,10 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None) -> torch.Tensor:
         """Runs `batch`; returns float32 logits for the requests that sample this step, in the
         order of `order(batch)`."""
+        decode_only = self.is_decode_only(batch)
+        self.num_decode_only_steps += decode_only
         if (layer_hook is None and self.use_cuda_graphs and self.graph_batch_sizes
-                and len(batch) <= self.graph_batch_sizes[-1] and self.is_decode_only(batch)):
+                and len(batch) <= self.graph_batch_sizes[-1] and decode_only):
             return self._execute_graph(batch)
         input_ids, meta = self.prepare(batch)
         if layer_hook is None and meta.decode_plan is not None:
