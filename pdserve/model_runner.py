@@ -280,6 +280,9 @@ class ModelRunner:
         self._d_lens = self._h_lens.to(dev, copy=True)
         self._d_tables = torch.zeros((max_b, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
         self._d_rows = torch.arange(max_b, dtype=torch.long, device=dev)
+        # Host mirror of the block tables at a fixed row stride, updated incrementally.
+        self._table_mirror = np.zeros((max_b, self.max_blocks_per_seq), dtype=np.int32)
+        self._row_owners: list[tuple | None] = [None] * max_b
         if not on_cuda:
             self._copied = None
             self._graphs = {size: None for size in self.graph_batch_sizes}
@@ -316,6 +319,29 @@ class ModelRunner:
             logits_indices=self._d_rows[:size],
         )
 
+    def _update_table_mirror(self, seqs) -> int:
+        """Brings the host mirror of the graph's block tables up to date for `seqs` (row i =
+        seqs[i]) and returns the widest row. A row that held the same request last step (and
+        it was not preempted since) only gets its new blocks: most steps write nothing."""
+        mirror, owners = self._table_mirror, self._row_owners
+        width = 1
+        for i, seq in enumerate(seqs):
+            blocks = seq.block_ids
+            nb = len(blocks)
+            width = max(width, nb)
+            owner = owners[i]
+            if owner is not None and owner[0] is seq and owner[2] <= nb:
+                if owner[2] < nb:
+                    mirror[i, owner[2]:nb] = blocks[owner[2]:]
+            else:
+                mirror[i, :nb] = blocks
+            owners[i] = (seq, seq.num_preemptions, nb)
+        for i in range(len(seqs), len(owners)):
+            if owners[i] is None:
+                break
+            owners[i] = None  # drop references to finished requests
+        return width
+
     @torch.inference_mode()
     def _execute_graph(self, batch: ScheduledBatch) -> torch.Tensor:
         if not self._graphs:
@@ -323,22 +349,21 @@ class ModelRunner:
         n = len(batch)
         size = next(b for b in self.graph_batch_sizes if b >= n)
         bs = self.block_size
-        width = max(len(seq.block_ids) for seq in batch.seqs)
+        seqs = batch.seqs
+        width = self._update_table_mirror(seqs)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have left the pinned buffers
         i64, lens, flat = self._h_views
-        tables = flat[:size * width].reshape(size, width)
-        for i, seq in enumerate(batch.seqs):
-            pos = seq.num_computed_tokens
-            blocks = seq.block_ids
-            i64[0, i] = seq.token_at(pos)
-            i64[1, i] = pos
-            i64[2, i] = blocks[pos // bs] * bs + pos % bs
-            lens[i] = pos + 1
-            tables[i, :len(blocks)] = blocks
+        pos = [seq.num_computed_tokens for seq in seqs]
+        i64[0, :n] = [seq.token_at(p) for seq, p in zip(seqs, pos)]
+        i64[1, :n] = pos
+        i64[2, :n] = [seq.block_ids[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)]
+        lens[:n] = pos
+        lens[:n] += 1
         i64[0:2, n:size] = 0
         i64[2, n:size] = -1
         lens[n:size] = 0
+        np.copyto(flat[:size * width].reshape(size, width), self._table_mirror[:size, :width])
         self._d_i64.copy_(self._h_i64, non_blocking=True)
         self._d_lens.copy_(self._h_lens, non_blocking=True)
         self._d_tables[:size, :width].copy_(self._h_tables[:size * width].view(size, width),
