@@ -330,7 +330,7 @@ class ModelRunner:
             nb = len(blocks)
             width = max(width, nb)
             owner = owners[i]
-            if owner is not None and owner[0] is seq and owner[2] <= nb:
+            if owner is not None and owner[0] is seq and owner[1] == seq.num_preemptions and owner[2] <= nb:
                 if owner[2] < nb:
                     mirror[i, owner[2]:nb] = blocks[owner[2]:]
             else:
