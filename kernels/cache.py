@@ -54,9 +54,9 @@ def _write_kv_kernel(
     offset = slot % BS
     dst = (block * ROWS + offset) * HK * D + row
     if FP8:
-        _store_fp8(k_cache_ptr + dst, k_scale_ptr + block * SCALE_BLOCK + SCALE_OFF + offset * HK + offs_h,
+        _store_fp8(k_cache_ptr + dst, k_scale_ptr + block * SCALE_BLOCK + SCALE_OFF + offs_h * BS + offset,
                    k.to(tl.float32), mask, offs_h < num_heads)
-        _store_fp8(v_cache_ptr + dst, v_scale_ptr + block * SCALE_BLOCK + SCALE_OFF + offset * HK + offs_h,
+        _store_fp8(v_cache_ptr + dst, v_scale_ptr + block * SCALE_BLOCK + SCALE_OFF + offs_h * BS + offset,
                    v.to(tl.float32), mask, offs_h < num_heads)
     else:
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)

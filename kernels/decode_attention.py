@@ -87,7 +87,7 @@ def _decode_split_kernel(
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         if FP8:  # dequantize: the per-token scales multiply the scores and the probabilities
-            scale_at = block_ids * SCALE_BLOCK + SCALE_OFF + (offs_n % BS) * HK + kv_head
+            scale_at = block_ids * SCALE_BLOCK + SCALE_OFF + kv_head * BS + offs_n % BS
             k_scale = tl.load(k_scale_ptr + scale_at, mask=n_mask, other=0.0)
             v_scale = tl.load(v_scale_ptr + scale_at, mask=n_mask, other=0.0)
             k = k.to(q.dtype)

@@ -2,7 +2,7 @@
 
 A pool of `block_size` (BS) tokens per block, Hkv heads of head_dim D, is one contiguous
 float8_e4m3fn tensor [NB, BS + R, Hkv, D]: rows 0..BS-1 of a block hold the quantized K (or V)
-of its tokens, and the R trailing rows hold their float32 scales, [BS, Hkv] per block
+of its tokens, and the R trailing rows hold their float32 scales, [Hkv, BS] per block
 (R = ceil(4 * BS / D): one row at BS=16, D=64 or 128). Every block therefore carries its own
 scales wherever it goes (prefix cache, KV transfer: a block is still one unit of bytes), and
 a pool of 17 rows of one byte moves 17/32 of the bytes of a 16-row bf16 pool.
@@ -57,7 +57,7 @@ def pool_block_size(pool: torch.Tensor) -> int:
 
 def scale_geometry(pool: torch.Tensor) -> tuple[int, int]:
     """(float32 elements per block, float32 offset of the scales in a block): scale of (block b,
-    offset o, head h) is pool.view(float32).flatten()[b * first + second + o * Hkv + h]."""
+    offset o, head h) is pool.view(float32).flatten()[b * first + second + h * BS + o]."""
     _, rows, hk, d = pool.shape
     bs = pool_block_size(pool)
     return rows * hk * d // SCALE_BYTES, bs * hk * d // SCALE_BYTES
@@ -68,8 +68,9 @@ def split_pool(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nb, _, hk, d = pool.shape
     bs = pool_block_size(pool)
     start = bs * hk * d
-    scales = pool.view(nb, -1)[:, start:start + SCALE_BYTES * bs * hk].view(torch.float32).view(nb, bs, hk)
-    return pool[:, :bs], scales
+    # stored [Hkv, BS] per block (a head's scales are contiguous for the kernels), seen as [BS, Hkv]
+    scales = pool.view(nb, -1)[:, start:start + SCALE_BYTES * bs * hk].view(torch.float32).view(nb, hk, bs)
+    return pool[:, :bs], scales.transpose(1, 2)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

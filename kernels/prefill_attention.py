@@ -45,7 +45,7 @@ def _prefill_tile_update(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, 
     else:
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
     if FP8:
-        scale_at = block_ids * SCALE_BLOCK + SCALE_OFF + (offs_n % BS) * HK + kv_head
+        scale_at = block_ids * SCALE_BLOCK + SCALE_OFF + kv_head * BS + offs_n % BS
         if MASKED:
             k_scale = tl.load(k_scale_ptr + scale_at, mask=n_mask, other=0.0)
             v_scale = tl.load(v_scale_ptr + scale_at, mask=n_mask, other=0.0)

@@ -81,7 +81,7 @@ def _rope_write_kv_kernel(
     v1 = tl.load(src, mask=mask, other=0.0)
     v2 = tl.load(src + HALF, mask=mask, other=0.0)
     if FP8:
-        scale_at = block * SCALE_BLOCK + SCALE_OFF + offset * HK + offs_h
+        scale_at = block * SCALE_BLOCK + SCALE_OFF + offs_h * BS + offset
         # the rotated k is rounded to the model dtype first, as the torch path stores it
         k1 = y1.to(k_ptr.dtype.element_ty).to(tl.float32)
         k2 = y2.to(k_ptr.dtype.element_ty).to(tl.float32)

@@ -321,10 +321,10 @@ class WorkerServer:
         # Ready means warm: kernels compiled and CUDA graphs captured before the first request.
         self.warmup = warm_up(self.engine) if warmup_enabled() else None
         self.startup_s = time.perf_counter() - t0
-        logger.info("worker %s (%s) on %s: model %s loaded in %.1fs; %s; start-up %.1fs",
-                    config.worker_id, config.role, self.engine.device, engine_config.model, load_s,
-                    self.warmup.describe() if self.warmup else "warm-up skipped (PDSERVE_WARMUP=0)",
-                    self.startup_s)
+        self.startup = (f"model {engine_config.model} loaded in {load_s:.1f}s; "
+                        + (self.warmup.describe() if self.warmup else "warm-up skipped (PDSERVE_WARMUP=0)")
+                        + f"; start-up {self.startup_s:.1f}s")
+        logger.info("worker %s (%s): %s", config.worker_id, config.role, self.startup)
         self.block_size = engine_config.cache.block_size
         self.loop = EngineLoop(self.engine, name=f"engine-{config.worker_id}")
         kv_caches = self.engine.runner.kv_caches

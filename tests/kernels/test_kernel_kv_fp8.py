@@ -25,7 +25,9 @@ def test_pool_shape_and_block_size_round_trip(bs, d, rows):
     data, scales = kv_quant.split_pool(pool)
     assert data.shape == (5, bs, 3, d) and scales.shape == (5, bs, 3) and scales.dtype == torch.float32
     scales[4, bs - 1, 2] = 1.5  # the last scale lies inside the block's trailing rows
-    assert float(pool[4].reshape(-1).view(torch.float32)[bs * 3 * d // 4 + bs * 3 - 1]) == 1.5
+    scales[4, 0, 1] = 2.5  # stored [Hkv, BS]: head 1, offset 0
+    flat = pool[4].reshape(-1).view(torch.float32)
+    assert float(flat[bs * 3 * d // 4 + bs * 3 - 1]) == 1.5 and float(flat[bs * 3 * d // 4 + bs]) == 2.5
 
 
 def test_pool_shape_rejects_head_dim_not_multiple_of_4():
