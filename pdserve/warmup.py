@@ -45,8 +45,8 @@ class WarmupReport:
     def describe(self) -> str:
         parts = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items())
         graphs = f"; CUDA graphs for decode batches {list(self.graph_batch_sizes)}" if self.graph_batch_sizes else ""
-        return (f"warm-up on {self.device} in {self.total_s:.1f}s ({parts}); prompts of "
-                f"{' and '.join(map(str, self.prompt_tokens))} tokens{graphs}")
+        prompts = f"; prompts of {' and '.join(map(str, self.prompt_tokens))} tokens" if self.prompt_tokens else ""
+        return f"warm-up on {self.device} in {self.total_s:.1f}s ({parts}){prompts}{graphs}"
 
 
 def warmup_enabled() -> bool:
@@ -76,6 +76,11 @@ def warm_up(engine) -> WarmupReport:
         runner.capture_cuda_graphs()
         seconds["graphs"] = time.perf_counter() - t
     on_cuda = engine.device.type == "cuda"
+    if engine.max_model_len < 16:  # too short a context for the requests below
+        report = WarmupReport(seconds, (), tuple(runner.graph_batch_sizes) if runner.use_cuda_graphs else (),
+                              _device_name(engine))
+        logger.info("%s", report.describe())
+        return report
     budget = engine.scheduler.config.max_num_batched_tokens
     long_len = max(1, min(budget if on_cuda else 16, engine.max_model_len - 8))
     short_len = max(1, min(37 if on_cuda else 8, engine.max_model_len - 8))
