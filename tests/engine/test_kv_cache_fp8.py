@@ -61,15 +61,15 @@ def test_fp8_pools_hold_a_quarter_of_fp32_bytes_and_generate():
     assert fp8.engine.block_manager.num_free_blocks == 32
 
 
-@pytest.fixture(scope="module")
-def smollm2_runs():
+def greedy_runs(device: str, model_dtype: str, full: str) -> dict[str, list]:
+    """Greedy tokens with top-3 logprobs of QUESTIONS on SmolLM2, KV cache `full` and fp8."""
     source = load_model_source("smollm2")
     tok = source.tokenizer
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
                for q in QUESTIONS]
     runs = {}
-    for dtype in ("auto", "fp8"):
-        engine = LLMEngine(EngineConfig(model="smollm2", device="cpu", dtype="float32",
+    for dtype in (full, "fp8"):
+        engine = LLMEngine(EngineConfig(model="smollm2", device=device, dtype=model_dtype,
                                         cache=CacheConfig(num_blocks=48, kv_cache_dtype=dtype)), source)
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=10, temperature=0, logprobs=3))
@@ -77,13 +77,14 @@ def smollm2_runs():
         while engine.has_unfinished_requests():
             for out in engine.step():
                 logprobs[out.request_id].extend(out.logprobs or [])
-        runs[dtype] = [logprobs[str(i)] for i in range(len(prompts))]
+        runs["full" if dtype == full else "fp8"] = [logprobs[str(i)] for i in range(len(prompts))]
     return runs
 
 
-def test_smollm2_greedy_fp8_cache_within_tolerance(smollm2_runs):
+def assert_within_tolerance(runs: dict[str, list]) -> None:
+    """The module docstring's tolerance, prompt by prompt."""
     first_agree = 0
-    for full, fp8 in zip(smollm2_runs["auto"], smollm2_runs["fp8"]):
+    for full, fp8 in zip(runs["full"], runs["fp8"]):
         assert full and fp8
         first_agree += full[0].token_id == fp8[0].token_id
         for a, b in zip(full, fp8):
@@ -95,3 +96,15 @@ def test_smollm2_greedy_fp8_cache_within_tolerance(smollm2_runs):
             assert a.logprob - a_top[b.token_id] < NATS
             break
     assert first_agree >= len(QUESTIONS) - 1
+
+
+def test_smollm2_greedy_fp8_cache_within_tolerance():
+    """CPU, fp32 model: the torch path reads the FP8 pools."""
+    assert_within_tolerance(greedy_runs("cpu", "float32", "auto"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_smollm2_greedy_fp8_cache_within_tolerance_gpu():
+    """CUDA, bf16 model: the Triton kernels (and CUDA graphs) read the FP8 pools; against a bf16 cache."""
+    assert_within_tolerance(greedy_runs("cuda", "bfloat16", "bf16"))
