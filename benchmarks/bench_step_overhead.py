@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--detokenize", action="store_true",
+                   help="give the engine SmolLM2's tokenizer, so every token is detokenized (as for "
+                        "random:llama-3.1-8b in bench_engine_gpu.py, which carries that tokenizer)")
     args = p.parse_args(argv)
 
     import torch
@@ -39,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     blocks = args.batch * (-(-(args.context + args.steps * args.rounds + 32) // 16)) + 16
     source = load_model_source("random:tiny-llama")  # 2 layers: small pools; the forward is a stub
     source = dataclasses.replace(source, config=dataclasses.replace(source.config, max_position_embeddings=1 << 16))
+    if args.detokenize:
+        source = dataclasses.replace(source, tokenizer=load_model_source("random:smollm2-135m").tokenizer)
     engine = LLMEngine(EngineConfig(model="random:tiny-llama", device="cpu", cache=CacheConfig(num_blocks=blocks),
                                     scheduler=SchedulerConfig(max_num_seqs=args.batch,
                                                               max_num_batched_tokens=args.batch * args.context)),
