@@ -5,9 +5,10 @@ Each public function runs `<name>_triton` or `<name>_ref` from its family module
 """
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.cache import write_kv_cache
+from kernels.cache import write_kv_cache, write_kv_cache_ref
 from kernels.decode_attention import decode_attention, decode_attention_planned, decode_gather_plan
 from kernels.dispatch import force_backend, kernel_backend
+from kernels.kv_quant import FP8_DTYPE, fp8_pool_shape, kv_cache_torch_dtype
 from kernels.linear import PackedWeight, linear, packing_available
 from kernels.norm import rms_norm, rms_norm_ref
 from kernels.prefill_attention import prefill_attention
@@ -22,6 +23,9 @@ __all__ = [
     "rope_tables",
     "decode_attention",
     "force_backend",
+    "FP8_DTYPE",
+    "fp8_pool_shape",
+    "kv_cache_torch_dtype",
     "kernel_backend",
     "linear",
     "packing_available",
@@ -34,4 +38,5 @@ __all__ = [
     "silu_and_mul",
     "silu_and_mul_ref",
     "write_kv_cache",
+    "write_kv_cache_ref",
 ]

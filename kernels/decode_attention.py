@@ -5,6 +5,8 @@ stage 1 runs one program per (sequence, kv head, chunk), holding all query heads
 kv group in one tile so each K/V block is read once per group, and writes a partial output
 plus its log-sum-exp; stage 2 merges the chunks. The torch path gathers every sequence's
 blocks into a padded [B, Lmax, Hkv, D] tensor and runs one masked batched attention.
+An FP8 pool (kernels.kv_quant) is dequantized on the fly: K's per-token scales multiply the
+scores, V's the probabilities; the torch path dequantizes what it gathers.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import math
 import torch
 
 from kernels._jit import TritonKernels, cdiv, check_head_dim, check_tensor, next_power_of_2
+from kernels import kv_quant
+from kernels.cache import fp8_kernel_args
 from kernels.dispatch import kernel_backend
 
 tl = None  # bound to triton.language on the first launch (kernels._jit)
@@ -29,8 +33,10 @@ _WAVES = 4  # programs per SM that the split count aims for
 
 def _decode_split_kernel(
     q_ptr,  # [B, HQ, D], strides (stride_qb, stride_qh, 1)
-    k_cache_ptr,  # [NB, BS, HK, D] contiguous
-    v_cache_ptr,  # [NB, BS, HK, D] contiguous
+    k_cache_ptr,  # [NB, ROWS, HK, D] contiguous (ROWS = BS, or BS + scale rows for FP8)
+    v_cache_ptr,  # [NB, ROWS, HK, D] contiguous
+    k_scale_ptr,  # FP8: the K pool seen as float32 (kernels.kv_quant); else unused
+    v_scale_ptr,  # FP8: the V pool seen as float32; else unused
     block_tables_ptr,  # [B, MAX_BLOCKS] int32, row stride stride_bt
     seq_lens_ptr,  # [B] int32
     mid_out_ptr,  # [B, HQ, NUM_SPLITS, D] float32 contiguous
@@ -48,6 +54,10 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr,  # next_power_of_2(GROUP), at least 16 for tl.dot
     BLOCK_N: tl.constexpr,
     IEEE_DOT: tl.constexpr,
+    ROWS: tl.constexpr,
+    FP8: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,  # FP8: float32 elements per block
+    SCALE_OFF: tl.constexpr,  # FP8: float32 offset of the scales in a block
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -73,19 +83,29 @@ def _decode_split_kernel(
         offs_n = n_start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < n_end
         block_ids = tl.load(table_row + offs_n // BS, mask=n_mask, other=0).to(tl.int64)
-        kv_off = ((block_ids * BS + offs_n % BS) * HK + kv_head) * D
+        kv_off = ((block_ids * ROWS + offs_n % BS) * HK + kv_head) * D
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+        if FP8:  # dequantize: the per-token scales multiply the scores and the probabilities
+            scale_at = block_ids * SCALE_BLOCK + SCALE_OFF + kv_head * BS + offs_n % BS
+            k_scale = tl.load(k_scale_ptr + scale_at, mask=n_mask, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_at, mask=n_mask, other=0.0)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if FP8:
+            s = s * k_scale[None, :]
         s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a visible key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
+        if FP8:
+            p = p * v_scale[None, :]
         if IEEE_DOT:
             acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -133,8 +153,8 @@ _TRITON = TritonKernels(globals(), "_decode_split_kernel", "_decode_reduce_kerne
 
 def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens) -> None:
     check_tensor("q", q, 3, _FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, 4, (q.dtype,), contiguous=True)
-    check_tensor("v_cache", v_cache, 4, (q.dtype,), contiguous=True)
+    check_tensor("k_cache", k_cache, 4, (q.dtype, kv_quant.FP8_DTYPE), contiguous=True)
+    check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), contiguous=True)
     check_tensor("block_tables", block_tables, 2, (torch.int32,))
     check_tensor("seq_lens", seq_lens, 1, (torch.int32,), contiguous=True)
     if v_cache.shape != k_cache.shape:
@@ -156,7 +176,7 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """Torch path; `num_splits` is accepted for signature parity and ignored."""
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     batch, hq, d = q.shape
-    _, block_size, hk, _ = k_cache.shape
+    block_size, hk = kv_quant.pool_block_size(k_cache), k_cache.shape[2]
     if batch == 0:
         return torch.empty_like(q)
     max_len = int(seq_lens.max())
@@ -167,8 +187,8 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     used = torch.arange(num_blocks, device=q.device)[None, :] * block_size < seq_lens[:, None]
     blocks = torch.where(used, blocks, 0).reshape(-1)
     length = num_blocks * block_size
-    k = k_cache.index_select(0, blocks).view(batch, length, hk, d)
-    v = v_cache.index_select(0, blocks).view(batch, length, hk, d)
+    k = kv_quant.gather_blocks(k_cache, blocks, q.dtype).view(batch, length, hk, d)
+    v = kv_quant.gather_blocks(v_cache, blocks, q.dtype).view(batch, length, hk, d)
     pad = torch.arange(length, device=q.device)[None, :] >= seq_lens[:, None]  # [B, L]
     # Slots past seq_len hold stale data, maybe NaN; 0 * NaN would leak through probs @ v.
     v = v.float().masked_fill_(pad[:, :, None, None], 0.0)
@@ -203,7 +223,7 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     it is fixed under CUDA graphs); `config` = (BLOCK_N, num_warps, num_stages)."""
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens)
     batch, hq, d = q.shape
-    _, block_size, hk, _ = k_cache.shape
+    block_size, hk = kv_quant.pool_block_size(k_cache), k_cache.shape[2]
     check_head_dim(d)
     out = torch.empty((batch, hq, d), dtype=q.dtype, device=q.device)
     if batch == 0:
@@ -221,12 +241,14 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_n, num_warps, num_stages = config
     if q.dtype == torch.float32 and q.is_cuda:
         block_n = min(block_n, 32)
+    k_scale, v_scale, fp8_args = fp8_kernel_args(k_cache, v_cache)
+    del fp8_args["BS"]
     _TRITON.get("_decode_split_kernel")[(batch, hk, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_out, mid_lse,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, mid_out, mid_lse,
         q.stride(0), q.stride(1), block_tables.stride(0), float(scale) * math.log2(math.e),
         num_splits, HQ=hq, HK=hk, GROUP=group, BS=block_size, D=d,
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n,
-        IEEE_DOT=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        IEEE_DOT=q.dtype == torch.float32, **fp8_args, num_warps=num_warps, num_stages=num_stages,
     )
     _TRITON.get("_decode_reduce_kernel")[(batch, hq)](
         mid_out, mid_lse, out, num_splits,
@@ -274,14 +296,14 @@ def decode_attention_planned(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     pools that inductor fuses with the indexing: each K/V row is read once and no gathered
     copy is made (about half the time of gather + SDPA at batch 16 on 2 cores)."""
     if gather_free is None:
-        gather_free = torch.compiler.is_compiling()
+        gather_free = torch.compiler.is_compiling() and not kv_quant.is_fp8(k_cache)
     if gather_free:
         return _decode_attention_gather_free(q, k_cache, v_cache, plan, scale)
     slots, mask, length = plan
     batch, hq, d = q.shape
     hk = k_cache.shape[2]
-    k = k_cache.view(-1, hk, d).index_select(0, slots).view(batch, length, hk, d).transpose(1, 2)
-    v = v_cache.view(-1, hk, d).index_select(0, slots).view(batch, length, hk, d).transpose(1, 2)
+    k = kv_quant.gather_slots(k_cache, slots, q.dtype).view(batch, length, hk, d).transpose(1, 2)
+    v = kv_quant.gather_slots(v_cache, slots, q.dtype).view(batch, length, hk, d).transpose(1, 2)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.view(batch, hq, 1, d), k, v, attn_mask=mask, scale=scale, enable_gqa=True)  # also right for hq == hk
     return out.view(batch, hq, d)

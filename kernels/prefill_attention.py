@@ -4,7 +4,8 @@ Sequence b owns query rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1; they sit at p
 seq_lens[b] - q_len_b .. seq_lens[b] - 1 (a cached prefix precedes them when
 q_len_b < seq_lens[b]). Keys/values of positions 0 .. seq_lens[b]-1 are already in the cache,
 position p in block block_tables[b, p // BS] at offset p % BS. Query at position p sees keys
-0..p. GQA: query head h reads kv head h // (Hq / Hkv).
+0..p. GQA: query head h reads kv head h // (Hq / Hkv). FP8 pools (kernels.kv_quant) are
+dequantized on the fly.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels._jit import TritonKernels, cdiv, check_head_dim, check_tensor, next_power_of_2
+from kernels import kv_quant
+from kernels.cache import fp8_kernel_args
 from kernels.dispatch import kernel_backend
 
 tl = None  # bound to triton.language on the first launch (kernels._jit)
@@ -22,26 +25,40 @@ tl = None  # bound to triton.language on the first launch (kernels._jit)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _prefill_tile_update(q, k_cache_ptr, v_cache_ptr, table_row, offs_d, kv_head, n_start,
-                         m_i, l_i, acc, q_pos, kv_end, qk_scale,
+def _prefill_tile_update(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, offs_d,
+                         kv_head, n_start, m_i, l_i, acc, q_pos, kv_end, qk_scale,
                          HK: tl.constexpr, BS: tl.constexpr, D: tl.constexpr,
-                         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE_DOT: tl.constexpr):
-    """One BLOCK_N tile of keys: online-softmax update of (m_i, l_i, acc), log2 domain."""
+                         BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE_DOT: tl.constexpr,
+                         ROWS: tl.constexpr, FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                         SCALE_OFF: tl.constexpr):
+    """One BLOCK_N tile of keys: online-softmax update of (m_i, l_i, acc), log2 domain.
+    FP8 pools: K's per-token scales multiply the scores, V's the probabilities."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
     if MASKED:
         n_mask = offs_n < kv_end
         block_ids = tl.load(table_row + offs_n // BS, mask=n_mask, other=0).to(tl.int64)
     else:
         block_ids = tl.load(table_row + offs_n // BS).to(tl.int64)
-    kv_off = ((block_ids * BS + offs_n % BS) * HK + kv_head) * D
+    kv_off = ((block_ids * ROWS + offs_n % BS) * HK + kv_head) * D
     if MASKED:
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
     else:
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
+    if FP8:
+        scale_at = block_ids * SCALE_BLOCK + SCALE_OFF + kv_head * BS + offs_n % BS
+        if MASKED:
+            k_scale = tl.load(k_scale_ptr + scale_at, mask=n_mask, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_at, mask=n_mask, other=0.0)
+        else:
+            k_scale = tl.load(k_scale_ptr + scale_at)
+            v_scale = tl.load(v_scale_ptr + scale_at)
+        k = k.to(q.dtype)
     if IEEE_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
+    if FP8:
+        s = s * k_scale[None, :]
     if MASKED:
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         s = tl.where(visible, s * qk_scale, float("-inf"))
@@ -61,6 +78,9 @@ def _prefill_tile_update(q, k_cache_ptr, v_cache_ptr, table_row, offs_d, kv_head
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
     else:
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :])
+    if FP8:
+        v = v.to(q.dtype)
+        p = p * v_scale[None, :]
     if IEEE_DOT:
         acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -70,8 +90,10 @@ def _prefill_tile_update(q, k_cache_ptr, v_cache_ptr, table_row, offs_d, kv_head
 
 def _prefill_attention_kernel(
     q_ptr,  # [T, HQ, D], strides (stride_qt, stride_qh, 1)
-    k_cache_ptr,  # [NB, BS, HK, D] contiguous
-    v_cache_ptr,  # [NB, BS, HK, D] contiguous
+    k_cache_ptr,  # [NB, ROWS, HK, D] contiguous (ROWS = BS, or BS + scale rows for FP8)
+    v_cache_ptr,  # [NB, ROWS, HK, D] contiguous
+    k_scale_ptr,  # FP8: the K pool seen as float32 (kernels.kv_quant); else unused
+    v_scale_ptr,  # FP8: the V pool seen as float32; else unused
     block_tables_ptr,  # [B, MAX_BLOCKS] int32, row stride stride_bt
     cu_seqlens_q_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
@@ -90,6 +112,10 @@ def _prefill_attention_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,  # next_power_of_2(B)
     IEEE_DOT: tl.constexpr,  # exact fp32 dots (no tf32) for float32 inputs
+    ROWS: tl.constexpr,
+    FP8: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
 ):
     # Sequence b owns query tiles starting at cu_seqlens_q[b] // BLOCK_M + b; that layout
     # always leaves room for cdiv(q_len_b, BLOCK_M) tiles, so the grid needs no host sync.
@@ -126,14 +152,14 @@ def _prefill_attention_kernel(
         full_end = ((context_len + m_start + 1) // BLOCK_N) * BLOCK_N
         for n_start in range(0, full_end, BLOCK_N):
             m_i, l_i, acc = _prefill_tile_update(
-                q, k_cache_ptr, v_cache_ptr, table_row, offs_d, kv_head, n_start,
-                m_i, l_i, acc, q_pos, kv_end, qk_scale,
-                HK, BS, D, BLOCK_N, False, IEEE_DOT)
+                q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, offs_d, kv_head,
+                n_start, m_i, l_i, acc, q_pos, kv_end, qk_scale,
+                HK, BS, D, BLOCK_N, False, IEEE_DOT, ROWS, FP8, SCALE_BLOCK, SCALE_OFF)
         for n_start in range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = _prefill_tile_update(
-                q, k_cache_ptr, v_cache_ptr, table_row, offs_d, kv_head, n_start,
-                m_i, l_i, acc, q_pos, kv_end, qk_scale,
-                HK, BS, D, BLOCK_N, True, IEEE_DOT)
+                q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_row, offs_d, kv_head,
+                n_start, m_i, l_i, acc, q_pos, kv_end, qk_scale,
+                HK, BS, D, BLOCK_N, True, IEEE_DOT, ROWS, FP8, SCALE_BLOCK, SCALE_OFF)
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         tl.store(out_ptr + rows[:, None] * (HQ * D) + head * D + offs_d[None, :],
@@ -146,8 +172,8 @@ _TRITON = TritonKernels(globals(), "_prefill_tile_update", "_prefill_attention_k
 
 def _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens) -> None:
     check_tensor("q", q, 3, _FLOAT_DTYPES)
-    check_tensor("k_cache", k_cache, 4, (q.dtype,), contiguous=True)
-    check_tensor("v_cache", v_cache, 4, (q.dtype,), contiguous=True)
+    check_tensor("k_cache", k_cache, 4, (q.dtype, kv_quant.FP8_DTYPE), contiguous=True)
+    check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), contiguous=True)
     check_tensor("block_tables", block_tables, 2, (torch.int32,))
     check_tensor("cu_seqlens_q", cu_seqlens_q, 1, (torch.int32,), contiguous=True)
     check_tensor("seq_lens", seq_lens, 1, (torch.int32,), contiguous=True)
@@ -169,7 +195,7 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                           seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
-    block_size, hk = k_cache.shape[1], k_cache.shape[2]
+    block_size, hk = kv_quant.pool_block_size(k_cache), k_cache.shape[2]
     hq = q.shape[1]
     out = torch.empty((q.shape[0], hq, q.shape[2]), dtype=q.dtype, device=q.device)
     cu = cu_seqlens_q.tolist()
@@ -181,8 +207,8 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if q_len > seq_len:
             raise ValueError(f"sequence {b}: {q_len} query tokens but seq_len {seq_len}")
         blocks = block_tables[b, :cdiv(seq_len, block_size)].long()
-        k = k_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]  # [S, Hkv, D]
-        v = v_cache.index_select(0, blocks).flatten(0, 1)[:seq_len]
+        k = kv_quant.gather_blocks(k_cache, blocks, q.dtype).flatten(0, 1)[:seq_len]  # [S, Hkv, D]
+        v = kv_quant.gather_blocks(v_cache, blocks, q.dtype).flatten(0, 1)[:seq_len]
         qb = q[cu[b]:cu[b + 1]].transpose(0, 1)  # [Hq, L, D]
         kb, vb = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, S, D]
         if hk != hq:
@@ -226,7 +252,7 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     """`config` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tuned default."""
     _check_inputs(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens)
     T, hq, d = q.shape
-    _, block_size, hk, _ = k_cache.shape
+    block_size, hk = kv_quant.pool_block_size(k_cache), k_cache.shape[2]
     check_head_dim(d)
     batch = seq_lens.shape[0]
     out = torch.empty((T, hq, d), dtype=q.dtype, device=q.device)
@@ -236,13 +262,15 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if q.dtype == torch.float32 and q.is_cuda:  # fp32 tiles take twice the shared memory
         block_m, block_n, num_stages = min(block_m, 64), min(block_n, 32), min(num_stages, 2)
     grid = (T // block_m + batch, hq)
+    k_scale, v_scale, fp8_args = fp8_kernel_args(k_cache, v_cache)
+    del fp8_args["BS"]
     _TRITON.get("_prefill_attention_kernel")[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, cu_seqlens_q, seq_lens, out,
         q.stride(0), q.stride(1), block_tables.stride(0),
         float(scale) * math.log2(math.e), batch, hq,
         HK=hk, GROUP=hq // hk, BS=block_size, D=d,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=max(next_power_of_2(batch), 16),
-        IEEE_DOT=q.dtype == torch.float32,
+        IEEE_DOT=q.dtype == torch.float32, **fp8_args,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -7,6 +7,7 @@ For token t at position positions[t] and slot slot_mapping[t]:
     v_cache[slot // BS, slot % BS] = v[t]
 
 with the rotation of `kernels.rope` (neox style, float32 math, rounded to the input dtype).
+Into an FP8 pool (kernels.kv_quant) the rotated k and v are quantized, one scale per head.
 The torch reference is `apply_rope_ref` followed by `write_kv_cache_ref`, bit for bit.
 """
 
@@ -15,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from kernels._jit import TritonKernels, check_tensor, next_power_of_2
-from kernels.cache import _check_cache_shapes, write_kv_cache_ref
+from kernels import kv_quant
+from kernels.cache import _check_cache_shapes, fp8_kernel_args, write_kv_cache_ref
 from kernels.dispatch import kernel_backend
 from kernels.rope import _rope_rotate, _store_halves, apply_rope_ref  # noqa: F401 (JIT helpers)
 
@@ -29,8 +31,10 @@ def _rope_write_kv_kernel(
     k_ptr,  # [T, HK, D], strides (stride_kt, stride_kh, 1)
     v_ptr,  # [T, HK, D], strides (stride_vt, stride_vh, 1)
     q_out_ptr,  # [T, HQ, D] contiguous
-    k_cache_ptr,  # [NB, BS, HK, D] contiguous
-    v_cache_ptr,  # [NB, BS, HK, D] contiguous
+    k_cache_ptr,  # [NB, ROWS, HK, D] contiguous (ROWS = BS, or BS + scale rows for FP8)
+    v_cache_ptr,  # [NB, ROWS, HK, D] contiguous
+    k_scale_ptr,  # FP8: the K pool seen as float32 (kernels.kv_quant); else unused
+    v_scale_ptr,  # FP8: the V pool seen as float32; else unused
     positions_ptr,  # [T] int64
     slot_mapping_ptr,  # [T] int64, < 0: padding, nothing written
     cos_sin_ptr,  # [max_positions, D] float32 contiguous
@@ -45,6 +49,11 @@ def _rope_write_kv_kernel(
     HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    BS: tl.constexpr,
+    ROWS: tl.constexpr,
+    FP8: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok)
@@ -63,18 +72,39 @@ def _rope_write_kv_kernel(
     offs_h = tl.arange(0, BLOCK_HK)
     num_heads = tl.where(slot >= 0, HK, 0)  # padding token: write nothing
     mask = (offs_h < num_heads)[:, None]
-    dst = slot * HK * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
+    block = slot // BS
+    offset = slot % BS
+    dst = (block * ROWS + offset) * HK * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
     y1, y2 = _rope_rotate(k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
                           mask, cos, sin, HALF)
-    _store_halves(k_cache_ptr + dst, y1, y2, mask, HALF)
     src = v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
     v1 = tl.load(src, mask=mask, other=0.0)
     v2 = tl.load(src + HALF, mask=mask, other=0.0)
-    tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if FP8:
+        scale_at = block * SCALE_BLOCK + SCALE_OFF + offs_h * BS + offset
+        # the rotated k is rounded to the model dtype first, as the torch path stores it
+        k1 = y1.to(k_ptr.dtype.element_ty).to(tl.float32)
+        k2 = y2.to(k_ptr.dtype.element_ty).to(tl.float32)
+        _store_fp8_halves(k_cache_ptr + dst, k_scale_ptr + scale_at, k1, k2, mask, offs_h < num_heads, HALF)
+        _store_fp8_halves(v_cache_ptr + dst, v_scale_ptr + scale_at, v1.to(tl.float32), v2.to(tl.float32),
+                          mask, offs_h < num_heads, HALF)
+    else:
+        _store_halves(k_cache_ptr + dst, y1, y2, mask, HALF)
+        tl.store(v_cache_ptr + dst, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-_TRITON = TritonKernels(globals(), "_rope_rotate", "_store_halves", "_rope_write_kv_kernel")
+def _store_fp8_halves(dst, scale_dst, x1, x2, mask, head_mask, HALF: tl.constexpr):
+    """e4m3 with one scale per head row over both halves (kernels.kv_quant.quantize)."""
+    amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
+    scale = tl.where(amax > 0.0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+    s = tl.broadcast_to(scale[:, None], x1.shape)
+    tl.store(dst, tl.math.div_rn(x1, s).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, tl.math.div_rn(x2, s).to(dst.dtype.element_ty), mask=mask)
+    tl.store(scale_dst, scale, mask=head_mask)
+
+
+_TRITON = TritonKernels(globals(), "_rope_rotate", "_store_halves", "_store_fp8_halves", "_rope_write_kv_kernel")
 
 
 def _check_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> None:
@@ -84,8 +114,8 @@ def _check_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -
     check_tensor("positions", positions, 1, (torch.int64,), contiguous=True)
     check_tensor("cos_sin", cos_sin, 2, (torch.float32,), contiguous=True)
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int64,), contiguous=True)
-    check_tensor("k_cache", k_cache, 4, (q.dtype,), contiguous=True)
-    check_tensor("v_cache", v_cache, 4, (q.dtype,), contiguous=True)
+    check_tensor("k_cache", k_cache, 4, (q.dtype, kv_quant.FP8_DTYPE), contiguous=True)
+    check_tensor("v_cache", v_cache, 4, (k_cache.dtype,), contiguous=True)
     _check_cache_shapes(k, v, k_cache, v_cache, slot_mapping)
     t, _, d = q.shape
     if k.shape[0] != t or k.shape[2] != d or positions.shape[0] != t:
@@ -114,11 +144,12 @@ def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
         raise ValueError(f"triton rope_write_kv needs a power-of-two head_dim, got {d}")
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t > 0:
+        k_scale, v_scale, fp8_args = fp8_kernel_args(k_cache, v_cache)
         _TRITON.get("_rope_write_kv_kernel")[(t,)](
-            q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin,
+            q, k, v, q_out, k_cache, v_cache, k_scale, v_scale, positions, slot_mapping, cos_sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hq, hk,
             HALF=d // 2, BLOCK_HQ=next_power_of_2(hq), BLOCK_HK=next_power_of_2(hk),
-            num_warps=4,
+            **fp8_args, num_warps=4,
         )
     return q_out
 

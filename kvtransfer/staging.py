@@ -33,11 +33,16 @@ def block_index(block_ids: Sequence[int], num_blocks: int | None, what: str, dev
     return torch.tensor(ids, dtype=torch.int64, device=device)
 
 
+def _indexable(pool: torch.Tensor) -> torch.Tensor:
+    """FP8 pools as uint8 (same bytes): index_select/index_copy_ have no float8 kernels."""
+    return pool.view(torch.uint8) if pool.element_size() == 1 else pool
+
+
 def gather_layer(kv_caches: KVCaches, layer: int, src_index: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy blocks ``src_index`` of ``layer`` into ``[2, n, *block_shape]``: ``out`` (flat
     uint8 of the right size, reused memory) or a new tensor."""
-    k_pool, v_pool = kv_caches[layer]
+    k_pool, v_pool = (_indexable(p) for p in kv_caches[layer])
     shape = (2, src_index.numel(), *k_pool.shape[1:])
     if out is None:
         staged = torch.empty(shape, dtype=k_pool.dtype, device=k_pool.device)
@@ -108,7 +113,8 @@ def scatter_layers(stacked: torch.Tensor, first: int, dst_index: torch.Tensor, s
 
 def scatter_layer(kv_caches: KVCaches, layer: int, dst_index: torch.Tensor, staged: torch.Tensor) -> None:
     """Write ``staged`` ``[2, n, *block_shape]`` into blocks ``dst_index`` of ``layer``."""
-    k_pool, v_pool = kv_caches[layer]
+    k_pool, v_pool = (_indexable(p) for p in kv_caches[layer])
+    staged = _indexable(staged)
     k_pool.index_copy_(0, dst_index, staged[0])
     v_pool.index_copy_(0, dst_index, staged[1])
 

@@ -123,11 +123,10 @@ class Profiler:
             decode_times.append(tuple(row))
         bar.close()
         e = self.engine
-        element = torch.tensor([], dtype=e.dtype).element_size()
         return Profile(
             hardware=hardware_name(e.device), device=e.device.type, model=self.config.model,
             dtype=str(e.dtype).removeprefix("torch."), num_layers=e.model_config.num_layers,
-            kv_bytes_per_token=e.model_config.kv_bytes_per_token(element),
+            kv_bytes_per_token=round(e.runner.kv_bytes_per_token),  # the pools' dtype (FP8: with scales)
             block_size=self.config.cache.block_size,
             max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens,
             prefill_tokens=tuple(tokens), prefill_times=tuple(prefill_times),

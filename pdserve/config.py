@@ -15,6 +15,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
 Role = Literal["mixed", "prefill", "decode"]
 ROLES = ("mixed", "prefill", "decode")
 DTYPES = ("float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,14 @@ class CacheConfig:
     # ~9% slower end to end); the same memory but for a packed copy of a tied LM head.
     # Ignored elsewhere.
     cpu_packed_weights: bool = True
+    # KV pool dtype: "auto" (the model's dtype), "bf16", or "fp8" (e4m3 with a float32 scale per
+    # token and head, kernels/kv_quant.py): about half the bytes to read, hold and ship.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"cache config: kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.cuda_graph_max_batch <= 0:
             raise ValueError(f"cache config: cuda_graph_max_batch must be > 0, got {self.cuda_graph_max_batch}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -156,13 +156,15 @@ class LLMEngine:
         if self.layer_hook is not None:
             user_hook = self.layer_hook
             hook = lambda layer: user_hook(layer, batch)  # noqa: E731
-        logits = self.runner.execute(batch, hook)
+        logits = self.runner.execute(batch, hook)  # on a GPU this returns before the forward ends
+        # CPU work that needs no sampled token runs while the GPU computes: the first sync is
+        # the sampler's read of the tokens.
         order = self.runner.order(batch)
         sampling = [batch.seqs[i] for i in order if batch.samples(i)]
         rows = [SamplingRow(s.params, s.output_token_ids, s.generator,  # type: ignore[arg-type]
                             self._suppressed(s)) for s in sampling]
-        tokens, logprobs = self.runner.sample(logits, rows) if rows else ([], [])
         self.scheduler.postprocess(batch)
+        tokens, logprobs = self.runner.sample(logits, rows) if rows else ([], [])
         self.num_steps += 1
         outputs = []
         for seq, token, lp in zip(sampling, tokens, logprobs):

@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
 
 ENGINE_DEFAULTS: dict[str, Any] = {
     "model": "smollm2",
@@ -26,6 +26,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "no_prefix_caching": False,
     "compile": False,
     "no_packed_weights": False,
+    "kv_cache_dtype": "auto",
 }
 
 
@@ -76,6 +77,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, suppress_defaults: bool = Fal
                         "~40 s per shape on 2 cores; faster decode after)")
     p.add_argument("--no-packed-weights", action="store_true", default=default("no_packed_weights"),
                    help="CPU fp32: keep weights dense instead of in MKL's packed GEMM layout")
+    p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=default("kv_cache_dtype"),
+                   help="KV cache dtype: auto (the model's), bf16, or fp8 (e4m3, a scale per token "
+                        "and head: half the KV bytes)")
 
 
 def engine_kwargs(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
@@ -85,7 +89,8 @@ def engine_kwargs(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any
                 kv_cache_gib=v["kv_cache_gib"], gpu_memory_fraction=v["gpu_memory_fraction"],
                 block_size=v["block_size"], max_num_batched_tokens=v["max_num_batched_tokens"],
                 max_num_seqs=v["max_num_seqs"], enable_prefix_caching=not v["no_prefix_caching"],
-                compile=v.get("compile", False), packed_weights=not v.get("no_packed_weights", False))
+                compile=v.get("compile", False), packed_weights=not v.get("no_packed_weights", False),
+                kv_cache_dtype=v.get("kv_cache_dtype", "auto"))
 
 
 def engine_config(values: argparse.Namespace | Mapping[str, Any], role: str = "mixed") -> EngineConfig:
@@ -97,7 +102,8 @@ def engine_config(values: argparse.Namespace | Mapping[str, Any], role: str = "m
                           gpu_memory_fraction=v["gpu_memory_fraction"],
                           enable_prefix_caching=not v["no_prefix_caching"],
                           compile_cpu_decode=v.get("compile", False),
-                          cpu_packed_weights=not v.get("no_packed_weights", False)),
+                          cpu_packed_weights=not v.get("no_packed_weights", False),
+                          kv_cache_dtype=v.get("kv_cache_dtype", "auto")),
         scheduler=SchedulerConfig(max_num_batched_tokens=v["max_num_batched_tokens"],
                                   max_num_seqs=v["max_num_seqs"], role=role),
     )

@@ -37,13 +37,14 @@ class LLM:
                  kv_cache_gib: float = 0.5, num_blocks: int | None = None,
                  gpu_memory_fraction: float = 0.85, max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 64, enable_prefix_caching: bool = True, compile: bool = False,
-                 packed_weights: bool = True) -> None:
+                 packed_weights: bool = True, kv_cache_dtype: str = "auto") -> None:
         config = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
             cache=CacheConfig(block_size=block_size, cpu_kv_gib=kv_cache_gib, num_blocks=num_blocks,
                               gpu_memory_fraction=gpu_memory_fraction,
                               enable_prefix_caching=enable_prefix_caching,
-                              compile_cpu_decode=compile, cpu_packed_weights=packed_weights),
+                              compile_cpu_decode=compile, cpu_packed_weights=packed_weights,
+                              kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs),
         )

@@ -74,19 +74,22 @@ class ModelRunner:
         if (cache_config.cpu_packed_weights and device.type == "cpu" and dtype == torch.float32
                 and kernels.packing_available()):
             self.model.pack_weights()
+        self.kv_cache_dtype = kernels.kv_cache_torch_dtype(cache_config.kv_cache_dtype, dtype)
+        if self.kv_cache_dtype == kernels.FP8_DTYPE and cache_config.compile_cpu_decode:
+            raise ValueError("kv_cache_dtype fp8 does not support compile (the CPU torch.compile decode)")
         self.num_blocks = self._num_blocks(cache_config)
         c = model_config
-        shape = (self.num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        shape = self.pool_shape(self.num_blocks)
         # One allocation [layers, 2, *shape]; each layer's K and V pool is a contiguous view of
-        # it. The KV transfer then gathers or scatters all layers of a message in one op
+        # it. The KV transfer then gathers or scatters all layers of a message in one launch
         # (kvtransfer.staging.stacked_pools).
-        pools = torch.zeros((c.num_layers, 2, *shape), dtype=dtype, device=device)
+        pools = torch.zeros((c.num_layers, 2, *shape), dtype=self.kv_cache_dtype, device=device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [(pools[i, 0], pools[i, 1])
                                                                    for i in range(c.num_layers)]
         self.sampler = Sampler(device, seed)
         self.torch_path = kernels.kernel_backend(device) == "torch"
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", self.num_blocks, self.block_size,
-                    self.kv_cache_bytes / (1 << 20))
+        logger.info("KV cache: %d blocks of %d tokens, %s (%.1f MiB)", self.num_blocks, self.block_size,
+                    self.kv_cache_dtype_name, self.kv_cache_bytes / (1 << 20))
         # CUDA graphs of the decode forward, captured at the first decode-only step.
         self.use_cuda_graphs = (device.type == "cuda" and not self.torch_path
                                 and cuda_graphs_requested(cache_config))
@@ -99,6 +102,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_len // self.block_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self.num_graph_replays = 0
+        self.num_decode_only_steps = 0
         # Decode-only steps on the torch path run `decode_forward_torch`, through torch.compile
         # when CacheConfig.compile_cpu_decode is set.
         self._decode_torch = functools.partial(decode_forward_torch, self.model, self.kv_caches)
@@ -114,11 +118,33 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        return str(self.kv_cache_dtype).removeprefix("torch.")
+
+    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """One K or V pool: [NB, BS, Hkv, D], or with the FP8 scale rows (kernels/kv_quant.py)."""
+        c = self.model_config
+        if self.kv_cache_dtype == kernels.FP8_DTYPE:
+            return kernels.fp8_pool_shape(num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        return (num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block across all layers, K and V (FP8 scales included)."""
+        rows = self.pool_shape(1)
+        per_pool = rows[1] * rows[2] * rows[3] * torch.empty((), dtype=self.kv_cache_dtype).element_size()
+        return 2 * self.model_config.num_layers * per_pool
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Bytes a decode step reads per token of context (FP8 scales included)."""
+        return self.kv_bytes_per_block / self.block_size
+
     def _num_blocks(self, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:
             return cache.num_blocks
-        per_block = self.model_config.kv_bytes_per_token(torch.tensor([], dtype=self.dtype).element_size())
-        per_block *= self.block_size
+        per_block = self.kv_bytes_per_block
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * cache.gpu_memory_fraction)
@@ -133,8 +159,10 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None) -> torch.Tensor:
         """Runs `batch`; returns float32 logits for the requests that sample this step, in the
         order of `order(batch)`."""
+        decode_only = self.is_decode_only(batch)
+        self.num_decode_only_steps += decode_only
         if (layer_hook is None and self.use_cuda_graphs and self.graph_batch_sizes
-                and len(batch) <= self.graph_batch_sizes[-1] and self.is_decode_only(batch)):
+                and len(batch) <= self.graph_batch_sizes[-1] and decode_only):
             return self._execute_graph(batch)
         input_ids, meta = self.prepare(batch)
         if layer_hook is None and meta.decode_plan is not None:
@@ -253,6 +281,9 @@ class ModelRunner:
         self._d_lens = self._h_lens.to(dev, copy=True)
         self._d_tables = torch.zeros((max_b, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
         self._d_rows = torch.arange(max_b, dtype=torch.long, device=dev)
+        # Host mirror of the block tables at a fixed row stride, updated incrementally.
+        self._table_mirror = np.zeros((max_b, self.max_blocks_per_seq), dtype=np.int32)
+        self._row_owners: list[tuple | None] = [None] * max_b
         if not on_cuda:
             self._copied = None
             self._graphs = {size: None for size in self.graph_batch_sizes}
@@ -289,6 +320,29 @@ class ModelRunner:
             logits_indices=self._d_rows[:size],
         )
 
+    def _update_table_mirror(self, seqs) -> int:
+        """Brings the host mirror of the graph's block tables up to date for `seqs` (row i =
+        seqs[i]) and returns the widest row. A row that held the same request last step (and
+        it was not preempted since) only gets its new blocks: most steps write nothing."""
+        mirror, owners = self._table_mirror, self._row_owners
+        width = 1
+        for i, seq in enumerate(seqs):
+            blocks = seq.block_ids
+            nb = len(blocks)
+            width = max(width, nb)
+            owner = owners[i]
+            if owner is not None and owner[0] is seq and owner[1] == seq.num_preemptions and owner[2] <= nb:
+                if owner[2] < nb:
+                    mirror[i, owner[2]:nb] = blocks[owner[2]:]
+            else:
+                mirror[i, :nb] = blocks
+            owners[i] = (seq, seq.num_preemptions, nb)
+        for i in range(len(seqs), len(owners)):
+            if owners[i] is None:
+                break
+            owners[i] = None  # drop references to finished requests
+        return width
+
     @torch.inference_mode()
     def _execute_graph(self, batch: ScheduledBatch) -> torch.Tensor:
         if not self._graphs:
@@ -296,22 +350,21 @@ class ModelRunner:
         n = len(batch)
         size = next(b for b in self.graph_batch_sizes if b >= n)
         bs = self.block_size
-        width = max(len(seq.block_ids) for seq in batch.seqs)
+        seqs = batch.seqs
+        width = self._update_table_mirror(seqs)
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have left the pinned buffers
         i64, lens, flat = self._h_views
-        tables = flat[:size * width].reshape(size, width)
-        for i, seq in enumerate(batch.seqs):
-            pos = seq.num_computed_tokens
-            blocks = seq.block_ids
-            i64[0, i] = seq.token_at(pos)
-            i64[1, i] = pos
-            i64[2, i] = blocks[pos // bs] * bs + pos % bs
-            lens[i] = pos + 1
-            tables[i, :len(blocks)] = blocks
+        pos = [seq.num_computed_tokens for seq in seqs]
+        i64[0, :n] = [seq.token_at(p) for seq, p in zip(seqs, pos)]
+        i64[1, :n] = pos
+        i64[2, :n] = [seq.block_ids[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)]
+        lens[:n] = pos
+        lens[:n] += 1
         i64[0:2, n:size] = 0
         i64[2, n:size] = -1
         lens[n:size] = 0
+        np.copyto(flat[:size * width].reshape(size, width), self._table_mirror[:size, :width])
         self._d_i64.copy_(self._h_i64, non_blocking=True)
         self._d_lens.copy_(self._h_lens, non_blocking=True)
         self._d_tables[:size, :width].copy_(self._h_tables[:size * width].view(size, width),

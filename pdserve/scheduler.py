@@ -162,6 +162,9 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch) -> None:
         """Advances the computed counters after the model ran `batch`."""
         bm = self.block_manager
+        caching, bs = bm.enable_prefix_caching, bm.block_size
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
-            bm.mark_computed(seq.table, seq.all_token_ids, seq.num_computed_tokens)
+            # only when a block became full: building all_token_ids costs ~1k list items a step
+            if caching and len(seq.table.block_hashes) < min(seq.num_computed_tokens // bs, len(seq.block_ids)):
+                bm.mark_computed(seq.table, seq.all_token_ids, seq.num_computed_tokens)

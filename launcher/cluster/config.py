@@ -42,6 +42,7 @@ class UpConfig:
     no_prefix_caching: bool = ENGINE_DEFAULTS["no_prefix_caching"]
     compile: bool = ENGINE_DEFAULTS["compile"]
     no_packed_weights: bool = ENGINE_DEFAULTS["no_packed_weights"]
+    kv_cache_dtype: str = ENGINE_DEFAULTS["kv_cache_dtype"]
     # pools
     mode: str = "disaggregated"
     prefill: int = 1

@@ -43,7 +43,8 @@ class WorkerActor:
         return self._server.kv_address
 
     def info(self) -> dict[str, Any]:
-        """Where the worker is: worker_id, role, address, kv_address, node_id, node_ip, pid, max_model_len."""
+        """Where the worker is: worker_id, role, address, kv_address, node_id, node_ip, pid, max_model_len;
+        and its start-up: seconds and what it spent them on (load, warm-up)."""
         return {
             "worker_id": self._config.worker_id,
             "role": self._config.role,
@@ -54,6 +55,8 @@ class WorkerActor:
             "pid": os.getpid(),
             "max_model_len": self._server.engine.max_model_len,
             "started_at": self._started_at,
+            "startup_s": self._server.startup_s,
+            "startup": self._server.startup,
         }
 
     def health(self) -> dict[str, Any]:

@@ -177,6 +177,8 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
             health = pools.wait_ready(config.startup_timeout_s, on_ready=lambda name, h: bar.update(1))
         for name, h in sorted(health.items()):
             logger.info("%s at %s on node %s (pid %s)", name, h["address"], h["node_id"][:12], h["pid"])
+            if h.get("startup"):
+                print(f"pdserve up: {name} ready (warm): {h['startup']}", file=sys.stderr, flush=True)
         max_len = min([model.max_model_len] + [h["max_model_len"] for h in health.values() if h.get("max_model_len")])
         model.max_model_len = max_len
 

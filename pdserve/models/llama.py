@@ -204,8 +204,11 @@ class DecoderLayer(nn.Module):
             qk = kernels.apply_rope_tables(heads[:, :c.num_heads + c.num_kv_heads], *meta.rope_tables)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = heads[:, c.num_heads + c.num_kv_heads:]
-            k_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, meta.slot_mapping, v)
+            if k_cache.dtype == kernels.FP8_DTYPE:
+                kernels.write_kv_cache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+            else:
+                k_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, meta.slot_mapping, k)
+                v_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, meta.slot_mapping, v)
         else:
             q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
             q = q.reshape(num_tokens, c.num_heads, c.head_dim)
@@ -258,8 +261,11 @@ def decode_forward_torch(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, 
         heads = kernels.linear(x, layer.qkv_proj, layer.qkv_bias).view(batch, nh + 2 * nk, d)
         qk = kernels.apply_rope_tables(heads[:, :nh + nk], cos, signed_sin)
         k_cache, v_cache = kv_caches[index]
-        k_cache.view(-1, nk, d).index_copy_(0, slot_mapping, qk[:, nh:])
-        v_cache.view(-1, nk, d).index_copy_(0, slot_mapping, heads[:, nh + nk:])
+        if k_cache.dtype == kernels.FP8_DTYPE:
+            kernels.write_kv_cache_ref(qk[:, nh:], heads[:, nh + nk:], k_cache, v_cache, slot_mapping)
+        else:
+            k_cache.view(-1, nk, d).index_copy_(0, slot_mapping, qk[:, nh:])
+            v_cache.view(-1, nk, d).index_copy_(0, slot_mapping, heads[:, nh + nk:])
         attn = kernels.decode_attention_planned(qk[:, :nh], k_cache, v_cache, plan, model.scale)
         out = kernels.linear(attn.reshape(batch, nh * d), layer.o_proj)
         residual = out + residual

@@ -29,6 +29,7 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.convert import output_to_chunk, params_from_proto
 from pdserve.sampling_params import RequestOutput
+from pdserve.warmup import warm_up, warmup_enabled
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.kv_push import Destination, KVPusher
 
@@ -314,7 +315,16 @@ class WorkerServer:
         engine_config = config.engine
         if engine_config.scheduler.role != config.role:
             engine_config = replace(engine_config, scheduler=replace(engine_config.scheduler, role=config.role))
+        t0 = time.perf_counter()
         self.engine = LLMEngine(engine_config)
+        load_s = time.perf_counter() - t0
+        # Ready means warm: kernels compiled and CUDA graphs captured before the first request.
+        self.warmup = warm_up(self.engine) if warmup_enabled() else None
+        self.startup_s = time.perf_counter() - t0
+        self.startup = (f"model {engine_config.model} loaded in {load_s:.1f}s; "
+                        + (self.warmup.describe() if self.warmup else "warm-up skipped (PDSERVE_WARMUP=0)")
+                        + f"; start-up {self.startup_s:.1f}s")
+        logger.info("worker %s (%s): %s", config.worker_id, config.role, self.startup)
         self.block_size = engine_config.cache.block_size
         self.loop = EngineLoop(self.engine, name=f"engine-{config.worker_id}")
         kv_caches = self.engine.runner.kv_caches

@@ -85,6 +85,7 @@ def test_worker_server_builds_the_pacer_from_kv_options(monkeypatch):
 
     monkeypatch.setattr(server, "LLMEngine", Engine)
     monkeypatch.setattr(server, "EngineLoop", lambda engine, name: None)
+    monkeypatch.setenv("PDSERVE_WARMUP", "0")  # the stub engine has nothing to warm up
     for role in ("prefill", "decode"):
         server.WorkerServer(server.WorkerConfig(worker_id=role, role=role, kv_backend="fake",
                                                 kv_options=((PACER_OPTION, "default=2"),)))

@@ -59,3 +59,40 @@ def test_env_var_disables_graphs(monkeypatch):
     monkeypatch.setenv("PDSERVE_CUDA_GRAPHS", "maybe")
     with pytest.raises(ValueError, match="PDSERVE_CUDA_GRAPHS"):
         cuda_graphs_requested(CacheConfig())
+
+
+def test_incremental_block_tables_match_every_step_under_preemption():
+    """The host mirror of the graph's block tables is updated incrementally (a row that kept
+    its request only gets new blocks). Rows shift as requests finish, and a KV cache this small
+    preempts: after every decode-only step each row must equal its request's block table, and
+    the tokens must equal the eager path's."""
+    import numpy as np
+
+    def run(static: bool):
+        llm = LLM("random:tiny-llama", device="cpu", dtype="float32", num_blocks=14, block_size=4,
+                  max_num_batched_tokens=64, max_num_seqs=6, enable_prefix_caching=False)
+        runner = llm.engine.runner
+        runner.use_cuda_graphs = static
+        checked = []
+        update = runner._update_table_mirror if static else None
+
+        def checking(seqs):
+            width = update(seqs)
+            for i, seq in enumerate(seqs):
+                assert np.array_equal(runner._table_mirror[i, :len(seq.block_ids)], seq.block_ids)
+            assert width == max(len(s.block_ids) for s in seqs)
+            checked.append(len(seqs))
+            return width
+
+        if static:
+            runner._update_table_mirror = checking
+        rng = random.Random(5)
+        prompts = [[rng.randrange(2, 500) for _ in range(rng.randrange(3, 12))] for _ in range(6)]
+        params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (9, 4, 13, 6, 11, 8)]
+        outs = llm.generate(prompts, params)
+        return [o.token_ids for o in outs], llm.engine.scheduler.num_preemptions, checked
+
+    eager, _, _ = run(False)
+    static, preemptions, checked = run(True)
+    assert static == eager
+    assert preemptions > 0 and len(checked) > 5 and len(set(checked)) > 1

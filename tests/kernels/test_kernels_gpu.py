@@ -147,3 +147,48 @@ def test_prefill_attention_configs(paged_kv, config):
     args = (q, kv.k_cache, kv.v_cache, kv.block_tables, cu, kv.seq_lens, 1 / math.sqrt(128))
     torch.testing.assert_close(prefill_attention_triton(*args, config=config),
                                prefill_attention_ref(*args), **TOL)
+
+
+# ---- FP8 KV pools (kernels/kv_quant.py) ----------------------------------------------------
+
+def _fp8_pools(num_blocks, bs, hk, d):
+    from kernels import kv_quant
+
+    shape = kv_quant.fp8_pool_shape(num_blocks, bs, hk, d)
+    return torch.zeros(shape, dtype=kv_quant.FP8_DTYPE, device=DEV), torch.zeros(shape, dtype=kv_quant.FP8_DTYPE, device=DEV)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_write_kv_cache_fp8_exact(block_size):
+    """On the GPU the e4m3 cast rounds like torch's: bytes and scales are equal."""
+    t, hk, d = 77, 8, 128
+    k = torch.randn(t, hk, d, device=DEV, dtype=BF16) * 4
+    v = torch.randn(t, hk, d, device=DEV, dtype=BF16) * 0.05
+    slots = torch.randperm(8 * block_size, device=DEV)[:t]
+    slots[3] = -1
+    ref, tri = _fp8_pools(8, block_size, hk, d), _fp8_pools(8, block_size, hk, d)
+    write_kv_cache_ref(k, v, *ref, slots)
+    write_kv_cache_triton(k, v, *tri, slots)
+    for a, b in zip(ref, tri):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("seq_lens, hq, hk, d, bs", [([1, 100, 1000, 4097], 32, 8, 128, 16), ([33, 700], 12, 2, 64, 32)])
+def test_attention_fp8_pools(paged_kv, seq_lens, hq, hk, d, bs):
+    """Decode and prefill Triton kernels over FP8 pools against the torch path over the same pools."""
+    kv = paged_kv(seq_lens, hk, d, bs, BF16, device=DEV, stale=0.0)
+    k_pool, v_pool = _fp8_pools(kv.k_cache.shape[0], bs, hk, d)
+    tables = kv.block_tables.clamp(min=0)
+    for b, n in enumerate(seq_lens):
+        slots = torch.tensor([int(tables[b, p // bs]) * bs + p % bs for p in range(n)], device=DEV)
+        write_kv_cache_ref(kv.keys[b].to(DEV), kv.values[b].to(DEV), k_pool, v_pool, slots)
+    scale = d ** -0.5
+    q = torch.randn(len(seq_lens), hq, d, device=DEV, dtype=BF16)
+    ref = decode_attention_ref(q, k_pool, v_pool, tables, kv.seq_lens, scale)
+    out = decode_attention_triton(q, k_pool, v_pool, tables, kv.seq_lens, scale)
+    torch.testing.assert_close(out, ref, **TOL)
+    qp = torch.randn(sum(seq_lens), hq, d, device=DEV, dtype=BF16)
+    cu = torch.tensor([0] + seq_lens, dtype=torch.int32, device=DEV).cumsum(0, dtype=torch.int32)
+    ref = prefill_attention_ref(qp, k_pool, v_pool, tables, cu, kv.seq_lens, scale)
+    out = prefill_attention_triton(qp, k_pool, v_pool, tables, cu, kv.seq_lens, scale)
+    torch.testing.assert_close(out, ref, **TOL)

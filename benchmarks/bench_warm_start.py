@@ -1,0 +1,130 @@
+"""Ready means warm, measured: the first loadgen run after `pdserve up` says ready against the next.
+
+    python3 benchmarks/bench_warm_start.py [--replicas 2] [--model random:llama-3.1-8b]
+
+Starts `pdserve up --mode colocated --replicas N` (one mixed worker per GPU), times how long it
+takes until the router answers `/v1/models`, then runs the same load twice on that server
+(`pdserve-loadgen run`: --requests at --rate req/s, Poisson arrivals, --input-len / --output-len
+tokens, ignore_eos) and prints TTFT and TPOT p50 of each run and their ratio (target: the first
+within 10% of the second), the achieved request rate, and the workers' start-up log lines
+(load, warm-up parts). The server is stopped at the end (SIGINT, then SIGKILL after 60 s).
+
+`--device cpu --model random:smollm2-135m --replicas 1 --requests 6 --rate 2 --input-len 16 --output-len 4`
+runs the same steps on a CPU (a smoke test of this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pdserve up exited with code {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
+                if resp.status == 200:
+                    return time.perf_counter() - t0
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"pdserve up not ready within {timeout_s:.0f}s")
+
+
+def loadgen(url: str, args, seed: int) -> dict:
+    cmd = [sys.executable, "-m", "loadgen.cli", "run", "--url", url, "--num-requests", str(args.requests),
+           "--rate", str(args.rate), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+           "--ignore-eos", "--seed", str(seed), "--json", "--no-progress", "--no-metrics",
+           "--max-run-time", str(args.max_run_time)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=args.max_run_time + 120)
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="random:llama-3.1-8b")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--rate", type=float, default=16.0)
+    p.add_argument("--input-len", type=int, default=2048)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"])
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--max-run-time", type=float, default=300.0)
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.NamedTemporaryFile("w+", prefix="pdserve-up-", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--mode", "colocated", "--replicas", str(args.replicas),
+           "--model", args.model, "--device", args.device, "--port", str(port), "--host", "127.0.0.1",
+           "--kv-cache-dtype", args.kv_cache_dtype, "--startup-timeout-s", str(args.startup_timeout)]
+    if args.device == "cuda":
+        cmd += ["--max-num-seqs", "256", "--max-num-batched-tokens", "8192", "--worker-gpus", "1"]
+    else:
+        cmd += ["--worker-gpus", "0"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    print("starting:", " ".join(cmd[2:]), flush=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    results: dict = {"model": args.model, "replicas": args.replicas, "rate": args.rate, "requests": args.requests,
+                     "input_len": args.input_len, "output_len": args.output_len}
+    try:
+        results["startup_s"] = wait_ready(url, proc, args.startup_timeout)
+        print(f"ready after {results['startup_s']:.1f}s", flush=True)
+        runs = []
+        for i in range(2):
+            summary = loadgen(url, args, seed=i)
+            runs.append(summary)
+            print(f"run {i + 1}: TTFT p50 {summary['ttft_p50'] * 1e3:.0f} ms, TPOT p50 {summary['tpot_p50'] * 1e3:.1f} ms, "
+                  f"{summary['request_throughput']:.2f} req/s achieved, {summary['num_errors']} errors", flush=True)
+        results["runs"] = runs
+        for key in ("ttft_p50", "tpot_p50"):
+            results[f"{key}_first_over_second"] = runs[0][key] / runs[1][key]
+        print(f"first / second: TTFT p50 {results['ttft_p50_first_over_second']:.2f}, TPOT p50 "
+              f"{results['tpot_p50_first_over_second']:.2f} (target: within 0.90-1.10)")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        log.seek(0)
+        text = log.read().splitlines()
+        if "runs" not in results:
+            print("server log tail:\n  " + "\n  ".join(text[-20:]))
+        lines = [line.rstrip() for line in text if "warm-up" in line or "loaded in" in line or "start-up" in line]
+        results["startup_log"] = lines
+        print("worker start-up (from the server log):")
+        for line in lines:
+            print("  " + line[-400:])
+        log.close()
+        os.unlink(log.name)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The FP8 (e4m3) paged KV pool: layout, quantization, and the torch reference path.
+
+A pool of `block_size` (BS) tokens per block, Hkv heads of head_dim D, is one contiguous
+float8_e4m3fn tensor [NB, BS + R, Hkv, D]: rows 0..BS-1 of a block hold the quantized K (or V)
+of its tokens, and the R trailing rows hold their float32 scales, [Hkv, BS] per block
+(R = ceil(4 * BS / D): one row at BS=16, D=64 or 128). Every block therefore carries its own
+scales wherever it goes (prefix cache, KV transfer: a block is still one unit of bytes), and
+a pool of 17 rows of one byte moves 17/32 of the bytes of a 16-row bf16 pool.
+
+Scales are per token and per head (the finest "per-block" choice): scale = amax(|x|) / 448
+over the head's D values, and the stored byte is round(x / scale) to e4m3 (saturating at
+448 by construction). A token's scale is fixed when its K/V is written, so decode never
+requantizes older tokens. Dequantized value: fp8 * scale.
+
+`pool_block_size` recovers BS from a pool of either kind; the attention kernels take such a
+pool and read rows `block * (BS + R) + offset`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+SCALE_BYTES = 4  # float32
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
+
+
+def scale_rows(block_size: int, head_dim: int) -> int:
+    """Trailing rows of an FP8 block that hold its [BS, Hkv] float32 scales."""
+    return -(-SCALE_BYTES * block_size // head_dim)
+
+
+def fp8_pool_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    if head_dim % SCALE_BYTES:
+        raise ValueError(f"fp8 KV cache needs head_dim divisible by {SCALE_BYTES}, got {head_dim}")
+    return (num_blocks, block_size + scale_rows(block_size, head_dim), num_kv_heads, head_dim)
+
+
+def is_fp8(pool: torch.Tensor) -> bool:
+    return pool.dtype == FP8_DTYPE
+
+
+def pool_block_size(pool: torch.Tensor) -> int:
+    """Tokens per block of a [NB, rows, Hkv, D] pool (rows = BS, or BS + scale rows for FP8)."""
+    rows = pool.shape[1]
+    if not is_fp8(pool):
+        return rows
+    head_dim = pool.shape[3]
+    bs = 1
+    while bs < rows:
+        if bs + scale_rows(bs, head_dim) == rows:
+            return bs
+        bs *= 2
+    raise ValueError(f"fp8 pool of {rows} rows per block (head_dim {head_dim}) matches no power-of-two block size")
+
+
+def scale_geometry(pool: torch.Tensor) -> tuple[int, int]:
+    """(float32 elements per block, float32 offset of the scales in a block): scale of (block b,
+    offset o, head h) is pool.view(float32).flatten()[b * first + second + h * BS + o]."""
+    _, rows, hk, d = pool.shape
+    bs = pool_block_size(pool)
+    return rows * hk * d // SCALE_BYTES, bs * hk * d // SCALE_BYTES
+
+
+def split_pool(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of an FP8 pool: data [NB, BS, Hkv, D] (float8) and scales [NB, BS, Hkv] (float32)."""
+    nb, _, hk, d = pool.shape
+    bs = pool_block_size(pool)
+    start = bs * hk * d
+    # stored [Hkv, BS] per block (a head's scales are contiguous for the kernels), seen as [BS, Hkv]
+    scales = pool.view(nb, -1)[:, start:start + SCALE_BYTES * bs * hk].view(torch.float32).view(nb, hk, bs)
+    return pool[:, :bs], scales.transpose(1, 2)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (float8 [..., D], float32 scales [...]), one scale per row of D."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (xf / scale[..., None]).to(FP8_DTYPE), scale
+
+
+def dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (data.float() * scales[..., None]).to(dtype)
+
+
+def write_fp8_ref(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """Quantizes k/v [T, Hkv, D] into the FP8 pools at slot_mapping[T] (negative: skipped)."""
+    bs = pool_block_size(k_pool)
+    slots = slot_mapping.long()
+    if slots.numel() and bool((slots < 0).any()):
+        keep = (slots >= 0).nonzero().squeeze(1)
+        slots, k, v = slots[keep], k[keep], v[keep]
+    block, offset = slots // bs, slots % bs
+    for x, pool in ((k, k_pool), (v, v_pool)):
+        data, scales = split_pool(pool)
+        q, s = quantize(x)
+        data.view(torch.uint8)[block, offset] = q.view(torch.uint8)
+        scales[block, offset] = s
+
+
+def gather_blocks(pool: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks `blocks` [n] of a pool as [n, BS, Hkv, D] in `dtype` (FP8 dequantized)."""
+    if not is_fp8(pool):
+        return pool.index_select(0, blocks)
+    data, scales = split_pool(pool)
+    return dequantize(data[blocks], scales[blocks], dtype)
+
+
+def gather_slots(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Token slots `slots` [n] of a pool as [n, Hkv, D] in `dtype` (FP8 dequantized)."""
+    hk, d = pool.shape[2], pool.shape[3]
+    if not is_fp8(pool):
+        return pool.view(-1, hk, d).index_select(0, slots)
+    bs = pool_block_size(pool)
+    data, scales = split_pool(pool)
+    block, offset = slots // bs, slots % bs
+    return dequantize(data[block, offset], scales[block, offset], dtype)
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool dtype for `--kv-cache-dtype` (auto: the model's dtype). ValueError names the flag."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype == "bf16":
+        if model_dtype != torch.bfloat16:
+            raise ValueError(f"kv_cache_dtype bf16 needs a bfloat16 model (--dtype bfloat16), not {model_dtype}")
+        return torch.bfloat16
+    return FP8_DTYPE

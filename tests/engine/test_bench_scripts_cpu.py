@@ -1,0 +1,41 @@
+"""The GPU benchmark scripts' code paths, run on the CPU with a tiny model (smoke tests: the
+figures mean nothing here; a typo must not surface first on a rented GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+SMALL = ["--device", "cpu", "--requests", "4", "--input-len", "24", "--output-len", "4"]
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(120)
+def test_bench_engine_gpu_cpu_path(tmp_path):
+    out = tmp_path / "r.json"
+    rc = load("bench_engine_gpu").main(SMALL + ["--decode-batches", "2", "--decode-steps", "3", "--ttft-lens", "32",
+                                                "--max-num-seqs", "2", "--max-num-batched-tokens", "32",
+                                                "--kv-cache-dtype", "fp8", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["kv_cache_dtype"] == "fp8" and r["offline_steps"] > 0 and r["decode_b2_step_ms"] > 0
+    assert 0 < r["offline_roofline_fraction"] and r["warmup_s"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_bench_kv_fp8_cpu_path(tmp_path):
+    out = tmp_path / "r.json"
+    assert load("bench_kv_fp8").main(SMALL + ["--decode-batch", "2", "--quick", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["runs"]["fp8"]["kv_cache_dtype"] == "float8_e4m3fn" and len(r["greedy_agreement"]) == 8
+    assert r["runs"]["fp8"]["kv_bytes_per_token"] < r["runs"]["bf16"]["kv_bytes_per_token"] / 3  # vs fp32 on cpu

@@ -1,0 +1,51 @@
+"""Ready means warm (pdserve/warmup.py): the throw-away requests run the serving paths and
+leave nothing behind."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.engine import LLMEngine
+from pdserve.sampling_params import SamplingParams
+from pdserve.warmup import warm_up, warmup_enabled
+
+
+def make_engine(role="mixed", prefix=True):
+    return LLMEngine(EngineConfig(model="random:tiny-llama", device="cpu",
+                                  cache=CacheConfig(num_blocks=32, enable_prefix_caching=prefix),
+                                  scheduler=SchedulerConfig(role=role, max_num_batched_tokens=64)))
+
+
+@pytest.mark.parametrize("role", ["mixed", "prefill", "decode"])
+def test_warm_up_runs_mixed_and_decode_steps_and_leaves_nothing(role):
+    engine = make_engine(role)
+    hook_calls = []
+    engine.layer_hook = lambda layer, batch: hook_calls.append(layer)
+    engine.runner.use_cuda_graphs = True  # off CUDA: the graph path's static buffers, eager
+    report = warm_up(engine)
+    assert engine.num_steps >= 6  # the long prompt, a mixed step, decodes at batch 2 then 1
+    assert engine.runner.num_graph_replays > 0 and engine.runner.num_decode_only_steps > 0
+    assert hook_calls == []  # a prefill worker's hook (its KV push) never sees warm-up requests
+    assert engine.role == role and engine.layer_hook is not None
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not engine.requests and not engine.scheduler.held
+    assert bm._cached == {}  # the prefix cache forgot the warm-up prompts
+    assert set(report.seconds) >= {"requests"} and report.prompt_tokens == (16, 8)
+    assert "warm-up on cpu" in report.describe()
+    # the engine serves normally afterwards, in its own role
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2, temperature=0))
+    outs = [o for _ in range(4) for o in engine.step()]
+    assert outs and outs[-1].finish_reason == ("prefilled" if role == "prefill" else "length")
+
+
+def test_warm_up_refuses_an_engine_with_requests_and_env_flag(monkeypatch):
+    engine = make_engine()
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="before the engine takes requests"):
+        warm_up(engine)
+    monkeypatch.setenv("PDSERVE_WARMUP", "0")
+    assert not warmup_enabled()
+    monkeypatch.setenv("PDSERVE_WARMUP", "sometimes")
+    with pytest.raises(ValueError, match="PDSERVE_WARMUP"):
+        warmup_enabled()
