@@ -101,6 +101,8 @@ def cmd_router(args: argparse.Namespace) -> int:
         raise CliError(f"--port must be in 1..65535, got {args.port}")
     if not args.kv_deadline_s > 0:
         raise CliError(f"--kv-deadline-s must be > 0, got {args.kv_deadline_s}")
+    if not args.worker_wait_s >= 0:
+        raise CliError(f"--worker-wait-s must be >= 0, got {args.worker_wait_s}")
     if args.max_model_len is not None and args.max_model_len <= 0:
         raise CliError(f"--max-model-len must be > 0, got {args.max_model_len}")
     settings = RouterSettings(model=args.model, served_model_name=args.served_model_name,
@@ -108,7 +110,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                               host=args.host, port=args.port, api_key=args.api_key,
                               kv_deadline_s=args.kv_deadline_s, log_level=args.log_level.lower(),
                               topology=args.topology, profile=args.profile, slo_ttft=args.slo_ttft,
-                              slo_tpot=args.slo_tpot, admission_control=args.admission_control)
+                              slo_tpot=args.slo_tpot, admission_control=args.admission_control,
+                              worker_wait_s=args.worker_wait_s)
     return run_router(args.worker, settings)
 
 
@@ -195,6 +198,9 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
     p.add_argument("--served-model-name", default=d(None), help="model id of the API (default: --model)")
     p.add_argument("--kv-deadline-s", type=float_arg("--kv-deadline-s"), default=d(10.0),
                    help="a KV transfer past this falls back to prefill on the decode worker")
+    p.add_argument("--worker-wait-s", type=float_arg("--worker-wait-s"), default=d(30.0),
+                   help="a request that no worker can serve (e.g. the only one restarts) waits this long for "
+                        "one, then gets 503 with Retry-After (default 30; 0: at once)")
     p.add_argument("--topology", default=d(None), metavar="FILE",
                    help="YAML of nodes, workers and links (Gbit/s, latency) for placement")
     p.add_argument("--profile", default=d(None), metavar="FILE",

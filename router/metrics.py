@@ -19,6 +19,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 KV_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0, 600.0)
+WORKER_WAIT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 
 class RequestStatus:
@@ -63,8 +64,21 @@ class RouterMetrics:
         )
         self.request_recoveries = Counter(
             "pdserve:request_recoveries_total",
-            "Requests recovered from a worker failure, by kind (replace, local_fallback, migrate).",
+            "Requests recovered from a worker failure, by kind (replace, local_fallback, migrate, degraded).",
             ["kind"], registry=r,
+        )
+        self.requests_waiting_for_worker = Gauge(
+            "pdserve:requests_waiting_for_worker",
+            "Requests held by the router because no worker can serve them now (e.g. the only one restarts).",
+            registry=r,
+        )
+        self.worker_wait_seconds = Histogram(
+            "pdserve:worker_wait_seconds", "Time a request waited for a worker to come back.",
+            registry=r, buckets=WORKER_WAIT_BUCKETS,
+        )
+        self.worker_wait_timeouts = Counter(
+            "pdserve:worker_wait_timeouts_total",
+            "Requests that got 503 after waiting the whole --worker-wait-s for a worker.", registry=r,
         )
         self.link_bytes_in_flight = Gauge(
             "pdserve:link_bytes_in_flight", "KV bytes of the transfers the router has started on a link and not seen end.",

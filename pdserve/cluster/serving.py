@@ -28,6 +28,7 @@ class RouterSettings:
     port: int = 8000
     api_key: str | None = None
     kv_deadline_s: float = 10.0
+    worker_wait_s: float = 30.0  # a request no worker can serve waits this long for one, then 503
     log_level: str = "warning"
     graceful_shutdown_s: float = 10.0
     # placement options (see router.policies.build_policy)
@@ -84,7 +85,7 @@ def build_app(directory: Any, settings: RouterSettings, model: RouterModel, poli
     metrics = RouterMetrics()
     backend = ClusterBackend(directory, policy, model.tokenizer, model.name,
                              model.max_model_len, mode=settings.mode, kv_deadline_s=settings.kv_deadline_s,
-                             metrics=metrics)
+                             metrics=metrics, worker_wait_s=settings.worker_wait_s)
     app = create_app(backend, api_key=settings.api_key, metrics=metrics)
     return app, backend
 

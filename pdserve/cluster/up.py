@@ -123,7 +123,8 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
     settings = RouterSettings(model=config.model, served_model_name=config.served_model_name,
                               max_model_len=config.max_model_len, policy=config.policy, mode=config.mode,
                               host=config.host, port=config.port, api_key=config.api_key,
-                              kv_deadline_s=config.kv_deadline_s, log_level=log_level.lower(),
+                              kv_deadline_s=config.kv_deadline_s, worker_wait_s=config.worker_wait_s,
+                              log_level=log_level.lower(),
                               topology=config.topology, profile=config.profile, slo_ttft=config.slo_ttft,
                               slo_tpot=config.slo_tpot, admission_control=config.admission_control,
                               graceful_shutdown_s=ROUTER_DRAIN_S)

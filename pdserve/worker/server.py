@@ -9,6 +9,11 @@ Disaggregated request, as seen by the workers (the router drives it):
 3. D.Decode: D waits for the KV (bounded by the deadline), joins the request to its decode
    batch and streams the remaining tokens.
 4. Abort (or a cancelled stream) frees whatever the request holds, on either worker.
+
+Generate (the whole request on one worker) is served by every role: a decode worker prefills
+locally, and a prefill worker stands in for a decode worker that is down. A Prefill whose KV
+could not reach D fails with ABORTED (D's fault, not P's), one whose KV missed its deadline
+with DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations
@@ -126,9 +131,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     # ---- RPCs ------------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context):
-        if (err := self._check_role(("mixed", "decode"), "Generate")) is not None:
-            await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION, err)
-            return
+        # every role generates: a prefill worker stands in for a decode worker that is down
         try:
             params = params_from_proto(request.params)
         except ValueError as exc:
@@ -144,7 +147,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             params = replace(params, max_tokens=params.max_tokens - len(resumed),
                              min_tokens=max(0, params.min_tokens - len(resumed)))
         rid = request.request_id
-        async for chunk in self._stream(rid, lambda e: e.add_request(rid, prompt, params), context,
+        async for chunk in self._stream(rid, lambda e: e.add_request(rid, prompt, params, hand_off=False), context,
                                         offset=(len(resumed), len(resumed))):
             yield chunk
 
@@ -231,7 +234,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             t_first = time.monotonic()
             if dest.error is not None:
                 await release()
-                await self._fail(context, grpc.StatusCode.UNAVAILABLE, f"KV push failed: {dest.error}")
+                await self._fail(context, grpc.StatusCode.ABORTED, f"KV push to the decode worker failed: {dest.error}")
             try:
                 result = await asyncio.to_thread(self.w.sender.finish, dest.transfer_id, deadline)
             except KVTransferTimeout as exc:
@@ -239,7 +242,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 await self._fail(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"KV transfer: {exc}")
             except KVTransferError as exc:
                 await release()
-                await self._fail(context, grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
+                await self._fail(context, grpc.StatusCode.ABORTED, f"KV transfer to the decode worker failed: {exc}")
             await release()
             self.w.kv_bytes += result.num_bytes
             self.w.kv_seconds += result.seconds
