@@ -89,7 +89,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     config = WorkerConfig(
         worker_id=args.worker_id or default_worker_id(args.role, args.port), role=args.role,
         engine=engine_config(args, args.role), host=args.host, port=args.port, kv_backend=args.kv_backend,
-        kv_host=args.kv_host or args.host)
+        kv_host=args.kv_host or args.host, cluster_token=_cluster_token(args))
     return run_worker(config)
 
 
@@ -111,8 +111,26 @@ def cmd_router(args: argparse.Namespace) -> int:
                               kv_deadline_s=args.kv_deadline_s, log_level=args.log_level.lower(),
                               topology=args.topology, profile=args.profile, slo_ttft=args.slo_ttft,
                               slo_tpot=args.slo_tpot, admission_control=args.admission_control,
-                              worker_wait_s=args.worker_wait_s)
+                              worker_wait_s=args.worker_wait_s, cluster_token=_cluster_token(args))
     return run_router(args.worker, settings)
+
+
+def _cluster_token(args: argparse.Namespace) -> str | None:
+    from pdserve.proto.auth import TOKEN_ENV, resolve_token
+
+    token = resolve_token(args.cluster_token_file)  # ValueError naming the flag or the variable
+    if token is None:
+        print(f"pdserve {args.command}: warning: no --cluster-token-file or ${TOKEN_ENV}: the workers' request "
+              "plane is open to anyone who can reach it", file=sys.stderr)
+    return token
+
+
+def _add_token_arg(p: argparse.ArgumentParser) -> None:
+    from pdserve.proto.auth import TOKEN_ENV
+
+    p.add_argument("--cluster-token-file", default=None, metavar="FILE",
+                   help=f"file holding the cluster token that every call between router and workers carries "
+                        f"(default: ${TOKEN_ENV}; `pdserve up` makes its own)")
 
 
 def _int_list(flag: str):
@@ -241,12 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--worker-id", default=None, help="default <role>-<hostname>[-<port>]")
     w.add_argument("--kv-backend", default="ucx", help="KV transfer backend (ucx)")
     w.add_argument("--kv-host", default=None, help="KV listen host (default: --host)")
+    _add_token_arg(w)
     w.set_defaults(func=cmd_worker)
 
     r = sub.add_parser("router", help="the router over a fixed list of workers, without Ray (foreground)")
     r.add_argument("--worker", action="append", required=True, metavar="ROLE[#ID][@NODE]=HOST:PORT",
                    help="a worker (repeatable), e.g. prefill=10.0.0.1:50051")
     r.add_argument("--model", default=ENGINE_DEFAULTS["model"], help="model spec, for the tokenizer")
+    _add_token_arg(r)
     r.add_argument("--max-model-len", type=int_arg("--max-model-len"), default=None)
     r.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
     _add_router_args(r)

@@ -122,6 +122,7 @@ class ClusterBackend:
         rpc_timeout_s: float = 5.0,
         network: NetworkOptions | None = None,
         worker_wait_s: float = 0.0,
+        cluster_token: str | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -136,6 +137,7 @@ class ClusterBackend:
         self.worker_wait_s = float(worker_wait_s)
         self.pool = WorkerPool(
             directory, interval_s=stats_interval_s, health_timeout_s=health_timeout_s, rpc_timeout_s=rpc_timeout_s,
+            cluster_token=cluster_token,
         )
         self.policy = policy
         self.tokenizer = tokenizer

@@ -42,6 +42,17 @@ def exit_when_orphaned(interval_s: float = RAYLET_CHECK_S) -> threading.Thread:
     return thread
 
 
+def _node_ip(node_id: str) -> str:
+    """The address this Ray node registered (the cluster's interface, loopback for a local Ray),
+    not the address of the host's default route."""
+    import ray
+
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
+            return node["NodeManagerAddress"]
+    return ray.util.get_node_ip_address()
+
+
 class WorkerActor:
     """Used as `ray.remote(WorkerActor)`; see `pdserve.cluster.pools`.
 
@@ -55,7 +66,7 @@ class WorkerActor:
         exit_when_orphaned()
         context = ray.get_runtime_context()
         self._node_id = context.get_node_id()
-        self._node_ip = ray.util.get_node_ip_address()
+        self._node_ip = _node_ip(self._node_id)
         if bind_node_ip:
             config = dataclasses.replace(config, host=self._node_ip, kv_host=self._node_ip)
         self._config = config

@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 ROUTER_DRAIN_S = 2.5  # in-flight requests get this long to finish at shutdown
 
 
-def pool_specs(config: UpConfig, gpus_in_cluster: float):
+def pool_specs(config: UpConfig, gpus_in_cluster: float, cluster_token: str | None = None):
     from pdserve.cluster.pools import PoolSpec
     from pdserve.engine_args import engine_config
 
@@ -38,7 +38,7 @@ def pool_specs(config: UpConfig, gpus_in_cluster: float):
     return [
         PoolSpec(role=role, size=size, engine=engine_config(values, role), num_cpus=config.worker_cpus,
                  num_gpus=num_gpus, resources=config.pool_resources(role), strategy=config.placement_strategy,
-                 kv_backend=config.kv_backend)
+                 kv_backend=config.kv_backend, cluster_token=cluster_token)
         for role, size in config.pool_sizes().items()
     ]
 
@@ -120,6 +120,9 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
     engine_config(config.engine_values())  # bad engine values fail here, before Ray starts
     check_listen(config.host, config.port)
     model = load_router_model(config.model, config.max_model_len, config.served_model_name)
+    from pdserve.proto.auth import new_token
+
+    cluster_token = new_token()  # the request plane's: workers get it through Ray, the router here
     settings = RouterSettings(model=config.model, served_model_name=config.served_model_name,
                               max_model_len=config.max_model_len, policy=config.policy, mode=config.mode,
                               host=config.host, port=config.port, api_key=config.api_key,
@@ -127,7 +130,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
                               log_level=log_level.lower(),
                               topology=config.topology, profile=config.profile, slo_ttft=config.slo_ttft,
                               slo_tpot=config.slo_tpot, admission_control=config.admission_control,
-                              graceful_shutdown_s=ROUTER_DRAIN_S)
+                              graceful_shutdown_s=ROUTER_DRAIN_S, cluster_token=cluster_token)
     policy = make_router_policy(settings)
 
     import ray
@@ -147,7 +150,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
             tracker.scan()
         watchdog = RayWatchdog(tracker, None if started_ray else ray.get_runtime_context().gcs_address).start()
         gpus = ray.cluster_resources().get("GPU", 0.0)
-        specs = pool_specs(config, gpus)
+        specs = pool_specs(config, gpus, cluster_token)
         pools = ClusterPools(config.cluster_name, config.namespace, specs)
         total = sum(s.size for s in specs)
         print(f"pdserve up: starting {_describe(specs)} on Ray "

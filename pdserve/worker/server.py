@@ -31,6 +31,7 @@ from kvtransfer import KVTransferError, KVTransferTimeout, WIRE_VERSION, KVLayou
 from pdserve.config import ROLES, EngineConfig
 from pdserve.engine import LLMEngine, NoKVSpaceError
 from pdserve.proto import worker_pb2 as pb
+from pdserve.proto.auth import TokenInterceptor, check_token
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.convert import output_to_chunk, params_from_proto
 from pdserve.sampling_params import RequestOutput
@@ -50,8 +51,12 @@ class WorkerConfig:
     kv_backend: str = "ucx"
     kv_host: str = "127.0.0.1"
     kv_options: tuple[tuple[str, object], ...] = ()  # extra backend options (e.g. pacing)
+    # gRPC calls must carry it (pdserve.proto.auth); None: an open request plane
+    cluster_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.cluster_token is not None:
+            check_token(self.cluster_token, "worker cluster_token")
         if self.role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {self.role!r}")
         if not 0 <= self.port < 65536:
@@ -378,7 +383,12 @@ class WorkerServer:
         return self.address
 
     async def _serve(self, ready: threading.Event) -> None:
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+        interceptors = [TokenInterceptor(self.config.cluster_token)] if self.config.cluster_token else []
+        if not interceptors:
+            logger.warning("worker %s: no cluster token, its request plane accepts any caller that reaches "
+                           "%s", self.config.worker_id, self.config.host)
+        server = grpc.aio.server(interceptors=interceptors,
+                                 options=[("grpc.max_receive_message_length", 64 << 20),
                                           ("grpc.max_send_message_length", 64 << 20)])
         pb_grpc.add_WorkerServicer_to_server(WorkerServicer(self), server)
         port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")

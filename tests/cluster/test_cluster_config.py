@@ -200,3 +200,12 @@ def test_cli_router_bad_entries(capsys):
 def test_generate_still_parses():
     args = build_parser().parse_args(["generate", "--prompt", "hi", "--max-tokens", "3"])
     assert (args.prompt, args.max_tokens, args.model) == ("hi", 3, "smollm2")
+
+
+def test_cli_cluster_token_errors_name_the_flag_or_variable(capsys, tmp_path, monkeypatch):
+    missing = str(tmp_path / "no-such-token")
+    assert_one_line_error(*run_cli(capsys, "worker", "--role", "decode", "--cluster-token-file", missing),
+                          "--cluster-token-file: cannot read", "no-such-token")
+    monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", "short")
+    assert_one_line_error(*run_cli(capsys, "router", "--worker", "decode=127.0.0.1:1"),
+                          "$PDSERVE_CLUSTER_TOKEN", "at least 16 characters")
