@@ -132,16 +132,10 @@ class EmulatedDeployment:
         self.workers[worker.id] = (proc, f"{self.cluster.ip(worker.node)}:{WORKER_BASE_PORT + index}")
 
     def kill_worker(self, worker_id: str, sig: int = signal.SIGKILL) -> int:
-        """Sends `sig` to the worker's process (not the `ip netns exec` wrapper's group); its pid."""
-        import psutil
-
+        """Sends `sig` to the worker's process; returns its pid."""
         proc, _ = self.workers[worker_id]
-        target = proc.pid
-        with contextlib.suppress(psutil.Error):
-            children = psutil.Process(proc.pid).children(recursive=True)
-            target = children[-1].pid if children else proc.pid
-        os.kill(target, sig)
-        return target
+        os.kill(proc.pid, sig)  # `ip netns exec` execs the worker: same process
+        return proc.pid
 
     def restart_worker(self, worker_id: str) -> None:
         """Starts the worker again as it was (same node, port and flags); waits until it listens."""
