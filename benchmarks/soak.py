@@ -53,10 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-ttft", type=float, default=3.0)
     p.add_argument("--slo-tpot", type=float, default=0.3)
     p.add_argument("--target", type=float, default=0.9, help="SLO attainment the search asks for")
-    p.add_argument("--search-lo", type=float, default=0.1)
-    p.add_argument("--search-hi", type=float, default=2.0)
+    p.add_argument("--search-lo", type=float, default=0.2)
+    p.add_argument("--search-hi", type=float, default=1.0)
     p.add_argument("--search-probes", type=int, default=4)
-    p.add_argument("--search-requests", type=int, default=30)
+    p.add_argument("--search-requests", type=int, default=20)
     p.add_argument("--input-len", default="uniform:64:256")
     p.add_argument("--output-len", default="uniform:16:64")
     p.add_argument("--kill-every-s", type=float, default=600.0, help="0: no kills")
@@ -67,6 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-link-fault", action="store_true",
                    help="skip the loss/delay phase (a kernel without tc netem cannot do it)")
     p.add_argument("--sample-s", type=float, default=10.0)
+    p.add_argument("--goodput-window-s", type=float, default=60.0, help="goodput is averaged over this")
     p.add_argument("--request-timeout-s", type=float, default=300.0)
     p.add_argument("--label", default="", help="free text stored in the summary")
     return p.parse_args(argv)
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
                 events.append({"t": now, "event": "link restored"})
             if now - last_sample >= args.sample_s:
                 last_sample = now
-                samples.append(_sample(now, dep, records, lock, load_t0, args.sample_s, cfg.slo))
+                samples.append(_sample(now, dep, records, lock, load_t0, args.goodput_window_s, cfg.slo))
             time.sleep(0.5)
         loader.join()
         if fault_on:
@@ -222,7 +223,8 @@ def main(argv=None) -> int:
             time.sleep(1)
         time.sleep(2)  # one more stats poll of the router
         kv_end = kv_usage(base)
-        samples.append(_sample(time.time() - load_t0, dep, records, lock, load_t0, args.sample_s, cfg.slo))
+        samples.append(_sample(time.time() - load_t0, dep, records, lock, load_t0, args.goodput_window_s,
+                               cfg.slo))
         failed_processes = dep.failed()
 
     result = result_box["result"]
@@ -258,19 +260,22 @@ def _sample(now: float, dep, records, lock, load_t0: float, window_s: float, slo
         st = proc_stats(pid)
         for key in ("pid", "rss_mib", "threads", "fds"):
             row[f"{name}_{key}"] = None if st is None else (round(st[key], 1) if key == "rss_mib" else st[key])
+    window_s = min(window_s, max(now, 1.0))
     with lock:
         recent = [r for t, r in records if t - load_t0 > now - window_s]
     ok = [r for r in recent if r.ok]
     good = [r for r in ok if r.ttft_s is not None and r.ttft_s <= slo.ttft_s
             and (tpot(r) is None or tpot(r) <= slo.tpot_s)]
     row.update(done=len(recent), ok=len(ok), failed=len(recent) - len(ok),
-               goodput_rps=round(len(good) / window_s, 3),
+               goodput_rps=round(len(good) / window_s, 3), window_s=round(window_s, 1),
                tokens_per_s=round(sum(r.completion_tokens or 0 for r in ok) / window_s, 1))
     return row
 
 
-def _growth(samples: list[dict], name: str, warmup_s: float) -> list[dict]:
-    """Per process incarnation (pid) of `name`: RSS, threads and fds after warm-up vs last seen."""
+def _growth(samples: list[dict], name: str, warmup_s: float, events: list[dict]) -> list[dict]:
+    """Per process incarnation (pid) of `name`: RSS, threads and fds after warm-up vs last seen.
+    A restarted worker's warm-up counts from when it listened again (its "restarted" event)."""
+    ready = sorted(e["t"] for e in events if e["event"] == f"{name} restarted")
     by_pid: dict[int, list[dict]] = {}
     for row in samples:
         pid = row.get(f"{name}_pid")
@@ -279,6 +284,9 @@ def _growth(samples: list[dict], name: str, warmup_s: float) -> list[dict]:
     out = []
     for pid, rows in by_pid.items():
         born = rows[0]["t"]
+        later = [t for t in ready if rows[0]["t"] - 1.0 <= t <= rows[-1]["t"]]
+        if later:
+            born = later[0]
         after = [r for r in rows if r["t"] >= born + warmup_s]
         if len(after) < 2:
             out.append({"pid": pid, "from_s": born, "to_s": rows[-1]["t"], "note": "did not live past its warm-up"})
@@ -308,6 +316,7 @@ def _summarize(args, rate, search_cmd, result, samples, events, kv_end, failed_p
         "search": search_cmd,
         "rate_rps": rate,
         "sample_s": args.sample_s,
+        "goodput_window_s": args.goodput_window_s,
         "duration_s": round(result.summary.get("duration_s") or 0, 1),
         "wall_s": round(time.time() - t_start, 1),
         "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
@@ -321,7 +330,7 @@ def _summarize(args, rate, search_cmd, result, samples, events, kv_end, failed_p
         },
         "loadgen_summary": {k: result.summary.get(k) for k in ("goodput", "slo_attainment", "request_throughput",
                                                               "ttft_p50", "ttft_p99", "tpot_p50", "output_token_throughput")},
-        "rss_growth_after_warmup": {name: _growth(samples, name, args.warmup_s) for name in names},
+        "rss_growth_after_warmup": {name: _growth(samples, name, args.warmup_s, events) for name in names},
         "kv_usage_at_end": kv_end,
         "processes_failed": failed_processes,
     }
@@ -350,8 +359,9 @@ def _plot(path: Path, samples: list[dict], events: list[dict], summary: dict) ->
     ax1.set_ylabel("RSS (MiB)")
     ax1.legend(loc="upper left", fontsize=8)
     ax2.plot(t, [r["goodput_rps"] for r in samples], label="goodput (req/s in SLO)")
-    ax2.plot(t, [r["ok"] / summary["sample_s"] for r in samples], label="completed (req/s)", alpha=0.6)
-    ax2.set_ylabel("req/s")
+    ax2.plot(t, [r["ok"] / r["window_s"] for r in samples], label="completed (req/s)", alpha=0.6)
+    ax2.axhline(summary["rate_rps"], color="grey", lw=0.8, ls=":", label="offered rate")
+    ax2.set_ylabel(f"req/s (last {summary['goodput_window_s']:g} s)")
     ax2.set_xlabel("minutes into the load")
     ax2.legend(loc="upper left", fontsize=8)
     for e in events:
