@@ -237,6 +237,7 @@ def main(argv=None) -> int:
                                 "status": r.status, "error": r.error,
                                 "completion_tokens": r.completion_tokens}) + "\n")
     _plot(out / "soak.png", samples, events, summary)
+    _write_readme(out / "README.md", summary)
     print(json.dumps({k: summary[k] for k in ("requests", "rss_growth_after_warmup", "kv_usage_at_end")},
                      indent=2))
     return 0
@@ -334,6 +335,42 @@ def _summarize(args, rate, search_cmd, result, samples, events, kv_end, failed_p
         "kv_usage_at_end": kv_end,
         "processes_failed": failed_processes,
     }
+
+
+def _write_readme(path: Path, s: dict) -> None:
+    req = s["requests"]
+    lines = [
+        "# Soak under faults", "",
+        f"{s['label']}" if s["label"] else "",
+        f"Command: `{s['command']}`; machine: {s['machine']}.",
+        f"Load: Poisson at {s['rate_rps']} req/s for {s['duration_s'] / 60:.1f} min of load "
+        f"({s['wall_s'] / 60:.1f} min wall with start-up and search); SLO TTFT {s['slo']['ttft_s']} s, "
+        f"TPOT {s['slo']['tpot_s']} s." + (f" Rate search: `{s['search']}` (see search.txt)." if s["search"] else ""),
+        "Link fault: " + ("none (--no-link-fault)" if s["link_fault"] is None else
+                          f"{s['link_fault']['loss_pct']}% loss, +{s['link_fault']['delay_ms']} ms for "
+                          f"{s['link_fault']['for_s']:.0f} s"), "",
+        "Events (seconds into the load): " + "; ".join(f"{e['t']:.0f} {e['event']}" for e in s["events"]), "",
+        "| requests | count |", "|---|---|",
+        f"| sent | {req['sent']} |", f"| completed | {req['completed']} |",
+        f"| failed with a clear error | {req['failed_with_clear_error']} |",
+        f"| lost or hung | {req['lost_or_hung']} |", "",
+        "| process (pid) | window after warm-up (s) | RSS MiB first -> last | growth | threads | fds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, rows in s["rss_growth_after_warmup"].items():
+        for r in rows:
+            if "note" in r:
+                lines.append(f"| {name} ({r['pid']}) | {r['from_s']:.0f}-{r['to_s']:.0f} | {r['note']} | | | |")
+            else:
+                lines.append(f"| {name} ({r['pid']}) | {r['from_s']:.0f}-{r['to_s']:.0f} | "
+                             f"{r['rss_mib'][0]:.0f} -> {r['rss_mib'][1]:.0f} | {r['rss_growth_pct']:+.2f}% | "
+                             f"{r['threads'][0]} -> {r['threads'][1]} | {r['fds'][0]} -> {r['fds'][1]} |")
+    lines += ["", "KV cache usage at the end (0 = every block free): "
+              + ", ".join(f"{k} {v:g}" for k, v in s["kv_usage_at_end"].items()), "",
+              f"Loadgen summary: {json.dumps(s['loadgen_summary'])}", "",
+              "Files: summary.json, samples.csv (every sample), records.jsonl (every request), soak.png; the "
+              "process logs stay with the run (logs/, not committed).", ""]
+    path.write_text("\n".join(lines))
 
 
 def _write_samples(path: Path, samples: list[dict]) -> None:

@@ -116,13 +116,9 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def _cluster_token(args: argparse.Namespace) -> str | None:
-    from pdserve.proto.auth import TOKEN_ENV, resolve_token
+    from pdserve.proto.auth import resolve_token
 
-    token = resolve_token(args.cluster_token_file)  # ValueError naming the flag or the variable
-    if token is None:
-        print(f"pdserve {args.command}: warning: no --cluster-token-file or ${TOKEN_ENV}: the workers' request "
-              "plane is open to anyone who can reach it", file=sys.stderr)
-    return token
+    return resolve_token(args.cluster_token_file)  # ValueError naming the flag or the variable
 
 
 def _add_token_arg(p: argparse.ArgumentParser) -> None:
