@@ -54,9 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-tpot", type=float, default=0.3)
     p.add_argument("--target", type=float, default=0.9, help="SLO attainment the search asks for")
     p.add_argument("--search-lo", type=float, default=0.2)
-    p.add_argument("--search-hi", type=float, default=1.0)
+    p.add_argument("--search-hi", type=float, default=2.0)
     p.add_argument("--search-probes", type=int, default=4)
-    p.add_argument("--search-requests", type=int, default=20)
+    p.add_argument("--search-duration-s", type=float, default=60.0,
+                   help="each probe sends for this long (a probe of a few requests never saturates the batch)")
     p.add_argument("--input-len", default="uniform:64:256")
     p.add_argument("--output-len", default="uniform:16:64")
     p.add_argument("--kill-every-s", type=float, default=600.0, help="0: no kills")
@@ -109,7 +110,7 @@ def inflight(base: str) -> int:
 def search_rate(args, base: str, out: Path) -> tuple[float, str]:
     cmd = [sys.executable, "-m", "loadgen.cli", "search", "--url", base, "--endpoint", "completions",
            "--ignore-eos", "--arrival", "poisson", "--input-len", args.input_len, "--output-len", args.output_len,
-           "--num-requests", str(args.search_requests), "--slo-ttft", str(args.slo_ttft), "--slo-tpot",
+           "--duration", str(args.search_duration_s), "--slo-ttft", str(args.slo_ttft), "--slo-tpot",
            str(args.slo_tpot), "--target", str(args.target), "--lo", str(args.search_lo), "--hi",
            str(args.search_hi), "--max-probes", str(args.search_probes), "--no-progress",
            "--output", str(out / "search")]
