@@ -89,7 +89,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     config = WorkerConfig(
         worker_id=args.worker_id or default_worker_id(args.role, args.port), role=args.role,
         engine=engine_config(args, args.role), host=args.host, port=args.port, kv_backend=args.kv_backend,
-        kv_host=args.kv_host or args.host)
+        kv_host=args.kv_host or args.host, cluster_token=_cluster_token(args))
     return run_worker(config)
 
 
@@ -101,6 +101,8 @@ def cmd_router(args: argparse.Namespace) -> int:
         raise CliError(f"--port must be in 1..65535, got {args.port}")
     if not args.kv_deadline_s > 0:
         raise CliError(f"--kv-deadline-s must be > 0, got {args.kv_deadline_s}")
+    if not args.worker_wait_s >= 0:
+        raise CliError(f"--worker-wait-s must be >= 0, got {args.worker_wait_s}")
     if args.max_model_len is not None and args.max_model_len <= 0:
         raise CliError(f"--max-model-len must be > 0, got {args.max_model_len}")
     settings = RouterSettings(model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
@@ -108,8 +110,23 @@ def cmd_router(args: argparse.Namespace) -> int:
                               host=args.host, port=args.port, api_key=args.api_key,
                               kv_deadline_s=args.kv_deadline_s, log_level=args.log_level.lower(),
                               topology=args.topology, profile=args.profile, slo_ttft=args.slo_ttft,
-                              slo_tpot=args.slo_tpot, admission_control=args.admission_control)
+                              slo_tpot=args.slo_tpot, admission_control=args.admission_control,
+                              worker_wait_s=args.worker_wait_s, cluster_token=_cluster_token(args))
     return run_router(args.worker, settings)
+
+
+def _cluster_token(args: argparse.Namespace) -> str | None:
+    from pdserve.proto.auth import resolve_token
+
+    return resolve_token(args.cluster_token_file)  # ValueError naming the flag or the variable
+
+
+def _add_token_arg(p: argparse.ArgumentParser) -> None:
+    from pdserve.proto.auth import TOKEN_ENV
+
+    p.add_argument("--cluster-token-file", default=None, metavar="FILE",
+                   help=f"file holding the cluster token that every call between router and workers carries "
+                        f"(default: ${TOKEN_ENV}; `pdserve up` makes its own)")
 
 
 def _int_list(flag: str):
@@ -195,6 +212,9 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
     p.add_argument("--served-model-name", default=d(None), help="model id of the API (default: --model)")
     p.add_argument("--kv-deadline-s", type=float_arg("--kv-deadline-s"), default=d(10.0),
                    help="a KV transfer past this falls back to prefill on the decode worker")
+    p.add_argument("--worker-wait-s", type=float_arg("--worker-wait-s"), default=d(30.0),
+                   help="a request that no worker can serve (e.g. the only one restarts) waits this long for "
+                        "one, then gets 503 with Retry-After (default 30; 0: at once)")
     p.add_argument("--topology", default=d(None), metavar="FILE",
                    help="YAML of nodes, workers and links (Gbit/s, latency) for placement")
     p.add_argument("--profile", default=d(None), metavar="FILE",
@@ -235,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--worker-id", default=None, help="default <role>-<hostname>[-<port>]")
     w.add_argument("--kv-backend", default="ucx", help="KV transfer backend (ucx)")
     w.add_argument("--kv-host", default=None, help="KV listen host (default: --host)")
+    _add_token_arg(w)
     w.set_defaults(func=cmd_worker)
 
     r = sub.add_parser("router", help="the router over a fixed list of workers, without Ray (foreground)")
@@ -243,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", default=ENGINE_DEFAULTS["model"], help="model spec, for the tokenizer")
     r.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer to use instead of the model's (as the workers' --tokenizer)")
+    _add_token_arg(r)
     r.add_argument("--max-model-len", type=int_arg("--max-model-len"), default=None)
     r.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
     _add_router_args(r)

@@ -7,7 +7,9 @@
 
 Roles (for prefill/decode disaggregation):
 1. prefill: a request stops after its first token; its KV stays in its blocks (`held_blocks`)
-   until `release`. `layer_hook` sees each layer as soon as its KV is written.
+   until `release`. `layer_hook` sees each layer as soon as its KV is written. A request
+   added with `hand_off=False` runs to the end instead (a prefill worker standing in for a
+   decode worker that is down).
 2. decode: `reserve` gives blocks for a prompt's KV that arrives from elsewhere, `commit`
    joins the request to the decode batch with its first token; `abort` frees either way.
 """
@@ -86,10 +88,13 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    hand_off: bool | None = None) -> None:
+        """`hand_off`: stop after the first token and hold the KV (default: in the prefill role)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq.hand_off = self.role == "prefill" if hand_off is None else hand_off
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -200,12 +205,12 @@ class LLMEngine:
 
         if finish is not None:
             seq.finish_reason = finish
-            if self.role == "prefill":
+            if seq.hand_off:
                 self.scheduler.hold(seq)
             else:
                 self.scheduler.finish(seq, finish)
                 self.requests.pop(seq.request_id, None)
-        elif self.role == "prefill":
+        elif seq.hand_off:
             seq.finish_reason = "prefilled"
             self.scheduler.hold(seq)
             finish = "prefilled"

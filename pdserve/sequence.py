@@ -42,6 +42,7 @@ class Sequence:
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     detokenizer: object | None = None
     num_emitted_tokens: int = 0
+    hand_off: bool = False  # prefill role: stop after the first token, hold the KV for another worker
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,7 +12,13 @@ A request goes through:
    - the KV misses its deadline (Prefill or Decode): fall back to Generate on the same D;
    - a worker fails after tokens were yielded: migrate, i.e. Generate on another decode-capable
      worker with `resumed_token_ids` = the tokens yielded so far (the client sees one stream);
-   - nothing left to serve: ServiceUnavailable (503); no room anywhere: Overloaded (429);
+   - a KV push that fails (Prefill answers ABORTED) is the decode worker's failure;
+   - no decode-capable worker left (the only one restarts): a prefill worker runs the whole
+     request (degraded, `Decision.degraded`); a decode worker prefills locally when no prefill
+     worker is left;
+   - nothing left to serve: the request waits for a worker to come back, up to `worker_wait_s`
+     (`pdserve:requests_waiting_for_worker`, `pdserve:worker_wait_seconds`), then
+     ServiceUnavailable (503, with Retry-After); no room anywhere: Overloaded (429);
 4. the end: a finished request frees itself on the workers; any other exit (error, client
    abort, cancellation) sends Abort to every worker that holds a part of it, bounded in time.
 
@@ -33,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -42,6 +49,7 @@ from pdserve.sampling_params import RequestOutput, SamplingParams
 from router.backend import Tokenizer
 from router.directory import WorkerDirectory
 from router.errors import (
+    KVPushFailed,
     KVTransferDeadline,
     Overloaded,
     ServiceUnavailable,
@@ -65,6 +73,8 @@ from router.worker_client import PrefillResult, WorkerClient
 from router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
+
+WAIT_POLL_S = 0.1  # while a request waits for a worker, placement is retried this often
 
 
 # (client, worker-side request id) of one worker's part in a request
@@ -112,6 +122,8 @@ class ClusterBackend:
         metrics: RouterMetrics | None = None,
         rpc_timeout_s: float = 5.0,
         network: NetworkOptions | None = None,
+        worker_wait_s: float = 0.0,
+        cluster_token: str | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -121,8 +133,12 @@ class ClusterBackend:
             raise ValueError(f"max_retries must be an integer >= 0, got {max_retries!r}")
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len!r}")
+        if not isinstance(worker_wait_s, (int, float)) or worker_wait_s < 0:
+            raise ValueError(f"worker_wait_s must be >= 0, got {worker_wait_s!r}")
+        self.worker_wait_s = float(worker_wait_s)
         self.pool = WorkerPool(
             directory, interval_s=stats_interval_s, health_timeout_s=health_timeout_s, rpc_timeout_s=rpc_timeout_s,
+            cluster_token=cluster_token,
         )
         self.policy = policy
         self.tokenizer = tokenizer
@@ -190,12 +206,18 @@ class ClusterBackend:
 
     async def health(self) -> dict[str, Any]:
         """Healthy when at least one decode-capable worker is healthy (a disaggregated cluster can
-        always prefill locally on D)."""
+        always prefill locally on D); degraded when only prefill workers are (they then run whole
+        requests)."""
         await self._ensure_started()
         workers = self.pool.describe()
         serving = any(w["healthy"] and w["role"] in ("decode", "mixed") for w in workers.values())
-        info: dict[str, Any] = {"healthy": serving, "mode": self.mode, "policy": self.policy.name, "workers": workers}
-        if not serving:
+        degraded = (not serving and self.mode == "disaggregated"
+                    and any(w["healthy"] and w["role"] == "prefill" for w in workers.values()))
+        info: dict[str, Any] = {"healthy": serving or degraded, "mode": self.mode, "policy": self.policy.name,
+                                "workers": workers}
+        if degraded:
+            info["degraded"] = "no healthy decode-capable worker: prefill workers run whole requests"
+        elif not serving:
             info["reason"] = f"no healthy decode-capable worker among {len(workers)}"
         return info
 
@@ -239,7 +261,10 @@ class ClusterBackend:
                 decision, fallback_on = Decision("local", None, fallback_on, "kv deadline fallback"), None
             else:
                 fallback_on = None
-                decision = self._place(flight, prompt, params, excluded, last_error)
+                decision = await self._place_or_wait(flight, prompt, params, excluded, last_error)
+                if decision is None:  # aborted while waiting
+                    yield self._aborted_output(flight)
+                    return
             if decision.kind == "disaggregated" and not flight.sent_token_ids:
                 attempt = self._run_disaggregated(flight, decision, prompt, params)
             else:
@@ -278,8 +303,8 @@ class ClusterBackend:
                                    flight.request_id, self.max_retries, exc.message)
                     if isinstance(exc, Overloaded):
                         raise
-                    raise ServiceUnavailable(
-                        f"The request failed on every worker tried; last error: {exc.message}") from exc
+                    raise self._retry_later(ServiceUnavailable(
+                        f"The request failed on every worker tried; last error: {exc.message}")) from exc
                 retries_left -= 1
                 kind = "migrate" if flight.sent_token_ids else "replace"
                 logger.warning("request %s: %s; %s (%d retries left)",
@@ -309,8 +334,57 @@ class ClusterBackend:
             raise ServiceUnavailable(f"No worker can serve the request: {exc}{cause}") from exc
         if self.metrics is not None:
             self.metrics.placement_decisions.labels(self.policy.name, decision.kind).inc()
+        if decision.degraded:
+            self._count_recovery("degraded")
         logger.debug("request %s -> %s", flight.request_id, decision)
         return decision
+
+    async def _place_or_wait(
+        self, flight: _Flight, prompt: list[int], params: SamplingParams, excluded: set[str],
+        last_error: WorkerError | None,
+    ) -> Decision | None:
+        """A decision, waiting up to worker_wait_s for a worker when none can serve now; None when
+        the request is aborted meanwhile. Past the wait: ServiceUnavailable with Retry-After."""
+        try:
+            return self._place(flight, prompt, params, excluded, last_error)
+        except ServiceUnavailable as exc:
+            if self.worker_wait_s <= 0 or self._closed:
+                raise self._retry_later(exc) from exc
+            first_error = exc
+        # The workers this request excluded are down (marked so) or may come back restarted.
+        excluded.clear()
+        start = time.monotonic()
+        deadline = start + self.worker_wait_s
+        logger.warning("request %s: %s; waiting up to %.0fs for a worker", flight.request_id,
+                       first_error.message, self.worker_wait_s)
+        if self.metrics is not None:
+            self.metrics.requests_waiting_for_worker.inc()
+        try:
+            while True:
+                await asyncio.sleep(min(WAIT_POLL_S, max(0.0, deadline - time.monotonic())))
+                if flight.aborted:
+                    return None
+                if self._closed:
+                    raise ServiceUnavailable("The backend is shutting down.")
+                try:
+                    decision = self._place(flight, prompt, params, excluded, last_error)
+                except ServiceUnavailable as exc:
+                    if time.monotonic() >= deadline:
+                        if self.metrics is not None:
+                            self.metrics.worker_wait_timeouts.inc()
+                        raise self._retry_later(exc, waited_s=time.monotonic() - start) from exc
+                    continue
+                logger.info("request %s: %s after waiting %.1fs", flight.request_id, decision, time.monotonic() - start)
+                return decision
+        finally:
+            if self.metrics is not None:
+                self.metrics.requests_waiting_for_worker.dec()
+                self.metrics.worker_wait_seconds.observe(time.monotonic() - start)
+
+    def _retry_later(self, exc: ServiceUnavailable, waited_s: float | None = None) -> ServiceUnavailable:
+        waited = f" (waited {waited_s:.1f}s for a worker)" if waited_s is not None else ""
+        retry_after = max(1, math.ceil(self.worker_wait_s))
+        return ServiceUnavailable(exc.message + waited, headers={"Retry-After": str(retry_after)})
 
     async def _run_disaggregated(
         self, flight: _Flight, decision: Decision, prompt: list[int], params: SamplingParams
@@ -335,10 +409,14 @@ class ClusterBackend:
                 reservation = await decode.client.reserve(wire_id, prompt, params, self.kv_deadline_s)
                 reserved = time.monotonic()
                 flight.parts[prefill.worker_id] = (prefill.client, wire_id)
-                result = await prefill.client.prefill(
-                    wire_id, prompt, params, reservation, self.kv_deadline_s,
-                    timeout_s=self.kv_deadline_s + self.rpc_timeout_s,
-                )
+                try:
+                    result = await prefill.client.prefill(
+                        wire_id, prompt, params, reservation, self.kv_deadline_s,
+                        timeout_s=self.kv_deadline_s + self.rpc_timeout_s,
+                    )
+                except KVPushFailed as exc:  # D did not take the KV: D failed, not P
+                    raise WorkerFailed(f"{exc.message} (reported by {prefill.worker_id})",
+                                       worker_id=decode.worker_id) from exc
                 self._record_first_token_phases(reserved - started, time.monotonic() - reserved, result)
             finally:
                 prefill.num_inflight -= 1

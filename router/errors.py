@@ -114,6 +114,10 @@ class WorkerFailed(WorkerError, ServiceUnavailable):
     """A worker is unreachable, dying, or broke a request (the router retries elsewhere)."""
 
 
+class KVPushFailed(WorkerFailed):
+    """A prefill worker could not push the KV to the decode worker (ABORTED): D is the suspect."""
+
+
 class WorkerOverloaded(WorkerError, Overloaded):
     """A worker has no KV blocks to reserve for the request."""
 
@@ -135,6 +139,7 @@ WORKER_STATUS_ERRORS: dict[str, type[WorkerError]] = {
     "RESOURCE_EXHAUSTED": WorkerOverloaded,
     "DEADLINE_EXCEEDED": KVTransferDeadline,
     "UNAVAILABLE": WorkerFailed,
+    "ABORTED": KVPushFailed,
 }
 
 

@@ -21,9 +21,10 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05
 KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
                        0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0, 600.0)
+WORKER_WAIT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 
-RECOVERY_KINDS = ("replace", "local_fallback", "migrate")
+RECOVERY_KINDS = ("replace", "local_fallback", "migrate", "degraded")
 
 
 class RequestStatus:
@@ -83,11 +84,24 @@ class RouterMetrics:
             "pdserve:request_recoveries_total",
             "Requests recovered by kind: replace (re-placed after a worker failed before its first token), "
             "local_fallback (KV transfer past its deadline: prefill on the decode worker), migrate (moved "
-            "mid-stream with its generated tokens).",
+            "mid-stream with its generated tokens), degraded (run whole on a surviving worker of the other role).",
             ["kind"], registry=r,
         )
         for kind in RECOVERY_KINDS:
             self.request_recoveries.labels(kind)
+        self.requests_waiting_for_worker = Gauge(
+            "pdserve:requests_waiting_for_worker",
+            "Requests held by the router because no worker can serve them now (e.g. the only one restarts).",
+            registry=r,
+        )
+        self.worker_wait_seconds = Histogram(
+            "pdserve:worker_wait_seconds", "Time a request waited for a worker to come back.",
+            registry=r, buckets=WORKER_WAIT_BUCKETS,
+        )
+        self.worker_wait_timeouts = Counter(
+            "pdserve:worker_wait_timeouts_total",
+            "Requests that got 503 after waiting the whole --worker-wait-s for a worker.", registry=r,
+        )
         self.link_bytes_in_flight = Gauge(
             "pdserve:link_bytes_in_flight", "KV bytes of the transfers the router has started on a link and not seen end.",
             ["link"], registry=r,

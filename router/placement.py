@@ -15,6 +15,8 @@ Rules shared by every policy (`PoolPolicy`):
 2. Colocated mode: a decode-capable worker (mixed, or decode) runs the whole request.
 3. Disaggregated mode: a resumed request, or a prompt of at most `local_prefill_max_tokens`
    tokens, goes local; otherwise a (P, D) pair with P != D; with no prefill worker left, local.
+4. Disaggregated mode with no decode-capable worker left (the only one restarts): degraded,
+   the whole request runs locally on a prefill worker (`Decision.degraded`).
 Policies differ in how they pick within a pool (`pick`) or a pair (`choose_pair`); a policy
 that needs the whole picture (network-aware) overrides `place`.
 
@@ -162,6 +164,7 @@ class Decision:
     prefill: str | None
     decode: str
     reason: str = ""
+    degraded: bool = False  # a prefill worker runs the whole request: no decode-capable worker is up
 
     def __post_init__(self) -> None:
         if self.kind == "disaggregated":
@@ -224,6 +227,13 @@ class PoolPolicy(PlacementPolicy):
             key=lambda w: w.worker_id,
         )
         decodes = [w for w in usable if w.can_decode and w.fits(request.num_tokens)]
+        # degraded only when every decode-capable worker is down (not merely full or excluded)
+        if snapshot.mode == "disaggregated" and not any(w.can_decode and w.healthy for w in snapshot.workers):
+            standins = [w for w in usable if w.role == "prefill" and w.fits(request.num_tokens)]
+            if standins:
+                worker = self.pick(standins, "local", request, snapshot)
+                return Decision("local", None, worker.worker_id, "degraded: no healthy decode-capable worker; "
+                                "a prefill worker runs the whole request", degraded=True)
         if not decodes:
             raise NoWorkersAvailable(_none_left("decode-capable", snapshot, request))
         if snapshot.mode == "colocated":

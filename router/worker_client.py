@@ -24,6 +24,7 @@ import grpc
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
+from pdserve.proto.auth import call_metadata
 from pdserve.sampling_params import RequestOutput, SamplingParams
 from pdserve.proto.convert import chunk_to_output, output_to_chunk, params_to_proto
 from router.errors import WORKER_STATUS_ERRORS, WorkerError, WorkerFailed
@@ -66,8 +67,9 @@ class WorkerClient:
 
     def __init__(
         self, worker_id: str, address: str, *, rpc_timeout_s: float = 5.0,
-        options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS,
+        options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS, cluster_token: str | None = None,
     ) -> None:
+        """`cluster_token`: sent with every call (pdserve.proto.auth)."""
         if rpc_timeout_s <= 0:
             raise ValueError(f"rpc_timeout_s must be > 0, got {rpc_timeout_s!r}")
         self.worker_id = worker_id
@@ -77,6 +79,7 @@ class WorkerClient:
         self._stub = pb_grpc.WorkerStub(self._channel)
         self._calls: dict[Any, str] = {}  # live call -> worker-side request id
         self._cancelled: dict[Any, str] = {}  # call -> why we cancelled it
+        self._metadata = call_metadata(cluster_token)
 
     # ---------------------------------------------------------------- unary calls
 
@@ -194,7 +197,7 @@ class WorkerClient:
 
     def _open(self, op: str, method: Any, msg: Any, timeout: float | None) -> Any:
         try:
-            return method(msg, timeout=timeout)
+            return method(msg, timeout=timeout, metadata=self._metadata)
         except grpc.aio.UsageError as exc:  # the channel was closed (the worker moved or left)
             raise self._failed(f"{op} on worker {self.worker_id}: {exc}") from None
 

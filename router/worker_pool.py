@@ -69,7 +69,7 @@ class WorkerPool:
 
     def __init__(
         self, directory: WorkerDirectory, *, interval_s: float = 0.5, health_timeout_s: float = 2.0,
-        rpc_timeout_s: float = 5.0,
+        rpc_timeout_s: float = 5.0, cluster_token: str | None = None,
     ) -> None:
         for name, value in (("interval_s", interval_s), ("health_timeout_s", health_timeout_s),
                             ("rpc_timeout_s", rpc_timeout_s)):
@@ -80,6 +80,7 @@ class WorkerPool:
         self.health_timeout_s = float(health_timeout_s)
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.workers: dict[str, PooledWorker] = {}
+        self._cluster_token = cluster_token
         self._monitor: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -145,7 +146,8 @@ class WorkerPool:
             await self.workers.pop(worker_id).client.close()
 
     def _connect(self, endpoint: WorkerEndpoint) -> WorkerClient:
-        return WorkerClient(endpoint.worker_id, endpoint.address, rpc_timeout_s=self.rpc_timeout_s)
+        return WorkerClient(endpoint.worker_id, endpoint.address, rpc_timeout_s=self.rpc_timeout_s,
+                            cluster_token=self._cluster_token)
 
     async def _poll(self, worker: PooledWorker) -> None:
         client = worker.client

@@ -87,6 +87,7 @@ class RayDirectory:
                 logger.debug("worker %s: no actor handle (%s)", name, exc)
                 return None
             future = asyncio.wrap_future(handle.info.remote().future())
+            future.add_done_callback(_retrieve)  # an answer nobody awaits any more is not an error
             self._inflight[name] = future
         try:
             info = await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - time.monotonic()))
@@ -112,6 +113,11 @@ class RayDirectory:
                                             timeout_s)
             self._handles[name] = handle
         return handle
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _is_dead_for_good(exc: BaseException) -> bool:

@@ -57,6 +57,7 @@ class PoolSpec:
     resources: Mapping[str, float] = field(default_factory=dict)  # custom Ray resources per worker
     strategy: str = "PACK"  # placement group strategy across the pool's workers
     kv_backend: str = "ucx"
+    cluster_token: str | None = field(default=None, repr=False)  # handed to each worker
 
     def bundle(self) -> dict[str, float]:
         bundle = {"CPU": float(self.num_cpus), **self.resources}
@@ -124,7 +125,7 @@ class ClusterPools:
             for index in range(spec.size):
                 name = actor_name(self.cluster, spec.role, index)
                 config = WorkerConfig(worker_id=name, role=spec.role, engine=spec.engine,
-                                      kv_backend=spec.kv_backend)
+                                      kv_backend=spec.kv_backend, cluster_token=spec.cluster_token)
                 handle = remote_cls.options(
                     name=name, namespace=self.namespace, lifetime=None, max_restarts=-1, max_task_retries=0,
                     num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=dict(spec.resources),

@@ -4,16 +4,53 @@ Ray is the control plane only: the actor loads the model and starts the gRPC ser
 constructor, then answers small queries (`address`, `info`, `health`). Requests and KV never
 pass through Ray. When Ray restarts a dead actor the constructor runs again, so the server
 comes back on a new port; `RayDirectory` asks again for the address.
+
+A worker outlives neither its raylet nor its driver's shutdown: a thread exits the process
+when the raylet that spawned it is gone (its parent changes), as happens when a signal to
+`pdserve up`'s process group kills Ray's daemons first.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import threading
 import time
 from typing import Any
 
 from pdserve.worker.server import WorkerConfig, WorkerServer
+
+logger = logging.getLogger(__name__)
+
+RAYLET_CHECK_S = 0.5
+
+
+def exit_when_orphaned(interval_s: float = RAYLET_CHECK_S) -> threading.Thread:
+    """Starts a daemon thread that ends this process once its parent (the raylet) is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent:
+                logger.error("the raylet (pid %d) is gone; this worker exits", parent)
+                os._exit(1)
+
+    thread = threading.Thread(target=watch, name="pdserve-raylet-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _node_ip(node_id: str) -> str:
+    """The address this Ray node registered (the cluster's interface, loopback for a local Ray),
+    not the address of the host's default route."""
+    import ray
+
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id and node.get("NodeManagerAddress"):
+            return node["NodeManagerAddress"]
+    return ray.util.get_node_ip_address()
 
 
 class WorkerActor:
@@ -26,9 +63,10 @@ class WorkerActor:
     def __init__(self, config: WorkerConfig, bind_node_ip: bool = True) -> None:
         import ray
 
+        exit_when_orphaned()
         context = ray.get_runtime_context()
         self._node_id = context.get_node_id()
-        self._node_ip = ray.util.get_node_ip_address()
+        self._node_ip = _node_ip(self._node_id)
         if bind_node_ip:
             config = dataclasses.replace(config, host=self._node_ip, kv_host=self._node_ip)
         self._config = config

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -29,6 +29,8 @@ class RouterSettings:
     port: int = 8000
     api_key: str | None = None
     kv_deadline_s: float = 10.0
+    worker_wait_s: float = 30.0  # a request no worker can serve waits this long for one, then 503
+    cluster_token: str | None = field(default=None, repr=False)  # sent with every call to a worker
     log_level: str = "warning"
     graceful_shutdown_s: float = 10.0
     # placement options (see router.policies.build_policy)
@@ -85,7 +87,8 @@ def build_app(directory: Any, settings: RouterSettings, model: RouterModel, poli
     metrics = RouterMetrics()
     backend = ClusterBackend(directory, policy, model.tokenizer, model.name,
                              model.max_model_len, mode=settings.mode, kv_deadline_s=settings.kv_deadline_s,
-                             metrics=metrics)
+                             metrics=metrics, worker_wait_s=settings.worker_wait_s,
+                             cluster_token=settings.cluster_token)
     app = create_app(backend, api_key=settings.api_key, metrics=metrics)
     return app, backend
 

@@ -72,6 +72,11 @@ def run_router(entries: list[str], settings) -> int:
     model = load_router_model(settings.model, settings.max_model_len, settings.served_model_name,
                               tokenizer=settings.tokenizer)
     app, backend = build_app(directory, settings, model, policy)
+    if settings.cluster_token is None:
+        from pdserve.proto.auth import TOKEN_ENV
+
+        print(f"pdserve router: warning: no --cluster-token-file or ${TOKEN_ENV}: calls to the workers carry no "
+              "cluster token (workers that have one refuse them)", file=sys.stderr, flush=True)
     install_shutdown_signals()
     try:
         serve_router(app, backend, settings, on_ready=lambda: print(

@@ -4,8 +4,10 @@
 2. Start a local Ray (small footprint, no dashboard), or join `--address`.
 3. Place the pools and create the worker actors; wait for every worker, with a progress bar.
 4. Serve the router (HTTP) over a `RayDirectory` of the actors.
-5. On Ctrl-C or SIGTERM, at any step: stop the router, stop and kill the actors, remove the
-   placement groups, and shut Ray down if we started it.
+5. On Ctrl-C or SIGTERM, at any step, to this process or to its whole process group, or when
+   Ray dies under it: stop the router, stop and kill the actors, remove the placement groups,
+   shut Ray down if we started it; every step is bounded, and whatever is left of the
+   processes we started is killed, so that all is gone within 15 s (`launcher.cluster.shutdown`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from launcher.cluster.config import UpConfig
 
 logger = logging.getLogger(__name__)
 
+ROUTER_DRAIN_S = 2.5  # in-flight requests get this long to finish at shutdown
 
 def gpu_share(config: UpConfig, gpus_in_cluster: float) -> float:
     """GPUs per worker: ``--worker-gpus`` when given, else one each when the cluster has that
@@ -48,7 +51,7 @@ def gpu_share(config: UpConfig, gpus_in_cluster: float) -> float:
     return config.worker_gpus
 
 
-def pool_specs(config: UpConfig, gpus_in_cluster: float):
+def pool_specs(config: UpConfig, gpus_in_cluster: float, cluster_token: str | None = None):
     from launcher.cluster.pools import PoolSpec
     from pdserve.engine_args import ENGINE_DEFAULTS, engine_config
 
@@ -62,7 +65,7 @@ def pool_specs(config: UpConfig, gpus_in_cluster: float):
     return [
         PoolSpec(role=role, size=size, engine=engine_config(values, role), num_cpus=config.worker_cpus,
                  num_gpus=num_gpus, resources=config.pool_resources(role), strategy=config.placement_strategy,
-                 kv_backend=config.kv_backend)
+                 kv_backend=config.kv_backend, cluster_token=cluster_token)
         for role, size in config.pool_sizes().items()
     ]
 
@@ -145,25 +148,38 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
     check_listen(config.host, config.port)
     model = load_router_model(config.model, config.max_model_len, config.served_model_name,
                               tokenizer=config.tokenizer)
+    from pdserve.proto.auth import new_token
+
+    cluster_token = new_token()  # the request plane's: workers get it through Ray, the router here
     settings = RouterSettings(model=config.model, tokenizer=config.tokenizer, served_model_name=config.served_model_name,
                               max_model_len=config.max_model_len, policy=config.policy, mode=config.mode,
                               host=config.host, port=config.port, api_key=config.api_key,
-                              kv_deadline_s=config.kv_deadline_s, log_level=log_level.lower(),
+                              kv_deadline_s=config.kv_deadline_s, worker_wait_s=config.worker_wait_s,
+                              log_level=log_level.lower(),
                               topology=config.topology, profile=config.profile, slo_ttft=config.slo_ttft,
-                              slo_tpot=config.slo_tpot, admission_control=config.admission_control)
+                              slo_tpot=config.slo_tpot, admission_control=config.admission_control,
+                              graceful_shutdown_s=ROUTER_DRAIN_S, cluster_token=cluster_token)
     policy = make_router_policy(settings)
 
     import ray
 
+    from launcher.cluster.shutdown import ProcessTracker, RayWatchdog
+
     install_shutdown_signals()
     started_ray = config.address is None  # ours to shut down, even if interrupted while starting
+    tracker = ProcessTracker().start() if started_ray else None  # what we may kill at the end
+    watchdog: RayWatchdog | None = None
     pools: ClusterPools | None = None
+    code = 0
     try:
         _start_ray(config)
         install_shutdown_signals()  # ray.init installs its own SIGTERM handler
+        if tracker is not None:
+            tracker.scan()
+        watchdog = RayWatchdog(tracker, None if started_ray else ray.get_runtime_context().gcs_address).start()
         gpus = ray.cluster_resources().get("GPU", 0.0)
         try:
-            specs = pool_specs(config, gpus)
+            specs = pool_specs(config, gpus, cluster_token)
         except ValueError as e:
             print(f"pdserve: error: {e}", file=sys.stderr)
             return 2
@@ -197,20 +213,54 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
         pass
     except ClusterStartError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
-        return 1
+        code = 1
     finally:
         ignore_shutdown_signals()
-        if ray.is_initialized():
-            print("pdserve up: shutting down", file=sys.stderr, flush=True)
-        if pools is not None:
-            try:
-                pools.shutdown()
-            except Exception:
-                logger.warning("stopping the workers failed", exc_info=True)
-        if started_ray and ray.is_initialized():
-            ray.shutdown()
+        clean = _shutdown(pools, watchdog, tracker, started_ray)
         restore_signals()
-    return 0
+    if not clean:
+        from launcher.cluster.shutdown import hard_exit
+
+        hard_exit(code)  # Ray's atexit hook would wait a minute for a dead GCS
+    return code
+
+
+# Time budget of the shutdown after the router has stopped (the router's own drain is
+# RouterSettings.graceful_shutdown_s, twice at most); the whole stays under 15 s.
+SHUTDOWN_WORKERS_S = 4.0
+SHUTDOWN_RAY_S = 3.0
+SHUTDOWN_HARD_DEADLINE_S = 8.5
+
+
+def _shutdown(pools, watchdog, tracker, started_ray: bool) -> bool:
+    """Stops the workers and Ray, each step bounded; kills what is left of what we started.
+    False when Ray was gone or a step had to be abandoned (the caller then exits hard)."""
+    import ray
+
+    from launcher.cluster.shutdown import HardDeadline, run_bounded, wait_gone
+
+    deadline = HardDeadline(tracker, SHUTDOWN_HARD_DEADLINE_S).arm()
+    ray_gone = None
+    if watchdog is not None:
+        watchdog.stop()
+        ray_gone = watchdog.dead_reason or watchdog.check()
+    clean = ray_gone is None
+    if ray.is_initialized():
+        print("pdserve up: shutting down" + (f" ({ray_gone})" if ray_gone else ""), file=sys.stderr, flush=True)
+    if pools is not None and clean:
+        clean = run_bounded(lambda: pools.shutdown(grace_s=SHUTDOWN_WORKERS_S / 2), SHUTDOWN_WORKERS_S,
+                            "stopping the workers")
+    if started_ray and ray.is_initialized() and clean:
+        clean = run_bounded(ray.shutdown, SHUTDOWN_RAY_S, "ray.shutdown")
+    if tracker is not None:
+        tracker.stop()
+        left = wait_gone(tracker.alive(), 1.0 if clean else 0.0)
+        if left:
+            killed = tracker.kill_leftovers()
+            logger.warning("killed what was left of the cluster: %s", ", ".join(killed))
+            wait_gone(left, 2.0)
+    deadline.cancel()
+    return clean
 
 
 def _describe(specs) -> str:

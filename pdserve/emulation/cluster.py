@@ -18,12 +18,19 @@ Lifecycle of ``EmulatedDeployment(spec)`` (``python -m pdserve.emulation up SPEC
    node's unshaped default class: only KV between nodes is shaped.
 5. On exit (normal, exception, Ctrl-C, SIGTERM): stop the router, the workers, then
    delete the namespaces. Logs stay in ``log_dir``.
+
+The deployment makes a cluster token and gives it to the workers and the router through
+``$PDSERVE_CLUSTER_TOKEN``, so its request plane is locked like `pdserve up`'s. A fault
+experiment may ``kill_worker`` and ``restart_worker`` (the supervisor's part: same node, same
+address, same flags).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,6 +42,7 @@ from pdserve.emulation.errors import EmulationError
 from pdserve.emulation.netns import EmulatedCluster
 from pdserve.emulation.pacing_spec import pacing_for_node
 from pdserve.emulation.spec import TopologySpec
+from pdserve.proto.auth import TOKEN_ENV, new_token
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +77,7 @@ class EmulatedDeployment:
         self.workers: dict[str, tuple[subprocess.Popen, str]] = {}  # id -> (process, grpc address)
         self.router: subprocess.Popen | None = None
         self.topology_path = self.log_dir / "topology.yaml"
+        self.cluster_token = new_token()
 
     @property
     def url(self) -> str:
@@ -113,19 +122,43 @@ class EmulatedDeployment:
                 return [self.python, "-m", "pdserve.emulation.worker", "--kv-pacing", pacing, "--", *flags]
         return [self.python, "-m", "pdserve.cli", "worker", *flags]
 
+    def _spawn_worker(self, index: int, worker, mode: str = "wb") -> None:
+        with open(self.log_dir / f"{worker.id}.log", mode) as log:
+            if mode != "wb":
+                log.write(b"\n---- restarted ----\n")
+                log.flush()
+            proc = self.cluster.run_in(worker.node, self.worker_argv(index, worker), env={TOKEN_ENV: self.cluster_token},
+                                       stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        self.workers[worker.id] = (proc, f"{self.cluster.ip(worker.node)}:{WORKER_BASE_PORT + index}")
+
+    def kill_worker(self, worker_id: str, sig: int = signal.SIGKILL) -> int:
+        """Sends `sig` to the worker's process; returns its pid."""
+        proc, _ = self.workers[worker_id]
+        os.kill(proc.pid, sig)  # `ip netns exec` execs the worker: same process
+        return proc.pid
+
+    def restart_worker(self, worker_id: str) -> None:
+        """Starts the worker again as it was (same node, port and flags); waits until it listens."""
+        index, worker = next((i, w) for i, w in enumerate(self.spec.workers) if w.id == worker_id)
+        old, _ = self.workers[worker_id]
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            old.wait(10)
+        size = (self.log_dir / f"{worker_id}.log").stat().st_size
+        self._spawn_worker(index, worker, mode="ab")
+        self._wait_listening({worker_id}, offsets={worker_id: size})
+
     def _start_workers(self) -> None:
         for i, worker in enumerate(self.spec.workers):
-            log = open(self.log_dir / f"{worker.id}.log", "wb")
-            with log:
-                proc = self.cluster.run_in(worker.node, self.worker_argv(i, worker), stdin=subprocess.DEVNULL,
-                                           stdout=log, stderr=subprocess.STDOUT)
-            self.workers[worker.id] = (proc, f"{self.cluster.ip(worker.node)}:{WORKER_BASE_PORT + i}")
+            self._spawn_worker(i, worker)
+        self._wait_listening(set(self.workers))
+
+    def _wait_listening(self, pending: set[str], offsets: dict[str, int] | None = None) -> None:
+        offsets = offsets or {}
         deadline = time.monotonic() + self.startup_timeout_s
-        pending = set(self.workers)
         while pending:
             for wid in sorted(pending):
                 proc, _ = self.workers[wid]
-                text = (self.log_dir / f"{wid}.log").read_text(errors="replace")
+                text = (self.log_dir / f"{wid}.log").read_text(errors="replace")[offsets.get(wid, 0):]
                 if "listening on" in text:
                     pending.discard(wid)
                 elif proc.poll() is not None:
@@ -154,7 +187,8 @@ class EmulatedDeployment:
         log_path = self.log_dir / "router.log"
         with open(log_path, "wb") as log:
             self.router = subprocess.Popen(self.router_argv(), stdin=subprocess.DEVNULL, stdout=log,
-                                           stderr=subprocess.STDOUT)
+                                           stderr=subprocess.STDOUT,
+                                           env=dict(os.environ) | {TOKEN_ENV: self.cluster_token})
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
             if self.router.poll() is not None:

@@ -113,3 +113,73 @@ def parse_rate(text: str) -> float:
         if low.endswith(unit):
             return float(low[: -len(unit)]) * _UNITS[unit] / 1e9
     raise ValueError(f"cannot parse tc rate {text!r}")
+
+
+# ---- faults: loss and delay on a link, for a while -------------------------------------------
+
+NO_NETEM = ("tc netem is not available on this kernel (module sch_netem), so a link cannot get loss or "
+            "delay here")
+
+
+def netem_available() -> bool:
+    """Whether this kernel has sch_netem (tried on the loopback of a throwaway namespace)."""
+    import os
+
+    from pdserve.emulation.netns import ip_cmd
+
+    ns = f"pds-netemprobe{os.getpid() % 100000}"
+    try:
+        ip_cmd("netns", "add", ns)
+        return tc_cmd("qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms", netns=ns,
+                      check=False).returncode == 0
+    except EmulationError:
+        return False
+    finally:
+        ip_cmd("netns", "del", ns, check=False)
+
+
+def _peer_minor(cluster, node: str, peer: str) -> str:
+    """The HTB class minor (hex) of `node`'s shaped link to `peer` (the order of shape_node)."""
+    shaped = [other for other in cluster.nodes if other != node and cluster.link(node, other).shaped]
+    if peer not in shaped:
+        raise EmulationError(f"the link {node}<->{peer} is not shaped, so it has no class to impair; "
+                             "give it a rate (gbps) in the spec")
+    return f"{_FIRST_MINOR + shaped.index(peer):x}"
+
+
+def impair_link(cluster, a: str, b: str, loss_pct: float, delay_ms: float) -> None:
+    """Adds `loss_pct` % packet loss and `delay_ms` of delay (netem) to both directions of the
+    shaped link a<->b of a created `EmulatedCluster`, on top of its rate; `restore_link` undoes it."""
+    if not (0 <= loss_pct <= 100) or delay_ms < 0:
+        raise EmulationError(f"loss must be in [0, 100] % and delay >= 0 ms, got {loss_pct} %, {delay_ms} ms")
+    from pdserve.emulation.netns import NODE_DEVICE
+
+    link = cluster.link(a, b)
+    for src, dst in ((a, b), (b, a)):
+        minor = _peer_minor(cluster, src, dst)
+        args = ["delay", f"{delay_ms + link.latency_ms:g}ms"] if delay_ms + link.latency_ms > 0 else []
+        args += ["loss", f"{loss_pct:g}%"] if loss_pct > 0 else []
+        limit = netem_limit(link.gbps, max(delay_ms + link.latency_ms, 1.0), cluster.mtu)
+        try:
+            tc_cmd("qdisc", "replace", "dev", NODE_DEVICE, "parent", f"1:{minor}", "handle", f"{minor}:", "netem",
+                   *args, "limit", str(limit), netns=cluster.ns(src))
+        except EmulationError as e:
+            if "unknown" in str(e).lower():
+                raise EmulationError(NO_NETEM) from None
+            raise
+
+
+def restore_link(cluster, a: str, b: str) -> None:
+    """Back to the link as the spec gave it (its own latency, no loss)."""
+    from pdserve.emulation.netns import NODE_DEVICE
+
+    link = cluster.link(a, b)
+    for src, dst in ((a, b), (b, a)):
+        minor = _peer_minor(cluster, src, dst)
+        if link.latency_ms > 0:
+            netem = ["delay", f"{link.latency_ms:g}ms", "limit",
+                               str(netem_limit(link.gbps, link.latency_ms, cluster.mtu))]
+            tc_cmd("qdisc", "replace", "dev", NODE_DEVICE, "parent", f"1:{minor}", "handle", f"{minor}:", "netem",
+                   *netem, netns=cluster.ns(src))
+        else:
+            tc_cmd("qdisc", "del", "dev", NODE_DEVICE, "parent", f"1:{minor}", netns=cluster.ns(src), check=False)

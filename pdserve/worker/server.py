@@ -9,6 +9,11 @@ Disaggregated request, as seen by the workers (the router drives it):
 3. D.Decode: D waits for the KV (bounded by the deadline), joins the request to its decode
    batch and streams the remaining tokens.
 4. Abort (or a cancelled stream) frees whatever the request holds, on either worker.
+
+Generate (the whole request on one worker) is served by every role: a decode worker prefills
+locally, and a prefill worker stands in for a decode worker that is down. A Prefill whose KV
+could not reach D fails with ABORTED (D's fault, not P's), one whose KV missed its deadline
+with DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from kvtransfer import KVTransferError, KVTransferTimeout, WIRE_VERSION, KVLayou
 from pdserve.config import ROLES, EngineConfig
 from pdserve.engine import LLMEngine, NoKVSpaceError
 from pdserve.proto import worker_pb2 as pb
+from pdserve.proto.auth import TokenInterceptor, check_token
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.convert import output_to_chunk, params_from_proto
 from pdserve.sampling_params import RequestOutput
@@ -46,8 +52,12 @@ class WorkerConfig:
     kv_backend: str = "ucx"
     kv_host: str = "127.0.0.1"
     kv_options: tuple[tuple[str, object], ...] = ()  # extra backend options (e.g. pacing)
+    # gRPC calls must carry it (pdserve.proto.auth); None: an open request plane
+    cluster_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.cluster_token is not None:
+            check_token(self.cluster_token, "worker cluster_token")
         if self.role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {self.role!r}")
         if not 0 <= self.port < 65536:
@@ -127,9 +137,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     # ---- RPCs ------------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context):
-        if (err := self._check_role(("mixed", "decode"), "Generate")) is not None:
-            await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION, err)
-            return
+        # every role generates: a prefill worker stands in for a decode worker that is down
         try:
             params = params_from_proto(request.params)
         except ValueError as exc:
@@ -145,7 +153,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             params = replace(params, max_tokens=params.max_tokens - len(resumed),
                              min_tokens=max(0, params.min_tokens - len(resumed)))
         rid = request.request_id
-        async for chunk in self._stream(rid, lambda e: e.add_request(rid, prompt, params), context,
+        async for chunk in self._stream(rid, lambda e: e.add_request(rid, prompt, params, hand_off=False), context,
                                         offset=(len(resumed), len(resumed))):
             yield chunk
 
@@ -232,7 +240,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             t_first = time.monotonic()
             if dest.error is not None:
                 await release()
-                await self._fail(context, grpc.StatusCode.UNAVAILABLE, f"KV push failed: {dest.error}")
+                await self._fail(context, grpc.StatusCode.ABORTED, f"KV push to the decode worker failed: {dest.error}")
             try:
                 result = await asyncio.to_thread(self.w.sender.finish, dest.transfer_id, deadline)
             except KVTransferTimeout as exc:
@@ -240,7 +248,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 await self._fail(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"KV transfer: {exc}")
             except KVTransferError as exc:
                 await release()
-                await self._fail(context, grpc.StatusCode.UNAVAILABLE, f"KV transfer failed: {exc}")
+                await self._fail(context, grpc.StatusCode.ABORTED, f"KV transfer to the decode worker failed: {exc}")
             await release()
             self.w.kv_bytes += result.num_bytes
             self.w.kv_seconds += result.seconds
@@ -385,7 +393,12 @@ class WorkerServer:
         return self.address
 
     async def _serve(self, ready: threading.Event) -> None:
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+        interceptors = [TokenInterceptor(self.config.cluster_token)] if self.config.cluster_token else []
+        if not interceptors:
+            logger.warning("worker %s: no cluster token, its request plane accepts any caller that reaches "
+                           "%s", self.config.worker_id, self.config.host)
+        server = grpc.aio.server(interceptors=interceptors,
+                                 options=[("grpc.max_receive_message_length", 64 << 20),
                                           ("grpc.max_send_message_length", 64 << 20)])
         pb_grpc.add_WorkerServicer_to_server(WorkerServicer(self), server)
         port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")

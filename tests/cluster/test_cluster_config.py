@@ -214,3 +214,12 @@ def test_pool_specs_share_too_few_gpus():
                                          r"use --worker-gpus 0.5, --mode colocated"):
         pool_specs(UpConfig(model="random:tiny-llama", worker_gpus=1.0), gpus_in_cluster=1)
     assert [s.num_gpus for s in pool_specs(UpConfig(model="random:tiny-llama", worker_gpus=0.5), 1)] == [0.5, 0.5]
+
+
+def test_cli_cluster_token_errors_name_the_flag_or_variable(capsys, tmp_path, monkeypatch):
+    missing = str(tmp_path / "no-such-token")
+    assert_one_line_error(*run_cli(capsys, "worker", "--role", "decode", "--cluster-token-file", missing),
+                          "--cluster-token-file: cannot read", "no-such-token")
+    monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", "short")
+    assert_one_line_error(*run_cli(capsys, "router", "--worker", "decode=127.0.0.1:1"),
+                          "$PDSERVE_CLUSTER_TOKEN", "at least 16 characters")

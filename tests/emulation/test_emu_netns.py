@@ -123,3 +123,26 @@ def test_bad_arguments():
         EmulatedCluster(["a"], run_id="Bad_Id!")
     with pytest.raises(EmulationError, match="not created"):
         EmulatedCluster(["a"]).ip("a")
+
+
+def test_impair_and_restore_a_link(run_id):
+    from pdserve.emulation.shaping import impair_link, netem_available, restore_link
+
+    if not netem_available():
+        pytest.skip("this kernel has no tc netem (sch_netem)")
+
+    links = {("a", "b"): LinkSpec(10), ("a", "c"): LinkSpec(1, latency_ms=5)}
+    with EmulatedCluster(["a", "b", "c"], links, run_id=run_id) as cluster:
+        impair_link(cluster, "a", "b", loss_pct=1, delay_ms=20)
+        impair_link(cluster, "c", "a", loss_pct=2, delay_ms=0)
+        for ns in (cluster.ns("a"), cluster.ns("b")):
+            netem = [q for q in qdiscs(ns, NODE_DEVICE) if "netem" in q and "delay 20ms" in q]
+            assert len(netem) == 1 and "loss 1%" in netem[0], qdiscs(ns, NODE_DEVICE)
+        assert any("delay 5ms" in q and "loss 2%" in q for q in qdiscs(cluster.ns("c"), NODE_DEVICE))
+        restore_link(cluster, "a", "b")
+        restore_link(cluster, "a", "c")
+        assert not any("netem" in q for q in qdiscs(cluster.ns("b"), NODE_DEVICE))
+        a = [q for q in qdiscs(cluster.ns("a"), NODE_DEVICE) if "netem" in q]
+        assert len(a) == 1 and "delay 5ms" in a[0] and "loss" not in a[0]  # a<->c keeps its own latency
+        with pytest.raises(EmulationError, match="not shaped"):
+            impair_link(cluster, "b", "c", loss_pct=1, delay_ms=1)

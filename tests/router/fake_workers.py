@@ -103,8 +103,6 @@ class FakeWorker(pb_grpc.WorkerServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         self.calls.append(("Generate", request.request_id))
         self.generate_requests.append(request)
-        if self.role == "prefill":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a prefill worker does not generate")
         if self.script.generate_error is not None:
             await context.abort(self.script.generate_error, f"scripted {self.script.generate_error.name}")
         prompt, resumed = list(request.prompt_token_ids), list(request.resumed_token_ids)

@@ -277,14 +277,89 @@ def test_colocated_worker_death_migrates():
 
 def test_death_with_nowhere_to_go_raises_service_unavailable():
     async def main():
-        async with cluster(("p0", "prefill"), ("d0", "decode", Script(die_after_tokens=1))) as env:
+        async with cluster(("d0", "decode", Script(die_after_tokens=1)), mode="colocated") as env:
             received: list[RequestOutput] = []
             start = time.monotonic()
-            with pytest.raises(ServiceUnavailable):
+            with pytest.raises(ServiceUnavailable) as err:
                 async for output in env.backend.generate("r1", PROMPT, SamplingParams(max_tokens=6)):
                     received.append(output)
             assert time.monotonic() - start < 3
-            assert tokens(received) == expected_tokens(PROMPT, 2)
+            assert tokens(received) == expected_tokens(PROMPT, 1)
+            assert err.value.headers["Retry-After"] == "1"
+    run(main)
+
+
+# ---------------------------------------------------------------- riding through a worker restart
+
+
+def test_only_decode_worker_dies_mid_stream_the_prefill_worker_finishes_it():
+    """1P+1D, D dies while streaming: the stream migrates to P (degraded), the client sees one
+    complete stream, and later requests run on P until D is back."""
+    async def main():
+        async with cluster(("p0", "prefill"), ("d0", "decode", Script(die_after_tokens=2))) as env:
+            check_complete(await collect(env.backend, "r1", max_tokens=6), "r1", 6)
+            assert env["p0"].called("Generate") == ["r1.1"]
+            assert list(env["p0"].generate_requests[0].resumed_token_ids) == expected_tokens(PROMPT, 3)
+            assert env.metric("pdserve:request_recoveries_total", kind="migrate") == 1
+            assert env.metric("pdserve:request_recoveries_total", kind="degraded") == 1
+            await until(lambda: not env.healthy("d0"))
+            check_complete(await collect(env.backend, "r2"), "r2", 6)
+            assert env["p0"].called("Generate") == ["r1.1", "r2"]
+            health = await env.backend.health()
+            assert health["healthy"] is True and "degraded" in health
+    run(main)
+
+
+def test_kv_push_failure_is_the_decode_workers_failure():
+    """Prefill answers ABORTED (its KV could not reach D): D is excluded, P is not, and the
+    request runs on P alone."""
+    async def main():
+        async with cluster(("p0", "prefill", Script(prefill_error=grpc.StatusCode.ABORTED)), ("d0", "decode")) as env:
+            check_complete(await collect(env.backend, "r1"), "r1", 6)
+            assert env["p0"].called("Generate") == ["r1.1"]
+            assert env["d0"].called("Generate") == []
+            assert env.healthy("p0")
+    run(main)
+
+
+def test_request_waits_for_a_worker_to_come_back():
+    async def main():
+        async with cluster(("d0", "decode"), mode="colocated", worker_wait_s=10.0) as env:
+            port = env["d0"].port
+            await env["d0"].stop()
+            await until(lambda: not env.healthy("d0"))
+            task = asyncio.create_task(collect(env.backend, "r1"))
+            await until(lambda: env.metric("pdserve:requests_waiting_for_worker") == 1)
+            await asyncio.sleep(0.3)
+            assert not task.done()
+            await env["d0"].start(port)  # back (restarted) at the same address
+            start = time.monotonic()
+            check_complete(await task, "r1", 6)
+            assert time.monotonic() - start < 2
+            assert env.metric("pdserve:requests_waiting_for_worker") == 0
+            assert env.metric("pdserve:worker_wait_seconds_count") == 1
+            assert env.metric("pdserve:worker_wait_seconds_sum") > 0.3
+            assert env.metric("pdserve:worker_wait_timeouts_total") == 0
+    run(main)
+
+
+def test_wait_past_the_deadline_is_503_with_retry_after():
+    async def main():
+        async with cluster(("d0", "decode"), mode="colocated", worker_wait_s=0.6) as env:
+            await env["d0"].stop()
+            await until(lambda: not env.healthy("d0"))
+            start = time.monotonic()
+            with pytest.raises(ServiceUnavailable, match="waited 0.[6-9]s for a worker") as err:
+                await collect(env.backend, "r1")
+            assert 0.6 <= time.monotonic() - start < 1.5
+            assert err.value.headers == {"Retry-After": "1"}
+            assert env.metric("pdserve:worker_wait_timeouts_total") == 1
+            # an abort while waiting ends the request at once
+            task = asyncio.create_task(collect(env.backend, "r2"))
+            await until(lambda: env.metric("pdserve:requests_waiting_for_worker") == 1)
+            await env.backend.abort("r2")
+            outputs = await task
+            assert [(o.finished, o.finish_reason) for o in outputs] == [(True, "abort")]
     run(main)
 
 
@@ -354,7 +429,7 @@ def test_closing_the_stream_early_aborts_the_workers():
 def test_no_healthy_workers_fails_fast():
     async def main():
         sick = Script(healthy=False)
-        async with cluster(("p0", "prefill"), ("d0", "decode", sick), ("d1", "decode", sick)) as env:
+        async with cluster(("p0", "prefill", sick), ("d0", "decode", sick), ("d1", "decode", sick)) as env:
             start = time.monotonic()
             with pytest.raises(ServiceUnavailable, match="no healthy decode-capable worker"):
                 await collect(env.backend, "r1")

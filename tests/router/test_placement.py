@@ -123,9 +123,20 @@ def test_capacity_filters_workers_that_can_never_fit():
         LeastLoaded().place(req(num_prompt_tokens=1000, max_tokens=1), snap)
 
 
+def test_no_decode_worker_left_is_degraded_to_a_prefill_worker():
+    snap = ClusterSnapshot((w("p0", "prefill"), w("p1", "prefill"), w("d0", "decode", healthy=False)))
+    for policy in (RoundRobin(), LeastLoaded()):
+        decision = policy.place(req(), snap)
+        assert (decision.kind, decision.prefill, decision.degraded) == ("local", None, True)
+        assert decision.decode in ("p0", "p1") and decision.reason.startswith("degraded")
+    assert RoundRobin().place(req(num_resumed_tokens=3), snap).degraded  # a migrated stream too
+    healthy = ClusterSnapshot((w("p0", "prefill"), w("d0", "decode")))
+    assert not RoundRobin().place(req(), healthy).degraded
+
+
 def test_nothing_healthy_raises():
-    snap = ClusterSnapshot((w("p0", "prefill"), w("d0", "decode", healthy=False)))
-    with pytest.raises(NoWorkersAvailable, match=r"1/2 workers healthy"):
+    snap = ClusterSnapshot((w("p0", "prefill", healthy=False), w("d0", "decode", healthy=False)))
+    with pytest.raises(NoWorkersAvailable, match=r"0/2 workers healthy"):
         RoundRobin().place(req(), snap)
     with pytest.raises(NoWorkersAvailable, match=r"1 excluded"):
         RoundRobin().place(req(excluded=frozenset({"d0"})), ClusterSnapshot((w("d0", "decode"),)))

@@ -102,6 +102,26 @@ def test_migration_resumes_without_duplicates(workers, reference):
     assert_idle(servers)
 
 
+def test_prefill_worker_stands_in_for_decode(workers, reference):
+    """Degraded mode: a prefill worker runs whole requests (and resumes migrated ones) with the
+    tokens of a single engine, then holds nothing."""
+    stubs, servers = workers
+    prompt = prompts(1, seed=6)[0]
+    full = reference.generate([prompt], GREEDY)[0].token_ids
+    chunks = list(stubs["prefill"].Generate(pb.GenerateRequest(
+        request_id="standin", prompt_token_ids=prompt, params=params_to_proto(GREEDY)), timeout=20))
+    assert [t for c in chunks for t in c.token_ids] == full
+    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    chunks = list(stubs["prefill"].Generate(pb.GenerateRequest(
+        request_id="standin-resumed", prompt_token_ids=prompt, params=params_to_proto(GREEDY),
+        resumed_token_ids=full[:4]), timeout=20))
+    assert full[:4] + [t for c in chunks for t in c.token_ids] == full
+    assert chunks[-1].num_output_tokens == GREEDY.max_tokens
+    tokens, _, _ = disaggregated(stubs, "pd-after-standin", prompt)  # its prefill role is intact
+    assert tokens == full
+    assert_idle(servers)
+
+
 def test_abort_frees_reservation_and_unknown_decode(workers):
     stubs, servers = workers
     prompt = prompts(1, seed=3)[0]
@@ -143,8 +163,8 @@ def test_bad_requests_and_roles(workers):
                                                         params=params_to_proto(bad)), timeout=10))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as err:
-        list(stubs["prefill"].Generate(pb.GenerateRequest(request_id="x", prompt_token_ids=[1],
-                                                          params=params_to_proto(bad)), timeout=10))
+        stubs["prefill"].Reserve(pb.ReserveRequest(request_id="x", prompt_token_ids=[1],
+                                                   params=params_to_proto(bad)), timeout=10)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     stats = stubs["decode"].Stats(pb.StatsRequest(), timeout=5)
     assert stats.role == "decode" and stats.num_blocks == 64 and stats.kv_address
