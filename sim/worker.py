@@ -150,7 +150,7 @@ class SimWorker:
         "loop", "worker_id", "role", "node", "num_blocks", "block_size", "max_num_batched_tokens",
         "max_num_seqs", "costs", "host", "waiting", "running", "num_free_blocks", "busy",
         "on_token", "on_finished", "on_prefilled", "on_chunk", "num_preemptions", "num_steps",
-        "busy_seconds", "_batch", "_step_started", "num_held", "num_awaiting", "healthy",
+        "busy_seconds", "_batch", "_step_started", "num_held", "num_awaiting", "healthy", "_kick_pending",
     )
 
     def __init__(
@@ -190,6 +190,7 @@ class SimWorker:
         self._step_started = 0.0
         self.num_held = 0
         self.num_awaiting = 0
+        self._kick_pending = False
 
     # ---------------------------------------------------------------- queue management
 
@@ -261,7 +262,15 @@ class SimWorker:
     # ---------------------------------------------------------------- the step
 
     def kick(self) -> None:
-        """Starts a step if the worker is idle and has work."""
+        """Starts a step, once every event of this instant has run, if the worker is idle and
+        has work (requests that arrive together are scheduled together, as the engine loop
+        picks up everything queued since its last step)."""
+        if not self.busy and not self._kick_pending:
+            self._kick_pending = True
+            self.loop.after(0.0, self._kicked)
+
+    def _kicked(self, _arg=None) -> None:
+        self._kick_pending = False
         if not self.busy and (self.running or self.waiting):
             self._start_step()
 
@@ -364,7 +373,8 @@ class SimWorker:
             if seq.num_computed_tokens == seq.num_prompt_tokens + seq.num_output_tokens:
                 self._sample(seq, now)
         self.busy = False
-        self.kick()
+        if self.running or self.waiting:
+            self._start_step()
 
     def _sample(self, seq: SimRequest, now: float) -> None:
         seq.num_output_tokens += 1
