@@ -282,7 +282,7 @@ class SimCluster:
         self._token(request, self.loop.now)
         decode = request.decode_worker
         if request.max_tokens <= 1:
-            decode.abort(request)
+            decode.cancel_reservation(request)
             self._count(decode.worker_id, request, -1)
             self._complete(request)
             return

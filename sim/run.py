@@ -35,6 +35,7 @@ class SimRun:
     num_preemptions: int = 0
     kv_bytes: int = 0
     kv_seconds: float = 0.0
+    free_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # worker -> (free, total) at the end
 
 
 def simulate(config: ClusterConfig, policy: str, arrivals: Iterable[Arrival], *, seed: int = 0,
@@ -79,6 +80,7 @@ def simulate(config: ClusterConfig, policy: str, arrivals: Iterable[Arrival], *,
         decisions=dict(cluster.decisions),
         num_preemptions=sum(w.num_preemptions for w in cluster.workers.values()),
         kv_bytes=sum(r.kv_bytes for r in kv), kv_seconds=sum(r.kv_seconds for r in kv),
+        free_blocks={wid: (w.num_free_blocks, w.num_blocks) for wid, w in cluster.workers.items()},
     )
 
 

@@ -48,7 +48,7 @@ class SimRequest:
 
     __slots__ = (
         "index", "request_id", "arrival", "num_prompt_tokens", "max_tokens", "num_output_tokens",
-        "num_computed_tokens", "num_blocks", "status", "num_preemptions", "token_times", "first_token_time",
+        "num_computed_tokens", "num_blocks", "reserved_blocks", "status", "num_preemptions", "token_times", "first_token_time",
         "last_token_time", "sent", "decision", "kv_flow", "kv_started", "kv_compute_done", "kv_sent",
         "prefill_rpc_start", "kv_bytes", "kv_seconds", "error", "status_code", "retries", "excluded",
         "monitor_flow", "prefill_worker", "decode_worker", "prefilled_time", "group", "prompt_tokens_est",
@@ -66,7 +66,8 @@ class SimRequest:
         self.max_tokens = max_tokens
         self.num_output_tokens = 0
         self.num_computed_tokens = 0
-        self.num_blocks = 0
+        self.num_blocks = 0  # on the worker computing it
+        self.reserved_blocks = 0  # on the decode worker, while its KV comes from the prefill worker
         self.status = WAITING
         self.num_preemptions = 0
         self.token_times: list[float] | None = [] if record_tokens else None
@@ -213,7 +214,7 @@ class SimWorker:
         if need > self.num_free_blocks:
             return False
         self.num_free_blocks -= need
-        request.num_blocks = need
+        request.reserved_blocks = need
         request.status = AWAITING_KV
         self.num_awaiting += 1
         return True
@@ -221,6 +222,7 @@ class SimWorker:
     def commit(self, request: SimRequest) -> None:
         """Decode role: the KV landed; the request joins the batch with the prefill's first token."""
         self.num_awaiting -= 1
+        request.num_blocks, request.reserved_blocks = request.reserved_blocks, 0
         request.num_computed_tokens = request.num_prompt_tokens
         request.num_output_tokens = max(request.num_output_tokens, 1)
         request.status = RUNNING
@@ -242,10 +244,15 @@ class SimWorker:
             self.waiting.remove(request)
         elif request.status == HELD:
             self.num_held -= 1
-        elif request.status == AWAITING_KV:
-            self.num_awaiting -= 1
         self._free(request)
         request.status = FINISHED
+
+    def cancel_reservation(self, request: SimRequest) -> None:
+        """Decode role: frees the blocks `reserve` took (the request ended at its first token).
+        (A request's status belongs to the worker computing it, so reservations are counted apart.)"""
+        self.num_awaiting -= 1
+        self.num_free_blocks += request.reserved_blocks
+        request.reserved_blocks = 0
 
     def _free(self, request: SimRequest) -> None:
         self.num_free_blocks += request.num_blocks

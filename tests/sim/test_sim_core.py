@@ -242,3 +242,15 @@ def test_simulation_is_deterministic():
     b = [to_record(r) for r in simulate(config, "least-loaded", arrivals).requests]
     assert a == b and all(r.ok for r in a)
     assert not math.isnan(sum(r.e2e_s for r in a))
+
+
+def test_every_block_comes_back_after_disaggregated_and_local_runs():
+    # P's blocks (freed when the KV is handed off) and D's reservation (taken over at commit)
+    # are separate: a run of many requests, some local (network-aware on a slow link), ends
+    # with every block of every worker free.
+    config = _pd_config(0.4)
+    arrivals = [Arrival(0.2 * i, 40 + 13 * (i % 7), 1 + i % 5) for i in range(40)]
+    for policy in ("round-robin", "network-aware"):
+        run = simulate(config, policy, arrivals)
+        assert all(to_record(r).ok for r in run.requests)
+        assert run.free_blocks == {"p0": (1000, 1000), "d0": (1000, 1000)}
