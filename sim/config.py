@@ -192,3 +192,20 @@ def load_cluster(path: str | Path) -> ClusterConfig:
                              hosts=MappingProxyType(dict(hosts)), router=router)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
+
+
+def scale_profile(profile: Profile, *, time_factor: float = 1.0, kv_bytes_per_token: int | None = None,
+                  num_layers: int | None = None, label: str = "") -> Profile:
+    """A profile derived from a measured one: every step time x `time_factor`, optionally another
+    KV size and layer count. The model name records the derivation (`label`), so reports say
+    the figures come from a scaled profile, not a measurement."""
+    if not time_factor > 0:
+        raise ValueError(f"time_factor must be > 0, got {time_factor!r}")
+    return replace(
+        profile,
+        model=f"{profile.model} scaled ({label or f'times x{time_factor:g}'})",
+        prefill_times=tuple(t * time_factor for t in profile.prefill_times),
+        decode_times=tuple(tuple(t * time_factor for t in row) for row in profile.decode_times),
+        kv_bytes_per_token=kv_bytes_per_token or profile.kv_bytes_per_token,
+        num_layers=num_layers or profile.num_layers,
+    )
