@@ -1,6 +1,8 @@
-"""The simulated clock: a heap of (time, sequence number, callback, argument).
+"""The simulated clock: a heap of (time, late, sequence number, callback, argument).
 
-The sequence number breaks ties in scheduling order, so runs are deterministic. Callbacks
+The sequence number breaks ties in scheduling order, so runs are deterministic. `late`
+events run after every other event of the same instant (a worker's "start a step" waits
+until all requests arriving at that instant are queued). Callbacks
 that may be superseded (a step end that a slower host pushes back, a link completion that a
 new flow moves) carry a version token and return early when it is stale.
 """
@@ -17,16 +19,16 @@ class EventLoop:
 
     def __init__(self) -> None:
         self.now = 0.0
-        self._heap: list[tuple[float, int, Callable[[Any], None], Any]] = []
+        self._heap: list[tuple[float, bool, int, Callable[[Any], None], Any]] = []
         self._seq = 0
         self.num_events = 0
 
-    def at(self, time: float, callback: Callable[[Any], None], arg: Any = None) -> None:
+    def at(self, time: float, callback: Callable[[Any], None], arg: Any = None, *, late: bool = False) -> None:
         """Runs `callback(arg)` at `time` (never before now)."""
         if time < self.now:
             time = self.now
         self._seq += 1
-        heapq.heappush(self._heap, (time, self._seq, callback, arg))
+        heapq.heappush(self._heap, (time, late, self._seq, callback, arg))
 
     def after(self, delay: float, callback: Callable[[Any], None], arg: Any = None) -> None:
         self.at(self.now + delay, callback, arg)
@@ -38,7 +40,7 @@ class EventLoop:
         pop = heapq.heappop
         budget = max_events if max_events is not None else -1
         while heap and heap[0][0] <= until and budget != 0:
-            time, _, callback, arg = pop(heap)
+            time, _, _, callback, arg = pop(heap)
             self.now = time
             self.num_events += 1
             budget -= 1

@@ -54,15 +54,26 @@ def simulate(config: ClusterConfig, policy: str, arrivals: Iterable[Arrival], *,
 
     cluster = SimCluster(loop, config, build_sim_policy(policy, config, seed=seed), complete)
     submitted: list[SimRequest] = []
-    for i, a in enumerate(arrivals):
-        if max_run_time_s is not None and a.offset_s >= max_run_time_s:
-            break
+    source = iter(enumerate(arrivals))
+
+    def feed(_arg=None) -> None:
+        """Submits the next arrival; each arrival schedules the one after it, so the heap and
+        memory hold the requests in flight, not the whole trace."""
+        item = next(source, None)
+        if item is None or (max_run_time_s is not None and item[1].offset_s >= max_run_time_s):
+            cluster.arrivals_left -= 1  # the feed's own count: no more arrivals
+            return
+        i, a = item
         request = SimRequest(i, a.offset_s, a.prompt_tokens, a.max_tokens, record_tokens=record_tokens)
         request.prompt_tokens_est = a.prompt_tokens_est
         request.group = a.group
-        cluster.submit(request)
         if keep:
             submitted.append(request)
+        cluster.submit(request)
+        loop.at(a.offset_s, feed)
+
+    cluster.arrivals_left += 1
+    feed()
     start = time.perf_counter()
     loop.run(until=max_run_time_s if max_run_time_s is not None else math.inf)
     wall = time.perf_counter() - start

@@ -274,7 +274,7 @@ class SimWorker:
         picks up everything queued since its last step)."""
         if not self.busy and not self._kick_pending:
             self._kick_pending = True
-            self.loop.after(0.0, self._kicked)
+            self.loop.at(self.loop.now, self._kicked, late=True)
 
     def _kicked(self, _arg=None) -> None:
         self._kick_pending = False
