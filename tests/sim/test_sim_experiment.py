@@ -130,3 +130,15 @@ def test_a_scaled_profile_says_so_in_its_name(files):
     assert scaled.prefill_seconds(1000) == pytest.approx(2 * profile.prefill_seconds(1000))
     with pytest.raises(ValueError, match="time_factor"):
         scale_profile(profile, time_factor=0)
+
+
+def test_the_simulator_imports_neither_the_engine_nor_ray_nor_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, sim.cli, sim.experiment, sim.cluster, sim.workload, sim.profiles; "
+            "print(sorted(m for m in ('pdserve', 'torch', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
