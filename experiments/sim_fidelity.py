@@ -98,9 +98,30 @@ def main() -> int:
             lines.append(f"- {rate:g} req/s goodput ranking: real {real_rank}; sim {sim_rank}"
                          f" ({'same' if real_rank == sim_rank else 'DIFFERENT'})")
         lines.append("")
+    lines += placement_table(points)
     (OUT / "fidelity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def placement_table(points: list[dict]) -> list[str]:
+    """Requests per P->D pair, real (the headline's router logs: results/headline/placements.csv)
+    vs simulated (`host` model), at 0.3 req/s."""
+    import json
+
+    real: dict[str, dict[str, int]] = {}
+    for r in csv.DictReader(open(ROOT / "results" / "headline" / "placements.csv")):
+        pair = "local" if r["pair"].startswith("local") else r["pair"]
+        real.setdefault(r["policy"], {})[pair] = int(r["requests"])
+    pairs = ("p0->d0", "p0->d1", "p1->d0", "p1->d1", "local")
+    lines = ["## Placements at 0.3 req/s, real (router logs) / simulated (`host`)", "",
+             "| policy | " + " | ".join(pairs) + " |", "|---|" + "---|" * len(pairs)]
+    for p in points:
+        if p["model"] == "host" and p["experiment"] == "headline":
+            sim = json.loads(p["sim_placements"])
+            lines.append(f"| {p['policy']} | " + " | ".join(
+                f"{real.get(p['policy'], {}).get(k, 0)} / {sim.get(k, 0)}" for k in pairs) + " |")
+    return lines + [""]
 
 
 if __name__ == "__main__":
