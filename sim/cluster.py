@@ -298,10 +298,7 @@ class SimCluster:
             request.token_times.append(now)
 
     def _on_token(self, worker: SimWorker, request: SimRequest, now: float) -> None:
-        if worker.role == "decode" and request.prefill_worker is not None:
-            if request.num_output_tokens <= 1:
-                return  # the prefill worker's token, already sent
-        self._token(request, now)
+        self._token(request, now)  # on D after a hand-off these are tokens 2.. (the first came from P)
 
     def _on_finished(self, worker: SimWorker, request: SimRequest, now: float) -> None:
         self._count(worker.worker_id, request, -1)

@@ -27,7 +27,8 @@ step of b requests at mean context c):
 
 where a scheduled request with one new token counts as a decode. When workers share a host
 (`host`), the step is `step` core-seconds of work on the host's cores (one core at most per
-worker), so a busy host stretches every step on it.
+worker), so a busy host stretches every step on it (the KV a prefill step streams is still
+paced by the step's unstretched time: a simplification).
 """
 
 from __future__ import annotations
