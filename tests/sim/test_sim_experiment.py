@@ -142,3 +142,27 @@ def test_the_simulator_imports_neither_the_engine_nor_ray_nor_torch():
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_trace_spec_with_cluster_shapes(files, tmp_path):
+    _, cluster = files
+    (tmp_path / "trace.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                                        + "".join(f"{i * 0.5},{100 + i},{3}\n" for i in range(8)))
+    (tmp_path / "trace-spec.yaml").write_text("""
+server: {launch: {command: "true {policy} {prefill} {decode}"}}
+grid: {cluster: [1P1D, 2P2D], policy: [least-loaded], rate: [4]}
+workload: {arrival: trace, trace: {path: trace.csv, format: azure}}
+""")
+    out = tmp_path / "out"
+    assert main(["experiment", str(tmp_path / "trace-spec.yaml"), "--cluster", str(cluster),
+                 "--output-dir", str(out)]) == 0
+    rows = list(csv.DictReader(open(out / "summary.csv")))
+    assert [r["cluster"] for r in rows] == ["1P1D", "2P2D"]
+    for row in rows:
+        records = read_jsonl(out / row["records_file"])
+        # the trace's 8 requests, rescaled to 4 req/s (native 2 req/s): sent every 0.25 s
+        assert [r.prompt_tokens for r in records] == [100 + i for i in range(8)]
+        assert [round(r.scheduled_s, 6) for r in records] == [0.25 * i for i in range(8)]
+    two = json.loads(rows[1]["sim_placements"])
+    assert set(two) <= {"prefill-0->decode-0", "prefill-0->decode-1", "prefill-1->decode-0", "prefill-1->decode-1"}
+    assert sum(two.values()) == 8
