@@ -118,11 +118,13 @@ def main(argv: list[str] | None = None) -> int:
 
     run = simulate(config, args.policy, arrivals, record_tokens=False, keep=False, on_complete=done)
     del arrivals
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    peak_mib = usage.ru_maxrss / 1024
     figures = {
         "workers": args.workers, "requests": len(ttft) + errors[0], "errors": errors[0], "policy": args.policy,
         "trace": trace.name, "trace_load_s": round(load_s, 1), "sim_wall_s": round(run.wall_s, 1),
         "events": run.num_events, "events_per_s": round(run.num_events / run.wall_s),
+        "process_cpu_s": round(usage.ru_utime + usage.ru_stime, 1),  # wall minus what other processes took
         "simulated_s": round(run.sim_end_s, 1), "peak_rss_mib": round(peak_mib),
         "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p90_s": float(np.percentile(ttft, 90)),
         "tpot_p50_s": float(np.percentile(tpot, 50)), "tpot_p90_s": float(np.percentile(tpot, 90)),
