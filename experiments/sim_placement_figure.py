@@ -12,10 +12,10 @@ node pair its own link, as router.topology models it: no shared rack uplink). Ax
 - model: Llama-3.1-8B- and 70B-sized KV and step times (sim/profiles.py: derived from the
   H100 figures, the 70B one scaled; labelled so, not profiled).
 Workload: Poisson arrivals, prompts lognormal mean 1,024 (max 8,192), outputs mean 128 (max
-1,024), 1,000 requests per run, at 70% and 90% of the prefill pool's capacity for that
-workload (from the profile); goodput = requests meeting TTFT <= 0.15 s and TPOT <= 0.04 s
+1,024), 1,000 requests per run, at 70%, 90% and 120% of the prefill pool's capacity for that
+workload (from the profile; above 100% only local prefill on decode workers can keep up); goodput = requests meeting TTFT <= 0.15 s and TPOT <= 0.04 s
 (8B; 70B: 0.5 s and 0.08 s) per second of arrivals (first to last send: a run's output tail
-does not dilute it); the figure takes each policy's best over the two rates.
+does not dilute it); the figure takes each policy's best over the three rates.
 Writes experiments/results/sim-placement/: figure.csv (every run), figure.png, figure.md.
 """
 
@@ -38,7 +38,7 @@ OUT = Path(__file__).resolve().parent / "results" / "sim-placement"
 POLICIES = ("round-robin", "least-loaded", "network-aware")
 RATIOS = ((4, 28), (8, 24), (16, 16))
 PACKED = (0.0, 0.5, 1.0)
-LOADS = (0.7, 0.9)
+LOADS = (0.7, 0.9, 1.2)
 MODELS = {"8B": (llama8b_h100, SLO(0.15, 0.04)), "70B": (llama70b_h100_tp4, SLO(0.5, 0.08))}
 NUM_REQUESTS = 1000
 PER_NODE, NODES_PER_RACK, RACKS = 4, 4, 2
