@@ -9,6 +9,9 @@ node pair its own link, as router.topology models it: no shared rack uplink). Ax
 - layout: the share of prefill workers packed into rack 0 (0: spread evenly over the
   racks; 1: all packed), reported as the cross-rack share of P->D pairs (what a placement
   that ignores the network sends across racks);
+- policy: round-robin, least-loaded, network-aware, and network-aware restricted to (P, D)
+  pairs (`local_margin` 0.99: no local prefill on decode workers), which separates what it
+  gains by keeping KV off slow links from what it gains by prefilling on idle decode workers;
 - model: Llama-3.1-8B- and 70B-sized KV and step times (sim/profiles.py: derived from the
   H100 figures, the 70B one scaled; labelled so, not profiled).
 Workload: Poisson arrivals, prompts lognormal mean 1,024 (max 8,192), outputs mean 128 (max
@@ -24,6 +27,7 @@ from __future__ import annotations
 import csv
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +39,8 @@ from sim.profiles import llama8b_h100, llama70b_h100_tp4
 from sim.run import Arrival, simulate, to_record
 
 OUT = Path(__file__).resolve().parent / "results" / "sim-placement"
-POLICIES = ("round-robin", "least-loaded", "network-aware")
+POLICIES = ("round-robin", "least-loaded", "network-aware", "network-aware, pairs only")
+NO_LOCAL = {"network-aware": {"local_margin": 0.99}}  # local prefill on D only when 100x faster: never here
 RATIOS = ((4, 28), (8, 24), (16, 16))
 PACKED = (0.0, 0.5, 1.0)
 LOADS = (0.7, 0.9, 1.2)
@@ -110,7 +115,10 @@ def main() -> int:
                     rate = load * capacity
                     arrivals = workload(rate)
                     for policy in POLICIES:
-                        run = simulate(config, policy, arrivals, record_tokens=False)
+                        pairs_only = policy.endswith("pairs only")
+                        run = simulate(replace(config, router=replace(config.router, policy_options=NO_LOCAL))
+                                       if pairs_only else config, "network-aware" if pairs_only else policy,
+                                       arrivals, record_tokens=False)
                         records = [to_record(r) for r in run.requests]
                         s = summarize(records, slo=slo)
                         span = arrivals[-1].offset_s - arrivals[0].offset_s
@@ -154,8 +162,8 @@ def plot(rows) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(MODELS), len(RATIOS), figsize=(13, 6.5), squeeze=False)
-    lines = ["| model | P:D | cross-rack pairs | " + " | ".join(f"{p} goodput" for p in POLICIES) + " | NA / RR | NA / LL |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | P:D | cross-rack pairs | " + " | ".join(f"{p} goodput" for p in POLICIES) + " | NA / RR | NA / LL | NA pairs only / LL |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for i, model in enumerate(MODELS):
         for j, ratio in enumerate(RATIOS):
             ax = axes[i][j]
@@ -167,7 +175,7 @@ def plot(rows) -> None:
             for packed, x in zip(PACKED, xs):
                 g = [best(rows, model, ratio, packed, p) for p in POLICIES]
                 lines.append(f"| {model} | {ratio[0]}:{ratio[1]} | {x:.0%} | " + " | ".join(f"{v:.1f}" for v in g)
-                             + f" | {g[2] / g[0]:.2f} | {g[2] / g[1]:.2f} |")
+                             + f" | {g[2] / g[0]:.2f} | {g[2] / g[1]:.2f} | {g[3] / g[1]:.2f} |")
             ax.set(title=f"{model}-sized, {ratio[0]}P:{ratio[1]}D", xlabel="cross-rack share of P->D pairs",
                    ylabel="goodput (req/s meeting SLO, best rate)")
             ax.grid(alpha=0.3)
