@@ -37,6 +37,15 @@ from sim.workload import replay_arrivals, spec_arrivals
 log = logging.getLogger(__name__)
 
 
+def _shown(path: str | Path) -> str:
+    """`path` relative to the current directory when it lies under it (no machine paths in reports)."""
+    resolved = Path(path).resolve()
+    try:
+        return resolved.relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return resolved.name
+
+
 def with_bandwidth(config: ClusterConfig, gbps: float | None) -> ClusterConfig:
     """Every link of the topology, and the defaults for unlisted node pairs, at `gbps`."""
     if gbps is None:
@@ -103,7 +112,7 @@ def run_sim_experiment(spec: ExperimentSpec, cluster: ClusterConfig, *, cluster_
              f"cluster file: `{Path(cluster_path).name if cluster_path else 'given in code'}`; profile: "
              f"{cluster.profile.model} on {cluster.profile.hardware} ({cluster.profile.created or 'undated'})",
              ("workload: replayed from the records of the real run in "
-              f"`{Path(replay_dir).as_posix()}` (send times, server-counted prompt tokens)") if replay_dir else
+              f"`{_shown(replay_dir)}` (send times, server-counted prompt tokens)") if replay_dir else
              "workload: drawn from the spec with its seed; prompt lengths are loadgen's estimates"]
     if spec.slo:
         notes.append(f"SLO: TTFT <= {spec.slo.ttft_s * 1000:g} ms, TPOT <= {spec.slo.tpot_s * 1000:g} ms; "
