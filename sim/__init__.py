@@ -1,0 +1,16 @@
+"""pdserve-sim: a discrete-event simulator of a prefill/decode cluster that runs the router's
+own placement policies.
+
+Modules, bottom up:
+- `events`: the clock and the event heap;
+- `fluid`: resources shared fairly by flows with rate caps (KV links, a host's CPU cores);
+- `worker`: one engine worker, the scheduler's rules on counters (token budget, chunked
+  prefill, max running, preemption by recompute), step times from a `pdserve profile`;
+- `cluster`: the router (real `router.placement` policies fed `ClusterSnapshot`s, the real
+  `router.congestion.LinkMonitor`), KV transfers, the request lifecycle, records;
+- `config`: the cluster file (workers, topology, profile, engine limits, policy options);
+- `experiment`, `cli`: a loadgen experiment spec in, loadgen's records, summaries, plots and
+  report out (`pdserve-sim experiment SPEC --cluster FILE`).
+
+It imports `router` and `loadgen`, never the engine (`pdserve`) or Ray.
+"""

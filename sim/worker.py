@@ -1,0 +1,404 @@
+"""One simulated engine worker: the scheduler's rules on counters, step times from a profile.
+
+The rules are those of `pdserve/scheduler.py` and `pdserve/block_manager.py` (a test runs
+both side by side on random workloads and checks that they schedule the same batches):
+
+1. Each step, running requests first, in admission order: a request in decode costs one token
+   of the `max_num_batched_tokens` budget, an unfinished prefill a chunk of what is left.
+   A request that needs a new block when none is free preempts the most recently admitted
+   running request (by recompute: its blocks are freed, its generated tokens kept, it goes
+   to the front of the waiting queue); it may preempt itself, which ends the pass.
+2. Then waiting requests in arrival order, while budget is left, fewer than `max_num_seqs`
+   run and free blocks hold all their tokens; none is admitted in a step that preempted.
+3. A request whose computed tokens reach its tokens samples one token. Roles: `mixed` and
+   `decode` run to `max_tokens`; `prefill` stops after the first token and holds the blocks
+   until the KV has been handed off (`release`); `decode` also takes requests whose KV comes
+   from elsewhere (`reserve` blocks for the prompt, then `commit` once it has landed).
+
+Not modelled: prefix caching (the simulated prompts carry no token ids; the engine's cache
+hits nothing on the synthetic and trace prompts either), stop strings and EOS (requests run
+to `max_tokens`, as with `ignore_eos`).
+
+Step time (profile `P` = prefill seconds of n tokens on an idle worker, `D(b, c)` = decode
+step of b requests at mean context c):
+
+    step = sum over prefill chunks of max(P(s + n) - P(s), D(1, s + n))   (s = tokens already computed)
+         + D(decodes, mean context of the decodes)
+
+where a scheduled request with one new token counts as a decode. When workers share a host
+(`host`), the step is `step` core-seconds of work on the host's cores (one core at most per
+worker), so a busy host stretches every step on it (the KV a prefill step streams is still
+paced by the step's unstretched time: a simplification).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+from router.profiles import Profile
+from sim.events import EventLoop
+from sim.fluid import Flow, FluidResource
+
+WAITING, RUNNING, HELD, AWAITING_KV, FINISHED = range(5)
+STATUS_NAMES = ("waiting", "running", "held", "awaiting_kv", "finished")
+
+
+class SimRequest:
+    """One request as the workers and the router of the simulator see it."""
+
+    __slots__ = (
+        "index", "request_id", "arrival", "num_prompt_tokens", "max_tokens", "num_output_tokens",
+        "num_computed_tokens", "num_blocks", "reserved_blocks", "status", "num_preemptions", "token_times", "first_token_time",
+        "last_token_time", "sent", "decision", "kv_flow", "kv_started", "kv_compute_done", "kv_sent",
+        "prefill_rpc_start", "kv_bytes", "kv_seconds", "error", "status_code", "retries", "excluded",
+        "monitor_flow", "prefill_worker", "decode_worker", "prefilled_time", "group", "prompt_tokens_est",
+    )
+
+    def __init__(self, index: int, arrival: float, num_prompt_tokens: int, max_tokens: int,
+                 *, record_tokens: bool = True, request_id: str | None = None) -> None:
+        if num_prompt_tokens < 1 or max_tokens < 1:
+            raise ValueError(f"request {index}: prompt and max_tokens must be >= 1, "
+                             f"got {num_prompt_tokens} and {max_tokens}")
+        self.index = index
+        self.request_id = request_id or f"sim-{index:07d}"
+        self.arrival = arrival
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.num_output_tokens = 0
+        self.num_computed_tokens = 0
+        self.num_blocks = 0  # on the worker computing it
+        self.reserved_blocks = 0  # on the decode worker, while its KV comes from the prefill worker
+        self.status = WAITING
+        self.num_preemptions = 0
+        self.token_times: list[float] | None = [] if record_tokens else None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.sent = arrival
+        self.decision = None
+        self.kv_flow: Flow | None = None
+        self.kv_started: float | None = None
+        self.kv_compute_done = False
+        self.kv_sent = False
+        self.prefill_rpc_start = 0.0
+        self.kv_bytes = 0
+        self.kv_seconds: float | None = None
+        self.error: str | None = None
+        self.status_code = 200
+        self.retries = 0
+        self.excluded: frozenset[str] = frozenset()
+        self.monitor_flow = None
+        self.prefill_worker = None
+        self.decode_worker = None
+        self.prefilled_time: float | None = None
+        self.group: int | None = None
+        self.prompt_tokens_est: int | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+
+class StepCosts:
+    """Memoized profile queries (the profile interpolates on every call)."""
+
+    __slots__ = ("profile", "_prefill", "_decode", "_chunk")
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self._prefill: dict[int, float] = {}
+        self._decode: dict[tuple[int, int], float] = {}
+        self._chunk: dict[tuple[int, int], float] = {}
+
+    def prefill(self, num_tokens: int) -> float:
+        t = self._prefill.get(num_tokens)
+        if t is None:
+            t = self._prefill[num_tokens] = self.profile.prefill_seconds(num_tokens)
+        return t
+
+    def decode(self, batch: int, context: int) -> float:
+        key = (batch, context)
+        t = self._decode.get(key)
+        if t is None:
+            if len(self._decode) > 500_000:
+                self._decode.clear()
+            t = self._decode[key] = self.profile.decode_step_seconds(batch, context)
+        return t
+
+    def chunk(self, start: int, num_new: int) -> float:
+        key = (start, num_new)
+        t = self._chunk.get(key)
+        if t is None:
+            if len(self._chunk) > 500_000:
+                self._chunk.clear()
+            end = start + num_new
+            t = max(self.prefill(end) - (self.prefill(start) if start else 0.0), self.decode(1, end))
+            self._chunk[key] = t
+        return t
+
+
+class SimWorker:
+    """The engine of one worker (module docstring). The cluster sets the hooks:
+
+    - `on_token(worker, request, now)`: a token was sampled (decode and mixed roles, and the
+      first token on a prefill worker);
+    - `on_finished(worker, request, now)`: the request reached max_tokens here (its blocks are freed);
+    - `on_prefilled(worker, request, now)`: prefill role, the first token is sampled and the KV held;
+    - `on_chunk(worker, request, num_new, seconds)`: prefill role, a step computing `num_new`
+      of the request's prompt tokens starts and lasts about `seconds`.
+    """
+
+    __slots__ = (
+        "loop", "worker_id", "role", "node", "num_blocks", "block_size", "max_num_batched_tokens",
+        "max_num_seqs", "costs", "host", "waiting", "running", "num_free_blocks", "busy",
+        "on_token", "on_finished", "on_prefilled", "on_chunk", "num_preemptions", "num_steps",
+        "busy_seconds", "_batch", "_step_started", "num_held", "num_awaiting", "healthy", "_kick_pending",
+    )
+
+    def __init__(
+        self, loop: EventLoop, worker_id: str, role: str, *, num_blocks: int, block_size: int,
+        max_num_batched_tokens: int, max_num_seqs: int, costs: StepCosts, node: str = "",
+        host: FluidResource | None = None,
+    ) -> None:
+        if role not in ("prefill", "decode", "mixed"):
+            raise ValueError(f"worker {worker_id!r}: role must be prefill, decode or mixed, got {role!r}")
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                            ("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"worker {worker_id!r}: {name} must be a positive integer, got {value!r}")
+        self.loop = loop
+        self.worker_id = worker_id
+        self.role = role
+        self.node = node
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.costs = costs
+        self.host = host
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.num_free_blocks = num_blocks
+        self.busy = False
+        self.healthy = True
+        self.on_token: Callable | None = None
+        self.on_finished: Callable | None = None
+        self.on_prefilled: Callable | None = None
+        self.on_chunk: Callable | None = None
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.busy_seconds = 0.0
+        self._batch: list[tuple[SimRequest, int]] = []
+        self._step_started = 0.0
+        self.num_held = 0
+        self.num_awaiting = 0
+        self._kick_pending = False
+
+    # ---------------------------------------------------------------- queue management
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def add(self, request: SimRequest) -> None:
+        """A request to run here from its prompt (mixed, prefill, or a local run on decode)."""
+        request.status = WAITING
+        self.waiting.append(request)
+        self.kick()
+
+    def can_reserve(self, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) <= self.num_free_blocks
+
+    def reserve(self, request: SimRequest) -> bool:
+        """Decode role: blocks for the prompt's KV that another worker computes; False when
+        they are not free (the engine's NoKVSpaceError)."""
+        need = self.blocks_needed(request.num_prompt_tokens)
+        if need > self.num_free_blocks:
+            return False
+        self.num_free_blocks -= need
+        request.reserved_blocks = need
+        request.status = AWAITING_KV
+        self.num_awaiting += 1
+        return True
+
+    def commit(self, request: SimRequest) -> None:
+        """Decode role: the KV landed; the request joins the batch with the prefill's first token."""
+        self.num_awaiting -= 1
+        request.num_blocks, request.reserved_blocks = request.reserved_blocks, 0
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_output_tokens = max(request.num_output_tokens, 1)
+        request.status = RUNNING
+        self.running.append(request)
+        self.kick()
+
+    def release(self, request: SimRequest) -> None:
+        """Prefill role: the held KV has been handed off; its blocks are freed."""
+        if request.status == HELD:
+            self.num_held -= 1
+        self._free(request)
+        request.status = FINISHED
+
+    def abort(self, request: SimRequest) -> None:
+        """Ends `request` wherever it is here and frees its blocks."""
+        if request.status == RUNNING and request in self.running:
+            self.running.remove(request)
+        elif request.status == WAITING and request in self.waiting:
+            self.waiting.remove(request)
+        elif request.status == HELD:
+            self.num_held -= 1
+        self._free(request)
+        request.status = FINISHED
+
+    def cancel_reservation(self, request: SimRequest) -> None:
+        """Decode role: frees the blocks `reserve` took (the request ended at its first token).
+        (A request's status belongs to the worker computing it, so reservations are counted apart.)"""
+        self.num_awaiting -= 1
+        self.num_free_blocks += request.reserved_blocks
+        request.reserved_blocks = 0
+
+    def _free(self, request: SimRequest) -> None:
+        self.num_free_blocks += request.num_blocks
+        request.num_blocks = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---------------------------------------------------------------- the step
+
+    def kick(self) -> None:
+        """Starts a step, once every event of this instant has run, if the worker is idle and
+        has work (requests that arrive together are scheduled together, as the engine loop
+        picks up everything queued since its last step)."""
+        if not self.busy and not self._kick_pending:
+            self._kick_pending = True
+            self.loop.at(self.loop.now, self._kicked, late=True)
+
+    def _kicked(self, _arg=None) -> None:
+        self._kick_pending = False
+        if not self.busy and (self.running or self.waiting):
+            self._start_step()
+
+    def schedule(self) -> tuple[list[tuple[SimRequest, int]], list[SimRequest]]:
+        """One step's batch [(request, new tokens)] and the requests it preempted (the rules above)."""
+        batch: list[tuple[SimRequest, int]] = []
+        preempted: list[SimRequest] = []
+        budget = self.max_num_batched_tokens
+        running = self.running
+        bs = self.block_size
+        index = 0
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            left = seq.num_prompt_tokens + seq.num_output_tokens - seq.num_computed_tokens
+            num_new = left if left < budget else budget
+            need = -(-(seq.num_computed_tokens + num_new) // bs) - seq.num_blocks
+            while need > self.num_free_blocks:
+                victim = running[-1]
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != RUNNING:
+                break
+            if need > 0:
+                self.num_free_blocks -= need
+                seq.num_blocks += need
+            batch.append((seq, num_new))
+            budget -= num_new
+            index += 1
+
+        waiting = self.waiting
+        while waiting and budget > 0 and len(running) < self.max_num_seqs and not preempted:
+            seq = waiting[0]
+            total = seq.num_prompt_tokens + seq.num_output_tokens
+            need = -(-total // bs)
+            if need > self.num_free_blocks:
+                break
+            waiting.popleft()
+            self.num_free_blocks -= need
+            seq.num_blocks = need
+            seq.num_computed_tokens = 0
+            seq.status = RUNNING
+            running.append(seq)
+            num_new = total if total < budget else budget
+            batch.append((seq, num_new))
+            budget -= num_new
+        return batch, preempted
+
+    def _preempt(self, seq: SimRequest) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def step_seconds(self, batch: list[tuple[SimRequest, int]]) -> float:
+        costs = self.costs
+        seconds = 0.0
+        decodes = 0
+        context = 0
+        for seq, num_new in batch:
+            if num_new == 1:
+                decodes += 1
+                context += seq.num_computed_tokens + 1
+            else:
+                seconds += costs.chunk(seq.num_computed_tokens, num_new)
+        if decodes:
+            seconds += costs.decode(decodes, int(context / decodes + 0.5))
+        return seconds
+
+    def _start_step(self) -> None:
+        batch, _ = self.schedule()
+        if not batch:
+            return
+        seconds = self.step_seconds(batch)
+        self.busy = True
+        self._batch = batch
+        self._step_started = self.loop.now
+        if self.on_chunk is not None and self.role == "prefill":
+            for seq, num_new in batch:
+                if seq.num_computed_tokens < seq.num_prompt_tokens:
+                    self.on_chunk(self, seq, num_new, seconds)
+        if self.host is None:
+            self.loop.after(seconds, self._end_step)
+        else:
+            self.host.add(Flow(seconds, self._end_step, cap=1.0, owner=self))
+
+    def _end_step(self, _arg=None) -> None:
+        now = self.loop.now
+        self.num_steps += 1
+        self.busy_seconds += now - self._step_started
+        batch, self._batch = self._batch, []
+        for seq, num_new in batch:
+            if seq.status != RUNNING:
+                continue  # aborted during the step
+            seq.num_computed_tokens += num_new
+            if seq.num_computed_tokens == seq.num_prompt_tokens + seq.num_output_tokens:
+                self._sample(seq, now)
+        self.busy = False
+        if self.running or self.waiting:
+            self._start_step()
+
+    def _sample(self, seq: SimRequest, now: float) -> None:
+        seq.num_output_tokens += 1
+        if self.role == "prefill":
+            self.running.remove(seq)
+            seq.status = HELD
+            self.num_held += 1
+            if self.on_prefilled is not None:
+                self.on_prefilled(self, seq, now)
+            return
+        if self.on_token is not None:
+            self.on_token(self, seq, now)
+        if seq.num_output_tokens >= seq.max_tokens:
+            self.running.remove(seq)
+            self._free(seq)
+            seq.status = FINISHED
+            if self.on_finished is not None:
+                self.on_finished(self, seq, now)
+
