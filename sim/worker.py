@@ -362,7 +362,7 @@ class SimWorker:
         self._step_started = self.loop.now
         if self.on_chunk is not None and self.role == "prefill":
             for seq, num_new in batch:
-                if seq.num_computed_tokens < seq.num_prompt_tokens:
+                if seq.num_computed_tokens < seq.num_prompt_tokens and self._hands_off(seq):
                     self.on_chunk(self, seq, num_new, seconds)
         if self.host is None:
             self.loop.after(seconds, self._end_step)
@@ -384,9 +384,14 @@ class SimWorker:
         if self.running or self.waiting:
             self._start_step()
 
+    def _hands_off(self, seq: SimRequest) -> bool:
+        """A prefill worker hands a request's KV to a decode worker, unless the router placed
+        the whole request on it (degraded: no decode-capable worker is up)."""
+        return self.role == "prefill" and not getattr(seq.decision, "degraded", False)
+
     def _sample(self, seq: SimRequest, now: float) -> None:
         seq.num_output_tokens += 1
-        if self.role == "prefill":
+        if self._hands_off(seq):
             self.running.remove(seq)
             seq.status = HELD
             self.num_held += 1

@@ -229,10 +229,15 @@ def test_a_bounded_run_records_unfinished_requests_as_cancelled():
     assert records[1].error == "cancelled"
 
 
-def test_no_decode_worker_is_a_503_record_not_a_crash():
+def test_no_decode_worker_runs_degraded_on_the_prefill_worker():
+    """As the real router does (router.placement rule 4): with no decode-capable worker up, a
+    prefill worker runs the whole request; its tokens are all generated there."""
     config = ClusterConfig(profile=flat_profile(), workers=(WorkerConfig("p0", "prefill"),))
-    [record] = [to_record(r) for r in simulate(config, "least-loaded", [Arrival(0.0, 10, 2)]).requests]
-    assert record.status == 503 and "No worker" in record.error and not record.ok
+    result = simulate(config, "least-loaded", [Arrival(0.0, 10, 2)])
+    [request] = result.requests
+    assert request.decision.degraded and request.decision.decode == "p0"
+    record = to_record(request)
+    assert record.ok and record.num_output_tokens == 2
 
 
 def test_simulation_is_deterministic():
