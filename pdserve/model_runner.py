@@ -77,6 +77,11 @@ class ModelRunner:
         self.kv_cache_dtype = kernels.kv_cache_torch_dtype(cache_config.kv_cache_dtype, dtype)
         if self.kv_cache_dtype == kernels.FP8_DTYPE and cache_config.compile_cpu_decode:
             raise ValueError("kv_cache_dtype fp8 does not support compile (the CPU torch.compile decode)")
+        if (self.kv_cache_dtype == kernels.FP8_DTYPE and device.type == "cuda"
+                and os.environ.get("PDSERVE_EXPERIMENTAL_FP8_KV") != "1"):
+            # its exact-write and SmolLM2 tolerance tests failed on an H200 (docs/results/h200_gpu_tests.txt)
+            raise ValueError("kv_cache_dtype fp8 on CUDA is not verified yet (its GPU tests failed on an H200); "
+                             "set PDSERVE_EXPERIMENTAL_FP8_KV=1 to use it anyway, or use the default cache dtype")
         self.num_blocks = self._num_blocks(cache_config)
         c = model_config
         shape = self.pool_shape(self.num_blocks)
