@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -166,7 +166,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
-        transfer_id = f"{rid}/{uuid.uuid4().hex[:8]}"
+        # 128 random bits: the transfer's wire key (a hash of the id) is known only to the prefill
+        # worker this Reserve is handed to, so KV from any other connection is dropped unlanded
+        transfer_id = f"{rid}/{secrets.token_hex(16)}"
         deadline = request.deadline_s if request.deadline_s > 0 else self.w.default_deadline_s
 
         def reserve(engine: LLMEngine) -> list[int]:

@@ -260,3 +260,52 @@ def test_ucx_stacked_pools_one_op_per_message():
             assert torch.equal(dst_pools[:, :, dst_ids], src_pools[:, :, src_ids])
             dst_pools.zero_()
         assert sender.metrics()["messages_sent"] == 2
+
+
+def test_ucx_stray_connection_changes_nothing():
+    """A KV connection the request plane did not announce (a valid protocol speaker that does not
+    know the transfer's id, or one speaking garbage) is dropped without touching the pools; the
+    announced transfer to the same blocks still lands."""
+    import asyncio
+
+    import numpy as np
+
+    from kvtransfer.ucx_runtime import UcxRuntime, parse_address
+
+    src = make_caches(FP32, seed=41)
+    dst = make_caches(FP32, seed=None)
+    dst_ids = [3, 8]
+    before = [(k.clone(), v.clone()) for k, v in dst]
+    with kvtransfer.create_receiver("ucx", dst) as receiver:
+        announced = "req-1/" + "5f" * 16  # as Reserve makes it: 128 random bits
+        receiver.expect(announced, dst_ids, 3, 20.0)
+        with kvtransfer.create_sender("ucx", src) as stray:
+            for layer in range(3):
+                stray.send_layer(receiver.address(), "req-1/guess", layer, [1, 2], dst_ids)
+            with pytest.raises(KVTransferError, match="unknown_transfer"):
+                stray.finish("req-1/guess", timeout=20)
+        rt = UcxRuntime.acquire()
+        try:  # garbage on a fresh connection: a protocol error, the connection is closed
+            host, port = parse_address(receiver.address())
+
+            async def garbage():
+                ep = await rt.ucxx.create_endpoint(host, port)
+                await ep.send(np.frombuffer(b"\x00" * 96, dtype=np.uint8))
+                await asyncio.sleep(0.2)
+                ep.abort()
+
+            rt.call(garbage())
+        finally:
+            UcxRuntime.release()
+        assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(dst, before))
+        metrics = receiver.metrics()
+        assert metrics["messages_dropped"] == 3 and metrics["bytes_landed"] == 0
+        assert metrics["protocol_errors"] >= 1
+        with kvtransfer.create_sender("ucx", src) as sender:
+            for layer in range(3):
+                sender.send_layer(receiver.address(), announced, layer, [1, 2], dst_ids)
+            sender.finish(announced, timeout=20)
+        receiver.wait(announced, timeout=20)
+    for layer in range(3):
+        for pool in range(2):
+            assert torch.equal(dst[layer][pool][dst_ids], src[layer][pool][[1, 2]])
