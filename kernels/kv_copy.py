@@ -77,8 +77,12 @@ def scatter_blocks_ref(pools: torch.Tensor, index: torch.Tensor, staged: torch.T
     pools.index_copy_(1, index, staged)
 
 
-def _launch(pools: torch.Tensor, index: torch.Tensor, staged: torch.Tensor, gather: bool) -> None:
+def _copy(pools: torch.Tensor, index: torch.Tensor, staged: torch.Tensor, gather: bool) -> None:
+    _check(pools, index, staged)
     words_pools, words_staged = _words(pools), _words(staged)
+    if kernel_backend(pools.device) != "triton":
+        (gather_blocks_ref if gather else scatter_blocks_ref)(words_pools, index, words_staged)
+        return
     rows, width = staged.shape[0] * staged.shape[1], words_pools.shape[2]
     if rows == 0:
         return
@@ -89,17 +93,9 @@ def _launch(pools: torch.Tensor, index: torch.Tensor, staged: torch.Tensor, gath
 
 def gather_blocks(pools: torch.Tensor, index: torch.Tensor, staged: torch.Tensor) -> None:
     """staged[p, j] = pools[p, index[j]] for every pool p (pools [P, NB, R], staged [P, n, R])."""
-    _check(pools, index, staged)
-    if kernel_backend(pools.device) == "triton":
-        _launch(pools, index, staged, gather=True)
-    else:
-        gather_blocks_ref(_words(pools), index, _words(staged))
+    _copy(pools, index, staged, gather=True)
 
 
 def scatter_blocks(pools: torch.Tensor, index: torch.Tensor, staged: torch.Tensor) -> None:
     """pools[p, index[j]] = staged[p, j] for every pool p (index ids distinct)."""
-    _check(pools, index, staged)
-    if kernel_backend(pools.device) == "triton":
-        _launch(pools, index, staged, gather=False)
-    else:
-        scatter_blocks_ref(_words(pools), index, _words(staged))
+    _copy(pools, index, staged, gather=False)
