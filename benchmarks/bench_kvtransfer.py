@@ -12,6 +12,9 @@ Reported, median of ``--repeat`` transfers after a warm-up:
   the same messages (one per layer, K then V), every send and receive posted at once, from
   the first send posted to the receiver's report that all landed;
 - ``raw one``: raw ``ucxx`` moving the same bytes in one message (context: the link);
+- ``nccl same`` / ``nccl one``: NCCL send/recv through ``torch.distributed`` between two other
+  processes, the same messages / one message (only when sender and receiver are on different
+  GPUs: NCCL does not run two ranks on one GPU), from a barrier to the receiver's synchronize;
 - ``fake``: the in-process fake backend (gather + copy + scatter, no network);
 - ``copy``: a plain device copy of the same bytes on the sender's device.
 
@@ -173,6 +176,62 @@ def raw_ucxx_gbps(sizes: list[int], device: str, receiver_device: str, repeat: i
     return sum(sizes) / statistics.median(times[1:]) / 1e9
 
 
+def _nccl_main(rank: int, port: int, device: str, sizes: list[int], repeat: int, conn) -> None:
+    """Child process: one NCCL rank; rank 0 sends ``sizes`` to rank 1, ``repeat + 1`` times."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(torch.device(device))
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            device_id=torch.device(device))
+    try:
+        if rank == 0:
+            buffers = [torch.randint(0, 255, (n,), dtype=torch.uint8, device=device) for n in sizes]
+        else:
+            buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+        times = []
+        for _ in range(repeat + 1):
+            torch.cuda.synchronize()
+            dist.barrier()
+            start = time.perf_counter()
+            op = dist.isend if rank == 0 else dist.irecv
+            ops = [dist.P2POp(op, b, 1 - rank) for b in buffers]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        conn.send(times)
+    finally:
+        dist.destroy_process_group()
+
+
+def nccl_gbps(sizes: list[int], device: str, receiver_device: str, repeat: int) -> float | None:
+    """GB/s of NCCL send/recv of ``sizes`` bytes between two processes (receiver's clock, from a
+    barrier to its synchronize after every receive); None when both ends share a GPU."""
+    if not device.startswith("cuda") or torch.device(device) == torch.device(receiver_device):
+        return None
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [ctx.Process(target=_nccl_main, args=(rank, port, dev, sizes, repeat, pipes[rank][1]), daemon=True)
+             for rank, dev in enumerate((device, receiver_device))]
+    for p in procs:
+        p.start()
+    try:
+        if not pipes[1][0].poll(180):
+            raise RuntimeError("NCCL receiver did not report")
+        times = pipes[1][0].recv()
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return sum(sizes) / statistics.median(times[1:]) / 1e9
+
+
 def copy_gbps(nbytes: int, device: str, repeat: int) -> float:
     """GB/s of ``dst.copy_(src)`` of ``nbytes`` bytes on ``device`` (best of ``repeat``)."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
@@ -253,6 +312,8 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
     layer = shape.layer_bytes(blocks * BLOCK_SIZE)
     out["raw_same"] = raw_ucxx_gbps([layer] * shape.num_layers, device, receiver_device, repeat)
     out["raw_one"] = raw_ucxx_gbps([nbytes], device, receiver_device, repeat)
+    out["nccl_same"] = nccl_gbps([layer] * shape.num_layers, device, receiver_device, repeat)
+    out["nccl_one"] = nccl_gbps([nbytes], device, receiver_device, repeat)
     return out
 
 
@@ -270,6 +331,9 @@ def main() -> int:
         print("bench_kvtransfer: --device cuda requested but CUDA is not available "
               f"(torch {torch.__version__}, cuda build: {torch.version.cuda}); nothing measured.", file=sys.stderr)
         return 2
+    # NVLink SHARP/multicast stays off (it is not lent on the shared GPU hosts); a user's setting wins
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
     device = "cuda:0" if args.device == "cuda" else "cpu"
     receiver_device = args.receiver_device or device
     try:
@@ -294,16 +358,21 @@ def main() -> int:
           f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}; transports: {', '.join(transports)}")
     UcxRuntime.release()
     print(f"median of {args.repeat} transfers after one warm-up; GB/s = 1e9 bytes/s\n")
-    header = (f"{'tokens':>7} {'KV MB':>8} {'copy':>8} {'fake':>8} {'raw one':>8} {'raw same':>9} {'kvx':>8} "
-              f"{'kvx/raw same':>13} {'kvx ms':>8}")
+    header = (f"{'tokens':>7} {'KV MB':>8} {'copy':>8} {'fake':>8} {'raw one':>8} {'raw same':>9} {'nccl one':>9} "
+              f"{'nccl same':>10} {'kvx':>8} {'kvx/raw same':>13} {'kvx/nccl same':>14} {'kvx ms':>8}")
     print(header + "   (GB/s)")
     print("-" * len(header))
     results = []
     for tokens in args.tokens:
         r = bench_tokens(shape, tokens, device, receiver_device, args.repeat)
         results.append((tokens, r))
+        def na(value, width, digits=2):
+            return f"{value:>{width}.{digits}f}" if value is not None else f"{'n/a':>{width}}"
+
         print(f"{tokens:>7} {r['bytes'] / 1e6:>8.1f} {r['copy']:>8.1f} {r['fake']:>8.2f} {r['raw_one']:>8.2f} "
-              f"{r['raw_same']:>9.2f} {r['kvx']:>8.2f} {r['kvx'] / r['raw_same']:>13.2f} {r['seconds'] * 1e3:>8.2f}",
+              f"{r['raw_same']:>9.2f} {na(r['nccl_one'], 9)} {na(r['nccl_same'], 10)} {r['kvx']:>8.2f} "
+              f"{r['kvx'] / r['raw_same']:>13.2f} "
+              f"{na(r['kvx'] / r['nccl_same'] if r['nccl_same'] else None, 14)} {r['seconds'] * 1e3:>8.2f}",
               flush=True)
     print("\nper-transfer breakdown, ms (median): sender stage / queue / wire / ack; receiver scatter / land")
     for tokens, r in results:
@@ -311,7 +380,8 @@ def main() -> int:
         print(f"{tokens:>7}: stage {p['stage']:.2f} queue {p['queue']:.2f} wire {p['wire']:.2f} ack {p['ack']:.2f} | "
               f"scatter {p['scatter']:.2f} land {p['land']:.2f}  (receiver first byte to landed: {r['kvx_recv']:.2f} GB/s)")
     print("\nkvx: first send_layer to ACK (sender); raw same: raw ucxx, one message per layer, all posted at once;"
-          "\nraw one: raw ucxx, one message; copy: device copy of the same bytes (bytes read, once).")
+          "\nraw one: raw ucxx, one message; nccl: NCCL send/recv (torch.distributed), one message per layer / one"
+          "\nmessage (n/a: both ends on one GPU); copy: device copy of the same bytes (bytes read, once).")
     return 0
 
 
