@@ -86,10 +86,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in 0..65535, got {args.port}")
+    if args.moves_kv and args.role != "mixed":
+        raise CliError(f"--moves-kv applies to --role mixed, not --role {args.role}")
     config = WorkerConfig(
         worker_id=args.worker_id or default_worker_id(args.role, args.port), role=args.role,
         engine=engine_config(args, args.role), host=args.host, port=args.port, kv_backend=args.kv_backend,
-        kv_host=args.kv_host or args.host, cluster_token=_cluster_token(args))
+        kv_host=args.kv_host or args.host, cluster_token=_cluster_token(args), moves_kv=args.moves_kv)
     return run_worker(config)
 
 
@@ -171,11 +173,13 @@ def _add_up_args(u: argparse.ArgumentParser) -> None:
                    help="YAML file with the same settings as the flags (flags win)")
     add_engine_args(u, suppress_defaults=True)
     g = u.add_argument_group("pools")
-    g.add_argument("--mode", default=S, help="disaggregated (default) or colocated")
+    g.add_argument("--mode", default=S, help="disaggregated (default: --prefill and --decode workers), colocated "
+                                             "(--replicas mixed workers) or hybrid (--replicas mixed workers that "
+                                             "also send and receive KV: the policy chooses per request)")
     g.add_argument("--prefill", type=int_arg("--prefill"), default=S, help="prefill workers (default 1)")
     g.add_argument("--decode", type=int_arg("--decode"), default=S, help="decode workers (default 1)")
     g.add_argument("--replicas", type=int_arg("--replicas"), default=S,
-                   help="colocated: mixed workers (default --prefill + --decode)")
+                   help="colocated/hybrid: mixed workers (default --prefill + --decode)")
     g.add_argument("--worker-cpus", type=float_arg("--worker-cpus"), default=S, help="CPUs per worker (default 1)")
     g.add_argument("--worker-gpus", type=float_arg("--worker-gpus"), default=S,
                    help="GPUs per worker (default 1 when the Ray cluster has GPUs, else 0)")
@@ -255,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--worker-id", default=None, help="default <role>-<hostname>[-<port>]")
     w.add_argument("--kv-backend", default="ucx", help="KV transfer backend (ucx)")
     w.add_argument("--kv-host", default=None, help="KV listen host (default: --host)")
+    w.add_argument("--moves-kv", action="store_true",
+                   help="--role mixed: also send prefilled KV to, and receive KV from, other workers (hybrid)")
     _add_token_arg(w)
     w.set_defaults(func=cmd_worker)
 

@@ -158,7 +158,9 @@ class LLMEngine:
         if not batch.seqs:
             return []
         hook = None
-        if self.layer_hook is not None:
+        # only a batch with a request to hand off needs the layer hook (a mixed worker's decode
+        # steps keep the hook-free paths, CUDA graphs included)
+        if self.layer_hook is not None and any(s.hand_off for s in batch.seqs):
             user_hook = self.layer_hook
             hook = lambda layer: user_hook(layer, batch)  # noqa: E731
         logits = self.runner.execute(batch, hook)  # on a GPU this returns before the forward ends

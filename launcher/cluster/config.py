@@ -17,7 +17,14 @@ import yaml
 
 from pdserve.engine_args import ENGINE_DEFAULTS
 
-MODES = ("disaggregated", "colocated")
+MODES = ("disaggregated", "colocated", "hybrid")
+# hybrid: mixed workers that can also send and receive KV; the router chooses per request
+# between a local run and a prefill on one worker with the decode on another
+
+
+def router_mode(mode: str) -> str:
+    """The router's placement mode for a launcher mode (hybrid pairs any two mixed workers)."""
+    return "disaggregated" if mode == "hybrid" else mode
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _RESOURCE_KEYS = ("resources", "prefill_resources", "decode_resources")
 
@@ -47,7 +54,7 @@ class UpConfig:
     mode: str = "disaggregated"
     prefill: int = 1
     decode: int = 1
-    replicas: int | None = None  # colocated: number of mixed workers (default prefill + decode)
+    replicas: int | None = None  # colocated/hybrid: number of mixed workers (default prefill + decode)
     worker_cpus: float = 1.0
     worker_gpus: float | None = None  # None: 1 when the Ray cluster has GPUs, else 0
     resources: Mapping[str, float] = field(default_factory=dict)  # every worker
@@ -95,7 +102,7 @@ class UpConfig:
         elif self.replicas is not None and self.replicas < 1:
             fail("replicas", f"must be >= 1, got {self.replicas}")
         elif self.replicas is None and self.prefill + self.decode < 1:
-            fail("replicas", "--mode colocated needs at least one worker")
+            fail("replicas", f"--mode {self.mode} needs at least one worker")
         if not (self.worker_cpus >= 0 and math.isfinite(self.worker_cpus)):
             fail("worker_cpus", f"must be >= 0, got {self.worker_cpus}")
         if self.worker_gpus is not None and not (self.worker_gpus >= 0 and math.isfinite(self.worker_gpus)):
@@ -105,7 +112,7 @@ class UpConfig:
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             fail("placement_strategy", f"must be one of {', '.join(PLACEMENT_STRATEGIES)}, "
                                        f"got {self.placement_strategy!r}")
-        if self.mode == "disaggregated" and self.kv_backend == "fake":
+        if self.mode in ("disaggregated", "hybrid") and self.kv_backend == "fake":
             fail("kv_backend", "'fake' moves KV only inside one process; Ray workers need 'ucx'")
         if not 1 <= self.port <= 65535:
             fail("port", f"must be in 1..65535, got {self.port}")
@@ -132,7 +139,7 @@ class UpConfig:
 
     def pool_sizes(self) -> dict[str, int]:
         """role -> number of workers."""
-        if self.mode == "colocated":
+        if self.mode in ("colocated", "hybrid"):
             return {"mixed": self.replicas if self.replicas is not None else self.prefill + self.decode}
         return {"prefill": self.prefill, "decode": self.decode}
 

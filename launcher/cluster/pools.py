@@ -58,6 +58,7 @@ class PoolSpec:
     strategy: str = "PACK"  # placement group strategy across the pool's workers
     kv_backend: str = "ucx"
     cluster_token: str | None = field(default=None, repr=False)  # handed to each worker
+    moves_kv: bool = False  # mixed workers that also send and receive KV (--mode hybrid)
 
     def bundle(self) -> dict[str, float]:
         bundle = {"CPU": float(self.num_cpus), **self.resources}
@@ -100,7 +101,7 @@ class ClusterPools:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from launcher.cluster.ray_workers import WorkerActor
+        from launcher.cluster.ray_workers import NOSET_VISIBLE_ENV, WorkerActor
 
         remote_cls = ray.remote(WorkerActor)
         deadline = time.monotonic() + timeout_s
@@ -125,10 +126,13 @@ class ClusterPools:
             for index in range(spec.size):
                 name = actor_name(self.cluster, spec.role, index)
                 config = WorkerConfig(worker_id=name, role=spec.role, engine=spec.engine,
-                                      kv_backend=spec.kv_backend, cluster_token=spec.cluster_token)
+                                      kv_backend=spec.kv_backend, cluster_token=spec.cluster_token,
+                                      moves_kv=spec.moves_kv)
                 handle = remote_cls.options(
                     name=name, namespace=self.namespace, lifetime=None, max_restarts=-1, max_task_retries=0,
                     num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=dict(spec.resources),
+                    # GPU workers see every GPU of their node, for CUDA IPC between them
+                    runtime_env={"env_vars": {NOSET_VISIBLE_ENV: "1"}} if spec.num_gpus else None,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=group, placement_group_bundle_index=index),
                 ).remote(config)

@@ -24,6 +24,29 @@ from pdserve.worker.server import WorkerConfig, WorkerServer
 logger = logging.getLogger(__name__)
 
 RAYLET_CHECK_S = 0.5
+# Set in a GPU worker's runtime env: Ray then leaves CUDA_VISIBLE_DEVICES alone, so every worker
+# of a node sees all its GPUs and CUDA IPC (UCX cuda_ipc) can map a peer GPU's KV pool; the
+# worker selects the GPU Ray assigned it (`assigned_cuda_index`).
+NOSET_VISIBLE_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def assigned_cuda_index(gpu_ids: list, environ: dict | None = None) -> int | None:
+    """The CUDA device index of the first GPU Ray assigned this process, when Ray did not mask
+    the visible devices (`NOSET_VISIBLE_ENV`); None when masked or no GPU was assigned.
+
+    Ray's ids are the node's device ids: positions in the raylet's CUDA_VISIBLE_DEVICES when
+    that was set (then they are strings naming its entries), else CUDA ordinals."""
+    env = os.environ if environ is None else environ
+    if env.get(NOSET_VISIBLE_ENV, "") not in ("1", "true", "True") or not gpu_ids:
+        return None
+    gid = str(gpu_ids[0]).strip()
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() != "":
+        entries = [v.strip() for v in visible.split(",")]
+        if gid not in entries:
+            raise RuntimeError(f"Ray assigned GPU {gid!r}, which CUDA_VISIBLE_DEVICES={visible!r} does not list")
+        return entries.index(gid)
+    return int(gid)
 
 
 def exit_when_orphaned(interval_s: float = RAYLET_CHECK_S) -> threading.Thread:
@@ -69,6 +92,13 @@ class WorkerActor:
         self._node_ip = _node_ip(self._node_id)
         if bind_node_ip:
             config = dataclasses.replace(config, host=self._node_ip, kv_host=self._node_ip)
+        index = assigned_cuda_index(ray.get_gpu_ids())
+        if index is not None and (config.engine.device in (None, "cuda")):
+            import torch
+
+            torch.cuda.set_device(index)
+            config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, device=f"cuda:{index}"))
+            logger.info("worker %s on cuda:%d (all of the node's GPUs visible)", config.worker_id, index)
         self._config = config
         self._started_at = time.time()
         self._server = WorkerServer(config)

@@ -63,8 +63,9 @@ def run_router(entries: list[str], settings) -> int:
     except ValueError as e:
         raise ValueError(f"--worker: {e}") from None
     roles = {parse_endpoint(entry).role for entry in entries}
-    if settings.mode == "disaggregated" and not ({"prefill", "decode"} <= roles):
-        raise ValueError("--worker: --mode disaggregated needs at least one prefill and one decode worker")
+    if settings.mode == "disaggregated" and not ({"prefill", "decode"} <= roles or "mixed" in roles):
+        raise ValueError("--worker: --mode disaggregated needs at least one prefill and one decode worker "
+                         "(or mixed workers started with --moves-kv)")
     from launcher.cluster.up import check_listen
 
     check_listen(settings.host, settings.port)

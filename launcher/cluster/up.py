@@ -18,7 +18,7 @@ import os
 import socket
 import sys
 
-from launcher.cluster.config import UpConfig
+from launcher.cluster.config import UpConfig, router_mode
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,8 @@ def pool_specs(config: UpConfig, gpus_in_cluster: float, cluster_token: str | No
     return [
         PoolSpec(role=role, size=size, engine=engine_config(values, role), num_cpus=config.worker_cpus,
                  num_gpus=num_gpus, resources=config.pool_resources(role), strategy=config.placement_strategy,
-                 kv_backend=config.kv_backend, cluster_token=cluster_token)
+                 kv_backend=config.kv_backend, cluster_token=cluster_token,
+                 moves_kv=config.mode == "hybrid")
         for role, size in config.pool_sizes().items()
     ]
 
@@ -152,7 +153,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
 
     cluster_token = new_token()  # the request plane's: workers get it through Ray, the router here
     settings = RouterSettings(model=config.model, tokenizer=config.tokenizer, served_model_name=config.served_model_name,
-                              max_model_len=config.max_model_len, policy=config.policy, mode=config.mode,
+                              max_model_len=config.max_model_len, policy=config.policy, mode=router_mode(config.mode),
                               host=config.host, port=config.port, api_key=config.api_key,
                               kv_deadline_s=config.kv_deadline_s, worker_wait_s=config.worker_wait_s,
                               log_level=log_level.lower(),

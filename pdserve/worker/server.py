@@ -54,12 +54,25 @@ class WorkerConfig:
     kv_options: tuple[tuple[str, object], ...] = ()  # extra backend options (e.g. pacing)
     # gRPC calls must carry it (pdserve.proto.auth); None: an open request plane
     cluster_token: str | None = field(default=None, repr=False)
+    # a mixed worker that also hands its prefilled KV to another worker (Prefill) and takes KV
+    # prefilled elsewhere (Reserve/Decode), so the router can choose per request (hybrid clusters)
+    moves_kv: bool = False
+
+    @property
+    def sends_kv(self) -> bool:
+        return self.role == "prefill" or (self.role == "mixed" and self.moves_kv)
+
+    @property
+    def receives_kv(self) -> bool:
+        return self.role == "decode" or (self.role == "mixed" and self.moves_kv)
 
     def __post_init__(self) -> None:
         if self.cluster_token is not None:
             check_token(self.cluster_token, "worker cluster_token")
         if self.role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {self.role!r}")
+        if self.moves_kv and self.role != "mixed":
+            raise ValueError(f"moves_kv applies to mixed workers (a {self.role} worker's role fixes its KV side)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"worker port must be in [0, 65535], got {self.port}")
 
@@ -92,9 +105,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def _fail(self, context, code: grpc.StatusCode, message: str):
         await context.abort(code, message)
 
-    def _check_role(self, allowed: tuple[str, ...], rpc: str) -> str | None:
-        if self.w.config.role not in allowed:
-            return f"{rpc} is not served by a {self.w.config.role} worker"
+    def _check_role(self, side: str, rpc: str) -> str | None:
+        """`side`: "send" (Prefill) or "receive" (Reserve, Decode) of a KV hand-off."""
+        config = self.w.config
+        if not (config.sends_kv if side == "send" else config.receives_kv):
+            kind = "mixed worker without KV transfers" if config.role == "mixed" else f"{config.role} worker"
+            return f"{rpc} is not served by a {kind}"
         return None
 
     async def _stream(self, request_id: str, start, context, offset: tuple[int, int] = (0, 0)):
@@ -158,7 +174,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             yield chunk
 
     async def Reserve(self, request: pb.ReserveRequest, context) -> pb.ReserveResponse:
-        if (err := self._check_role(("decode",), "Reserve")) is not None:
+        if (err := self._check_role("receive", "Reserve")) is not None:
             await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION, err)
         try:
             params = params_from_proto(request.params)
@@ -191,7 +207,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                   wire_version=WIRE_VERSION, layout=self.w.layout_fingerprint)
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
-        if (err := self._check_role(("prefill",), "Prefill")) is not None:
+        if (err := self._check_role("send", "Prefill")) is not None:
             await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION, err)
         if request.wire_version != WIRE_VERSION or request.layout != self.w.layout_fingerprint:
             await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION,
@@ -215,7 +231,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         def start(engine: LLMEngine):
             self.w.pusher.add(rid, dest)
             try:
-                engine.add_request(rid, prompt, params)
+                engine.add_request(rid, prompt, params, hand_off=True)
             except Exception:
                 self.w.pusher.remove(rid)
                 raise
@@ -269,7 +285,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 self.w.loop.submit(lambda e: (self.w.pusher.remove(rid), e.release(rid), e.abort_request(rid)))
 
     async def Decode(self, request: pb.DecodeRequest, context):
-        if (err := self._check_role(("decode",), "Decode")) is not None:
+        if (err := self._check_role("receive", "Decode")) is not None:
             await self._fail(context, grpc.StatusCode.FAILED_PRECONDITION, err)
             return
         rid = request.request_id
@@ -343,14 +359,14 @@ class WorkerServer:
         self.sender = None
         self.receiver = None
         self.pusher: KVPusher | None = None
-        if config.role == "prefill":
+        if config.sends_kv:
             # a "pacer" option may be a pacing spec string (pdserve.emulation.pacing_spec)
             from pdserve.emulation.pacing_spec import sender_options
 
             self.sender = create_sender(config.kv_backend, kv_caches, **sender_options(opts))
             self.pusher = KVPusher(self.sender, self.block_size, self.engine.model_config.num_layers)
             self.engine.layer_hook = self.pusher.on_layer
-        elif config.role == "decode":
+        if config.receives_kv:
             opts.pop("pacer", None)  # pacing is the sender's; one kv_options may serve both roles
             if config.kv_backend != "fake":
                 opts.setdefault("host", config.kv_host)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from launcher.cli import build_parser, main
-from launcher.cluster.config import UpConfig, load_up_config, read_config_file
+from launcher.cluster.config import UpConfig, load_up_config, read_config_file, router_mode
+from launcher.cluster.ray_workers import assigned_cuda_index
 from launcher.cluster.up import pool_specs
 from pdserve.engine_args import ENGINE_DEFAULTS
 
@@ -64,7 +65,7 @@ def test_colocated_sizes():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"mode": "split"}, "--mode: must be one of disaggregated, colocated"),
+    ({"mode": "split"}, "--mode: must be one of disaggregated, colocated, hybrid"),
     ({"prefill": 0}, "--prefill: must be >= 1 in --mode disaggregated"),
     ({"replicas": 2}, "--replicas: applies only to --mode colocated"),
     ({"mode": "colocated", "replicas": 0}, "--replicas: must be >= 1"),
@@ -130,7 +131,31 @@ def test_pool_specs_cpu_and_gpu():
     assert gpu["decode"].num_gpus == 1.0 and gpu["decode"].engine.device is None
     assert gpu["decode"].bundle() == {"CPU": 2.0, "GPU": 1.0}
     (mixed,) = pool_specs(UpConfig(mode="colocated", replicas=3, worker_gpus=0.5), gpus_in_cluster=8)
-    assert (mixed.role, mixed.size, mixed.num_gpus) == ("mixed", 3, 0.5)
+    assert (mixed.role, mixed.size, mixed.num_gpus) == ("mixed", 3, 0.5) and not mixed.moves_kv
+    (hybrid,) = pool_specs(UpConfig(mode="hybrid", replicas=2), gpus_in_cluster=2)
+    assert (hybrid.role, hybrid.size, hybrid.num_gpus, hybrid.moves_kv) == ("mixed", 2, 1.0, True)
+
+
+def test_hybrid_mode_routes_as_disaggregated():
+    assert UpConfig(mode="hybrid", prefill=1, decode=1).pool_sizes() == {"mixed": 2}
+    assert router_mode("hybrid") == "disaggregated" and router_mode("colocated") == "colocated"
+    with pytest.raises(ValueError, match="--kv-backend: 'fake'"):
+        UpConfig(mode="hybrid", replicas=2, kv_backend="fake")
+
+
+@pytest.mark.parametrize("gpu_ids, env, index", [
+    ([1], {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}, 1),
+    (["5"], {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": "4,5"}, 1),
+    ([1], {}, None),  # Ray masked the devices: the worker's one visible GPU is cuda:0 already
+    ([], {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}, None),
+])
+def test_assigned_cuda_index(gpu_ids, env, index):
+    assert assigned_cuda_index(gpu_ids, env) == index
+
+
+def test_assigned_cuda_index_not_visible():
+    with pytest.raises(RuntimeError, match="does not list"):
+        assigned_cuda_index(["7"], {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "CUDA_VISIBLE_DEVICES": "0,1"})
 
 
 # ---- the command line: one line, exit status 2, naming the flag or file ------------------

@@ -185,3 +185,39 @@ def test_cancelled_stream_frees_blocks(workers):
     while servers["mixed"].engine.requests and time.monotonic() < deadline:
         time.sleep(0.02)
     assert_idle(servers)
+
+
+def test_hybrid_mixed_workers_hand_kv_both_ways_beside_local_runs(reference):
+    """Two mixed workers with KV transfers: each prefills for the other and decodes for the
+    other while it also runs whole requests; every result equals the single engine's."""
+    servers = [WorkerServer(WorkerConfig(f"mixed-{i}", "mixed", engine_config(chunk=7), kv_backend="fake",
+                                         moves_kv=True)) for i in range(2)]
+    plain = WorkerServer(WorkerConfig("mixed-plain", "mixed", engine_config(chunk=7), kv_backend="fake"))
+    try:
+        stubs = [pb_grpc.WorkerStub(grpc.insecure_channel(s.start())) for s in servers]
+        plain_stub = pb_grpc.WorkerStub(grpc.insecure_channel(plain.start()))
+        batch = prompts(4, seed=5)
+        expected = [o.token_ids for o in reference.generate(batch, GREEDY)]
+        for i, prompt in enumerate(batch):
+            a, b = stubs[i % 2], stubs[1 - i % 2]
+            local = b.Generate(pb.GenerateRequest(request_id=f"local-{i}", prompt_token_ids=prompt,
+                                                  params=params_to_proto(GREEDY)), timeout=20)
+            tokens, prefill, _ = disaggregated({"prefill": a, "decode": b}, f"hy-{i}", prompt)
+            assert tokens == expected[i]
+            assert prefill.kv_bytes > 0
+            assert [t for c in local for t in c.token_ids] == expected[i]
+        assert all(s.engine.layer_hook is not None and s.receiver is not None for s in servers)
+        assert_idle({s.config.worker_id: s for s in servers})
+        for rpc, request in (("Reserve", pb.ReserveRequest(request_id="x", prompt_token_ids=[1],
+                                                          params=params_to_proto(GREEDY))),
+                             ("Prefill", pb.PrefillRequest(request_id="y", prompt_token_ids=[1],
+                                                           params=params_to_proto(GREEDY)))):
+            with pytest.raises(grpc.RpcError) as err:
+                getattr(plain_stub, rpc)(request, timeout=10)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "without KV transfers" in err.value.details()
+    finally:
+        for s in (*servers, plain):
+            s.stop()
+    with pytest.raises(ValueError, match="moves_kv applies to mixed"):
+        WorkerConfig("p", "prefill", moves_kv=True)
