@@ -202,7 +202,8 @@ class ClusterBackend:
     def snapshot(self) -> ClusterSnapshot:
         net = self.network
         return ClusterSnapshot(self.pool.snapshots(), mode=self.mode, topology=net.topology,  # type: ignore[arg-type]
-                               links=net.links.view(), kv_bytes_per_token=net.kv_bytes_per_token)
+                               links=net.links.view(), kv_bytes_per_token=net.kv_bytes_per_token,
+                               now=time.monotonic())
 
     async def health(self) -> dict[str, Any]:
         """Healthy when at least one decode-capable worker is healthy (a disaggregated cluster can

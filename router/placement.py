@@ -120,6 +120,7 @@ class ClusterSnapshot:
     topology: Topology = field(default_factory=Topology)
     links: CongestionView = field(default_factory=CongestionView)
     kv_bytes_per_token: int = 0  # measured from transfers; 0: unknown
+    now: float = 0.0  # the router's monotonic clock when the snapshot was taken (seconds)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

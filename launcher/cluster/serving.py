@@ -25,6 +25,7 @@ class RouterSettings:
     max_model_len: int | None = None
     policy: str = "round-robin"
     mode: str = "disaggregated"
+    max_batch: int | None = None  # the workers' --max-num-seqs (network-aware's hybrid model)
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
@@ -73,7 +74,8 @@ def make_router_policy(settings: RouterSettings) -> Any:
     try:
         return build_policy(settings.policy, topology_path=settings.topology, profile_path=settings.profile,
                             slo_ttft=settings.slo_ttft, slo_tpot=settings.slo_tpot,
-                            admission_control=settings.admission_control, seed=settings.seed)
+                            admission_control=settings.admission_control, seed=settings.seed,
+                            max_batch=settings.max_batch)
     except ValueError as e:
         raise ValueError(f"--policy {settings.policy}: {e}") from None
 

@@ -154,6 +154,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
     cluster_token = new_token()  # the request plane's: workers get it through Ray, the router here
     settings = RouterSettings(model=config.model, tokenizer=config.tokenizer, served_model_name=config.served_model_name,
                               max_model_len=config.max_model_len, policy=config.policy, mode=router_mode(config.mode),
+                              max_batch=config.max_num_seqs,
                               host=config.host, port=config.port, api_key=config.api_key,
                               kv_deadline_s=config.kv_deadline_s, worker_wait_s=config.worker_wait_s,
                               log_level=log_level.lower(),

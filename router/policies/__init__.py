@@ -29,6 +29,7 @@ def build_policy(
     slo_tpot: float | None = None,
     admission_control: bool = False,
     seed: int = 0,
+    max_batch: int | None = None,
 ) -> PlacementPolicy:
     """The policy `name` from command-line settings; ValueError names the flag or file at fault.
 
@@ -37,6 +38,7 @@ def build_policy(
     - `profile_path`, `slo_ttft`, `slo_tpot`, `admission_control`: network-aware only (it refuses
       to start without a profile); given to another policy they are an error, not ignored.
     - `seed`: random and power-of-two; the deterministic policies do not draw.
+    - `max_batch`: the workers' --max-num-seqs, for network-aware's model of hybrid clusters.
     """
     if name not in POLICIES:
         raise ValueError(f"--policy: unknown placement policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
@@ -47,6 +49,8 @@ def build_policy(
             raise ValueError("--profile: network-aware needs --profile (a file from `pdserve profile`)")
         options.update(profile=load_profile(profile_path), topology=topology, slo_ttft=slo_ttft,
                        slo_tpot=slo_tpot, admission_control=admission_control)
+        if max_batch is not None:
+            options["max_batch"] = max_batch
     else:
         given = [flag for flag, value in (("--profile", profile_path), ("--slo-ttft", slo_ttft),
                                           ("--slo-tpot", slo_tpot), ("--admission-control", admission_control or None))

@@ -15,6 +15,14 @@ For a request that may be disaggregated (router.placement's shared rules decide 
 Short prompts, resumed requests and colocated mode keep the shared rules; there the decode
 worker with the lowest predicted local TTFT (within the TPOT SLO where possible) is taken.
 The `Decision.reason` carries the predicted numbers.
+
+Hybrid clusters (every candidate a mixed worker that also moves KV, `pdserve up --mode
+hybrid`): how many workers prefill for the others is chosen for the cluster from the recent
+load, the profile, the measured link and the SLOs (router.policies.split); with k = 0 the
+request runs locally on the worker with the lowest predicted TTFT, otherwise it is prefilled
+on one of the k prefilling workers and decoded on one of the others (the pair with the lowest
+predicted TTFT, as above). The prefilling workers stay the same while k does; when k changes,
+the least loaded become them.
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ from router.placement import (
     register_policy,
 )
 from router.policies.baselines import PrefixIndex
+from router.congestion import transfer_seconds
 from router.policies.cost import Estimate, estimate_local, estimate_pair
+from router.policies.split import SplitChooser
 from router.profiles import Profile
 from router.topology import Topology
 
@@ -46,6 +56,7 @@ class NetworkAware(PoolPolicy):
         self, *, profile: Profile | None = None, topology: Topology | None = None,
         slo_ttft: float | None = None, slo_tpot: float | None = None, admission_control: bool = False,
         local_margin: float = 0.2, block_size: int = 16, local_prefill_max_tokens: int = 0,
+        max_batch: int = 64,
     ) -> None:
         super().__init__(local_prefill_max_tokens=local_prefill_max_tokens)
         if not isinstance(profile, Profile):
@@ -68,6 +79,10 @@ class NetworkAware(PoolPolicy):
         self.admission_control = admission_control
         self.local_margin = float(local_margin)
         self.prefixes = PrefixIndex(block_size=block_size)
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1 (the workers' --max-num-seqs), got {max_batch!r}")
+        self.split = SplitChooser(max_batch=max_batch)
+        self._prefilling: tuple[str, ...] = ()  # hybrid: the workers that prefill for the others now
 
     # ---------------------------------------------------------------- the disaggregated choice
 
@@ -78,6 +93,8 @@ class NetworkAware(PoolPolicy):
         request: RequestInfo,
         snapshot: ClusterSnapshot,
     ) -> Decision:
+        if _hybrid(prefills, decodes):
+            return self._decide_hybrid(prefills, decodes, request, snapshot)
         keys = self.prefixes.keys(request.prompt_token_ids)
         pairs = [self._estimate_pair(request, p, d, snapshot, keys)
                  for d in decodes for p in prefills if p.worker_id != d.worker_id]
@@ -112,6 +129,44 @@ class NetworkAware(PoolPolicy):
         if chosen.prefill is None:
             return Decision("local", None, chosen.decode, reason)
         return Decision("disaggregated", chosen.prefill, chosen.decode, reason)
+
+    # ---------------------------------------------------------------- hybrid clusters
+
+    def _decide_hybrid(self, prefills: Sequence[WorkerSnapshot], decodes: Sequence[WorkerSnapshot],
+                       request: RequestInfo, snapshot: ClusterSnapshot) -> Decision:
+        workers = sorted({w.worker_id: w for w in (*prefills, *decodes)}.values(), key=lambda w: w.worker_id)
+        self.split.window.observe(snapshot.now, request.num_prompt_tokens, request.max_tokens)
+        kv_bytes_per_token = snapshot.kv_bytes_per_token or self.profile.kv_bytes_per_token
+
+        def kv_seconds(prompt_tokens: float) -> float:  # mean over the worker pairs' links
+            times = [transfer_seconds(*snapshot.link(p, d), round(prompt_tokens * kv_bytes_per_token))
+                     for p in workers for d in workers if p.worker_id != d.worker_id]
+            return sum(times) / len(times)
+
+        k, why = self.split.choose(self.profile, snapshot.now, len(workers), kv_seconds=kv_seconds,
+                                   slo_ttft=self.slo_ttft, slo_tpot=self.slo_tpot)
+        keys = self.prefixes.keys(request.prompt_token_ids)
+        load = {w.worker_id: w.load for w in workers}
+        if k > 0:
+            ids = {w.worker_id for w in workers}
+            if len(self._prefilling) != k or not set(self._prefilling) <= ids:
+                self._prefilling = tuple(w.worker_id for w in sorted(workers, key=lambda w: (w.load, w.worker_id))[:k])
+            pairs = [self._estimate_pair(request, p, d, snapshot, keys) for p in prefills for d in decodes
+                     if p.worker_id in self._prefilling and d.worker_id not in self._prefilling]
+            if pairs:
+                feasible = [e for e in pairs if self._feasible(e)]
+                chosen = min(feasible or pairs, key=lambda e: _order(e, load))
+                self.prefixes.record(keys, chosen.prefill)  # type: ignore[arg-type]
+                note = "" if feasible else "; best effort: no pair within the TPOT SLO or with free KV blocks"
+                return Decision("disaggregated", chosen.prefill, chosen.decode,
+                                f"hybrid {why}; {chosen.describe()}{note}")
+            why += "; no prefilling/decoding pair is available, so local"
+        else:
+            self._prefilling = ()
+        estimates = [self._estimate_local(request, d, keys) for d in decodes]
+        chosen = min(estimates, key=lambda e: (not self._feasible(e), *_order(e, load)))
+        self.prefixes.record(keys, chosen.decode)
+        return Decision("local", None, chosen.decode, f"hybrid {why}; {chosen.describe()}")
 
     def _compete(self, pair: Estimate | None, local: Estimate | None) -> tuple[Estimate | None, str]:
         if pair is None or local is None:
@@ -149,6 +204,13 @@ class NetworkAware(PoolPolicy):
         estimates = [self._estimate_local(request, w, keys) for w in candidates]
         best = min(estimates, key=lambda e: (not self._feasible(e), *_order(e, load)))
         return next(w for w in candidates if w.worker_id == best.decode)
+
+
+def _hybrid(prefills: Sequence[WorkerSnapshot], decodes: Sequence[WorkerSnapshot]) -> bool:
+    """Every candidate is a mixed worker that both prefills for others and decodes for them."""
+    workers = {w.worker_id: w for w in (*prefills, *decodes)}
+    return (len(workers) >= 2 and all(w.role == "mixed" for w in workers.values())
+            and {w.worker_id for w in prefills} == {w.worker_id for w in decodes})
 
 
 def _order(e: Estimate, load: dict[str, int]) -> tuple[float, int, int, str, str]:

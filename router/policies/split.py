@@ -1,0 +1,219 @@
+"""How many of a hybrid cluster's mixed workers should prefill for the others. Pure.
+
+In a cluster of N mixed workers that can also send and receive KV, each request can run
+locally (prefill and decode on one worker) or be split (prefill on one, KV over the link,
+decode on another). Which is better depends on the load, not on the request alone: a local
+prefill stalls every decode running on that worker (chunked prefill shares its steps), which
+a tight TPOT SLO cannot absorb; a split keeps decode batches clean but leaves fewer workers
+to decode and pays the KV transfer. So the choice is made for the cluster, from a model of
+the steady state, and each request follows it (router.policies.network_aware):
+
+- k = 0 ("local"): every worker prefills and decodes its own requests; arrivals split evenly.
+- k >= 1 ("split k"): k workers prefill, N - k decode; KV crosses the link for every request.
+
+For each k, with the recent arrival rate lam, mean prompt P and output O (ArrivalWindow),
+a profile of the engine (router.profiles) and the KV link's rate:
+
+- prefill duty u = lam_w * prefill(P) on a worker that prefills (lam_w its share of arrivals);
+- TPOT t solves t = step(B, C) / (1 - u_d), with B = lam_d * O * t requests decoding there
+  (Little's law), C = P + O/2 their mean context, u_d the prefill duty of a decode worker
+  (u for k = 0, none for a split);
+- TTFT = M/D/1 wait + service, the service being the prefill (plus, locally, the decode
+  steps its chunks share; for a split, the exposed KV time and the admitting step);
+  the link's utilisation lam_link * kv inflates the exposed KV time by 1 / (1 - rho);
+- a k is infeasible when a utilisation reaches 1 or B exceeds the workers' batch limit.
+
+Each k is scored by its worst SLO fraction, max(TTFT / slo_ttft, TPOT / slo_tpot) (without
+SLOs: the mean request latency TTFT + O * TPOT); the lowest score wins. Hysteresis keeps the
+current k unless another scores better by `switch_margin`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from router.profiles import Profile
+
+_ITERATIONS = 60
+
+
+@dataclass(frozen=True)
+class Load:
+    rate: float  # requests per second
+    prompt_tokens: float  # mean
+    output_tokens: float  # mean max_tokens
+
+
+class ArrivalWindow:
+    """Exponentially weighted arrival rate and mean lengths over a time constant `tau_s`.
+
+    Fed with the router's clock from each snapshot (`observe(now, ...)`); the first
+    `min_samples` arrivals give no estimate."""
+
+    def __init__(self, tau_s: float = 10.0, min_samples: int = 8) -> None:
+        if not (isinstance(tau_s, (int, float)) and math.isfinite(tau_s) and tau_s > 0):
+            raise ValueError(f"tau_s must be > 0, got {tau_s!r}")
+        self.tau_s = float(tau_s)
+        self.min_samples = min_samples
+        self._weight = 0.0  # decayed count of arrivals
+        self._prompt = 0.0  # decayed sums
+        self._output = 0.0
+        self._last: float | None = None
+        self._first: float | None = None
+        self.samples = 0
+
+    def _decay(self, now: float) -> None:
+        if self._last is not None and now > self._last:
+            f = math.exp(-(now - self._last) / self.tau_s)
+            self._weight *= f
+            self._prompt *= f
+            self._output *= f
+        if self._last is None or now > self._last:
+            self._last = now
+
+    def observe(self, now: float, prompt_tokens: int, output_tokens: int) -> None:
+        self._decay(now)
+        if self._first is None:
+            self._first = now
+        self._weight += 1.0
+        self._prompt += prompt_tokens
+        self._output += output_tokens
+        self.samples += 1
+
+    def estimate(self, now: float) -> Load | None:
+        if self.samples < self.min_samples or self._first is None:
+            return None
+        self._decay(now)
+        # the decayed count over the window it covers (shorter than tau_s early on)
+        span = self.tau_s * (1.0 - math.exp(-max(now - self._first, 1e-9) / self.tau_s))
+        return Load(rate=self._weight / max(span, 1e-9), prompt_tokens=self._prompt / self._weight,
+                    output_tokens=self._output / self._weight)
+
+
+@dataclass(frozen=True)
+class SplitPrediction:
+    prefill_workers: int  # k; 0 = every request local
+    ttft_s: float
+    tpot_s: float
+    score: float
+
+    @property
+    def feasible(self) -> bool:
+        return math.isfinite(self.score)
+
+    def describe(self) -> str:
+        kind = "local" if self.prefill_workers == 0 else f"split {self.prefill_workers}P"
+        if not self.feasible:
+            return f"{kind}: overloaded"
+        return f"{kind}: TTFT {self.ttft_s:.3f}s TPOT {self.tpot_s * 1e3:.1f}ms score {self.score:.2f}"
+
+
+INFEASIBLE = math.inf
+
+
+def _mdl_wait(rate: float, service_s: float) -> float:
+    """Mean M/D/1 queueing delay; inf at utilisation >= 1."""
+    rho = rate * service_s
+    if rho >= 1.0:
+        return INFEASIBLE
+    return rho * service_s / (2.0 * (1.0 - rho))
+
+
+def decode_tpot(profile: Profile, rate: float, output_tokens: float, context: int, duty: float,
+                max_batch: int) -> tuple[float, float]:
+    """(TPOT, batch) of a worker decoding `rate` requests/s of `output_tokens` each, with a
+    prefill duty `duty` stealing its time; (inf, inf) when it cannot keep up."""
+    if duty >= 1.0:
+        return INFEASIBLE, INFEASIBLE
+    if rate <= 0:
+        return profile.decode_step_seconds(1, context) / (1.0 - duty), 0.0
+    t = profile.decode_step_seconds(1, context) / (1.0 - duty)
+    for _ in range(_ITERATIONS):
+        batch = max(1.0, rate * output_tokens * t)
+        if batch > max_batch:
+            return INFEASIBLE, INFEASIBLE
+        t_next = profile.decode_step_seconds(math.ceil(batch), context) / (1.0 - duty)
+        if abs(t_next - t) <= 1e-6 * t:
+            t = t_next
+            break
+        t = t_next
+    return t, max(1.0, rate * output_tokens * t)
+
+
+def predict(profile: Profile, load: Load, workers: int, prefill_workers: int, *, kv_seconds: float,
+            slo_ttft: float | None, slo_tpot: float | None, max_batch: int) -> SplitPrediction:
+    """The steady state of `workers` mixed workers with `prefill_workers` of them prefilling
+    for the rest (0: all local); `kv_seconds`: one prompt's KV over a free link."""
+    n, k = workers, prefill_workers
+    if not 0 <= k < n:
+        raise ValueError(f"prefill_workers must be in [0, {n - 1}], got {k}")
+    prompt = max(1, round(load.prompt_tokens))
+    context = max(1, round(load.prompt_tokens + load.output_tokens / 2))
+    prefill_s = profile.prefill_seconds(prompt)
+    if k == 0:
+        lam = load.rate / n
+        duty = lam * prefill_s
+        tpot, batch = decode_tpot(profile, lam, load.output_tokens, context, duty, max_batch)
+        if not math.isfinite(tpot):
+            return SplitPrediction(0, INFEASIBLE, INFEASIBLE, INFEASIBLE)
+        chunks = -(-prompt // profile.max_num_batched_tokens)
+        service = prefill_s + chunks * profile.decode_step_seconds(max(1, math.ceil(batch)), context)
+        ttft = _mdl_wait(lam, service) + service
+    else:
+        lam_p, lam_d = load.rate / k, load.rate / (n - k)
+        tpot, batch = decode_tpot(profile, lam_d, load.output_tokens, context, 0.0, max_batch)
+        wait = _mdl_wait(lam_p, prefill_s)
+        rho_link = load.rate / (k * (n - k)) * kv_seconds  # pairs share the arrivals evenly
+        if not math.isfinite(tpot) or not math.isfinite(wait) or rho_link >= 1.0:
+            return SplitPrediction(k, INFEASIBLE, INFEASIBLE, INFEASIBLE)
+        layers = profile.num_layers
+        exposed = (kv_seconds - (layers - 1) / layers * min(kv_seconds, prefill_s)) / (1.0 - rho_link)
+        admit = profile.decode_step_seconds(max(1, math.ceil(batch)), context)
+        ttft = wait + prefill_s + exposed + admit
+    if slo_ttft is None and slo_tpot is None:
+        score = ttft + load.output_tokens * tpot
+    else:
+        score = max(ttft / slo_ttft if slo_ttft else 0.0, tpot / slo_tpot if slo_tpot else 0.0)
+    return SplitPrediction(k, ttft, tpot, score)
+
+
+class SplitChooser:
+    """Keeps the cluster's current k and revisits it at each request (module docstring)."""
+
+    def __init__(self, *, switch_margin: float = 0.1, tau_s: float = 10.0, min_samples: int = 8,
+                 max_batch: int = 64) -> None:
+        if not 0 <= switch_margin < 1:
+            raise ValueError(f"switch_margin must be in [0, 1), got {switch_margin!r}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch!r}")
+        self.window = ArrivalWindow(tau_s=tau_s, min_samples=min_samples)
+        self.switch_margin = switch_margin
+        self.max_batch = max_batch
+        self.current = 0
+        self.last: list[SplitPrediction] = []
+
+    def choose(self, profile: Profile, now: float, workers: int, *, kv_seconds: Callable[[float], float],
+               slo_ttft: float | None, slo_tpot: float | None) -> tuple[int, str]:
+        """(k, why) for a request arriving at `now` (observe it first); `kv_seconds(prompt_tokens)`:
+        a prompt's KV over a free link of the cluster."""
+        load = self.window.estimate(now)
+        if load is None or workers < 2:
+            self.current = 0
+            return 0, f"local (too few arrivals to model: {self.window.samples})" if workers >= 2 else "local"
+        self.current = min(self.current, workers - 1)
+        kv = kv_seconds(load.prompt_tokens)
+        preds = [predict(profile, load, workers, k, kv_seconds=kv, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
+                         max_batch=self.max_batch) for k in range(workers)]
+        self.last = preds
+        best = min(preds, key=lambda p: (p.score, p.prefill_workers))
+        current = preds[self.current]
+        if best.prefill_workers != self.current and (
+                not current.feasible or best.score < (1.0 - self.switch_margin) * current.score):
+            self.current = best.prefill_workers
+        chosen = preds[self.current]
+        others = "; ".join(p.describe() for p in preds if p.prefill_workers != self.current)
+        why = (f"{chosen.describe()} at {load.rate:.2f} req/s, prompt {load.prompt_tokens:.0f}, "
+               f"output {load.output_tokens:.0f} (vs {others})")
+        return self.current, why
