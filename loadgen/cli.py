@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--output-dir", help="override the spec's output_dir")
     exp.add_argument("--no-progress", action="store_true", help="no progress bar")
     exp.add_argument("--dry-run", action="store_true", help="validate the spec and list the runs")
+    exp.add_argument("--policy", action="append", metavar="NAME",
+                     help="run only this value of grid.policy (repeatable): a sweep in parts, each with its "
+                          "own --output-dir")
 
     search = sub.add_parser("search", help="highest request rate with >= target of requests meeting the SLO")
     _add_load_options(search)
@@ -229,6 +232,12 @@ def _cmd_experiment(parser, args) -> int:
     from loadgen.spec import load_spec
 
     spec = load_spec(args.spec)
+    if args.policy:
+        unknown = [p for p in args.policy if p not in spec.policies]
+        if unknown:
+            parser.error(f"argument --policy: {unknown[0]!r} is not in the spec's grid.policy "
+                         f"({', '.join(str(p) for p in spec.policies)})")
+        spec = dataclasses.replace(spec, policies=tuple(p for p in spec.policies if p in args.policy))
     if args.dry_run:
         for cluster in spec.clusters:
             for policy in spec.policies:
