@@ -568,6 +568,12 @@ class UcxSender(KVSender):
 
     def _flush(self, group: _Group) -> None:
         """Sends an open group as one message (called with the groups lock held)."""
+        if group.buffer.is_cuda:  # any thread may flush (finish() too): gather on the pools' GPU
+            with torch.cuda.device(group.buffer.device):
+                return self._flush_on_device(group)
+        return self._flush_on_device(group)
+
+    def _flush_on_device(self, group: _Group) -> None:
         payload = group.buffer[:group.count * self.layout.layer_message_bytes(group.num_blocks)]
         if self._stacked is not None:  # the group's layers are computed: gather them all at once
             gather_layers(self._stacked, group.first_layer, group.count, group.src, payload)

@@ -94,7 +94,10 @@ class Profiler:
     def _max_tokens(self, batch: int, context: int) -> int:
         """Enough tokens that no request of the batch finishes before the timed steps: the
         first ones decode while the last ones still prefill."""
-        prefill_steps = -(-batch * context // self.config.scheduler.max_num_batched_tokens)
+        # the requests already decoding take one token each of every step's budget, so the
+        # prefill chunks get what is left (at least one token), plus a step per chunk boundary
+        budget = self.config.scheduler.max_num_batched_tokens
+        prefill_steps = -(-batch * context // max(1, budget - batch)) + batch
         return self.decode_steps + 2 + prefill_steps
 
     def _fits(self, batch: int, context: int) -> bool:
@@ -151,8 +154,11 @@ class Profiler:
         e = self.engine
         rids = [self._add(context, max_tokens=self._max_tokens(batch, context)) for _ in range(batch)]
         try:
-            while any(e.requests[r].num_output_tokens == 0 for r in rids):
+            while any(e.requests[r].num_output_tokens == 0 for r in rids if r in e.requests):
                 e.step()
+            if not all(r in e.requests for r in rids):
+                raise RuntimeError(f"decode batch {batch} x {context} tokens: a request finished before the "
+                                   "batch was formed (raise --max-num-batched-tokens or lower the batch)")
             e.step()  # warm-up: the first step of the pure decode batch
             times = []
             for _ in range(self.decode_steps):

@@ -95,6 +95,13 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        device = getattr(engine, "device", None)
+        if device is not None and getattr(device, "type", None) == "cuda":
+            # the current CUDA device is per thread: kernels launched here (Triton uses the
+            # current device) must go to the engine's GPU when the process sees several
+            import torch
+
+            torch.cuda.set_device(device)
         while not self._stop.is_set():
             self._drain()
             if not engine.has_unfinished_requests():
