@@ -78,7 +78,8 @@ def main() -> int:
     # ---- 1. the cast ------------------------------------------------------------------------
     print("1. float32 -> e4m3 byte (kernel) vs torch cast of clamp(x, -448, 448)")
     every_bf16 = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
-    bits = torch.randint(-(1 << 31), (1 << 31) - 1, (1 << 20,), generator=gen).to(torch.int32)
+    small = dev == "cpu"  # the interpreter is slow: fewer random values, shorter sequences
+    bits = torch.randint(-(1 << 31), (1 << 31) - 1, (1 << (14 if small else 20),), generator=gen).to(torch.int32)
     grid = torch.arange(256, dtype=torch.uint8).view(kv_quant.FP8_DTYPE).float()
     grid = grid[~torch.isnan(grid)].sort().values
     mids = (grid[:-1] + grid[1:]) / 2
@@ -144,8 +145,10 @@ def main() -> int:
 
     # ---- 4. attention over FP8 pools ----------------------------------------------------------
     print("4. attention over FP8 pools written by the Triton write: Triton vs torch path")
-    for seq_lens, hq, hk, d, bs in [([7, 130, 45, 1000], 9, 3, 64, 16), ([1, 100, 1000, 4097], 32, 8, 128, 16),
-                                    ([33, 700], 12, 2, 64, 32)]:
+    cases = [([7, 130, 45, 1000], 9, 3, 64, 16), ([1, 100, 1000, 4097], 32, 8, 128, 16), ([33, 700], 12, 2, 64, 32)]
+    if small:
+        cases = [([7, 40, 17], 9, 3, 64, 16), ([33, 70], 4, 2, 32, 32)]
+    for seq_lens, hq, hk, d, bs in cases:
         blocks = [-(-n // bs) for n in seq_lens]
         nb = sum(blocks) + 2
         order = torch.randperm(nb, generator=gen)
@@ -215,7 +218,7 @@ def compare_pools(label, src, slots, ref_pool, tri_pool, kv_quant, report, check
            f"max abs error vs ref {err:.3g} (quantization error vs input {q_err:.3g})" + examples(rows))
     if check_whole:
         whole = torch.equal(ref_pool.view(torch.uint8), tri_pool.view(torch.uint8))
-        report(f"{label} whole pool", whole, "equal" if whole else "differ (outside the written slots?)")
+        report(f"{label} whole pool", whole, "equal" if whole else "differ (scale rows and untouched slots included)")
 
 
 def attn_report(label, got, want, unquantized, report):
