@@ -93,9 +93,10 @@ def _e4m3_bits(x):
     e = tl.maximum(a >> 23, 1)
     m = tl.where((a >> 23) > 0, (a & 0x7FFFFF) | 0x800000, a & 0x7FFFFF)
     s = tl.minimum(141 - e, 31)  # |x| = m * 2^(e - 150) = (m >> s) * 2^-9 + remainder
+    one = tl.zeros_like(s) + 1  # tensor << tensor: no reliance on int.__rlshift__ support
     q = m >> s
-    rem = m & ((1 << s) - 1)
-    half = 1 << (s - 1)
+    rem = m & ((one << s) - 1)
+    half = one << (s - 1)
     q += ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
     bits = tl.where(a >= 0x3C800000, normal, q)
     return tl.where(is_nan, 0x7F, bits) | sign
