@@ -8,9 +8,20 @@ scales wherever it goes (prefix cache, KV transfer: a block is still one unit of
 a pool of 17 rows of one byte moves 17/32 of the bytes of a 16-row bf16 pool.
 
 Scales are per token and per head (the finest "per-block" choice): scale = amax(|x|) / 448
-over the head's D values, and the stored byte is round(x / scale) to e4m3 (saturating at
-448 by construction). A token's scale is fixed when its K/V is written, so decode never
-requantizes older tokens. Dequantized value: fp8 * scale.
+over the head's D values, and the stored byte is round(x / scale) to e4m3. A token's scale is
+fixed when its K/V is written, so decode never requantizes older tokens. Dequantized value:
+fp8 * scale.
+
+Bit for bit, on every device and in the Triton kernels (compiled or interpreted):
+* both divisions are correctly rounded float32 divisions. The torch path divides in float64
+  and rounds once to float32 (the same result: 53 >= 2 * 24 + 2 bits), because `t / 448.0`
+  on CUDA multiplies by a rounded reciprocal and is 1 ulp off for about half the values;
+* a scale that is 0 (amax 0, or amax / 448 underflowing) is 1;
+* x / scale is clamped to [-448, 448] before the cast (so no NaN from overflow: torch's cast
+  does not saturate, the GPU's cvt does);
+* the cast rounds to nearest, ties to even, subnormals included. The kernels do it with integer
+  bit arithmetic (kernels/cache.py `_e4m3_bits`) instead of Triton's fp8 cast, whose
+  interpreter rounds ties up and loses the carry into the exponent.
 
 `pool_block_size` recovers BS from a pool of either kind; the attention kernels take such a
 pool and read rows `block * (BS + R) + offset`.
@@ -73,12 +84,24 @@ def split_pool(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pool[:, :bs], scales.transpose(1, 2)
 
 
+def fp8_scales(amax: torch.Tensor) -> torch.Tensor:
+    """float32 amax [...] -> float32 scales: amax / 448 correctly rounded, 1 where that is 0."""
+    scale = (amax.double() / FP8_MAX).float()
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 x [..., D] / scale [..., 1] (correctly rounded), clamped to +-448, cast with
+    round-to-nearest-even: what the kernels store."""
+    q = (x.double() / scale.double()).float()
+    return q.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (float8 [..., D], float32 scales [...]), one scale per row of D."""
     xf = x.float()
-    amax = xf.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return (xf / scale[..., None]).to(FP8_DTYPE), scale
+    scale = fp8_scales(xf.abs().amax(dim=-1))
+    return to_e4m3(xf, scale[..., None]), scale
 
 
 def dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

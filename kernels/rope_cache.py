@@ -17,7 +17,8 @@ import torch
 
 from kernels._jit import TritonKernels, check_tensor, next_power_of_2
 from kernels import kv_quant
-from kernels.cache import _check_cache_shapes, fp8_kernel_args, write_kv_cache_ref
+from kernels.cache import _e4m3_bits  # noqa: F401 (JIT helper)
+from kernels.cache import _check_cache_shapes, fp8_kernel_args, fp8_store_views, write_kv_cache_ref
 from kernels.dispatch import kernel_backend
 from kernels.rope import _rope_rotate, _store_halves, apply_rope_ref  # noqa: F401 (JIT helpers)
 
@@ -31,7 +32,7 @@ def _rope_write_kv_kernel(
     k_ptr,  # [T, HK, D], strides (stride_kt, stride_kh, 1)
     v_ptr,  # [T, HK, D], strides (stride_vt, stride_vh, 1)
     q_out_ptr,  # [T, HQ, D] contiguous
-    k_cache_ptr,  # [NB, ROWS, HK, D] contiguous (ROWS = BS, or BS + scale rows for FP8)
+    k_cache_ptr,  # [NB, ROWS, HK, D] contiguous (ROWS = BS, or BS + scale rows for FP8: seen as uint8)
     v_cache_ptr,  # [NB, ROWS, HK, D] contiguous
     k_scale_ptr,  # FP8: the K pool seen as float32 (kernels.kv_quant); else unused
     v_scale_ptr,  # FP8: the V pool seen as float32; else unused
@@ -95,16 +96,19 @@ def _rope_write_kv_kernel(
 
 
 def _store_fp8_halves(dst, scale_dst, x1, x2, mask, head_mask, HALF: tl.constexpr):
-    """e4m3 with one scale per head row over both halves (kernels.kv_quant.quantize)."""
+    """e4m3 with one scale per head row over both halves, dst uint8: bit for bit
+    kernels.kv_quant.quantize, like kernels.cache._store_fp8."""
     amax = tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1))
-    scale = tl.where(amax > 0.0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+    scale = tl.where(scale > 0.0, scale, 1.0)
     s = tl.broadcast_to(scale[:, None], x1.shape)
-    tl.store(dst, tl.math.div_rn(x1, s).to(dst.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, tl.math.div_rn(x2, s).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst, _e4m3_bits(tl.math.div_rn(x1, s)).to(tl.uint8), mask=mask)
+    tl.store(dst + HALF, _e4m3_bits(tl.math.div_rn(x2, s)).to(tl.uint8), mask=mask)
     tl.store(scale_dst, scale, mask=head_mask)
 
 
-_TRITON = TritonKernels(globals(), "_rope_rotate", "_store_halves", "_store_fp8_halves", "_rope_write_kv_kernel")
+_TRITON = TritonKernels(globals(), "_rope_rotate", "_store_halves", "_e4m3_bits", "_store_fp8_halves",
+                       "_rope_write_kv_kernel")
 
 
 def _check_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> None:
@@ -145,8 +149,9 @@ def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     if t > 0:
         k_scale, v_scale, fp8_args = fp8_kernel_args(k_cache, v_cache)
+        k_data, v_data = fp8_store_views(k_cache, v_cache)
         _TRITON.get("_rope_write_kv_kernel")[(t,)](
-            q, k, v, q_out, k_cache, v_cache, k_scale, v_scale, positions, slot_mapping, cos_sin,
+            q, k, v, q_out, k_data, v_data, k_scale, v_scale, positions, slot_mapping, cos_sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hq, hk,
             HALF=d // 2, BLOCK_HQ=next_power_of_2(hq), BLOCK_HK=next_power_of_2(hk),
             **fp8_args, num_warps=4,

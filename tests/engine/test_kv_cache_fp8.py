@@ -81,21 +81,38 @@ def greedy_runs(device: str, model_dtype: str, full: str) -> dict[str, list]:
     return runs
 
 
+def describe(runs: dict[str, list]) -> str:
+    """Prompt by prompt: (token, logprob) of both runs up to the first difference, then the
+    top-3 of each there: what a failing GPU run has to show."""
+    lines = []
+    for i, (full, fp8) in enumerate(zip(runs["full"], runs["fp8"])):
+        pairs = []
+        for a, b in zip(full, fp8):
+            pairs.append(f"{a.token_id}:{a.logprob:.3f}/{b.token_id}:{b.logprob:.3f}")
+            if a.token_id != b.token_id:
+                tops = [[(t, round(lp, 3)) for t, lp in x.top] for x in (a, b)]
+                pairs.append(f"top full {tops[0]} fp8 {tops[1]}")
+                break
+        lines.append(f"prompt {i} (full/fp8): " + " ".join(pairs))
+    return "\n".join(lines)
+
+
 def assert_within_tolerance(runs: dict[str, list]) -> None:
     """The module docstring's tolerance, prompt by prompt."""
+    why = describe(runs)
     first_agree = 0
     for full, fp8 in zip(runs["full"], runs["fp8"]):
-        assert full and fp8
+        assert full and fp8, why
         first_agree += full[0].token_id == fp8[0].token_id
         for a, b in zip(full, fp8):
             if a.token_id == b.token_id:
-                assert abs(a.logprob - b.logprob) < NATS
+                assert abs(a.logprob - b.logprob) < NATS, why
                 continue
             a_top = dict(a.top)
-            assert b.token_id in a_top and a.token_id in dict(b.top)
-            assert a.logprob - a_top[b.token_id] < NATS
+            assert b.token_id in a_top and a.token_id in dict(b.top), why
+            assert a.logprob - a_top[b.token_id] < NATS, why
             break
-    assert first_agree >= len(QUESTIONS) - 1
+    assert first_agree >= len(QUESTIONS) - 1, why
 
 
 def test_fp8_on_cuda_needs_the_experimental_switch(monkeypatch):
