@@ -84,10 +84,11 @@ WAIT_POLL_S = 0.1  # while a request waits for a worker, placement is retried th
 # posted to the last one completed), `kv_wait` (time before the first message was posted:
 # connecting, in-flight slots, pacing), `kv_tail` (KV still in flight after the first token),
 # `prefill_rpc` (the whole Prefill call, as the router saw it), `first_decode` (D's Decode call to
-# its first token), `kv_bytes`, `kv_gbps`; both kinds: `placement` (disaggregated | local),
+# its first token), `kv_bytes`, `kv_gbps`, `kv_done_at` (wall clock, time.time(), when the Prefill
+# call returned: the transfer ran over [kv_done_at - kv, kv_done_at]); both kinds: `placement` (disaggregated | local),
 # `prefill_worker` / `decode_worker` (ids), `attempts`.
 TIMING_KEYS = ("place", "reserve", "queue", "prefill", "kv", "kv_wire", "kv_wait", "kv_tail", "prefill_rpc",
-               "first_decode", "kv_bytes", "kv_gbps", "placement", "prefill_worker", "decode_worker", "attempts")
+               "first_decode", "kv_bytes", "kv_gbps", "kv_done_at", "placement", "prefill_worker", "decode_worker", "attempts")
 
 
 # (client, worker-side request id) of one worker's part in a request
@@ -564,7 +565,7 @@ class ClusterBackend:
             "reserve": reserve_s, "queue": queue, "prefill": result.prefill_seconds - queue,
             "kv": result.kv_seconds, "kv_wire": phases.get("wire"), "kv_wait": phases.get("queue"),
             "kv_tail": max(0.0, result.kv_seconds - phases.get("stage", result.kv_seconds)),
-            "prefill_rpc": prefill_rpc_s, "kv_bytes": result.kv_bytes,
+            "prefill_rpc": prefill_rpc_s, "kv_bytes": result.kv_bytes, "kv_done_at": time.time(),
             "kv_gbps": result.kv_bytes * 8 / result.kv_seconds / 1e9 if result.kv_seconds > 0 else None,
         }
 
