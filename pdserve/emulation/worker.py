@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     ours = pre.parse_args(argv[:split])
 
-    from launcher.cli import build_parser, engine_config
+    from launcher.cli import _cluster_token, build_parser, engine_config
     from launcher.cluster.standalone import default_worker_id, run_worker
     from pdserve.emulation.pacing_spec import FILE_PREFIX, PACER_OPTION, parse_pacing, read_pacing_file
     from pdserve.worker.server import WorkerConfig
@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     config = WorkerConfig(
         worker_id=args.worker_id or default_worker_id(args.role, args.port), role=args.role,
         engine=engine_config(args, args.role), host=args.host, port=args.port, kv_backend=args.kv_backend,
-        kv_host=args.kv_host or args.host, kv_options=((PACER_OPTION, ours.kv_pacing),))
+        kv_host=args.kv_host or args.host, kv_options=((PACER_OPTION, ours.kv_pacing),),
+        cluster_token=_cluster_token(args))
     return run_worker(config)
 
 
