@@ -39,6 +39,8 @@ from pathlib import Path
 
 import yaml
 
+from pdserve.emulation.pacing_spec import parse_pacing
+
 CLUSTER_FILE = "cluster.json"
 LINKS_FILE = "links.jsonl"
 GPU_SAMPLES_FILE = "gpu_samples.csv"
@@ -77,10 +79,11 @@ def link_rates(cluster: dict, bandwidth: float, slow: set[tuple[str, str]], slow
     return rates
 
 
-def pacing_text(cluster: dict, prefill_id: str, rates: dict[str, float]) -> str:
+def pacing_text(cluster: dict, prefill_id: str, rates: dict[str, float], burst: str | None = None) -> str:
     """The pacing spec of one prefill worker: one entry per decode worker's KV address."""
     kv = {w["id"]: w["kv"] for w in cluster["workers"] if w["role"] == "decode"}
-    return ",".join(f"{kv[d]}={rates[f'{prefill_id}->{d}']:g}" for d in sorted(kv))
+    entries = [f"{kv[d]}={rates[f'{prefill_id}->{d}']:g}" for d in sorted(kv)]
+    return ",".join(entries + ([f"burst={burst}"] if burst else []))
 
 
 def topology_document(cluster: dict, rates: dict[str, float]) -> dict:
@@ -92,13 +95,15 @@ def topology_document(cluster: dict, rates: dict[str, float]) -> dict:
     return {"workers": {w["id"]: w["id"] for w in cluster["workers"]}, "links": links}
 
 
-def apply_links(state: Path, cluster: dict, rates: dict[str, float], label: dict) -> Path:
+def apply_links(state: Path, cluster: dict, rates: dict[str, float], label: dict, burst: str | None = None) -> Path:
     """Rewrites every prefill worker's pacing file and the topology; returns the topology path."""
     for w in cluster["workers"]:
         if w["role"] == "prefill":
             path = state / w["pacing_file"]
             tmp = path.with_suffix(".tmp")
-            tmp.write_text(f"# {json.dumps(label)}\n{pacing_text(cluster, w['id'], rates)}\n")
+            text = pacing_text(cluster, w["id"], rates, burst)
+            parse_pacing(text)  # a bad --burst fails here, not in the worker
+            tmp.write_text(f"# {json.dumps(label)}\n{text}\n")
             os.replace(tmp, path)  # the worker never reads half a file
     topology = state / "topology.yaml"
     topology.write_text(yaml.safe_dump(topology_document(cluster, rates), sort_keys=False))
@@ -137,7 +142,11 @@ def run_router(args: argparse.Namespace) -> int:
     state = Path(args.state)
     cluster = load_cluster(state)
     rates = link_rates(cluster, args.bandwidth, parse_pairs(args.slow, cluster), args.slow_factor)
-    topology = apply_links(state, cluster, rates, {"policy": args.policy, "bandwidth_gbps": args.bandwidth})
+    try:
+        topology = apply_links(state, cluster, rates, {"policy": args.policy, "bandwidth_gbps": args.bandwidth},
+                               args.burst)
+    except ValueError as e:
+        raise PacedError(f"--burst {args.burst}: {e}") from None
     argv = router_argv(cluster, args, topology)
     env = dict(os.environ) | {TOKEN_ENV: (state / cluster["token_file"]).read_text().strip()}
     print(f"launcher.paced: links {rates}; {args.policy} router on {args.host}:{args.port}", file=sys.stderr, flush=True)
@@ -293,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--bandwidth", type=float, required=True, help="Gbit/s of every pair but the --slow ones")
     r.add_argument("--slow", action="append", default=[], metavar="P:D", help="a slow pair (repeatable)")
     r.add_argument("--slow-factor", type=float, default=0.1, help="slow pairs get bandwidth x this")
+    r.add_argument("--burst", default=None, metavar="BYTES",
+                   help="token bucket depth of every link, e.g. 64KiB (default 1MiB); keep it well under one "
+                        "request's KV, or the first part of each transfer is not paced")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, required=True)
     r.add_argument("--profile", default=None, help="`pdserve profile` JSON (network-aware only)")
