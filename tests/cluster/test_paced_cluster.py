@@ -98,3 +98,10 @@ def test_gpu_sampler_parsers_and_missing_smi(tmp_path):
     assert not sampler.available and (tmp_path / "gpu.csv").read_text().startswith("time_unix,source")
     with pytest.raises(ValueError, match="interval_s"):
         GpuSampler(tmp_path / "g.csv", {}, interval_s=0)
+
+
+def test_router_gets_the_saved_tokenizer(tmp_path):
+    argv = router_argv(CLUSTER | {"tokenizer": "tokenizer"}, _args("round-robin", state=str(tmp_path)),
+                       tmp_path / "t.yaml")
+    assert argv[argv.index("--tokenizer") + 1] == str(tmp_path / "tokenizer")
+    assert "--tokenizer" not in router_argv(CLUSTER, _args("round-robin"), tmp_path / "t.yaml")
