@@ -12,7 +12,10 @@
 # 3. loadgen runs the spec (records, summary.csv, report.md under the spec's output_dir).
 # 4. The cluster's files (link rates per configuration, GPU samples, worker tails) are copied
 #    next to the results and experiments/analyze_grid.py writes analysis/ (CSV, plots, grid.md).
-# The workers are stopped on any exit. Environment: PYTHON (default python3), PROFILE.
+# The workers are stopped on any exit. Environment: PYTHON (default python3), PROFILE, and
+# DEADLINE_S (default 500): seconds from the start after which the sweep is stopped like Ctrl-C
+# (the runs done so far are kept and analysed), so that one device call of ~9 minutes always
+# brings results back.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-gpu}
@@ -80,8 +83,15 @@ until [ -f "$STATE/cluster.json" ]; do
 done
 echo "workers up at +$(( $(date +%s) - start ))s"
 
-python3 -m loadgen.cli experiment "$SPEC" --output-dir "$OUT"
-echo "grid done at +$(( $(date +%s) - start ))s"
+left=$(( ${DEADLINE_S:-500} - ($(date +%s) - start) ))
+[ "$left" -gt 10 ] || { echo "no time left for the sweep (DEADLINE_S=${DEADLINE_S:-500})" >&2; exit 1; }
+rc=0
+timeout -s INT -k 30 "$left" python3 -m loadgen.cli experiment "$SPEC" --output-dir "$OUT" || rc=$?
+case $rc in
+  0) echo "grid done at +$(( $(date +%s) - start ))s" ;;
+  124|130) echo "grid stopped at the deadline (+$(( $(date +%s) - start ))s): analysing the runs done" ;;
+  *) echo "loadgen exited with $rc" >&2 ;;
+esac
 
 mkdir -p "$OUT/cluster"
 cp "$STATE/profile.json" "$STATE/links.jsonl" "$STATE/cluster.json" "$OUT/cluster/"
