@@ -12,7 +12,8 @@ rate of every pair per configuration; gpu_samples.csv; cluster.json). Writes <ex
 - ratios.csv: network-aware's goodput over round-robin's and least-loaded's, per link rate (best
   over the request rates) and per point;
 - links.csv: per run and pair, achieved Gbit/s (KV bytes over the time the pair had a transfer
-  in flight) against the SET rate, flagged when more than 5% off;
+  in flight) against the SET rate, flagged when more than 5% off; the pair's mean Gbit/s over
+  the whole run and the share of the run it was busy (network utilisation);
 - grid.md (all tables) and plots/*.png (when matplotlib is there).
 
 Runs anywhere the results are (no GPU, no pdserve import): copy the directory and rerun it.
@@ -194,13 +195,16 @@ def grid_rows(exp: Path) -> tuple[list[dict], list[dict]]:
         out |= gpu_utilisation(samples, _float(row.get("start_time_unix")), _float(row.get("duration_s")))
         grid.append(out)
         set_rates = links_set.get((policy, bandwidth), {})
+        duration = _float(row.get("duration_s"))
         for pair, a in sorted(achieved_rates(records).items()):
             target = set_rates.get(pair)
             ratio = a["achieved_gbps"] / target if target and a["achieved_gbps"] else None
+            mean_gbps = a["bytes"] * 8 / duration / 1e9 if duration else None
             links.append({"policy": policy, "bandwidth_gbps": bandwidth, "rate": rate, "pair": pair,
                           "set_gbps": target, "achieved_gbps": a["achieved_gbps"], "ratio": ratio,
                           "off_by_more_than_5pct": ratio is not None and abs(ratio - 1) > OFF_TOLERANCE,
-                          "transfers": a["transfers"], "busy_s": a["busy_s"], "bytes": a["bytes"]})
+                          "transfers": a["transfers"], "busy_s": a["busy_s"], "bytes": a["bytes"],
+                          "run_mean_gbps": mean_gbps, "busy_share": a["busy_s"] / duration if duration else None})
     return grid, links
 
 
@@ -293,11 +297,13 @@ def markdown(exp: Path, grid: list[dict], ratios: list[dict], links: list[dict])
               "layer by layer while the prefill computes is paced by the compute, not the link, so a fast link "
               "reads low when the prefill is slower than it; compare with the KV wire time above.", "",
               f"{len(flagged)} of {len(links)} (run, pair) entries are more than 5% off their SET rate.", "",
-              "| link Gbit/s | policy | rate | pair | SET | achieved | ratio | transfers | flag |", "|---|---|---|---|---|---|---|---|---|"]
+              "| link Gbit/s | policy | rate | pair | SET | achieved | ratio | transfers | busy share | mean over run | flag |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for link in links:
         lines.append(f"| {link['bandwidth_gbps']:g} | {link['policy']} | {link['rate']:g} | {link['pair']} | "
                      f"{_fmt(link['set_gbps'])} | {_fmt(link['achieved_gbps'])} | {_fmt(link['ratio'])} | "
-                     f"{link['transfers']} | {'OFF >5%' if link['off_by_more_than_5pct'] else ''} |")
+                     f"{link['transfers']} | {_fmt(link['busy_share'], 100, 0)}% | {_fmt(link['run_mean_gbps'])} | "
+                     f"{'OFF >5%' if link['off_by_more_than_5pct'] else ''} |")
     util_keys = sorted({k for g in grid for k in g if k.startswith("gpu_util")})
     lines += ["", "## GPU utilisation (mean SM %, per run)", ""]
     if util_keys:

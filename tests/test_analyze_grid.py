@@ -78,6 +78,8 @@ def test_tables_ratios_links_and_gpu(exp):
     links = {(r["policy"], r["pair"]): r for r in csv.DictReader(open(exp / "analysis" / "links.csv"))}
     assert float(links[("round-robin", "p0->d0")]["achieved_gbps"]) == pytest.approx(0.8)
     assert links[("round-robin", "p0->d0")]["off_by_more_than_5pct"] == "True"
+    assert float(links[("round-robin", "p0->d0")]["run_mean_gbps"]) == pytest.approx(160e6 / 3.0 / 1e9)
+    assert float(links[("round-robin", "p0->d0")]["busy_share"]) == pytest.approx(0.2 / 3.0)
     assert float(links[("network-aware", "p1->d0")]["achieved_gbps"]) == pytest.approx(1.0)
     assert links[("network-aware", "p1->d0")]["off_by_more_than_5pct"] == "False"
     text = md.read_text()
