@@ -2,6 +2,7 @@
 # The link-rate x policy grid in one command (issue 16), from the repository root:
 #
 #   experiments/run_gpu_grid.sh            # GPU: experiments/gpu-grid.yaml, random:llama-3.1-8b
+#   experiments/run_gpu_grid.sh gpu-smoke  # GPU, ~2 minutes: experiments/gpu-grid-smoke.yaml (2 runs)
 #   experiments/run_gpu_grid.sh cpu        # CPU proof of the same path: experiments/gpu-grid-cpu.yaml
 #
 # 1. The network-aware policy's profile: $PROFILE if given (a `pdserve profile` JSON measured on
@@ -21,8 +22,9 @@ cd "$(dirname "$0")/.."
 MODE=${1:-gpu}
 PY=${PYTHON:-python3}
 case "$MODE" in
-  gpu)
-    SPEC=experiments/gpu-grid.yaml; STATE=results/gpu-grid-state; OUT=experiments/results/gpu-grid
+  gpu|gpu-smoke)
+    NAME=gpu-grid; [ "$MODE" = gpu-smoke ] && NAME=gpu-grid-smoke
+    SPEC=experiments/$NAME.yaml; STATE=results/$NAME-state; OUT=experiments/results/$NAME
     MODEL=random:llama-3.1-8b
     NGPU=$(nvidia-smi --list-gpus | wc -l)
     [ "$NGPU" -ge 1 ] || { echo "no GPU: use '$0 cpu'" >&2; exit 2; }
@@ -32,6 +34,8 @@ case "$MODE" in
     WORKER_ARGS=(--gpu-memory-fraction "$FRACTION")
     PROFILE_ARGS=(--prefill-tokens 256,512,768,1024,2048 --decode-batches 1,8,32 --decode-contexts 512,1024
                   --repeats 2 --decode-steps 4)
+    [ "$MODE" = gpu-smoke ] && PROFILE_ARGS=(--prefill-tokens 512,1024 --decode-batches 1,8 --decode-contexts 1024
+                                             --repeats 1 --decode-steps 2)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     ;;
   cpu)
@@ -42,7 +46,7 @@ case "$MODE" in
                   --decode-contexts 64,128 --repeats 1 --decode-steps 2)
     export OMP_NUM_THREADS=1
     ;;
-  *) echo "usage: $0 [gpu|cpu]" >&2; exit 2 ;;
+  *) echo "usage: $0 [gpu|gpu-smoke|cpu]" >&2; exit 2 ;;
 esac
 
 # The spec's launch command says `python3`; make that this interpreter.
