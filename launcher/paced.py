@@ -198,6 +198,17 @@ def save_tokenizer(model: str, directory: Path) -> str | None:
     return directory.name
 
 
+def _die_with_parent() -> None:
+    """In the worker (preexec_fn): SIGTERM when the launcher dies, however it dies (Linux), so that
+    no worker outlives it holding a GPU."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def _listening(log: Path) -> tuple[str, str] | None:
     """(grpc address, kv address) from a worker's `listening on` line."""
     for line in log.read_text(errors="replace").splitlines():
@@ -242,7 +253,8 @@ def run_workers(args: argparse.Namespace, extra: list[str]) -> int:
                 env["CUDA_VISIBLE_DEVICES"] = w["gpu"]
             with open(state / f"{w['id']}.log", "wb") as log:
                 procs[w["id"]] = subprocess.Popen(worker_argv(w, args.model, w["port"], state, extra), env=env,
-                                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                                  preexec_fn=_die_with_parent)
         tokenizer = save_tokenizer(args.model, state / "tokenizer")  # while the workers load
         deadline = time.monotonic() + args.startup_timeout_s
         pending = {w["id"] for w in plan}
