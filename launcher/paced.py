@@ -12,8 +12,10 @@ sends per destination with a token bucket whose rates it re-reads from a file
 
 1. `workers` starts the workers as standalone processes (`pdserve worker`; prefill ones through
    `pdserve.emulation.worker --kv-pacing file:DIR/pacing-<id>.txt`); pair i (prefill i,
-   decode i) runs on GPU `gpus[i % len(gpus)]` (CUDA_VISIBLE_DEVICES), so with fewer GPUs than
-   workers they share one. It waits until every worker listens, writes DIR/cluster.json, samples
+   decode i) runs on GPU `gpus[i % len(gpus)]`, so with fewer GPUs than workers they share one.
+   CUDA_VISIBLE_DEVICES lists that GPU first and the others after it: the worker computes on its
+   own GPU (cuda:0 in the process) and still sees the others, so that UCX's cuda_ipc can map a
+   peer GPU's memory for KV between pairs on different GPUs. It waits until every worker listens, writes DIR/cluster.json, samples
    GPU utilisation into DIR/gpu_samples.csv (launcher.gpu_sampler) and serves until SIGTERM or
    SIGINT, then stops the workers.
 2. `router` (one per experiment configuration: the loadgen launch command) sets every pair's
@@ -165,13 +167,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def plan_workers(prefill: int, decode: int, gpus: list[str]) -> list[dict]:
-    """Worker ids, roles and GPUs: pair i (p<i>, d<i>) on gpus[i % len(gpus)] (None: no GPU)."""
+    """Worker ids, roles, GPUs and CUDA_VISIBLE_DEVICES: pair i (p<i>, d<i>) on gpus[i % len(gpus)]
+    (None: no GPU), listed first among all of `gpus`."""
     if prefill < 1 or decode < 1:
         raise PacedError(f"need at least one prefill and one decode worker, got --prefill {prefill} --decode {decode}")
     plan = []
     for role, n, prefix in (("prefill", prefill, "p"), ("decode", decode, "d")):
         for i in range(n):
-            plan.append({"id": f"{prefix}{i}", "role": role, "gpu": gpus[i % len(gpus)] if gpus else None})
+            gpu = gpus[i % len(gpus)] if gpus else None
+            visible = ",".join([gpu] + [g for g in gpus if g != gpu]) if gpu is not None else None
+            plan.append({"id": f"{prefix}{i}", "role": role, "gpu": gpu, "visible_devices": visible})
     return plan
 
 
@@ -249,8 +254,9 @@ def run_workers(args: argparse.Namespace, extra: list[str]) -> int:
                 w["pacing_file"] = f"pacing-{w['id']}.txt"
                 (state / w["pacing_file"]).write_text(f"default={args.initial_gbps:g}\n")
             env = dict(os.environ) | {TOKEN_ENV: token}
-            if w["gpu"] is not None:
-                env["CUDA_VISIBLE_DEVICES"] = w["gpu"]
+            if w["visible_devices"] is not None:
+                env["CUDA_VISIBLE_DEVICES"] = w["visible_devices"]
+                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the indices nvidia-smi shows
             with open(state / f"{w['id']}.log", "wb") as log:
                 procs[w["id"]] = subprocess.Popen(worker_argv(w, args.model, w["port"], state, extra), env=env,
                                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -28,10 +28,12 @@ CLUSTER = {"model": "random:tiny-llama", "token_file": "token", "workers": [
 
 def test_plan_puts_pair_i_on_gpu_i_mod_n():
     plan = plan_workers(2, 2, ["0", "1"])
-    assert [(w["id"], w["role"], w["gpu"]) for w in plan] == [
-        ("p0", "prefill", "0"), ("p1", "prefill", "1"), ("d0", "decode", "0"), ("d1", "decode", "1")]
+    assert [(w["id"], w["role"], w["gpu"], w["visible_devices"]) for w in plan] == [
+        ("p0", "prefill", "0", "0,1"), ("p1", "prefill", "1", "1,0"), ("d0", "decode", "0", "0,1"),
+        ("d1", "decode", "1", "1,0")]
     assert {w["gpu"] for w in plan_workers(2, 2, ["0"])} == {"0"}
     assert {w["gpu"] for w in plan_workers(1, 1, [])} == {None}
+    assert {w["visible_devices"] for w in plan_workers(1, 1, [])} == {None}
     with pytest.raises(PacedError, match="at least one prefill"):
         plan_workers(0, 2, [])
 
