@@ -251,6 +251,10 @@ def _fmt(v, scale: float = 1.0, digits: int = 2) -> str:
     return f"{v * scale:.{digits}f}" if isinstance(v, (int, float)) else str(v)
 
 
+def _gbps(v) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
 def markdown(exp: Path, grid: list[dict], ratios: list[dict], links: list[dict]) -> str:
     env = json.loads((exp / "environment.json").read_text()) if (exp / "environment.json").is_file() else {}
     cluster = json.loads((exp / "cluster" / "cluster.json").read_text()) if (exp / "cluster" / "cluster.json").is_file() else {}
@@ -301,8 +305,8 @@ def markdown(exp: Path, grid: list[dict], ratios: list[dict], links: list[dict])
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for link in links:
         lines.append(f"| {link['bandwidth_gbps']:g} | {link['policy']} | {link['rate']:g} | {link['pair']} | "
-                     f"{_fmt(link['set_gbps'])} | {_fmt(link['achieved_gbps'])} | {_fmt(link['ratio'])} | "
-                     f"{link['transfers']} | {_fmt(link['busy_share'], 100, 0)}% | {_fmt(link['run_mean_gbps'])} | "
+                     f"{_gbps(link['set_gbps'])} | {_gbps(link['achieved_gbps'])} | {_fmt(link['ratio'])} | "
+                     f"{link['transfers']} | {_fmt(link['busy_share'], 100, 0)}% | {_gbps(link['run_mean_gbps'])} | "
                      f"{'OFF >5%' if link['off_by_more_than_5pct'] else ''} |")
     util_keys = sorted({k for g in grid for k in g if k.startswith("gpu_util")})
     lines += ["", "## GPU utilisation (mean SM %, per run)", ""]
