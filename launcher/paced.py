@@ -123,6 +123,21 @@ def load_cluster(state: Path) -> dict:
                          f"--state {state}` first") from None
 
 
+def check_alive(cluster: dict, state: Path) -> None:
+    """PacedError naming the workers whose process is gone, so that a router is not started (and
+    waited for) over a dead cluster."""
+    dead = []
+    for w in cluster["workers"]:
+        try:
+            os.kill(int(w["pid"]), 0)
+        except ProcessLookupError:
+            dead.append(w["id"])
+        except (PermissionError, KeyError, TypeError, ValueError):
+            pass  # another user's process, or no pid recorded: the router's health check decides
+    if dead:
+        raise PacedError(f"worker(s) {', '.join(dead)} not running; their logs are in {state}")
+
+
 def router_argv(cluster: dict, args: argparse.Namespace, topology: Path) -> list[str]:
     argv = [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level, "router",
             "--model", cluster["model"], "--policy", args.policy, "--host", args.host, "--port", str(args.port),
@@ -145,6 +160,7 @@ def run_router(args: argparse.Namespace) -> int:
 
     state = Path(args.state)
     cluster = load_cluster(state)
+    check_alive(cluster, state)
     rates = link_rates(cluster, args.bandwidth, parse_pairs(args.slow, cluster), args.slow_factor)
     try:
         topology = apply_links(state, cluster, rates, {"policy": args.policy, "bandwidth_gbps": args.bandwidth},

@@ -3,6 +3,7 @@ sampler's parsers, without starting workers."""
 
 import argparse
 import json
+import os
 
 import pytest
 
@@ -107,3 +108,17 @@ def test_router_gets_the_saved_tokenizer(tmp_path):
                        tmp_path / "t.yaml")
     assert argv[argv.index("--tokenizer") + 1] == str(tmp_path / "tokenizer")
     assert "--tokenizer" not in router_argv(CLUSTER, _args("round-robin"), tmp_path / "t.yaml")
+
+
+def test_router_refuses_a_dead_cluster(tmp_path):
+    import subprocess
+    import sys
+
+    from launcher.paced import check_alive
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    cluster = {"workers": [{"id": "p0", "pid": os.getpid()}, {"id": "d0", "pid": gone.pid}]}
+    with pytest.raises(PacedError, match="d0 not running"):
+        check_alive(cluster, tmp_path)
+    check_alive({"workers": [{"id": "p0", "pid": os.getpid()}]}, tmp_path)
