@@ -286,7 +286,8 @@ def markdown(exp: Path, grid: list[dict], ratios: list[dict], links: list[dict])
               "transfer's visible part); rest: HTTP, tokenizing, streaming. first decode: D's first step, after "
               "the first token. KV wire: first message posted to the last one done; KV wait: before the first "
               "was posted (pacing, connecting).", "",
-              "| link Gbit/s | policy | rate | TTFT | place | reserve | queue | prefill | kv_after | rest | kv_after share | first decode | KV wire | KV wait |",
+              "| link Gbit/s | policy | rate | TTFT | place | reserve | queue | prefill | kv_after | rest "
+              "| kv_after share | first decode | KV wire | KV wait |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in sorted(grid, key=lambda g: (g["bandwidth_gbps"], g["policy"], g["rate"])):
         share = (g["ttft_kv_after_mean"] / g["ttft_mean_timed"]

@@ -15,9 +15,10 @@ sends per destination with a token bucket whose rates it re-reads from a file
    decode i) runs on GPU `gpus[i % len(gpus)]`, so with fewer GPUs than workers they share one.
    CUDA_VISIBLE_DEVICES lists that GPU first and the others after it: the worker computes on its
    own GPU (cuda:0 in the process) and still sees the others, so that UCX's cuda_ipc can map a
-   peer GPU's memory for KV between pairs on different GPUs. It waits until every worker listens, writes DIR/cluster.json, samples
-   GPU utilisation into DIR/gpu_samples.csv (launcher.gpu_sampler) and serves until SIGTERM or
-   SIGINT, then stops the workers.
+   peer GPU's memory for KV between pairs on different GPUs. It saves the router's tokenizer,
+   waits until every worker listens, writes DIR/cluster.json, samples GPU utilisation into
+   DIR/gpu_samples.csv (launcher.gpu_sampler) and serves until SIGTERM or SIGINT, then stops the
+   workers (which also get SIGTERM if the launcher dies).
 2. `router` (one per experiment configuration: the loadgen launch command) sets every pair's
    link to `--bandwidth` Gbit/s (the `--slow` pairs to bandwidth x `--slow-factor`): it rewrites
    the prefill workers' pacing files, writes the router topology with the same SET rates,
@@ -169,7 +170,8 @@ def run_router(args: argparse.Namespace) -> int:
         raise PacedError(f"--burst {args.burst}: {e}") from None
     argv = router_argv(cluster, args, topology)
     env = dict(os.environ) | {TOKEN_ENV: (state / cluster["token_file"]).read_text().strip()}
-    print(f"launcher.paced: links {rates}; {args.policy} router on {args.host}:{args.port}", file=sys.stderr, flush=True)
+    print(f"launcher.paced: links {rates}; {args.policy} router on {args.host}:{args.port}",
+          file=sys.stderr, flush=True)
     os.execve(sys.executable, argv, env)  # the router is this process: the harness stops it
     return 0  # not reached
 

@@ -85,10 +85,11 @@ WAIT_POLL_S = 0.1  # while a request waits for a worker, placement is retried th
 # connecting, in-flight slots, pacing), `kv_tail` (KV still in flight after the first token),
 # `prefill_rpc` (the whole Prefill call, as the router saw it), `first_decode` (D's Decode call to
 # its first token), `kv_bytes`, `kv_gbps`, `kv_done_at` (wall clock, time.time(), when the Prefill
-# call returned: the transfer ran over [kv_done_at - kv, kv_done_at]); both kinds: `placement` (disaggregated | local),
-# `prefill_worker` / `decode_worker` (ids), `attempts`.
+# call returned: the transfer ran over [kv_done_at - kv, kv_done_at]); both kinds: `placement`
+# (disaggregated | local), `prefill_worker` / `decode_worker` (ids), `attempts`.
 TIMING_KEYS = ("place", "reserve", "queue", "prefill", "kv", "kv_wire", "kv_wait", "kv_tail", "prefill_rpc",
-               "first_decode", "kv_bytes", "kv_gbps", "kv_done_at", "placement", "prefill_worker", "decode_worker", "attempts")
+               "first_decode", "kv_bytes", "kv_gbps", "kv_done_at", "placement", "prefill_worker", "decode_worker",
+               "attempts")
 
 
 # (client, worker-side request id) of one worker's part in a request

@@ -21,9 +21,10 @@ workers on one node share that node's link), and so do all destinations that fal
 ``default``. ``burst`` (default 1 MiB) is the bucket depth of every link.
 
 A worker gets it through ``WorkerConfig.kv_options`` under the key ``"pacer"``, either
-as this string, as ``"file:PATH"`` (a file holding such a string, re-read whenever it
-changes: the rates of a running worker can be switched between experiment runs), (the worker builds the pacer in its own process: strings survive Ray and
-the command line, a LinkPacer with its lock does not pickle) or as a built LinkPacer;
+as this string or as ``"file:PATH"`` (a file holding such a string, re-read whenever it
+changes: the rates of a running worker can be switched between experiment runs) -- the
+worker builds the pacer in its own process: strings survive Ray and the command line, a
+LinkPacer with its lock does not pickle -- or as a built LinkPacer;
 ``create_sender(backend, caches, pacer=<LinkPacer>)`` is what kvtransfer receives.
 """
 
