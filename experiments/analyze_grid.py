@@ -10,7 +10,8 @@ rate of every pair per configuration; gpu_samples.csv; cluster.json). Writes <ex
   transfer p50/p90, the TTFT breakdown (means of place, reserve, queue, prefill, kv_tail and the
   rest), first decode step, requests per pair, GPU utilisation per worker;
 - ratios.csv: network-aware's goodput over round-robin's and least-loaded's, per link rate (best
-  over the request rates) and per point;
+  over the request rates) and per point; per link rate, whether the transfer is a visible part
+  of TTFT and whether issue 16's goodput target for that case is met (`verdict`);
 - links.csv: per run and pair, achieved Gbit/s (KV bytes over the time the pair had a transfer
   in flight) against the SET rate, flagged when more than 5% off; the pair's mean Gbit/s over
   the whole run and the share of the run it was busy (network utilisation);
@@ -217,11 +218,37 @@ def ratio_rows(grid: list[dict]) -> list[dict]:
     for bandwidth in sorted({b for b, _ in by}):
         best = {p: max((v[p] or 0.0 for (b, _), v in by.items() if b == bandwidth and p in v), default=None)
                 for p in POLICIES}
-        out.append({"bandwidth_gbps": bandwidth, "rate": "best", **_ratios(best)})
+        out.append({"bandwidth_gbps": bandwidth, "rate": "best", **_ratios(best),
+                    **verdict(grid, bandwidth, best)})
         for (b, rate), goodputs in sorted(by.items()):
             if b == bandwidth:
                 out.append({"bandwidth_gbps": b, "rate": rate, **_ratios(goodputs)})
     return out
+
+
+VISIBLE_SHARE = 0.10  # the transfer "is a visible part of TTFT" above this share (issue 16's targets)
+
+
+def verdict(grid: list[dict], bandwidth: float, best: dict) -> dict:
+    """Issue 16's targets at one link rate. `kv_share`: the KV after the first token as a share of
+    TTFT for round-robin at its lowest rate (the network's own weight, before queues build). Where
+    it is visible (>= VISIBLE_SHARE): network-aware >= 1.5x round-robin and >= 1.2x least-loaded;
+    elsewhere: network-aware >= 0.95x the best baseline."""
+    rr = sorted((g for g in grid if g["policy"] == "round-robin" and g["bandwidth_gbps"] == bandwidth),
+                key=lambda g: g["rate"])
+    share = None
+    if rr and rr[0].get("ttft_kv_after_mean") is not None and rr[0].get("ttft_mean_timed"):
+        share = rr[0]["ttft_kv_after_mean"] / rr[0]["ttft_mean_timed"]
+    na, rr_best, ll_best = best.get("network-aware"), best.get("round-robin"), best.get("least-loaded")
+    if share is None or na is None:
+        return {"kv_share": share, "network_visible": None, "target": "", "target_met": None}
+    if share >= VISIBLE_SHARE:
+        met = (rr_best is None or na >= 1.5 * rr_best) and (ll_best is None or na >= 1.2 * ll_best)
+        return {"kv_share": share, "network_visible": True, "target": "NA >= 1.5x RR and >= 1.2x LL",
+                "target_met": met}
+    baselines = [g for g in (rr_best, ll_best) if g is not None]
+    met = not baselines or na >= 0.95 * max(baselines)
+    return {"kv_share": share, "network_visible": False, "target": "NA >= 0.95x best baseline", "target_met": met}
 
 
 def _ratios(goodput: dict) -> dict:
@@ -275,12 +302,18 @@ def markdown(exp: Path, grid: list[dict], ratios: list[dict], links: list[dict])
                      f"{_fmt(g['tpot_p90'], 1e3, 1)} | {_fmt(g['goodput'])} | {_fmt(g['kv_p50'], 1e3, 0)} | "
                      f"{_fmt(g['kv_p90'], 1e3, 0)} | {g['pairs']} |")
     lines += ["", "## Goodput: network-aware over the baselines", "",
-              "| link Gbit/s | rate | RR | LL | NA | NA/RR | NA/LL |", "|---|---|---|---|---|---|---|"]
+              "best: each policy's highest goodput over the request rates. KV share: the KV after the first "
+              "token as a share of TTFT for round-robin at its lowest rate; the issue's target follows from it.", "",
+              "| link Gbit/s | rate | RR | LL | NA | NA/RR | NA/LL | KV share | target | met |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in ratios:
         rate = r["rate"] if isinstance(r["rate"], str) else f"{r['rate']:g}"
+        met = {True: "yes", False: "**no**", None: ""}[r.get("target_met")]
         lines.append(f"| {r['bandwidth_gbps']:g} | {rate} | {_fmt(r['goodput_round-robin'])} | "
                      f"{_fmt(r['goodput_least-loaded'])} | {_fmt(r['goodput_network-aware'])} | "
-                     f"{_fmt(r['na_over_rr'])} | {_fmt(r['na_over_ll'])} |")
+                     f"{_fmt(r['na_over_rr'])} | {_fmt(r['na_over_ll'])} | "
+                     f"{_fmt(r.get('kv_share'), 100, 0) + '%' if r.get('kv_share') is not None else ''} | "
+                     f"{r.get('target', '')} | {met} |")
     lines += ["", "## Where TTFT went (means over disaggregated requests, ms)", "",
               "kv_after: the Prefill call after the first token was computed (KV still in flight, its ack: the "
               "transfer's visible part); rest: HTTP, tokenizing, streaming. first decode: D's first step, after "

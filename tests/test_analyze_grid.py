@@ -83,7 +83,9 @@ def test_tables_ratios_links_and_gpu(exp):
     assert float(links[("network-aware", "p1->d0")]["achieved_gbps"]) == pytest.approx(1.0)
     assert links[("network-aware", "p1->d0")]["off_by_more_than_5pct"] == "False"
     text = md.read_text()
-    assert "| 1 | best | 1.00 | 1.50 | 3.00 | 3.00 | 2.00 |" in text
+    # RR's KV after the first token is 0.1 of its 0.25 s TTFT: visible, so NA must reach 1.5x / 1.2x
+    assert "| 1 | best | 1.00 | 1.50 | 3.00 | 3.00 | 2.00 | 40% | NA >= 1.5x RR and >= 1.2x LL | yes |" in text
+    assert best["target_met"] == "True"
     assert "1 of 3 (run, pair) entries are more than 5% off" in text
 
 
@@ -101,3 +103,13 @@ def test_not_a_results_dir_is_a_clear_error(tmp_path, capsys):
     (tmp_path / "summary.csv").write_text("run_id,rate\nx,1\n")
     with pytest.raises(grid_mod.AnalysisError, match="policy and bandwidth_gbps"):
         grid_mod.analyze(tmp_path)
+
+
+def test_verdict_where_the_network_does_not_matter():
+    grid = [{"policy": "round-robin", "bandwidth_gbps": 100.0, "rate": r, "ttft_kv_after_mean": 0.002,
+             "ttft_mean_timed": 0.05} for r in (10.0, 20.0)]
+    ok = grid_mod.verdict(grid, 100.0, {"round-robin": 10.0, "least-loaded": 10.0, "network-aware": 9.6})
+    assert ok["network_visible"] is False and ok["target_met"] is True and ok["kv_share"] == pytest.approx(0.04)
+    miss = grid_mod.verdict(grid, 100.0, {"round-robin": 10.0, "least-loaded": 10.0, "network-aware": 9.4})
+    assert miss["target_met"] is False
+    assert grid_mod.verdict([], 100.0, {"network-aware": 1.0})["target_met"] is None
