@@ -243,7 +243,7 @@ def _cmd_experiment(parser, args) -> int:
             for policy in spec.policies:
                 for bandwidth in spec.bandwidths:
                     for dataset in spec.datasets:
-                        for rate in spec.rates:
+                        for rate in spec.rates_for(bandwidth):
                             print(run_id(_labels(cluster, policy, bandwidth, dataset.name, rate)))
         return 0
     result = run_experiment(spec, output_dir=args.output_dir, progress=_progress(args))

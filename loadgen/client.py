@@ -216,8 +216,20 @@ class StreamingClient:
                 record.prompt_tokens = usage.get("prompt_tokens")
                 record.completion_tokens = usage.get("completion_tokens")
                 record.token_count_source = "usage"
+                record.server_timing = _server_timing(usage)
             else:
                 record.completion_tokens = len(record.token_times_s)
                 record.token_count_source = "chunks"
         if record.error is None and not finished:
             record.error = "stream ended without [DONE] or a finish_reason"
+
+
+def _server_timing(usage: dict) -> dict | None:
+    """Choice 0's entry of a pdserve router's `usage.pdserve_timing`, if the server sent one."""
+    entries = usage.get("pdserve_timing")
+    if not isinstance(entries, list):
+        return None
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("index", 0) == 0:
+            return {k: v for k, v in entry.items() if k != "index"}
+    return None

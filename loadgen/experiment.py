@@ -147,7 +147,7 @@ def run_experiment(spec: ExperimentSpec, *, output_dir: str | Path | None = None
     try:
         for cluster, policy, bandwidth in configs:
             tag = server_tag(cluster, policy, bandwidth)
-            loads = [(d, r) for d in spec.datasets for r in spec.rates]
+            loads = [(d, r) for d in spec.datasets for r in spec.rates_for(bandwidth)]
             try:
                 with _server(spec, cluster, policy, bandwidth, out / "server-logs", tag) as url:
                     for k, (dataset, rate) in enumerate(loads):

@@ -77,6 +77,27 @@ def distribution(values: Sequence[float], prefix: str) -> dict[str, float | None
     return out
 
 
+# The server's per-request timing (RequestRecord.server_timing) that summaries break TTFT into.
+BREAKDOWN_KEYS = ("place", "reserve", "queue", "prefill", "kv", "kv_wire", "kv_wait", "kv_tail", "first_decode")
+
+
+def server_breakdown(records: Sequence[RequestRecord]) -> dict[str, float | int | None]:
+    """`srv_<key>_p50` / `srv_<key>_mean` for BREAKDOWN_KEYS over the records the server timed,
+    `srv_kv_gbps_p50`, and `srv_timed` (how many were timed) and `srv_local` (ran whole on a
+    decode worker); nothing at all when no record carries a timing."""
+    timed = [r.server_timing for r in records if r.server_timing]
+    if not timed:
+        return {}
+    out: dict[str, float | int | None] = {"srv_timed": len(timed),
+                                          "srv_local": sum(t.get("placement") == "local" for t in timed)}
+    for key in (*BREAKDOWN_KEYS, "kv_gbps"):
+        values = np.asarray([t[key] for t in timed if isinstance(t.get(key), (int, float))], dtype=float)
+        out[f"srv_{key}_p50"] = float(np.percentile(values, 50)) if values.size else None
+        if key != "kv_gbps":
+            out[f"srv_{key}_mean"] = float(values.mean()) if values.size else None
+    return out
+
+
 def run_duration(records: Sequence[RequestRecord]) -> float:
     """First send to last finish, from the records themselves."""
     sent = [r.sent_s for r in records if r.sent_s is not None]
@@ -116,6 +137,7 @@ def summarize(
     out.update(distribution([r.e2e_s for r in ok], "e2e"))
     kv = [r.kv_bytes for r in ok if r.kv_bytes is not None]
     out["kv_bytes_mean"] = float(np.mean(kv)) if kv else None
+    out.update(server_breakdown(ok))
     if slo is not None:
         met = sum(meets_slo(r, slo) for r in records)
         out["slo_ttft_s"] = slo.ttft_s

@@ -35,6 +35,10 @@ class RequestRecord:
     kv_bytes: float | None = None
     kv_seconds: float | None = None
     group: int | None = None
+    # where the server says the time went (a pdserve router's usage.pdserve_timing of choice 0:
+    # place, reserve, queue, prefill, kv, kv_wire, kv_wait, kv_tail, first_decode, ... in seconds,
+    # and the pair); None from servers that do not send it
+    server_timing: dict | None = None
 
     @property
     def ok(self) -> bool:

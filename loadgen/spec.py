@@ -25,7 +25,8 @@ output directory is relative to the current directory. Schema (defaults after `=
       link_method: str            # how the link rate is held (tc, pacing, ...), for the report
       scrape_metrics: true
     grid:
-      rate: [req/s, ...]          # required
+      rate: [req/s, ...]          # required; or {bandwidth: [req/s, ...], ...}: rates per link
+                                  # rate, one key per grid.bandwidth_gbps value
       policy: [name, ...]
       bandwidth_gbps: [number, ...]
       cluster: ["2P2D" | {prefill: 2, decode: 2}, ...]
@@ -134,6 +135,13 @@ class ExperimentSpec:
     clusters: tuple[ClusterShape | None, ...] = (None,)
     datasets: tuple[DatasetConfig, ...] = (DatasetConfig(),)
     slo: SLO | None = None
+    rates_by_bandwidth: dict | None = None  # bandwidth -> tuple of rates, when the grid gives them so
+
+    def rates_for(self, bandwidth: float | None) -> tuple[float, ...]:
+        """The rates to run at link rate `bandwidth` (all of `rates` unless given per bandwidth)."""
+        if self.rates_by_bandwidth is None:
+            return self.rates
+        return self.rates_by_bandwidth[bandwidth]
 
 
 # --------------------------------------------------------------------------------------
@@ -413,7 +421,20 @@ def load_spec(path: str | Path) -> ExperimentSpec:
     g.seen.update({"rate", "policy", "bandwidth_gbps", "cluster", "dataset"})
     if not g.has("rate"):
         raise doc.error(("grid", "rate"), "required", at_key=True)
-    rates = _list(doc, ("grid", "rate"), g.value["rate"], lambda p, v: _number()(v))
+    rates_by_bandwidth = None
+    if isinstance(g.value["rate"], dict):
+        rates_by_bandwidth = {}
+        for key, value in g.value["rate"].items():
+            try:
+                bandwidth = _number()(key)
+            except ValueError as e:
+                raise doc.error(("grid", "rate", key), f"keys are link rates (Gbit/s): {e}", at_key=True) from None
+            rates_by_bandwidth[bandwidth] = _list(doc, ("grid", "rate", key), value, lambda p, v: _number()(v))
+        if not rates_by_bandwidth:
+            raise doc.error(("grid", "rate"), "expected a non-empty list, or a mapping of link rate to rates")
+        rates = tuple(sorted({r for rs in rates_by_bandwidth.values() for r in rs}))
+    else:
+        rates = _list(doc, ("grid", "rate"), g.value["rate"], lambda p, v: _number()(v))
     policies = _list(doc, ("grid", "policy"), g.value["policy"], lambda p, v: _str(v)) if g.has("policy") else (None,)
     bandwidths = (_list(doc, ("grid", "bandwidth_gbps"), g.value["bandwidth_gbps"], lambda p, v: _number()(v))
                   if g.has("bandwidth_gbps") else (None,))
@@ -426,6 +447,15 @@ def load_spec(path: str | Path) -> ExperimentSpec:
             raise doc.error(("grid", "dataset"), "dataset names must be distinct")
     else:
         datasets = (default_dataset,)
+    if rates_by_bandwidth is not None:
+        if bandwidths == (None,):
+            raise doc.error(("grid", "rate"), "rates per link rate need grid.bandwidth_gbps")
+        if set(rates_by_bandwidth) != set(bandwidths):
+            missing = sorted(set(bandwidths) - set(rates_by_bandwidth))
+            extra = sorted(set(rates_by_bandwidth) - set(bandwidths))
+            raise doc.error(("grid", "rate"), "keys must be the grid.bandwidth_gbps values"
+                            + (f"; missing {', '.join(f'{b:g}' for b in missing)}" if missing else "")
+                            + (f"; not in grid.bandwidth_gbps: {', '.join(f'{b:g}' for b in extra)}" if extra else ""))
     g.done()
 
     # server
@@ -486,4 +516,5 @@ def load_spec(path: str | Path) -> ExperimentSpec:
     return ExperimentSpec(
         name=name, path=str(path), output_dir=output_dir, seed=seed, server=server, workload=workload,
         rates=rates, policies=policies, bandwidths=bandwidths, clusters=clusters, datasets=datasets, slo=slo,
+        rates_by_bandwidth=rates_by_bandwidth,
     )

@@ -81,3 +81,6 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    # where the request's time went, set by the router's cluster backend on the finished delta
+    # (router.cluster_backend.TIMING_KEYS); None elsewhere
+    timing: dict | None = None

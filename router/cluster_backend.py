@@ -76,6 +76,21 @@ logger = logging.getLogger(__name__)
 
 WAIT_POLL_S = 0.1  # while a request waits for a worker, placement is retried this often
 
+# What `RequestOutput.timing` of a finished request holds (seconds unless named otherwise), for
+# the attempt that produced its first token: `place` (arrival at the backend to the placement
+# decision, waits for a worker included); disaggregated: `reserve` (D's Reserve call), `queue`
+# (P's queue: the Prefill call in to its first chunk's first layer done), `prefill` (then to the
+# first token), `kv` (the transfer, first layer to acknowledgement), `kv_wire` (first message
+# posted to the last one completed), `kv_wait` (time before the first message was posted:
+# connecting, in-flight slots, pacing), `kv_tail` (KV still in flight after the first token),
+# `prefill_rpc` (the whole Prefill call, as the router saw it), `first_decode` (D's Decode call to
+# its first token), `kv_bytes`, `kv_gbps`, `kv_done_at` (wall clock, time.time(), when the Prefill
+# call returned: the transfer ran over [kv_done_at - kv, kv_done_at]); both kinds: `placement`
+# (disaggregated | local), `prefill_worker` / `decode_worker` (ids), `attempts`.
+TIMING_KEYS = ("place", "reserve", "queue", "prefill", "kv", "kv_wire", "kv_wait", "kv_tail", "prefill_rpc",
+               "first_decode", "kv_bytes", "kv_gbps", "kv_done_at", "placement", "prefill_worker", "decode_worker",
+               "attempts")
+
 
 # (client, worker-side request id) of one worker's part in a request
 _Part = tuple[WorkerClient, str]
@@ -91,6 +106,7 @@ class _Flight:
     num_attempts: int = 0
     parts: dict[str, _Part] = field(default_factory=dict)  # worker id -> part
     sent_token_ids: list[int] = field(default_factory=list)
+    timing: dict[str, Any] = field(default_factory=dict)  # of the attempt that produced the first token
 
     def next_wire_id(self) -> str:
         n = self.num_attempts
@@ -232,8 +248,14 @@ class ClusterBackend:
             raise ValueError(f"request id {request_id!r} is already live")
         flight = _Flight(request_id, len(prompt_token_ids))
         self._flights[request_id] = flight
+        arrival = time.monotonic()
         try:
             async for output in self._serve(flight, list(prompt_token_ids), params):
+                if "place" not in flight.timing and "placed_at" in flight.timing:
+                    flight.timing["place"] = flight.timing.pop("placed_at") - arrival
+                if output.finished and flight.timing:
+                    output.timing = {k: flight.timing[k] for k in TIMING_KEYS if k in flight.timing}
+                    output.timing["attempts"] = flight.num_attempts
                 yield output
         finally:
             if self._flights.get(request_id) is flight:
@@ -266,6 +288,8 @@ class ClusterBackend:
                 if decision is None:  # aborted while waiting
                     yield self._aborted_output(flight)
                     return
+            if not flight.sent_token_ids:
+                flight.timing = {"placed_at": time.monotonic()}
             if decision.kind == "disaggregated" and not flight.sent_token_ids:
                 attempt = self._run_disaggregated(flight, decision, prompt, params)
             else:
@@ -419,6 +443,7 @@ class ClusterBackend:
                     raise WorkerFailed(f"{exc.message} (reported by {prefill.worker_id})",
                                        worker_id=decode.worker_id) from exc
                 self._record_first_token_phases(reserved - started, time.monotonic() - reserved, result)
+                flight.timing |= self._timing(decision, reserved - started, time.monotonic() - reserved, result)
             finally:
                 prefill.num_inflight -= 1
                 prefill.num_inflight_tokens -= n
@@ -433,7 +458,10 @@ class ClusterBackend:
                 yield first
                 return
             yield first
+            decode_started = time.monotonic()
             async for output in decode.client.decode(wire_id, first):
+                if "first_decode" not in flight.timing and output.new_token_ids:
+                    flight.timing["first_decode"] = time.monotonic() - decode_started
                 if self._worker_aborted(flight, output):
                     if output.new_token_ids:  # keep what it produced; the retry resumes after it
                         yield replace(output, finished=False, finish_reason=None)
@@ -457,6 +485,8 @@ class ClusterBackend:
         finished = False
         flight.parts = {worker_id: (worker.client, wire_id)}
         n = len(prompt) + len(flight.sent_token_ids)
+        if not flight.sent_token_ids:
+            flight.timing |= {"placement": "local", "decode_worker": worker_id}
         worker.num_inflight += 1
         worker.num_inflight_tokens += n
         try:
@@ -526,6 +556,20 @@ class ClusterBackend:
                   "rpc": max(0.0, prefill_rpc_s - result.prefill_seconds - kv_tail)}
         for phase, seconds in phases.items():
             self.metrics.first_token_phase_seconds.labels(phase=phase).observe(seconds)
+
+    @staticmethod
+    def _timing(decision: Decision, reserve_s: float, prefill_rpc_s: float, result: PrefillResult) -> dict[str, Any]:
+        """The disaggregated part of `RequestOutput.timing` (TIMING_KEYS)."""
+        phases = result.kv_phases
+        queue = min(result.queue_seconds, result.prefill_seconds)
+        return {
+            "placement": "disaggregated", "prefill_worker": decision.prefill, "decode_worker": decision.decode,
+            "reserve": reserve_s, "queue": queue, "prefill": result.prefill_seconds - queue,
+            "kv": result.kv_seconds, "kv_wire": phases.get("wire"), "kv_wait": phases.get("queue"),
+            "kv_tail": max(0.0, result.kv_seconds - phases.get("stage", result.kv_seconds)),
+            "prefill_rpc": prefill_rpc_s, "kv_bytes": result.kv_bytes, "kv_done_at": time.time(),
+            "kv_gbps": result.kv_bytes * 8 / result.kv_seconds / 1e9 if result.kv_seconds > 0 else None,
+        }
 
     def _count_recovery(self, kind: str) -> None:
         if self.metrics is not None:

@@ -40,6 +40,7 @@ class JobProgress:
     first_token_at: float | None = None  # time.monotonic()
     last_token_at: float | None = None
     finish_reason: str | None = None
+    timing: dict | None = None  # RequestOutput.timing of the finished delta
 
     @property
     def finished(self) -> bool:
@@ -86,6 +87,10 @@ class FanOut:
             if aclose is not None:
                 await aclose()
 
+    def timings(self) -> dict[int, dict | None]:
+        """choice index -> the backend's timing of that choice (None when it gave none)."""
+        return {index: p.timing for index, p in self.progress.items()}
+
     async def next(self) -> tuple[int, RequestOutput] | None:
         if all(p.finished for p in self.progress.values()):
             return None
@@ -109,6 +114,7 @@ class FanOut:
             progress.num_output_tokens += len(item.new_token_ids)
         if item.finished:
             progress.finish_reason = item.finish_reason or "stop"
+            progress.timing = item.timing
         return job.index, item
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -42,9 +42,16 @@ class Formatter:
         self.model = model
         self.token_to_str = token_to_str
 
-    def usage(self, num_output_tokens: int) -> Usage:
+    def usage(self, num_output_tokens: int, timings: dict[int, dict | None] | None = None) -> Usage:
+        """`timings`: choice index -> RequestOutput.timing; given and non-empty, they go into the
+        extension field `pdserve_timing` ([{"index": i, ...}], by index)."""
         prompt = self.prepared.num_prompt_tokens
-        return Usage(prompt_tokens=prompt, completion_tokens=num_output_tokens, total_tokens=prompt + num_output_tokens)
+        extra = {}
+        entries = [{"index": i} | t for i, t in sorted((timings or {}).items()) if t]
+        if entries:
+            extra["pdserve_timing"] = entries
+        return Usage(prompt_tokens=prompt, completion_tokens=num_output_tokens, total_tokens=prompt + num_output_tokens,
+                     **extra)
 
     def start_chunks(self) -> list[BaseModel]:
         return []

@@ -169,6 +169,11 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class Usage(BaseModel):
+    """OpenAI's usage; a pdserve cluster adds `pdserve_timing` (one entry per choice: where the
+    request's time went, router.cluster_backend.TIMING_KEYS), absent when the backend has none."""
+
+    model_config = ConfigDict(extra="allow")
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int

@@ -157,7 +157,8 @@ class OpenAIServing:
             raise
         if not prepared.stream:
             await self._finish(endpoint, fanout, arrival, RequestStatus.OK)
-            return JSONResponse(formatter.response(choices, formatter.usage(fanout.num_output_tokens)).model_dump(mode="json"))
+            usage = formatter.usage(fanout.num_output_tokens, fanout.timings())
+            return JSONResponse(formatter.response(choices, usage).model_dump(mode="json"))
 
         outcome = {"status": RequestStatus.OK}
 
@@ -199,7 +200,7 @@ class OpenAIServing:
             yield sse(json.dumps(as_api_error(exc).to_dict()))
             return
         if formatter.prepared.include_usage:
-            yield encode(formatter.usage_chunk(formatter.usage(fanout.num_output_tokens)))
+            yield encode(formatter.usage_chunk(formatter.usage(fanout.num_output_tokens, fanout.timings())))
         yield SSE_DONE
 
     async def _finish(self, endpoint: Endpoint, fanout: FanOut, arrival: float, status: str) -> None:

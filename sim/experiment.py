@@ -72,7 +72,7 @@ def run_sim_experiment(spec: ExperimentSpec, cluster: ClusterConfig, *, cluster_
         config = with_bandwidth(config, bandwidth)
         name = policy or "round-robin"
         for dataset in spec.datasets:
-            for rate in spec.rates:
+            for rate in spec.rates_for(bandwidth):
                 labels = _labels(shape, policy, bandwidth, dataset.name, rate)
                 rid = run_id(labels)
                 if replay_dir is not None:

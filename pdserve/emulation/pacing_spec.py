@@ -21,19 +21,25 @@ workers on one node share that node's link), and so do all destinations that fal
 ``default``. ``burst`` (default 1 MiB) is the bucket depth of every link.
 
 A worker gets it through ``WorkerConfig.kv_options`` under the key ``"pacer"``, either
-as this string (the worker builds the pacer in its own process: strings survive Ray and
-the command line, a LinkPacer with its lock does not pickle) or as a built LinkPacer;
+as this string or as ``"file:PATH"`` (a file holding such a string, re-read whenever it
+changes: the rates of a running worker can be switched between experiment runs) -- the
+worker builds the pacer in its own process: strings survive Ray and the command line, a
+LinkPacer with its lock does not pickle -- or as a built LinkPacer;
 ``create_sender(backend, caches, pacer=<LinkPacer>)`` is what kvtransfer receives.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import logging
+import os
 import re
 from dataclasses import dataclass
 
 from kvtransfer.pacing import LinkPacer
 from kvtransfer.ucx_runtime import SCHEME
+
+logger = logging.getLogger(__name__)
 
 PACER_OPTION = "pacer"  # the key in WorkerConfig.kv_options and create_sender(**opts)
 DEFAULT_BURST_BYTES = 1 << 20
@@ -116,7 +122,15 @@ class PatternPacer(LinkPacer):
 
     def __init__(self, spec: PacingSpec, **kwargs):
         super().__init__(spec.default_gbps, spec.burst_bytes, **kwargs)
+        self._apply(spec)
+
+    def _apply(self, spec: PacingSpec) -> None:
+        with self._lock:
+            self._links.clear()
+            self._routes.clear()
+            self._default = None if spec.default_gbps is None else self._bucket(spec.default_gbps, spec.burst_bytes)
         self.spec = spec
+        self._burst = spec.burst_bytes
         self._seen: set[str] = set()
         for pattern, gbps in spec.links:
             self.set_link(pattern, gbps)
@@ -131,9 +145,71 @@ class PatternPacer(LinkPacer):
         return super().bucket_for(address)
 
 
+FILE_PREFIX = "file:"
+
+
+def read_pacing_file(path: str) -> PacingSpec:
+    """The pacing spec held in ``path`` (one spec string; ``#`` lines are comments)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    except OSError as e:
+        raise ValueError(f"pacing file {path}: cannot read: {e.strerror or e}") from None
+    try:
+        return parse_pacing(",".join(lines))
+    except ValueError as e:
+        raise ValueError(f"pacing file {path}: {e}") from None
+
+
+class FilePacer(PatternPacer):
+    """A PatternPacer whose spec lives in a file, re-read when the file changes (its mtime
+    or size), checked at most every ``check_s`` seconds on the sender's path. Changing the
+    file changes the rates of the running sender: new buckets start full at the new rate.
+    A file that goes bad keeps the last good rates (logged once per change)."""
+
+    def __init__(self, path: str, check_s: float = 0.05, **kwargs):
+        self.path = path
+        self.check_s = check_s
+        self._stamp = self._stat()
+        super().__init__(read_pacing_file(path), **kwargs)
+        self._checked_at = self._clock()
+        self.reloads = 0
+
+    def _stat(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size)
+
+    def _maybe_reload(self) -> None:
+        now = self._clock()
+        if now - self._checked_at < self.check_s:
+            return
+        self._checked_at = now
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            spec = read_pacing_file(self.path)
+        except ValueError as e:
+            logger.error("%s; keeping %s", e, self.spec)
+            return
+        self._apply(spec)
+        self.reloads += 1
+        logger.warning("KV pacing now %s (from %s)", spec, self.path)
+
+    def bucket_for(self, address: str):
+        self._maybe_reload()
+        return super().bucket_for(address)
+
+
 def build_pacer(spec: str | PacingSpec, **kwargs) -> PatternPacer:
-    """A pacer for ``create_sender(..., pacer=...)`` from a spec string (see module doc).
-    ``kwargs`` (clock, sleep) go to LinkPacer, for tests."""
+    """A pacer for ``create_sender(..., pacer=...)`` from a spec string, or ``file:PATH``
+    (see module doc). ``kwargs`` (clock, sleep) go to LinkPacer, for tests."""
+    if isinstance(spec, str) and spec.startswith(FILE_PREFIX):
+        return FilePacer(spec[len(FILE_PREFIX):], **kwargs)
     return PatternPacer(parse_pacing(spec) if isinstance(spec, str) else spec, **kwargs)
 
 

@@ -1,6 +1,7 @@
 """`pdserve worker` with per-destination KV pacing, until the CLI grows the flag.
 
     python -m pdserve.emulation.worker --kv-pacing "10.200.0.3=1,default=10" -- <pdserve worker flags>
+    python -m pdserve.emulation.worker --kv-pacing file:/path/pacing.txt -- ...   # re-read on change
 
 Parses the flags with pdserve's own `worker` parser and runs the same standalone worker,
 with ``kv_options=(("pacer", SPEC),)`` (see pacing_spec). Once `pdserve worker` takes
@@ -17,18 +18,22 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(prog="python -m pdserve.emulation.worker")
-    pre.add_argument("--kv-pacing", required=True, metavar="SPEC", help="pacing spec (pdserve.emulation.pacing_spec)")
+    pre.add_argument("--kv-pacing", required=True, metavar="SPEC",
+                     help="pacing spec (pdserve.emulation.pacing_spec), or file:PATH of a file holding one")
     pre.add_argument("--log-level", default="WARNING")
     split = argv.index("--") if "--" in argv else len(argv)
     ours = pre.parse_args(argv[:split])
 
-    from launcher.cli import build_parser, engine_config
+    from launcher.cli import _cluster_token, build_parser, engine_config
     from launcher.cluster.standalone import default_worker_id, run_worker
-    from pdserve.emulation.pacing_spec import PACER_OPTION, parse_pacing
+    from pdserve.emulation.pacing_spec import FILE_PREFIX, PACER_OPTION, parse_pacing, read_pacing_file
     from pdserve.worker.server import WorkerConfig
 
     try:
-        parse_pacing(ours.kv_pacing)
+        if ours.kv_pacing.startswith(FILE_PREFIX):
+            read_pacing_file(ours.kv_pacing[len(FILE_PREFIX):])
+        else:
+            parse_pacing(ours.kv_pacing)
     except ValueError as e:
         pre.error(f"--kv-pacing: {e}")
     args = build_parser().parse_args(["worker", *argv[split + 1:]])
@@ -36,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     config = WorkerConfig(
         worker_id=args.worker_id or default_worker_id(args.role, args.port), role=args.role,
         engine=engine_config(args, args.role), host=args.host, port=args.port, kv_backend=args.kv_backend,
-        kv_host=args.kv_host or args.host, kv_options=((PACER_OPTION, ours.kv_pacing),))
+        kv_host=args.kv_host or args.host, kv_options=((PACER_OPTION, ours.kv_pacing),),
+        cluster_token=_cluster_token(args))
     return run_worker(config)
 
 

@@ -8,6 +8,7 @@ a chunk is on the wire while layer L+1 computes.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from kvtransfer import KVSender
@@ -21,6 +22,7 @@ class Destination:
     dst_block_ids: list[int]
     num_sent_blocks: int = 0  # blocks [0, n) are pushed for every layer
     error: BaseException | None = None  # a push failed; the prefill reports it
+    started_at: float = 0.0  # time.monotonic() when the first layer of its first chunk was done (0: not yet)
 
 
 @dataclass
@@ -71,6 +73,8 @@ class KVPusher:
             dest = self.destinations.get(seq.request_id)
             if dest is None:
                 continue
+            if not dest.started_at:
+                dest.started_at = time.monotonic()
             computed = seq.num_computed_tokens + num_new  # after this step
             prompt_done = computed >= seq.num_prompt_tokens
             end_block = -(-seq.num_prompt_tokens // bs) if prompt_done else computed // bs

@@ -274,8 +274,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if first.finish_reason == "prefilled":
                 chunk.finished = False
                 chunk.finish_reason = ""
+            # queue: Prefill call in -> its first chunk's first layer done (waiting for the scheduler)
+            queue_s = max(0.0, dest.started_at - t0) if dest.started_at else 0.0
             return pb.PrefillResponse(first=chunk, kv_bytes=result.num_bytes, kv_seconds=result.seconds,
-                                      prefill_seconds=t_first - t0, kv_phases=result.phases)
+                                      queue_seconds=queue_s, prefill_seconds=t_first - t0, kv_phases=result.phases)
         except RuntimeError as exc:
             await release()
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc))

@@ -1,0 +1,76 @@
+"""Per-request timing (queue, prefill, KV, first decode step) reaches the client in
+`usage.pdserve_timing`, and the official openai client still reads the responses."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from router.cluster_backend import TIMING_KEYS, ClusterBackend
+from router.directory import StaticDirectory
+from router.formatting import CompletionFormatter
+from router.metrics import RouterMetrics
+from router.placement import make_policy
+from router.server import create_app
+from tests.router.conftest import MODEL, CharTokenizer, ServerThread
+from tests.router.fake_workers import PREFILL_KV_BYTES_PER_TOKEN, Cluster, FakeWorker
+from tests.router.test_cluster_openai import LoopThread
+
+TOK = CharTokenizer()
+
+
+@pytest.fixture
+def url():
+    loop = LoopThread()
+    shared = Cluster()
+    workers = [FakeWorker("p0", "prefill", shared), FakeWorker("d0", "decode", shared)]
+    try:
+        for worker in workers:
+            loop.call(worker.start())
+        metrics = RouterMetrics()
+        backend = ClusterBackend(
+            StaticDirectory([w.endpoint for w in workers]), make_policy("round-robin"), TOK, MODEL, 128,
+            stats_interval_s=0.05, health_timeout_s=0.5, rpc_timeout_s=1.0, kv_deadline_s=1.0, metrics=metrics,
+        )
+        with ServerThread(create_app(backend, metrics=metrics)) as server:
+            yield server.url
+    finally:
+        for worker in workers:
+            loop.call(worker.stop())
+        loop.stop()
+
+
+def _check(entry: dict, prompt_tokens: int) -> None:
+    assert set(entry) <= set(TIMING_KEYS) | {"index"}
+    assert entry["index"] == 0 and entry["placement"] == "disaggregated"
+    assert (entry["prefill_worker"], entry["decode_worker"], entry["attempts"]) == ("p0", "d0", 1)
+    assert entry["kv"] == pytest.approx(0.002) and entry["kv_bytes"] == prompt_tokens * PREFILL_KV_BYTES_PER_TOKEN
+    assert entry["kv_gbps"] == pytest.approx(entry["kv_bytes"] * 8 / 0.002 / 1e9)
+    assert entry["queue"] == 0.0 and entry["prefill"] == pytest.approx(0.001)
+    for key in ("place", "reserve", "prefill_rpc", "first_decode"):
+        assert 0 <= entry[key] < 2.0, key
+
+
+def test_timing_in_usage_streamed_and_not(url):
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=10)
+    done = client.completions.create(model=MODEL, prompt="hello there", max_tokens=4)
+    assert done.usage.completion_tokens == 4
+    _check(done.usage.model_extra["pdserve_timing"][0], done.usage.prompt_tokens)
+
+    stream = client.completions.create(model=MODEL, prompt="hello again", max_tokens=3, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 3
+    _check(usage.model_extra["pdserve_timing"][0], usage.prompt_tokens)
+
+
+def test_usage_without_timing_has_no_extension():
+    class P:  # the part of router.preparation.Prepared that usage() reads
+        num_prompt_tokens = 5
+        echo = {}
+        jobs = []
+
+    formatter = CompletionFormatter(P(), MODEL, str)  # type: ignore[arg-type]
+    assert formatter.usage(3, {0: None}).model_dump() == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert formatter.usage(3).model_dump() == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
