@@ -134,4 +134,10 @@ def test_smollm2_greedy_fp8_cache_within_tolerance():
 def test_smollm2_greedy_fp8_cache_within_tolerance_gpu(monkeypatch):
     """CUDA, bf16 model: the Triton kernels (and CUDA graphs) read the FP8 pools; against a bf16 cache."""
     monkeypatch.setenv("PDSERVE_EXPERIMENTAL_FP8_KV", "1")  # what this test is to verify
-    assert_within_tolerance(greedy_runs("cuda", "bfloat16", "bf16"))
+    try:
+        runs = greedy_runs("cuda", "bfloat16", "bf16")
+    except ValueError as e:  # the GPU image packs a tokenizer-only SmolLM2 GGUF
+        if "missing tensor" in str(e):
+            pytest.skip(f"the SmolLM2 weights are not on this machine ({e})")
+        raise
+    assert_within_tolerance(runs)
