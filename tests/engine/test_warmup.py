@@ -49,3 +49,28 @@ def test_warm_up_refuses_an_engine_with_requests_and_env_flag(monkeypatch):
     monkeypatch.setenv("PDSERVE_WARMUP", "sometimes")
     with pytest.raises(ValueError, match="PDSERVE_WARMUP"):
         warmup_enabled()
+
+
+def test_layer_hook_runs_only_for_batches_with_a_hand_off():
+    """A mixed worker that also prefills for others (hybrid) keeps its hook-free decode paths:
+    the KV push hook sees only the steps that compute a request to hand off."""
+    engine = make_engine("mixed")
+    seen = []
+    engine.layer_hook = lambda layer, batch: seen.append(tuple(s.request_id for s in batch.seqs))
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    engine.add_request("local", [5, 6, 7, 8], greedy)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seen == []
+    engine.add_request("local2", [9, 10, 11], greedy)
+    engine.step()  # local2 prefilled, now decoding
+    engine.add_request("handoff", [1, 2, 3, 4, 5], greedy, hand_off=True)
+    outs = engine.step()
+    assert seen and all("handoff" in ids for ids in seen)
+    assert any(o.request_id == "handoff" and o.finish_reason == "prefilled" for o in outs)
+    count = len(seen)
+    while engine.has_unfinished_requests():
+        engine.step()  # local2 decodes alone: no hook
+    assert len(seen) == count
+    engine.release("handoff")
+    assert not engine.requests
