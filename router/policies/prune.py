@@ -104,8 +104,9 @@ class Pruned:
         # decode side: (admit, TPOT, room) of a pair, and a pair-shaped probe for feasibility
         probe_prefill = self.prefills[0].worker_id if self.prefills else ""
         self._d: list[tuple[WorkerSnapshot, str, float, Estimate]] = []
+        self._context: dict[str, tuple[int, int]] = {}
         for d in self.decodes:
-            batch, context = decode_context(d, request)
+            batch, context = self._context[d.worker_id] = decode_context(d, request)
             admit = self._step(batch, context)
             probe = Estimate(prefill=probe_prefill, decode=d.worker_id, queue_s=0.0, prefill_s=0.0, kv_s=0.0,
                              hidden_s=0.0, admit_s=admit, tpot_s=self._step(batch + 1, context), room=has_room(d, n))
@@ -125,7 +126,9 @@ class Pruned:
         """A local run on D prices D's prefill inside D's steps: with no cached prefix its TTFT is
         (chunks + 1) steps + the prefill, growing with D's step time (the pair's admit). So the
         workers without a cached prefix are walked in (admit, load, id) order until the TTFT
-        passes the best feasible one; those with a cached prefix are priced one by one."""
+        passes the best feasible one; those with a cached prefix are priced one by one. A walked
+        worker with the batch, context and free-block answer of one already priced has the same
+        estimate and sorts after it: it is passed over unpriced."""
         best: Estimate | None = None
         best_key = None
 
@@ -138,13 +141,18 @@ class Pruned:
                 best, best_key = e, k
 
         plain = []
-        for d, _, admit, _ in self._d:
+        for d, _, admit, probe in self._d:
             if self._cached(d.worker_id):
                 consider(self._local(d))
             else:
-                plain.append((admit, self.load[d.worker_id], d.worker_id, d))
+                plain.append((admit, self.load[d.worker_id], d.worker_id, d, probe.room))
         plain.sort(key=lambda t: t[:3])
-        for _, _, _, d in plain:
+        seen: set[tuple[int, int, bool]] = set()
+        for _, _, _, d, room in plain:
+            same = (*self._context[d.worker_id], room)
+            if same in seen:
+                continue
+            seen.add(same)
             e = self._local(d)
             if best_key is not None and e.ttft_s > best_key[0]:
                 break
