@@ -10,7 +10,9 @@ compared. Three models: `host` (the four one-thread workers share the VM's 2 cor
 did), `no-host` (every worker has a core of its own), and `host-calibrated` (`host` with the
 profile's times x 0.80: the README's pilot measured 1.37 s TTFT for a 450-token request alone
 on p0->d0, the profile predicts 1.705 s; the profile was measured in another phase of the
-shared host), to show where the error comes from.
+shared host), to show where the error comes from; and `host-phase` (`no-host` with each run's profile
+scaled by that run's own host speed: sim/calibrate.py measures it from the decode steps of
+the run's isolated requests, the ones that decoded while no other request did).
 
 Writes experiments/results/sim-fidelity/: fidelity.csv (every point and metric, with the
 relative error), fidelity.md (the tables), and the simulated experiment dirs (records,
@@ -25,6 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from loadgen.spec import load_spec
+from sim.calibrate import host_factor
 from sim.config import load_cluster, scale_profile
 from sim.experiment import run_sim_experiment
 
@@ -53,13 +56,25 @@ def main() -> int:
                                                   workers=tuple(replace(w, host=None) for w in cluster.workers)),
               "host-calibrated": replace(cluster, profile=scale_profile(
                   cluster.profile, time_factor=CALIBRATION, label="x0.80 from the 450-token pilot TTFT"))}
+    models["host-phase"] = models["no-host"]
+    phases: dict[str, tuple[float, int]] = {}  # run id -> (host factor, isolated gaps)
+
+    def host_phase(rid: str, config, real_dir: Path):
+        import json
+
+        records = [json.loads(line) for line in open(real_dir / "runs" / f"{rid}.jsonl")]
+        factor, gaps = phases.setdefault(rid, host_factor(cluster.profile, records))
+        return replace(config, profile=scale_profile(config.profile, time_factor=factor,
+                                                     label=f"x{factor:.3f}, this run's isolated decode steps"))
+
     points: list[dict] = []
     for name, spec_path, real_dir in REAL:
         spec = load_spec(spec_path)
         real = _rows(real_dir / "summary.csv")
         for model, config in models.items():
+            per_run = (lambda rid, c, d=real_dir: host_phase(rid, c, d)) if model == "host-phase" else None
             sim_rows = run_sim_experiment(spec, config, cluster_path=str(cluster_path),
-                                          output_dir=OUT / f"{name}-{model}", replay_dir=real_dir)
+                                          output_dir=OUT / f"{name}-{model}", replay_dir=real_dir, per_run=per_run)
             for s in sim_rows:
                 r = real[s["run_id"]]
                 point = {"model": model, "experiment": name, "rate": s["rate"], "policy": s["policy"],
@@ -98,10 +113,24 @@ def main() -> int:
             lines.append(f"- {rate:g} req/s goodput ranking: real {real_rank}; sim {sim_rank}"
                          f" ({'same' if real_rank == sim_rank else 'DIFFERENT'})")
         lines.append("")
+    lines += phase_table(phases, cluster.profile)
     lines += placement_table(points)
     (OUT / "fidelity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def phase_table(phases: dict[str, tuple[float, int]], profile) -> list[str]:
+    """Each real run's isolated decode step against the profile's (where the TPOT error comes from)."""
+    step = profile.decode_step_seconds(1, 430)
+    lines = ["## Host speed per real run (`host-phase`)", "",
+             "A request whose decode span overlapped no other request's decode span stepped alone; the mean of "
+             f"its inter-token gaps is the host's one-request decode step in that run. The profile's is {step:.4f} s "
+             "(one request, ~430 tokens of context). Same engine, same workers, same session:", "",
+             "| run | isolated gaps | mean step s | / profile |", "|---|---|---|---|"]
+    for rid, (factor, gaps) in sorted(phases.items(), key=lambda kv: kv[1][0]):
+        lines.append(f"| {rid} | {gaps} | {factor * step:.4f} | {factor:.3f} |")
+    return lines + [""]
 
 
 def placement_table(points: list[dict]) -> list[str]:
