@@ -114,6 +114,7 @@ def main() -> int:
                          f" ({'same' if real_rank == sim_rank else 'DIFFERENT'})")
         lines.append("")
     lines += phase_table(phases, cluster.profile)
+    lines += contention_table()
     lines += placement_table(points)
     (OUT / "fidelity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -131,6 +132,41 @@ def phase_table(phases: dict[str, tuple[float, int]], profile) -> list[str]:
     for rid, (factor, gaps) in sorted(phases.items(), key=lambda kv: kv[1][0]):
         lines.append(f"| {rid} | {gaps} | {factor * step:.4f} | {factor:.3f} |")
     return lines + [""]
+
+
+def contention_table() -> list[str]:
+    """One-request decode steps of the round-robin runs by what else was busy.
+
+    Round-robin sends the k-th request to d0 or d1 by k's parity, so each gap between two tokens
+    of a request is a step of a known decode worker; it is a one-request step when no other
+    request decoded on that worker at the gap's midpoint. "Busy" at that instant: the other
+    decode worker with a request decoding, and requests between their send and first token
+    (queued or prefilling on a prefill worker), at most 2 counted."""
+    import json
+    import statistics
+
+    lines = ["## One-request decode steps of the round-robin runs, by what else was busy", "",
+             "| run | nothing else | 1 other busy | 2 other busy |", "|---|---|---|---|"]
+    for _, _, real_dir in REAL:
+        for path in sorted((real_dir / "runs").glob("round-robin_*.jsonl")):
+            spans = []
+            for line in open(path):
+                r = json.loads(line)
+                if r["status"] == 200 and len(r["token_times_s"]) >= 2:
+                    spans.append((r["index"] % 2, [r["sent_s"] + t for t in r["token_times_s"]], r["sent_s"]))
+            by_busy: dict[int, list[float]] = {0: [], 1: [], 2: []}
+            for worker, times, _ in spans:
+                for a, b in zip(times, times[1:]):
+                    mid = (a + b) / 2
+                    if sum(1 for w, t, _ in spans if w == worker and t[0] <= mid < t[-1]) != 1:
+                        continue
+                    other = sum(1 for w, t, _ in spans if w != worker and t[0] <= mid < t[-1]) > 0
+                    prefilling = sum(1 for _, t, sent in spans if sent <= mid < t[0])
+                    by_busy[min(2, other + prefilling)].append(b - a)
+            cells = [f"{statistics.median(g):.4f} s (n={len(g)})" if g else "-" for g in by_busy.values()]
+            lines.append(f"| {path.stem} | " + " | ".join(cells) + " |")
+    return lines + ["", "Median gaps. The `host` model shares 2 cores fairly: with 2 other workers busy a "
+                    "step takes 1.5x as long.", ""]
 
 
 def placement_table(points: list[dict]) -> list[str]:
