@@ -100,6 +100,7 @@ class Pruned:
         self._c = (profile.num_layers - 1) / profile.num_layers
         self._prefill_memo: dict[int, float] = {}
         self._kv_memo: dict[tuple[str, str], float] = {}
+        self._links = _topology_cache(snapshot.topology)[1]
         self._prefill_ids = {p.worker_id for p in self.prefills}
         # decode side: (admit, TPOT, room) of a pair, and a pair-shaped probe for feasibility
         probe_prefill = self.prefills[0].worker_id if self.prefills else ""
@@ -232,8 +233,8 @@ class Pruned:
     def _kv(self, src: str, dst: str) -> float:
         found = self._kv_memo.get((src, dst))
         if found is None:
-            link = self.snapshot.topology.link(src, dst)
-            found = self._kv_memo[(src, dst)] = transfer_seconds(link, self.snapshot.links.state(link.key),
+            link, key = self._links.get((src, dst)) or _link(self.snapshot.topology, self._links, src, dst)
+            found = self._kv_memo[(src, dst)] = transfer_seconds(link, self.snapshot.links.state(key),
                                                                  self.num_bytes)
         return found
 
@@ -258,21 +259,36 @@ class Pruned:
         return min(pairs, key=lambda e: order(e, self.load), default=None)
 
 
-_CLASSES: dict[int, tuple[Topology, tuple[tuple[float, float], ...]]] = {}
+# Per topology (immutable; kept by identity, a few at a time): its link classes, and the links
+# between node pairs it has been asked for with their keys (Topology.link builds a default
+# link anew on every call).
+_TOPOLOGIES: dict[int, tuple[Topology, tuple[tuple[float, float], ...], dict[tuple[str, str], tuple[Link, str]]]] = {}
+_MAX_LINKS = 1 << 20
+
+
+def _topology_cache(topology: Topology):
+    found = _TOPOLOGIES.get(id(topology))
+    if found is None or found[0] is not topology:
+        classes = tuple(sorted({(topology.local_gbps, topology.local_latency_ms),
+                                (topology.remote_gbps, topology.remote_latency_ms),
+                                *((link.capacity_gbps, link.latency_ms) for link in topology.links)}))
+        if len(_TOPOLOGIES) >= 16:
+            _TOPOLOGIES.clear()
+        found = _TOPOLOGIES[id(topology)] = (topology, classes, {})
+    return found[1], found[2]
+
+
+def _link(topology: Topology, links: dict[tuple[str, str], tuple[Link, str]], src: str, dst: str) -> tuple[Link, str]:
+    if len(links) >= _MAX_LINKS:
+        links.clear()
+    link = topology.link(src, dst)
+    found = links[(src, dst)] = (link, link.key)
+    return found
 
 
 def link_classes(topology: Topology) -> tuple[tuple[float, float], ...]:
     """The distinct (capacity Gbit/s, latency ms) of a topology's links and its two defaults."""
-    found = _CLASSES.get(id(topology))
-    if found is not None and found[0] is topology:
-        return found[1]
-    classes = tuple(sorted({(topology.local_gbps, topology.local_latency_ms),
-                            (topology.remote_gbps, topology.remote_latency_ms),
-                            *((link.capacity_gbps, link.latency_ms) for link in topology.links)}))
-    if len(_CLASSES) >= 16:
-        _CLASSES.clear()
-    _CLASSES[id(topology)] = (topology, classes)
-    return classes
+    return _topology_cache(topology)[0]
 
 
 def options(profile: Profile, request: RequestInfo, prefills: Sequence[WorkerSnapshot],
