@@ -1,7 +1,8 @@
 """Network-aware placement: the option with the lowest predicted TTFT that meets the SLOs.
 
 For a request that may be disaggregated (router.placement's shared rules decide that):
-1. every (P, D) pair with P != D and every local run on D is estimated (router.policies.cost);
+1. every (P, D) pair with P != D and every local run on D is estimated (router.policies.cost;
+   above 1,024 pairs router.policies.prune finds the same best options without pricing them all);
 2. an option is feasible when D has free KV blocks for the prompt (when it reports them) and,
    with `slo_tpot`, its predicted TPOT at D is within it;
 3. the best feasible pair and the best feasible local run (lowest TTFT; ties to the less loaded
