@@ -189,6 +189,7 @@ class Pruned:
         d_load_min = min(t[1] for t in nodes)
         d_id_min = min(t[2] for t in nodes)
         floor = self._kv_floor()
+        generic = _Generic(self, entries, nodes)
 
         visits = []
         for p in self.prefills:
@@ -207,7 +208,10 @@ class Pruned:
                 if bound == best_key[0] and (p_load, d_load_min, p_id, d_id_min) > best_key[1:]:
                     continue
             p_node = self.snapshot.node_of(p)
+            special = generic.special(p_node)
             for node_admit, node_load, node_id, name, options in nodes:
+                if special is not None and name not in special:
+                    continue  # a node the remote default link reaches, idle: priced below, all at once
                 if best_key is not None:
                     node_bound = a_floor + node_admit
                     if node_bound > best_key[0]:
@@ -224,6 +228,28 @@ class Pruned:
                     key = (ttft, p_load, d_load, p_id, d_id)
                     if best_key is None or key < best_key:
                         best_key, best = key, (p, d)
+            if special is None:
+                continue
+            # every other node: one link time (the remote default, idle), so TTFT grows with admit
+            # along the decode workers' (admit, load, id) order; a worker no better than the best
+            # found makes every later one of the same admit no better either
+            a = self._a(q, s, generic.kv)
+            order, next_admit = generic.order, generic.next_admit
+            k = 0
+            while k < len(order):
+                admit, d_load, d_id, d, node = order[k]
+                if node in special or d_id == p_id:
+                    k += 1
+                    continue
+                ttft = a + admit
+                if best_key is not None and ttft > best_key[0]:
+                    break
+                key = (ttft, p_load, d_load, p_id, d_id)
+                if best_key is None or key < best_key:
+                    best_key, best = key, (p, d)
+                    k += 1
+                else:
+                    k = next_admit[k]
         return None if best is None else (best, best_key)
 
     def _a(self, queue_s: float, prefill_s: float, kv_s: float) -> float:
@@ -259,10 +285,57 @@ class Pruned:
         return min(pairs, key=lambda e: order(e, self.load), default=None)
 
 
+class _Generic:
+    """Nodes that a prefill worker's node reaches over the remote default link, with nothing on
+    it that the router's view reports (no flow, no measurement below the default capacity):
+    every such node has the same link time, so the search prices them together.
+
+    `special(node)`: the decode nodes that are not like that for a prefill worker on `node` (its
+    own node, explicit topology links from it, links with flows or measured rates), or None when
+    they are most of them (or node names contain "->", which would make link keys ambiguous):
+    then every node is priced one by one."""
+
+    def __init__(self, search: Pruned, entries, nodes) -> None:
+        snapshot = search.snapshot
+        topology = snapshot.topology
+        self.kv = transfer_seconds(Link("", "", topology.remote_gbps, topology.remote_latency_ms), IDLE,
+                                   search.num_bytes)
+        self.d_nodes = {t[3] for t in nodes}
+        self.order = sorted(((admit, search.load[d.worker_id], d.worker_id, d, node) for d, node, admit, _ in entries),
+                            key=lambda t: t[:3])
+        self.next_admit = [0] * len(self.order)
+        following = len(self.order)
+        for k in range(len(self.order) - 1, -1, -1):
+            if k + 1 < len(self.order) and self.order[k + 1][0] != self.order[k][0]:
+                following = k + 1
+            self.next_admit[k] = following
+        self._out = _topology_cache(topology)[2]
+        self._busy: dict[str, set[str]] = {}
+        self.ambiguous = any("->" in n for n in self.d_nodes) or any(
+            "->" in snapshot.node_of(p) for p in search.prefills)
+        if not self.ambiguous:
+            for key, state in snapshot.links.links.items():
+                if state.active_flows == 0 and (state.measured_gbps is None
+                                                 or state.measured_gbps >= topology.remote_gbps):
+                    continue  # the same time as the idle default link
+                src, _, dst = key.partition("->")
+                self._busy.setdefault(src, set()).add(dst)
+        self._memo: dict[str, set[str] | None] = {}
+
+    def special(self, node: str) -> set[str] | None:
+        if self.ambiguous:
+            return None
+        if node in self._memo:
+            return self._memo[node]
+        special = ({node} | self._out.get(node, set()) | self._busy.get(node, set())) & self.d_nodes
+        found = self._memo[node] = None if 2 * len(special) > len(self.d_nodes) else special
+        return found
+
+
 # Per topology (immutable; kept by identity, a few at a time): its link classes, and the links
 # between node pairs it has been asked for with their keys (Topology.link builds a default
 # link anew on every call).
-_TOPOLOGIES: dict[int, tuple[Topology, tuple[tuple[float, float], ...], dict[tuple[str, str], tuple[Link, str]]]] = {}
+_TOPOLOGIES: dict[int, tuple] = {}
 _MAX_LINKS = 1 << 20
 
 
@@ -274,8 +347,11 @@ def _topology_cache(topology: Topology):
                                 *((link.capacity_gbps, link.latency_ms) for link in topology.links)}))
         if len(_TOPOLOGIES) >= 16:
             _TOPOLOGIES.clear()
-        found = _TOPOLOGIES[id(topology)] = (topology, classes, {})
-    return found[1], found[2]
+        out: dict[str, set[str]] = {}
+        for link in topology.links:
+            out.setdefault(link.src, set()).add(link.dst)
+        found = _TOPOLOGIES[id(topology)] = (topology, classes, {}, out)
+    return found[1], found[2], found[3]
 
 
 def _link(topology: Topology, links: dict[tuple[str, str], tuple[Link, str]], src: str, dst: str) -> tuple[Link, str]:

@@ -235,6 +235,63 @@ def random_cluster(rng: random.Random) -> ClusterSnapshot:
                            kv_bytes_per_token=rng.choice([0, 65536]))
 
 
+def wide_cluster(rng: random.Random) -> ClusterSnapshot:
+    """Many nodes, few explicit links and flows: most node pairs take the idle remote default
+    link, which the search prices all at once; flows and measured rates on some default pairs
+    too (below, at and above the default capacity)."""
+    nodes = [f"n{i:02d}" for i in range(rng.randint(8, 24))]
+    links = [Link(a, b, rng.choice([25.0, 100.0]), 0.005) for a in nodes for b in nodes if rng.random() < 0.04]
+    topo = Topology(links=tuple(links), local_gbps=200.0, local_latency_ms=0.005, remote_gbps=25.0,
+                    remote_latency_ms=rng.choice([0.0, 0.01]))
+    workers = []
+    for i in range(rng.randint(10, 48)):
+        role = "mixed" if rng.random() < 0.1 else rng.choice(["prefill", "decode", "decode"])
+        kw = {}
+        if rng.random() < 0.5:
+            n = rng.choice([0, 1, 3])
+            kw = dict(num_running=n, num_inflight=n, num_inflight_tokens=rng.choice([256, 2048]) * n)
+        if rng.random() < 0.2:
+            kw.update(num_blocks=512, block_size=16, num_free_blocks=rng.choice([0, 512]))
+        workers.append(w(f"{role[0]}{i:02d}", role, rng.choice(nodes), **kw))
+    states = {}
+    for _ in range(rng.randint(0, 6)):
+        a, b = rng.sample(nodes, 2)
+        states[f"{a}->{b}"] = LinkState(active_flows=rng.choice([0, 0, 1, 2]),
+                                        measured_gbps=rng.choice([None, 10.0, 25.0, 40.0]))
+    return ClusterSnapshot(tuple(workers), topology=topo, links=CongestionView(states))
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_wide_random_clusters_same_options(seed):
+    rng = random.Random(5000 + seed)
+    snap = wide_cluster(rng)
+    prefills, decodes = split(snap)
+    if not decodes:
+        return
+    request = req(rng.choice([16, 300, 1024, 4096]), max_tokens=rng.choice([1, 300]))
+    exhaustive, pruned = both(prefills, decodes, request, snap)
+    feasible = lambda e: e.room and e.tpot_s <= 0.02  # noqa: E731
+    for f in (None, feasible):
+        assert pruned.best_pair(f) == exhaustive.best_pair(f)
+        assert pruned.best_local(f) == exhaustive.best_local(f)
+    assert pruned.fallbacks == 0
+
+
+def test_idle_default_links_are_priced_together():
+    # 10 nodes, one prefill worker on n0, one idle decode worker on each of n1..n9, no explicit
+    # link: every pair takes the idle 10 Gbit/s default, the same time, so the lowest id wins
+    # (d1). A flow on n0->n1, or a measured rate below the default's capacity, slows that pair:
+    # d2 wins; a measured rate at the capacity, or an entry with neither, changes nothing.
+    workers = (w("p0", "prefill", "n0"),) + tuple(w(f"d{i}", "decode", f"n{i}") for i in range(1, 10))
+    for state, expected in ((None, "d1"), (LinkState(active_flows=1), "d2"), (LinkState(measured_gbps=5.0), "d2"),
+                            (LinkState(measured_gbps=10.0), "d1"), (LinkState(), "d1")):
+        snap = ClusterSnapshot(workers, topology=topology(remote_gbps=10.0),
+                               links=CongestionView({"n0->n1": state} if state else {}))
+        exhaustive, pruned = both(*split(snap), req(1024), snap)
+        assert pruned.best_pair().decode == expected == exhaustive.best_pair().decode
+        assert pruned.best_pair() == exhaustive.best_pair() and pruned.fallbacks == 0
+
+
 @pytest.mark.parametrize("seed", range(400))
 def test_random_clusters_same_options(seed):
     rng = random.Random(seed)
