@@ -12,7 +12,10 @@ profile's times x 0.80: the README's pilot measured 1.37 s TTFT for a 450-token 
 on p0->d0, the profile predicts 1.705 s; the profile was measured in another phase of the
 shared host), to show where the error comes from; and `host-phase` (`no-host` with each run's profile
 scaled by that run's own host speed: sim/calibrate.py measures it from the decode steps of
-the run's isolated requests, the ones that decoded while no other request did).
+the run's isolated requests, the ones that decoded while no other request did); and
+`host-phase-shared` (`host-phase` with the four workers sharing the host again, as a fair share
+of the cores that matches the slowdown the round-robin runs measured with three workers busy:
+2.67 cores rather than 2, see `contention`).
 
 Writes experiments/results/sim-fidelity/: fidelity.csv (every point and metric, with the
 relative error), fidelity.md (the tables), and the simulated experiment dirs (records,
@@ -57,6 +60,9 @@ def main() -> int:
               "host-calibrated": replace(cluster, profile=scale_profile(
                   cluster.profile, time_factor=CALIBRATION, label="x0.80 from the 450-token pilot TTFT"))}
     models["host-phase"] = models["no-host"]
+    runs = contention()
+    cores = effective_cores(runs)
+    models["host-phase-shared"] = replace(cluster, hosts={name: cores for name in cluster.hosts})
     phases: dict[str, tuple[float, int]] = {}  # run id -> (host factor, isolated gaps)
 
     def host_phase(rid: str, config, real_dir: Path):
@@ -72,7 +78,8 @@ def main() -> int:
         spec = load_spec(spec_path)
         real = _rows(real_dir / "summary.csv")
         for model, config in models.items():
-            per_run = (lambda rid, c, d=real_dir: host_phase(rid, c, d)) if model == "host-phase" else None
+            per_run = ((lambda rid, c, d=real_dir: host_phase(rid, c, d)) if model.startswith("host-phase")
+                       else None)
             sim_rows = run_sim_experiment(spec, config, cluster_path=str(cluster_path),
                                           output_dir=OUT / f"{name}-{model}", replay_dir=real_dir, per_run=per_run)
             for s in sim_rows:
@@ -114,7 +121,7 @@ def main() -> int:
                          f" ({'same' if real_rank == sim_rank else 'DIFFERENT'})")
         lines.append("")
     lines += phase_table(phases, cluster.profile)
-    lines += contention_table()
+    lines += contention_table(runs, cores)
     lines += placement_table(points)
     (OUT / "fidelity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -134,8 +141,8 @@ def phase_table(phases: dict[str, tuple[float, int]], profile) -> list[str]:
     return lines + [""]
 
 
-def contention_table() -> list[str]:
-    """One-request decode steps of the round-robin runs by what else was busy.
+def contention() -> dict[str, dict[int, list[float]]]:
+    """One-request decode steps of the round-robin runs by what else was busy: {run: {busy: gaps}}.
 
     Round-robin sends the k-th request to d0 or d1 by k's parity, so each gap between two tokens
     of a request is a step of a known decode worker; it is a one-request step when no other
@@ -143,10 +150,8 @@ def contention_table() -> list[str]:
     decode worker with a request decoding, and requests between their send and first token
     (queued or prefilling on a prefill worker), at most 2 counted."""
     import json
-    import statistics
 
-    lines = ["## One-request decode steps of the round-robin runs, by what else was busy", "",
-             "| run | nothing else | 1 other busy | 2 other busy |", "|---|---|---|---|"]
+    runs = {}
     for _, _, real_dir in REAL:
         for path in sorted((real_dir / "runs").glob("round-robin_*.jsonl")):
             spans = []
@@ -163,10 +168,31 @@ def contention_table() -> list[str]:
                     other = sum(1 for w, t, _ in spans if w != worker and t[0] <= mid < t[-1]) > 0
                     prefilling = sum(1 for _, t, sent in spans if sent <= mid < t[0])
                     by_busy[min(2, other + prefilling)].append(b - a)
-            cells = [f"{statistics.median(g):.4f} s (n={len(g)})" if g else "-" for g in by_busy.values()]
-            lines.append(f"| {path.stem} | " + " | ".join(cells) + " |")
+            runs[path.stem] = by_busy
+    return runs
+
+
+def effective_cores(runs: dict[str, dict[int, list[float]]]) -> float:
+    """The cores of a fair-share host that would slow a step with two other workers busy (three
+    busy in all) as much as the round-robin runs saw: 3 / (mean over runs of the median step
+    with two others busy / the median step with nothing else)."""
+    import statistics
+
+    ratios = [statistics.median(g[2]) / statistics.median(g[0]) for g in runs.values() if g[0] and g[2]]
+    return 3 / (sum(ratios) / len(ratios))
+
+
+def contention_table(runs: dict[str, dict[int, list[float]]], cores: float) -> list[str]:
+    import statistics
+
+    lines = ["## One-request decode steps of the round-robin runs, by what else was busy", "",
+             "| run | nothing else | 1 other busy | 2 other busy |", "|---|---|---|---|"]
+    for name, by_busy in runs.items():
+        cells = [f"{statistics.median(g):.4f} s (n={len(g)})" if g else "-" for g in by_busy.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines + ["", "Median gaps. The `host` model shares 2 cores fairly: with 2 other workers busy a "
-                    "step takes 1.5x as long.", ""]
+                    f"step takes 1.5x as long. Measured: {3 / cores:.3f}x on average, as a fair share of "
+                    f"{cores:.2f} cores would give (`host-phase-shared`).", ""]
 
 
 def placement_table(points: list[dict]) -> list[str]:
