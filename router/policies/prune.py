@@ -21,10 +21,17 @@ The search:
    (admit, load, id), the nodes by (smallest admit, smallest load, smallest id);
 2. prefill workers are visited in order of their bound a(P, kv_floor) + smallest admit;
 3. for one P, the nodes are visited in order; on a node kv is one number, so TTFT grows
-   along its list and the walk stops at the first decode worker past the best found;
+   along its list and the walk stops at the first decode worker past the best found. Nodes
+   that P's node reaches over the remote default link with nothing on it (no explicit link,
+   no flow, no measured rate below the default) share one kv: they are priced together, by a
+   walk of all decode workers in (admit, load, id) order that skips the other nodes' (when
+   such nodes are fewer than half, and node names hold no "->");
 4. a prefill worker, or a node, is skipped when its bound key (bound, load P, smallest load
    of D, id P, smallest id of D) already exceeds the best option's key, and the visit ends
    when the bound alone exceeds the best TTFT (every later bound is at least as large).
+
+A local run's TTFT grows with D's step time when D has no cached prefix: those are walked in
+(admit, load, id) order until past the best, the others priced one by one (`best_local`).
 
 Identical workers on equal links tie exactly; step 4's keys settle those ties as the
 exhaustive order does without visiting them all. The bounds rely on the TTFT formula growing
@@ -33,6 +40,10 @@ unit of the TTFT (about 1e-17 s): distinct links, loads and prompt sizes never d
 pair is priced again by the policy's own estimate and checked against the search's numbers;
 on any disagreement (the cost model changed shape) the search falls back to pricing every
 pair. tests/router/test_prune.py compares the two on randomised clusters.
+
+Kept outside `NetworkAware` so that the policy's rules (feasibility, the local-vs-pair
+competition, the SLOs) stay in one place: the search takes the policy's own estimate functions
+and answers only "which option is best".
 """
 
 from __future__ import annotations
