@@ -1,6 +1,6 @@
 """Simulated vs real: the committed CPU headline and sweep runs, point by point.
 
-    PYTHONPATH=. .venv/bin/python experiments/sim_fidelity.py        # ~1 minute, no root, no model
+    PYTHONPATH=. .venv/bin/python experiments/sim_fidelity.py        # seconds, no root, no model
 
 For each committed real run (experiments/results/headline: 0.3 req/s; headline-sweep: 0.2
 and 0.4 req/s; three policies each) the simulator replays the run's own requests (send
@@ -10,7 +10,12 @@ compared. Three models: `host` (the four one-thread workers share the VM's 2 cor
 did), `no-host` (every worker has a core of its own), and `host-calibrated` (`host` with the
 profile's times x 0.80: the README's pilot measured 1.37 s TTFT for a 450-token request alone
 on p0->d0, the profile predicts 1.705 s; the profile was measured in another phase of the
-shared host), to show where the error comes from.
+shared host), to show where the error comes from; and `host-phase` (`no-host` with each run's profile
+scaled by that run's own host speed: sim/calibrate.py measures it from the decode steps of
+the run's isolated requests, the ones that decoded while no other request did); and
+`host-phase-shared` (`host-phase` with the four workers sharing the host again, as a fair share
+of the cores that matches the slowdown the round-robin runs measured with three workers busy:
+2.67 cores rather than 2, see `contention`).
 
 Writes experiments/results/sim-fidelity/: fidelity.csv (every point and metric, with the
 relative error), fidelity.md (the tables), and the simulated experiment dirs (records,
@@ -25,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from loadgen.spec import load_spec
+from sim.calibrate import host_factor
 from sim.config import load_cluster, scale_profile
 from sim.experiment import run_sim_experiment
 
@@ -53,13 +59,29 @@ def main() -> int:
                                                   workers=tuple(replace(w, host=None) for w in cluster.workers)),
               "host-calibrated": replace(cluster, profile=scale_profile(
                   cluster.profile, time_factor=CALIBRATION, label="x0.80 from the 450-token pilot TTFT"))}
+    models["host-phase"] = models["no-host"]
+    runs = contention()
+    cores = effective_cores(runs)
+    models["host-phase-shared"] = replace(cluster, hosts={name: cores for name in cluster.hosts})
+    phases: dict[str, tuple[float, int]] = {}  # run id -> (host factor, isolated gaps)
+
+    def host_phase(rid: str, config, real_dir: Path):
+        import json
+
+        records = [json.loads(line) for line in open(real_dir / "runs" / f"{rid}.jsonl")]
+        factor, gaps = phases.setdefault(rid, host_factor(cluster.profile, records))
+        return replace(config, profile=scale_profile(config.profile, time_factor=factor,
+                                                     label=f"x{factor:.3f}, this run's isolated decode steps"))
+
     points: list[dict] = []
     for name, spec_path, real_dir in REAL:
         spec = load_spec(spec_path)
         real = _rows(real_dir / "summary.csv")
         for model, config in models.items():
+            per_run = ((lambda rid, c, d=real_dir: host_phase(rid, c, d)) if model.startswith("host-phase")
+                       else None)
             sim_rows = run_sim_experiment(spec, config, cluster_path=str(cluster_path),
-                                          output_dir=OUT / f"{name}-{model}", replay_dir=real_dir)
+                                          output_dir=OUT / f"{name}-{model}", replay_dir=real_dir, per_run=per_run)
             for s in sim_rows:
                 r = real[s["run_id"]]
                 point = {"model": model, "experiment": name, "rate": s["rate"], "policy": s["policy"],
@@ -98,10 +120,79 @@ def main() -> int:
             lines.append(f"- {rate:g} req/s goodput ranking: real {real_rank}; sim {sim_rank}"
                          f" ({'same' if real_rank == sim_rank else 'DIFFERENT'})")
         lines.append("")
+    lines += phase_table(phases, cluster.profile)
+    lines += contention_table(runs, cores)
     lines += placement_table(points)
     (OUT / "fidelity.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def phase_table(phases: dict[str, tuple[float, int]], profile) -> list[str]:
+    """Each real run's isolated decode step against the profile's (where the TPOT error comes from)."""
+    step = profile.decode_step_seconds(1, 430)
+    lines = ["## Host speed per real run (`host-phase`)", "",
+             "A request whose decode span overlapped no other request's decode span stepped alone; the mean of "
+             f"its inter-token gaps is the host's one-request decode step in that run. The profile's is {step:.4f} s "
+             "(one request, ~430 tokens of context). Same engine, same workers, same session:", "",
+             "| run | isolated gaps | mean step s | / profile |", "|---|---|---|---|"]
+    for rid, (factor, gaps) in sorted(phases.items(), key=lambda kv: kv[1][0]):
+        lines.append(f"| {rid} | {gaps} | {factor * step:.4f} | {factor:.3f} |")
+    return lines + [""]
+
+
+def contention() -> dict[str, dict[int, list[float]]]:
+    """One-request decode steps of the round-robin runs by what else was busy: {run: {busy: gaps}}.
+
+    Round-robin sends the k-th request to d0 or d1 by k's parity, so each gap between two tokens
+    of a request is a step of a known decode worker; it is a one-request step when no other
+    request decoded on that worker at the gap's midpoint. "Busy" at that instant: the other
+    decode worker with a request decoding, and requests between their send and first token
+    (queued or prefilling on a prefill worker), at most 2 counted."""
+    import json
+
+    runs = {}
+    for _, _, real_dir in REAL:
+        for path in sorted((real_dir / "runs").glob("round-robin_*.jsonl")):
+            spans = []
+            for line in open(path):
+                r = json.loads(line)
+                if r["status"] == 200 and len(r["token_times_s"]) >= 2:
+                    spans.append((r["index"] % 2, [r["sent_s"] + t for t in r["token_times_s"]], r["sent_s"]))
+            by_busy: dict[int, list[float]] = {0: [], 1: [], 2: []}
+            for worker, times, _ in spans:
+                for a, b in zip(times, times[1:]):
+                    mid = (a + b) / 2
+                    if sum(1 for w, t, _ in spans if w == worker and t[0] <= mid < t[-1]) != 1:
+                        continue
+                    other = sum(1 for w, t, _ in spans if w != worker and t[0] <= mid < t[-1]) > 0
+                    prefilling = sum(1 for _, t, sent in spans if sent <= mid < t[0])
+                    by_busy[min(2, other + prefilling)].append(b - a)
+            runs[path.stem] = by_busy
+    return runs
+
+
+def effective_cores(runs: dict[str, dict[int, list[float]]]) -> float:
+    """The cores of a fair-share host that would slow a step with two other workers busy (three
+    busy in all) as much as the round-robin runs saw: 3 / (mean over runs of the median step
+    with two others busy / the median step with nothing else)."""
+    import statistics
+
+    ratios = [statistics.median(g[2]) / statistics.median(g[0]) for g in runs.values() if g[0] and g[2]]
+    return 3 / (sum(ratios) / len(ratios))
+
+
+def contention_table(runs: dict[str, dict[int, list[float]]], cores: float) -> list[str]:
+    import statistics
+
+    lines = ["## One-request decode steps of the round-robin runs, by what else was busy", "",
+             "| run | nothing else | 1 other busy | 2 other busy |", "|---|---|---|---|"]
+    for name, by_busy in runs.items():
+        cells = [f"{statistics.median(g):.4f} s (n={len(g)})" if g else "-" for g in by_busy.values()]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines + ["", "Median gaps. The `host` model shares 2 cores fairly: with 2 other workers busy a "
+                    f"step takes 1.5x as long. Measured: {3 / cores:.3f}x on average, as a fair share of "
+                    f"{cores:.2f} cores would give (`host-phase-shared`).", ""]
 
 
 def placement_table(points: list[dict]) -> list[str]:

@@ -75,11 +75,29 @@ class Profile:
         return _interpolate(self.prefill_tokens, self.prefill_times, num_tokens)
 
     def decode_step_seconds(self, batch: int, context: int) -> float:
-        """Time of one decode step of `batch` requests of about `context` tokens each (0 for an empty batch)."""
+        """Time of one decode step of `batch` requests of about `context` tokens each (0 for an empty batch).
+
+        Interpolates along the context in each batch row, then along the batch; only the rows the
+        second interpolation reads are computed (placement asks this for every decode worker)."""
         if batch <= 0:
             return 0.0
-        per_batch = [_interpolate(self.decode_contexts, row, max(context, 1)) for row in self.decode_times]
-        return _interpolate(self.decode_batch_sizes, per_batch, batch)
+        memo = self._step_memo
+        found = memo.get((batch, context))
+        if found is None:
+            rows = _LazyRows(self.decode_contexts, self.decode_times, max(context, 1))
+            found = _interpolate(self.decode_batch_sizes, rows, batch)
+            if len(memo) >= _STEP_MEMO_SIZE:
+                memo.clear()
+            memo[(batch, context)] = found
+        return found
+
+    @property
+    def _step_memo(self) -> dict[tuple[int, int], float]:
+        memo = self.__dict__.get("_step_memo_dict")
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_step_memo_dict", memo)
+        return memo
 
     # ---------------------------------------------------------------- JSON
 
@@ -147,6 +165,23 @@ def save_profile(profile: Profile, path: str) -> None:
 
 
 # ---------------------------------------------------------------- helpers
+
+
+_STEP_MEMO_SIZE = 1 << 16  # decode step times remembered per profile (cleared when full)
+
+
+class _LazyRows:
+    """The per-batch-size step times at one context, each computed when first read."""
+
+    def __init__(self, contexts: Sequence[int], rows: Sequence[Sequence[float]], context: int) -> None:
+        self.contexts, self.rows, self.context = contexts, rows, context
+        self.values: dict[int, float] = {}
+
+    def __getitem__(self, i: int) -> float:
+        value = self.values.get(i)
+        if value is None:
+            value = self.values[i] = _interpolate(self.contexts, self.rows[i], self.context)
+        return value
 
 
 def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:

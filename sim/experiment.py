@@ -23,6 +23,7 @@ import logging
 import shutil
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 from loadgen.experiment import _labels, run_id, server_tag
 from loadgen.metrics import summarize
@@ -56,7 +57,10 @@ def with_bandwidth(config: ClusterConfig, gbps: float | None) -> ClusterConfig:
 
 
 def run_sim_experiment(spec: ExperimentSpec, cluster: ClusterConfig, *, cluster_path: str | None = None,
-                       output_dir: str | Path | None = None, replay_dir: str | Path | None = None) -> list[dict]:
+                       output_dir: str | Path | None = None, replay_dir: str | Path | None = None,
+                       per_run: Callable[[str, ClusterConfig], ClusterConfig] | None = None) -> list[dict]:
+    """`per_run(run_id, config)`, when given, adjusts each run's cluster (e.g. a profile measured
+    for that run: sim.calibrate)."""
     out = Path(output_dir or spec.output_dir)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     shutil.copyfile(spec.path, out / "spec.yaml")
@@ -75,6 +79,7 @@ def run_sim_experiment(spec: ExperimentSpec, cluster: ClusterConfig, *, cluster_
             for rate in spec.rates_for(bandwidth):
                 labels = _labels(shape, policy, bandwidth, dataset.name, rate)
                 rid = run_id(labels)
+                run_config = per_run(rid, config) if per_run is not None else config
                 if replay_dir is not None:
                     arrivals = replay_arrivals(Path(replay_dir) / "runs" / f"{rid}.jsonl")
                 else:
@@ -82,7 +87,7 @@ def run_sim_experiment(spec: ExperimentSpec, cluster: ClusterConfig, *, cluster_
                         arrival=w.arrival, rate=rate, num_requests=w.num_requests, duration_s=w.duration_s,
                         seed=spec.seed, dataset=dataset, burstiness=w.burstiness, trace_path=w.trace_path,
                         trace_format=w.trace_format, trace_speedup=w.trace_speedup)
-                run = simulate(config, name, arrivals, seed=spec.seed, max_run_time_s=w.max_run_time_s)
+                run = simulate(run_config, name, arrivals, seed=spec.seed, max_run_time_s=w.max_run_time_s)
                 records = [to_record(r) for r in run.requests]
                 for record in records:
                     if record.ok and record.e2e_s > w.request_timeout_s:
@@ -99,7 +104,7 @@ def run_sim_experiment(spec: ExperimentSpec, cluster: ClusterConfig, *, cluster_
                 if run.kv_seconds > 0:
                     summary["kv_transfer_bytes"] = run.kv_bytes
                     summary["kv_transfer_gbps"] = run.kv_bytes * 8 / run.kv_seconds / 1e9
-                row = ({"run_id": rid} | labels | {"records_file": records_file.as_posix(), "model": config.profile.model}
+                row = ({"run_id": rid} | labels | {"records_file": records_file.as_posix(), "model": run_config.profile.model}
                        | summary | {"interrupted": False, "error": None, "simulated": True,
                                     "sim_events": run.num_events, "sim_wall_s": round(run.wall_s, 3),
                                     "sim_preemptions": run.num_preemptions,

@@ -99,6 +99,15 @@ class PrefixIndex:
         found = self.longest(keys, {worker_id})
         return found[1] if found else 0
 
+    def depths(self, keys: Sequence[int]) -> dict[str, int]:
+        """Blocks matched by each worker that owns a prefix of `keys`: matched_blocks for all at once."""
+        found: dict[str, int] = {}
+        for depth, key in enumerate(keys, 1):
+            owner = self._owner.get(key)
+            if owner is not None:
+                found[owner] = depth
+        return found
+
     def record(self, keys: Sequence[int], worker_id: str) -> None:
         for key in keys:
             self._owner[key] = worker_id

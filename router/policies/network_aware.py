@@ -1,7 +1,8 @@
 """Network-aware placement: the option with the lowest predicted TTFT that meets the SLOs.
 
 For a request that may be disaggregated (router.placement's shared rules decide that):
-1. every (P, D) pair with P != D and every local run on D is estimated (router.policies.cost);
+1. every (P, D) pair with P != D and every local run on D is estimated (router.policies.cost;
+   above 1,024 pairs router.policies.prune finds the same best options without pricing them all);
 2. an option is feasible when D has free KV blocks for the prompt (when it reports them) and,
    with `slo_tpot`, its predicted TPOT at D is within it;
 3. the best feasible pair and the best feasible local run (lowest TTFT; ties to the less loaded
@@ -40,6 +41,7 @@ from router.placement import (
     WorkerSnapshot,
     register_policy,
 )
+from router.policies import prune
 from router.policies.baselines import PrefixIndex
 from router.congestion import transfer_seconds
 from router.policies.cost import Estimate, estimate_local, estimate_pair
@@ -51,6 +53,7 @@ from router.topology import Topology
 @register_policy
 class NetworkAware(PoolPolicy):
     name = "network-aware"
+    exhaustive_max_pairs = prune.EXHAUSTIVE_MAX_PAIRS  # more pairs than this: the pruned search (router.policies.prune)
 
     def __init__(
         self, *, profile: Profile | None = None, topology: Topology | None = None,
@@ -96,21 +99,18 @@ class NetworkAware(PoolPolicy):
         if _hybrid(prefills, decodes):
             return self._decide_hybrid(prefills, decodes, request, snapshot)
         keys = self.prefixes.keys(request.prompt_token_ids)
-        pairs = [self._estimate_pair(request, p, d, snapshot, keys)
-                 for d in decodes for p in prefills if p.worker_id != d.worker_id]
-        locals_ = [self._estimate_local(request, d, keys) for d in decodes]
         load = {w.worker_id: w.load for w in (*prefills, *decodes)}
-        feasible_pairs = [e for e in pairs if self._feasible(e)]
-        feasible_locals = [e for e in locals_ if self._feasible(e)]
-        best_pair = min(feasible_pairs, key=lambda e: _order(e, load), default=None)
-        best_local = min(feasible_locals, key=lambda e: _order(e, load), default=None)
+        options = self._options(prefills, decodes, request, snapshot, keys, load)
+        best_pair = options.best_pair(self._feasible)
+        best_local = options.best_local(self._feasible)
 
         chosen, why = self._compete(best_pair, best_local)
         if chosen is None:
-            everything = pairs + locals_
-            summary = f"no option within the TPOT SLO or with free KV blocks ({len(everything)} estimated)"
+            summary = (f"no option within the TPOT SLO or with free KV blocks "
+                       f"({options.num_pairs + len(decodes)} estimated)")
             if self.admission_control:
                 raise SLOUnattainable(f"request {request.request_id}: {summary}")
+            everything = [e for e in (options.best_pair(), options.best_local()) if e is not None]
             chosen = min(everything, key=lambda e: _order(e, load))
             why = f"best effort, {summary}"
         elif self.slo_ttft is not None and chosen.ttft_s > self.slo_ttft:
@@ -119,9 +119,10 @@ class NetworkAware(PoolPolicy):
                                       f"{self.slo_ttft:.3f}s; best: {chosen.describe()}")
             why += f"; misses the TTFT SLO {self.slo_ttft:.3f}s"
 
-        over_tpot = sum(self.slo_tpot is not None and e.tpot_s > self.slo_tpot for e in pairs)
-        no_room = sum(not e.room for e in pairs)
-        others = f"{len(pairs)} pairs ({over_tpot} over the TPOT SLO, {no_room} without free KV blocks at D)"
+        over_tpot = options.count_pairs(lambda e: self.slo_tpot is not None and e.tpot_s > self.slo_tpot)
+        no_room = options.count_pairs(lambda e: not e.room)
+        others = (f"{options.num_pairs} pairs ({over_tpot} over the TPOT SLO, {no_room} without free KV blocks "
+                  f"at D)")
         rival = best_local if chosen.prefill is not None else best_pair
         rival_text = f"; best {'local' if rival.prefill is None else 'pair'} {rival.ttft_s:.3f}s" if rival else ""
         reason = f"{chosen.describe()}; {why}{rival_text}; {others}"
@@ -183,6 +184,18 @@ class NetworkAware(PoolPolicy):
 
     def _feasible(self, e: Estimate) -> bool:
         return e.room and (self.slo_tpot is None or e.tpot_s <= self.slo_tpot)
+
+    def _options(self, prefills: Sequence[WorkerSnapshot], decodes: Sequence[WorkerSnapshot], request: RequestInfo,
+                 snapshot: ClusterSnapshot, keys: list[int], load: dict[str, int]) -> prune.Exhaustive | prune.Pruned:
+        """Every option priced on small clusters; the pruned search (same choice) on large ones."""
+        depth = self.prefixes.depths(keys)
+        return prune.options(
+            self.profile, request, prefills, decodes, snapshot, load,
+            pair=lambda p, d: self._estimate_pair(request, p, d, snapshot, keys),
+            local=lambda d: self._estimate_local(request, d, keys),
+            cached_tokens=lambda worker_id: depth.get(worker_id, 0) * self.prefixes.block_size,
+            exhaustive_max_pairs=self.exhaustive_max_pairs,
+        )
 
     def _estimate_pair(self, request: RequestInfo, p: WorkerSnapshot, d: WorkerSnapshot, snapshot: ClusterSnapshot,
               keys: list[int]) -> Estimate:

@@ -166,3 +166,30 @@ workload: {arrival: trace, trace: {path: trace.csv, format: azure}}
     two = json.loads(rows[1]["sim_placements"])
     assert set(two) <= {"prefill-0->decode-0", "prefill-0->decode-1", "prefill-1->decode-0", "prefill-1->decode-1"}
     assert sum(two.values()) == 8
+
+
+def test_per_run_adjusts_each_runs_cluster(files, tmp_path):
+    """`per_run` gets each run id and its cluster; what it returns is what that run simulates."""
+    from dataclasses import replace
+
+    from loadgen.spec import load_spec
+    from sim.experiment import run_sim_experiment
+
+    spec, cluster = files
+    config = load_cluster(cluster)
+    seen = []
+
+    def slower(rid, c):
+        seen.append(rid)
+        factor = 2.0 if rid == "round-robin_fixed_rate2" else 1.0
+        return replace(c, profile=scale_profile(c.profile, time_factor=factor))
+
+    rows = {r["run_id"]: r for r in run_sim_experiment(load_spec(str(spec)), config, output_dir=tmp_path / "o",
+                                                          per_run=slower)}
+    assert sorted(seen) == sorted(rows)
+    assert rows["round-robin_fixed_rate2"]["model"] == "tiny scaled (times x2)"
+    assert rows["round-robin_fixed_rate4"]["model"] == "tiny scaled (times x1)"
+    # a step is at least one request's step of the profile: twice that in the run with the profile x2,
+    # and below it in the other (at most 6 requests of ~200 tokens in a batch: < 0.0207 s)
+    one = _profile().decode_step_seconds(1, 200)
+    assert float(rows["round-robin_fixed_rate2"]["tpot_p50"]) >= 2 * one > float(rows["round-robin_fixed_rate4"]["tpot_p50"])
