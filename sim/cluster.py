@@ -167,7 +167,7 @@ class SimCluster:
             snaps = self._snap_tuple
         links = self.monitor.view() if self.needs_links else _EMPTY_LINKS
         return ClusterSnapshot(snaps, mode=self.config.mode, topology=self.topology, links=links,  # type: ignore[arg-type]
-                               kv_bytes_per_token=self.kv_bytes_per_token_seen)
+                               kv_bytes_per_token=self.kv_bytes_per_token_seen, now=self.loop.now)
 
     def _count(self, worker_id: str, request: SimRequest, sign: int) -> None:
         entry = self._inflight[worker_id]
