@@ -1,0 +1,227 @@
+"""Simulated vs real on two H200s: every run of the two-GPU study (experiments/two-gpu/).
+
+    PYTHONPATH=. python -m experiments.sim_fidelity_two_gpu        # seconds, CPU only
+
+Real: the committed runs of `experiments/two-gpu/spec.yaml` (24 Poisson requests a point,
+rates 2-20 req/s, 2005/256 and 501/1024 server-counted tokens) and of `steady.yaml` (120
+requests at 14 req/s, 2048/256) under experiments/results/two-gpu*/<config>/runs/*.jsonl.
+Simulated: the same requests (each record's `sent_s`, its server-counted prompt tokens and
+`max_tokens`) on the same cluster shape, with the H200 profile of the same engine
+(experiments/results/two-gpu/profile.json) and the measured GPU0->GPU1 KV link
+(experiments/results/two-gpu/kvtransfer.txt):
+
+- `pd`: a prefill worker on gpu0 and a decode worker on gpu1, round-robin;
+- `colocated`: two mixed workers in colocated mode, least-loaded;
+- `hybrid-loose` / `hybrid-tight`: two mixed workers that also move KV (router mode
+  disaggregated, every worker mixed), network-aware with the profile, TTFT SLO 1 s and TPOT
+  SLO 50 / 10 ms, max batch 64, as experiments/two-gpu/serve.sh starts them.
+
+Link: pdserve's own transfer, first send to ACK, took 6.62 ms for 268.4 MB and 17.94 ms for
+1073.7 MB; the line through both points is 71.1 GB/s plus 2.85 ms, which is the link given
+to the simulator (the router's congestion monitor learns its rate from the simulated
+transfers, as the real one does).
+
+Engine: max_num_batched_tokens 512, max_num_seqs 64, block 16 (the runs' engine); the KV
+block count was not logged, so it is set to 40,000 blocks (640k tokens, less than an H200
+holds for an 8B model after its weights); no run comes near it (no preemption is simulated).
+
+Both the real and the simulated figures come from the records by loadgen.metrics.summarize
+(goodput = requests meeting the SLO set / first send to last finish), as
+experiments/two-gpu/analyze.py scores the real runs. Error = (sim - real) / real.
+
+Writes experiments/results/sim-fidelity/two_gpu.md and two_gpu.csv.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+import sys
+from pathlib import Path
+
+from loadgen.metrics import SLO, summarize
+from loadgen.records import read_jsonl
+from router.profiles import load_profile
+from router.topology import Link, Topology
+from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
+from sim.run import Arrival, simulate, to_record
+
+ROOT = Path(__file__).resolve().parent
+SWEEP = ROOT / "results" / "two-gpu"
+STEADY = ROOT / "results" / "two-gpu-steady"
+OUT = ROOT / "results" / "sim-fidelity"
+PROFILE = SWEEP / "profile.json"
+SLOS = {"loose": SLO(ttft_s=1.0, tpot_s=0.05), "tight": SLO(ttft_s=1.0, tpot_s=0.01)}
+METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "goodput_loose", "goodput_tight")
+CONFIGS = ("pd", "colocated", "hybrid-loose", "hybrid-tight")
+SIMULATED = tuple(c for c in CONFIGS if c in __import__("os").environ.get("TWO_GPU_CONFIGS", ",".join(CONFIGS)).split(","))
+ENGINE = EngineLimits(num_blocks=40_000, block_size=16, max_num_batched_tokens=512, max_num_seqs=64)
+# pdserve's transfer GPU0 -> GPU1, first send to ACK (kvtransfer.txt): (bytes, seconds)
+KV_POINTS = ((268.4e6, 6.62e-3), (1073.7e6, 17.94e-3))
+
+
+def kv_link() -> tuple[float, float]:
+    """(GB/s, latency ms) of the line through the two measured transfers."""
+    (b1, t1), (b2, t2) = KV_POINTS
+    gbytes_s = (b2 - b1) / (t2 - t1) / 1e9
+    latency_ms = (t1 - b1 / (gbytes_s * 1e9)) * 1e3
+    return gbytes_s, latency_ms
+
+
+def cluster(config: str) -> tuple[ClusterConfig, str]:
+    """(the cluster of `config`, the policy name), as experiments/two-gpu/serve.sh starts it."""
+    profile = load_profile(str(PROFILE))
+    gbytes_s, latency_ms = kv_link()
+    topology = Topology(links=(Link("gpu0", "gpu1", gbytes_s * 8, latency_ms),))
+    if config == "pd":
+        workers = (WorkerConfig("p0", "prefill", "gpu0"), WorkerConfig("d0", "decode", "gpu1"))
+        return ClusterConfig(profile=profile, workers=workers, topology=topology, engine=ENGINE), "round-robin"
+    workers = (WorkerConfig("w0", "mixed", "gpu0"), WorkerConfig("w1", "mixed", "gpu1"))
+    if config == "colocated":
+        return ClusterConfig(profile=profile, workers=workers, topology=topology, mode="colocated",
+                             engine=ENGINE), "least-loaded"
+    tpot = {"hybrid-loose": 0.05, "hybrid-tight": 0.01}[config]
+    router = RouterConfig(policy_options={"network-aware": {"slo_ttft": 1.0, "slo_tpot": tpot, "max_batch": 64}})
+    return ClusterConfig(profile=profile, workers=workers, topology=topology, mode="disaggregated",
+                         engine=ENGINE, router=router), "network-aware"
+
+
+def metrics(records) -> dict[str, float]:
+    out = {}
+    for name, slo in SLOS.items():
+        s = summarize(records, slo=slo)
+        out[f"goodput_{name}"] = s["goodput"] or 0.0
+    s = summarize(records)
+    out.update({k: s[k] for k in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")})
+    out["num_ok"] = s["num_ok"]
+    return out
+
+
+def runs() -> list[tuple[str, str, str, float, Path]]:
+    """(experiment, config, dataset, rate, records file) of every committed real run."""
+    found = []
+    for experiment, base in (("sweep", SWEEP), ("steady", STEADY)):
+        for config in CONFIGS:
+            for path in sorted((base / config / "runs").glob("*.jsonl")):
+                m = re.fullmatch(rf"{re.escape(config)}_(.+)_rate([0-9.]+)", path.stem)
+                if m and config in SIMULATED:
+                    found.append((experiment, config, m[1], float(m[2]), path))
+    return sorted(found, key=lambda r: (r[0] != "sweep", r[2], r[3], CONFIGS.index(r[1])))
+
+
+def simulate_run(config: str, records) -> tuple[dict, dict]:
+    cfg, policy = cluster(config)
+    arrivals = sorted((Arrival(r.sent_s, int(r.prompt_tokens or r.prompt_tokens_est), int(r.max_tokens))
+                       for r in records), key=lambda a: a.offset_s)
+    run = simulate(cfg, policy, arrivals)
+    return metrics([to_record(r) for r in run.requests]), {"placements": run.decisions,
+                                                            "preemptions": run.num_preemptions}
+
+
+def main() -> int:
+    points = []
+    for experiment, config, dataset, rate, path in runs():
+        real_records = read_jsonl(path)
+        real = metrics(real_records)
+        sim, extra = simulate_run(config, real_records)
+        point = {"experiment": experiment, "config": config, "dataset": dataset, "rate": rate,
+                 "real_ok": real["num_ok"], "sim_ok": sim["num_ok"],
+                 "sim_placements": " ".join(f"{k}:{v}" for k, v in sorted(extra["placements"].items())),
+                 "sim_preemptions": extra["preemptions"]}
+        for m in METRICS:
+            rv, sv = float(real[m] or 0.0), float(sim[m] or 0.0)
+            point[f"real_{m}"], point[f"sim_{m}"] = rv, sv
+            point[f"err_{m}"] = (sv - rv) / rv if rv else float("nan")
+        points.append(point)
+    OUT.mkdir(parents=True, exist_ok=True)
+    with open(OUT / "two_gpu.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(points[0]))
+        writer.writeheader()
+        writer.writerows(points)
+    lines = report(points)
+    (OUT / "two_gpu.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def _cell(p: dict, m: str) -> str:
+    scale, digits = (1e3, 1) if m.startswith(("ttft", "tpot")) else (1.0, 2)
+    return f"{p['real_' + m] * scale:.{digits}f} / {p['sim_' + m] * scale:.{digits}f} ({p['err_' + m]:+.0%})"
+
+
+def report(points: list[dict]) -> list[str]:
+    gbytes_s, latency_ms = kv_link()
+    lines = ["# Simulator fidelity: the two-H200 runs", "",
+             "Real: `experiments/results/two-gpu/` (24 requests a point) and `two-gpu-steady/` (120 requests "
+             "at 14 req/s). Simulated: each run's own requests (send times, server-counted prompt tokens, "
+             "max_tokens) on the same cluster, with the H200 profile of the same engine "
+             f"(`two-gpu/profile.json`) and the measured KV link ({gbytes_s:.1f} GB/s + {latency_ms:.2f} ms, "
+             "the line through pdserve's 2k- and 8k-token transfers). "
+             "`python -m experiments.sim_fidelity_two_gpu`. Error = (sim - real) / real.", "",
+             "TTFT and TPOT in ms; goodput in req/s at the loose (TTFT <= 1 s, TPOT <= 50 ms) and tight "
+             "(TPOT <= 10 ms) sets; each cell real / sim (error).", ""]
+    for experiment in ("sweep", "steady"):
+        for dataset in sorted({p["dataset"] for p in points if p["experiment"] == experiment}):
+            mine = [p for p in points if p["experiment"] == experiment and p["dataset"] == dataset]
+            lines += [f"## {experiment}: {dataset}", "",
+                      "| rate | config | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 | goodput loose | goodput tight "
+                      "| sim placements |", "|---|---|---|---|---|---|---|---|---|"]
+            for p in mine:
+                lines.append(f"| {p['rate']:g} | {p['config']} | " + " | ".join(_cell(p, m) for m in METRICS)
+                             + f" | {p['sim_placements']} |")
+            lines.append("")
+    lines += summary_lines(points)
+    return lines
+
+
+def _ranking(points: list[dict], key: str, lower_better: bool = False, configs=("pd", "colocated")) -> str | None:
+    """'pd > colocated' (pd better), '<' or '=', by `key`; None when a config is missing."""
+    by = {p["config"]: p[key] for p in points}
+    if not all(c in by for c in configs):
+        return None
+    a, b = (by[c] for c in configs)
+    if lower_better:
+        a, b = b, a
+    return f"{configs[0]} {'>' if a > b else '<' if a < b else '='} {configs[1]}"
+
+
+def summary_lines(points: list[dict]) -> list[str]:
+    lines = ["## Errors", ""]
+    for configs in (("pd",), ("colocated",), ("hybrid-loose", "hybrid-tight"), CONFIGS):
+        mine = [p for p in points if p["config"] in configs]
+        if not mine:
+            continue
+        figures = [(abs(p[f"err_{m}"]), m, p) for p in mine for m in METRICS]
+        within = sum(e <= 0.10 for e, _, _ in figures)
+        worst = max(figures, key=lambda t: t[0])
+        per_metric = "; ".join(
+            f"{m} {max(abs(p[f'err_{m}']) for p in mine):.0%}" for m in METRICS)
+        lines.append(f"- {' + '.join(configs)}: {within} of {len(figures)} figures within 10%; worst "
+                     f"{worst[0]:.0%} ({worst[1]} of {worst[2]['config']}, {worst[2]['dataset']} at "
+                     f"{worst[2]['rate']:g} req/s, {worst[2]['experiment']}); worst per metric: {per_metric}")
+    lines += ["", "## Ranking PD vs colocated (goodput, then TTFT p50 where goodput ties in the real run)", "",
+              "| experiment | dataset | rate | loose real / sim | tight real / sim | TTFT p50 real / sim |",
+              "|---|---|---|---|---|---|"]
+    agree = total = 0
+    keys = {(p["experiment"], p["dataset"], p["rate"]) for p in points}
+    for key in sorted(keys):
+        at = [p for p in points if (p["experiment"], p["dataset"], p["rate"]) == key]
+        cells = []
+        for m in ("goodput_loose", "goodput_tight", "ttft_p50"):
+            lower = m == "ttft_p50"
+            real, sim = _ranking(at, f"real_{m}", lower), _ranking(at, f"sim_{m}", lower)
+            if real is None:
+                cells.append("-")
+                continue
+            same = real == sim
+            agree += same
+            total += 1
+            cells.append(f"{real} / {sim}{'' if same else ' **differs**'}")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]:g} | " + " | ".join(cells) + " |")
+    lines += ["", f"- the ranking agrees in {agree} of {total} comparisons ('>' = better: more goodput, "
+                  "lower TTFT)", ""]
+    return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
