@@ -13,7 +13,9 @@ both side by side on random workloads and checks that they schedule the same bat
 3. A request whose computed tokens reach its tokens samples one token. Roles: `mixed` and
    `decode` run to `max_tokens`; `prefill` stops after the first token and holds the blocks
    until the KV has been handed off (`release`); `decode` also takes requests whose KV comes
-   from elsewhere (`reserve` blocks for the prompt, then `commit` once it has landed).
+   from elsewhere (`reserve` blocks for the prompt, then `commit` once it has landed). A
+   `mixed` worker of a hybrid cluster does both per request: it hands off the requests the
+   router split with it as their prefill worker, and reserves/commits those it decodes.
 
 Not modelled: prefix caching (the simulated prompts carry no token ids; the engine's cache
 hits nothing on the synthetic and trace prompts either), stop strings and EOS (requests run
@@ -143,9 +145,10 @@ class SimWorker:
     - `on_token(worker, request, now)`: a token was sampled (decode and mixed roles, and the
       first token on a prefill worker);
     - `on_finished(worker, request, now)`: the request reached max_tokens here (its blocks are freed);
-    - `on_prefilled(worker, request, now)`: prefill role, the first token is sampled and the KV held;
-    - `on_chunk(worker, request, num_new, seconds)`: prefill role, a step computing `num_new`
-      of the request's prompt tokens starts and lasts about `seconds`.
+    - `on_prefilled(worker, request, now)`: a request this worker prefills for another (prefill
+      role, or mixed and split by the router): the first token is sampled and the KV held;
+    - `on_chunk(worker, request, num_new, seconds)`: for such a request, a step computing
+      `num_new` of its prompt tokens starts and lasts about `seconds`.
     """
 
     __slots__ = (
@@ -360,7 +363,7 @@ class SimWorker:
         self.busy = True
         self._batch = batch
         self._step_started = self.loop.now
-        if self.on_chunk is not None and self.role == "prefill":
+        if self.on_chunk is not None and self.role != "decode":
             for seq, num_new in batch:
                 if seq.num_computed_tokens < seq.num_prompt_tokens and self._hands_off(seq):
                     self.on_chunk(self, seq, num_new, seconds)
@@ -386,8 +389,12 @@ class SimWorker:
 
     def _hands_off(self, seq: SimRequest) -> bool:
         """A prefill worker hands a request's KV to a decode worker, unless the router placed
-        the whole request on it (degraded: no decode-capable worker is up)."""
-        return self.role == "prefill" and not getattr(seq.decision, "degraded", False)
+        the whole request on it (degraded: no decode-capable worker is up); a mixed worker (a
+        hybrid cluster's, which also moves KV) hands off the requests the router split with
+        it as their prefill worker, and runs the others to the end."""
+        if self.role == "prefill":
+            return not getattr(seq.decision, "degraded", False)
+        return self.role == "mixed" and getattr(seq.decision, "prefill", None) == self.worker_id
 
     def _sample(self, seq: SimRequest, now: float) -> None:
         seq.num_output_tokens += 1
