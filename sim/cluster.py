@@ -238,6 +238,8 @@ class SimCluster:
         return resource, self._latency[link.key]
 
     def _on_chunk(self, worker: SimWorker, request: SimRequest, num_new: int, seconds: float) -> None:
+        if request.kv_flow is None:  # the first chunk: a prefix-cache hit's KV is ready to send with it
+            num_new += request.num_computed_tokens
         produced = num_new * self.kv_bytes_per_token_true / seconds if seconds > 0 else math.inf
         if request.kv_flow is None:
             resource, _ = self._link(worker.node, request.decode_worker.node)

@@ -312,3 +312,45 @@ def test_network_aware_in_a_hybrid_cluster_models_the_load_from_the_simulated_cl
     split = [to_record(r) for r in run.requests[7:]]
     assert all(r.token_times_s == pytest.approx([1.0, 1.1, 1.2]) for r in split)
     assert run.free_blocks == {"w0": (1000, 1000), "w1": (1000, 1000)}
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_of_the_worker_that_computed_it():
+    # One mixed worker, P(n) = n / 100 s, decode steps 0.01 s, blocks of 16. A 200-token prompt
+    # computes in one step of 2.0 s (TTFT 2.0). The same prompt (key "a") again at 10: its 12
+    # full blocks are cached, but 200 = 12.5 blocks, so 192 tokens hit and 8 are computed:
+    # max(P(200) - P(192), D(1, 200)) = max(0.08, 0.01) = 0.08 s. Another prompt (key "b") at
+    # 20 misses: 2.0 s again. A request without a key is never cached (at 30: 2.0 s).
+    profile = flat_profile(prefill_tokens=(100, 200), prefill_times=(1.0, 2.0), decode_s=0.01)
+    config = ClusterConfig(profile=profile, workers=(WorkerConfig("w0", "mixed"),), mode="colocated",
+                           engine=EngineLimits(num_blocks=1000, block_size=16, max_num_batched_tokens=512))
+    arrivals = [Arrival(0.0, 200, 2, prefix_key="a"), Arrival(10.0, 200, 2, prefix_key="a"),
+                Arrival(20.0, 200, 2, prefix_key="b"), Arrival(30.0, 200, 2), Arrival(40.0, 200, 2)]
+    run = simulate(config, "round-robin", arrivals)
+    assert [to_record(r).ttft_s for r in run.requests] == pytest.approx([2.0, 0.08, 2.0, 2.0, 2.0])
+    assert run.free_blocks == {"w0": (1000, 1000)}
+
+
+def test_a_prefill_worker_with_a_cached_prompt_still_sends_all_of_its_kv():
+    # `_pd_config(0.4)`: the 100-token prompt's 1e8 B of KV over a 5e7 B/s link. Uncached, as in
+    # the first end-to-end test: TTFT 2.0. Cached on P (96 tokens hit, 4 computed in one step of
+    # max(P(100) - P(96), D(1, 100)) = 0.1 s): the whole 1e8 B is ready with that step and the
+    # link carries it in 2.0 s: TTFT 2.0 again. A 0.8 Gbit/s link (1e8 B/s) halves it: 1.0.
+    for gbps, ttfts in ((0.4, [2.0, 2.0]), (0.8, [1.0, 1.0])):
+        run = simulate(_pd_config(gbps), "round-robin",
+                       [Arrival(0.0, 100, 2, prefix_key="a"), Arrival(10.0, 100, 2, prefix_key="a")])
+        assert [to_record(r).ttft_s for r in run.requests] == pytest.approx(ttfts)
+    # with a 8 Gbit/s link the compute bounds it: uncached the 1.0 s prefill; cached the 0.1 s step
+    run = simulate(_pd_config(8.0), "round-robin",
+                   [Arrival(0.0, 100, 2, prefix_key="a"), Arrival(10.0, 100, 2, prefix_key="a")])
+    assert [to_record(r).ttft_s for r in run.requests] == pytest.approx([1.0, 0.1])
+
+
+def test_the_prefix_cache_evicts_the_least_recently_used_prompt_beyond_the_workers_blocks():
+    # 20 blocks of 16; each 200-token prompt caches 12 full blocks. "a" then "b" make 24 > 20:
+    # "a" is evicted. "b" again hits (0.08 s, as above), "a" again misses (2.0 s).
+    profile = flat_profile(prefill_tokens=(100, 200), prefill_times=(1.0, 2.0), decode_s=0.01)
+    config = ClusterConfig(profile=profile, workers=(WorkerConfig("w0", "mixed"),), mode="colocated",
+                           engine=EngineLimits(num_blocks=20, block_size=16, max_num_batched_tokens=512))
+    keys = ["a", "b", "b", "a"]
+    run = simulate(config, "round-robin", [Arrival(10.0 * i, 200, 2, prefix_key=k) for i, k in enumerate(keys)])
+    assert [to_record(r).ttft_s for r in run.requests] == pytest.approx([2.0, 2.0, 0.08, 2.0])
