@@ -55,6 +55,16 @@ SLOS = {"loose": SLO(ttft_s=1.0, tpot_s=0.05), "tight": SLO(ttft_s=1.0, tpot_s=0
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "goodput_loose", "goodput_tight")
 CONFIGS = ("pd", "colocated", "hybrid-loose", "hybrid-tight")
 SIMULATED = tuple(c for c in CONFIGS if c in __import__("os").environ.get("TWO_GPU_CONFIGS", ",".join(CONFIGS)).split(","))
+MODELS = {"as-run": True, "fresh": False}
+MODEL_TEXT = {
+    "as-run": "Each configuration's runs one after the other on one simulated cluster, at the offsets "
+              "they started at on the real server, and a prompt identified by its dataset and request "
+              "index (the spec's one seed sends the same 24 prompts at every rate; the engine's prefix "
+              "cache serves them again): the router's state and each worker's prefix cache carry over "
+              "from run to run, as on the real server.",
+    "fresh": "Each run alone on a fresh simulated cluster, no prompt cached (what a replay of one "
+             "run's records gives by itself).",
+}
 ENGINE = EngineLimits(num_blocks=40_000, block_size=16, max_num_batched_tokens=512, max_num_seqs=64)
 # pdserve's transfer GPU0 -> GPU1, first send to ACK (kvtransfer.txt): (bytes, seconds)
 KV_POINTS = ((268.4e6, 6.62e-3), (1073.7e6, 17.94e-3))
@@ -72,7 +82,9 @@ def cluster(config: str) -> tuple[ClusterConfig, str]:
     """(the cluster of `config`, the policy name), as experiments/two-gpu/serve.sh starts it."""
     profile = load_profile(str(PROFILE))
     gbytes_s, latency_ms = kv_link()
-    topology = Topology(links=(Link("gpu0", "gpu1", gbytes_s * 8, latency_ms),))
+    # measured GPU0 -> GPU1; NVLink is symmetric, so the hybrid cluster's GPU1 -> GPU0 is taken the same
+    topology = Topology(links=(Link("gpu0", "gpu1", gbytes_s * 8, latency_ms),
+                               Link("gpu1", "gpu0", gbytes_s * 8, latency_ms)))
     if config == "pd":
         workers = (WorkerConfig("p0", "prefill", "gpu0"), WorkerConfig("d0", "decode", "gpu1"))
         return ClusterConfig(profile=profile, workers=workers, topology=topology, engine=ENGINE), "round-robin"
@@ -97,42 +109,82 @@ def metrics(records) -> dict[str, float]:
     return out
 
 
-def runs() -> list[tuple[str, str, str, float, Path]]:
-    """(experiment, config, dataset, rate, records file) of every committed real run."""
+def runs() -> list[tuple[str, str, str, float, float, Path]]:
+    """(experiment, config, dataset, rate, start s after the config's first run, records file)
+    of every committed real run, each configuration's in the order they ran on its server."""
     found = []
     for experiment, base in (("sweep", SWEEP), ("steady", STEADY)):
-        for config in CONFIGS:
-            for path in sorted((base / config / "runs").glob("*.jsonl")):
-                m = re.fullmatch(rf"{re.escape(config)}_(.+)_rate([0-9.]+)", path.stem)
-                if m and config in SIMULATED:
-                    found.append((experiment, config, m[1], float(m[2]), path))
-    return sorted(found, key=lambda r: (r[0] != "sweep", r[2], r[3], CONFIGS.index(r[1])))
+        for config in SIMULATED:
+            summary = base / config / "summary.csv"
+            if not summary.exists():
+                continue
+            rows = sorted(csv.DictReader(open(summary)), key=lambda r: float(r["start_time_unix"]))
+            first = float(rows[0]["start_time_unix"])
+            for row in rows:
+                found.append((experiment, config, row["dataset"], float(row["rate"]),
+                              float(row["start_time_unix"]) - first, base / config / row["records_file"]))
+    return found
 
 
-def simulate_run(config: str, records) -> tuple[dict, dict]:
+def simulate_server(config: str, runs_of_server: list[tuple], *, as_run: bool) -> list[tuple[list, dict]]:
+    """Simulated records of each run of one configuration's server, and what the simulator did.
+
+    `as_run`: the runs follow each other on one simulated cluster at the offsets they started
+    at (the router's state, e.g. network-aware's arrival window, and each worker's prefix cache
+    carry over), and a request's prompt is identified by (dataset, request index): the spec's
+    one seed sends the same prompts at every rate. Otherwise each run is simulated alone on a
+    fresh cluster and no prompt is cached."""
     cfg, policy = cluster(config)
-    arrivals = sorted((Arrival(r.sent_s, int(r.prompt_tokens or r.prompt_tokens_est), int(r.max_tokens))
-                       for r in records), key=lambda a: a.offset_s)
-    run = simulate(cfg, policy, arrivals)
-    return metrics([to_record(r) for r in run.requests]), {"placements": run.decisions,
-                                                            "preemptions": run.num_preemptions}
+    if not as_run:
+        out = []
+        for *_, path in runs_of_server:
+            arrivals = sorted((Arrival(r.sent_s, int(r.prompt_tokens or r.prompt_tokens_est), int(r.max_tokens))
+                               for r in read_jsonl(path)), key=lambda a: a.offset_s)
+            run = simulate(cfg, policy, arrivals)
+            out.append(([to_record(q) for q in run.requests],
+                        {"placements": run.decisions, "preemptions": run.num_preemptions}))
+        return out
+    tagged = []
+    for j, (_, _, dataset, _, offset, path) in enumerate(runs_of_server):
+        for r in read_jsonl(path):
+            tagged.append((offset + r.sent_s, j, Arrival(offset + r.sent_s, int(r.prompt_tokens or r.prompt_tokens_est),
+                                                         int(r.max_tokens), prefix_key=(dataset, r.index))))
+    tagged.sort(key=lambda t: t[0])
+    run = simulate(cfg, policy, [a for _, _, a in tagged])
+    per_run: list[tuple[list, dict]] = [([], {"placements": {}, "preemptions": 0}) for _ in runs_of_server]
+    for (_, j, _), request in zip(tagged, run.requests):
+        records, extra = per_run[j]
+        records.append(to_record(request))
+        d = request.decision
+        key = "-" if d is None else d.kind if d.prefill is None else f"{d.prefill}->{d.decode}"
+        extra["placements"][key] = extra["placements"].get(key, 0) + 1
+    for j, (records, extra) in enumerate(per_run):  # does a simulated run run into the next one?
+        if j + 1 < len(runs_of_server):
+            end = max(r.sent_s + (r.e2e_s or 0.0) for r in records)
+            extra["overlaps_next"] = end > runs_of_server[j + 1][4]
+    return per_run
 
 
 def main() -> int:
     points = []
-    for experiment, config, dataset, rate, path in runs():
-        real_records = read_jsonl(path)
-        real = metrics(real_records)
-        sim, extra = simulate_run(config, real_records)
-        point = {"experiment": experiment, "config": config, "dataset": dataset, "rate": rate,
-                 "real_ok": real["num_ok"], "sim_ok": sim["num_ok"],
-                 "sim_placements": " ".join(f"{k}:{v}" for k, v in sorted(extra["placements"].items())),
-                 "sim_preemptions": extra["preemptions"]}
-        for m in METRICS:
-            rv, sv = float(real[m] or 0.0), float(sim[m] or 0.0)
-            point[f"real_{m}"], point[f"sim_{m}"] = rv, sv
-            point[f"err_{m}"] = (sv - rv) / rv if rv else float("nan")
-        points.append(point)
+    servers: dict[tuple[str, str], list[tuple]] = {}
+    for item in runs():
+        servers.setdefault((item[0], item[1]), []).append(item)
+    for model, as_run in MODELS.items():
+        for (experiment, config), items in servers.items():
+            for item, (sim_records, extra) in zip(items, simulate_server(config, items, as_run=as_run)):
+                _, _, dataset, rate, _, path = item
+                real, sim = metrics(read_jsonl(path)), metrics(sim_records)
+                point = {"model": model, "experiment": experiment, "config": config, "dataset": dataset,
+                         "rate": rate, "real_ok": real["num_ok"], "sim_ok": sim["num_ok"],
+                         "sim_placements": " ".join(f"{k}:{v}" for k, v in sorted(extra["placements"].items())),
+                         "sim_preemptions": extra["preemptions"],
+                         "sim_overlaps_next_run": extra.get("overlaps_next", False)}
+                for m in METRICS:
+                    rv, sv = float(real[m] or 0.0), float(sim[m] or 0.0)
+                    point[f"real_{m}"], point[f"sim_{m}"] = rv, sv
+                    point[f"err_{m}"] = (sv - rv) / rv if rv else float("nan")
+                points.append(point)
     OUT.mkdir(parents=True, exist_ok=True)
     with open(OUT / "two_gpu.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(points[0]))
@@ -160,17 +212,21 @@ def report(points: list[dict]) -> list[str]:
              "`python -m experiments.sim_fidelity_two_gpu`. Error = (sim - real) / real.", "",
              "TTFT and TPOT in ms; goodput in req/s at the loose (TTFT <= 1 s, TPOT <= 50 ms) and tight "
              "(TPOT <= 10 ms) sets; each cell real / sim (error).", ""]
-    for experiment in ("sweep", "steady"):
-        for dataset in sorted({p["dataset"] for p in points if p["experiment"] == experiment}):
-            mine = [p for p in points if p["experiment"] == experiment and p["dataset"] == dataset]
-            lines += [f"## {experiment}: {dataset}", "",
-                      "| rate | config | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 | goodput loose | goodput tight "
-                      "| sim placements |", "|---|---|---|---|---|---|---|---|---|"]
-            for p in mine:
-                lines.append(f"| {p['rate']:g} | {p['config']} | " + " | ".join(_cell(p, m) for m in METRICS)
-                             + f" | {p['sim_placements']} |")
-            lines.append("")
-    lines += summary_lines(points)
+    for model in MODELS:
+        at = [p for p in points if p["model"] == model]
+        lines += [f"## model `{model}`", "", MODEL_TEXT[model], ""]
+        for experiment in ("sweep", "steady"):
+            for dataset in sorted({p["dataset"] for p in at if p["experiment"] == experiment}):
+                mine = [p for p in at if p["experiment"] == experiment and p["dataset"] == dataset]
+                lines += [f"### `{model}`, {experiment}: {dataset}", "",
+                          "| rate | config | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 | goodput loose | goodput tight "
+                          "| sim placements |", "|---|---|---|---|---|---|---|---|---|"]
+                for p in sorted(mine, key=lambda p: (p["rate"], CONFIGS.index(p["config"]))):
+                    flag = " (runs into the next run)" if p["sim_overlaps_next_run"] else ""
+                    lines.append(f"| {p['rate']:g} | {p['config']} | " + " | ".join(_cell(p, m) for m in METRICS)
+                                 + f" | {p['sim_placements']}{flag} |")
+                lines.append("")
+        lines += summary_lines(at, model)
     return lines
 
 
@@ -185,8 +241,8 @@ def _ranking(points: list[dict], key: str, lower_better: bool = False, configs=(
     return f"{configs[0]} {'>' if a > b else '<' if a < b else '='} {configs[1]}"
 
 
-def summary_lines(points: list[dict]) -> list[str]:
-    lines = ["## Errors", ""]
+def summary_lines(points: list[dict], model: str) -> list[str]:
+    lines = [f"### `{model}`: errors", ""]
     for configs in (("pd",), ("colocated",), ("hybrid-loose", "hybrid-tight"), CONFIGS):
         mine = [p for p in points if p["config"] in configs]
         if not mine:
@@ -199,7 +255,7 @@ def summary_lines(points: list[dict]) -> list[str]:
         lines.append(f"- {' + '.join(configs)}: {within} of {len(figures)} figures within 10%; worst "
                      f"{worst[0]:.0%} ({worst[1]} of {worst[2]['config']}, {worst[2]['dataset']} at "
                      f"{worst[2]['rate']:g} req/s, {worst[2]['experiment']}); worst per metric: {per_metric}")
-    lines += ["", "## Ranking PD vs colocated (goodput, then TTFT p50 where goodput ties in the real run)", "",
+    lines += ["", f"### `{model}`: ranking PD vs colocated (goodput at each SLO set; TTFT p50)", "",
               "| experiment | dataset | rate | loose real / sim | tight real / sim | TTFT p50 real / sim |",
               "|---|---|---|---|---|---|"]
     agree = total = 0
