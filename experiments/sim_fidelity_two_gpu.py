@@ -35,7 +35,7 @@ Writes experiments/results/sim-fidelity/two_gpu.md and two_gpu.csv.
 from __future__ import annotations
 
 import csv
-import re
+import itertools
 import sys
 from pathlib import Path
 
@@ -55,13 +55,17 @@ SLOS = {"loose": SLO(ttft_s=1.0, tpot_s=0.05), "tight": SLO(ttft_s=1.0, tpot_s=0
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "goodput_loose", "goodput_tight")
 CONFIGS = ("pd", "colocated", "hybrid-loose", "hybrid-tight")
 SIMULATED = tuple(c for c in CONFIGS if c in __import__("os").environ.get("TWO_GPU_CONFIGS", ",".join(CONFIGS)).split(","))
-MODELS = {"as-run": True, "fresh": False}
+MODELS = {"as-run": (True, "benchmark"), "as-run-cluster-link": (True, "cluster"), "fresh": (False, "benchmark")}
+RATES = (2.0, 5.0, 9.0, 14.0, 20.0)
 MODEL_TEXT = {
     "as-run": "Each configuration's runs one after the other on one simulated cluster, at the offsets "
               "they started at on the real server, and a prompt identified by its dataset and request "
               "index (the spec's one seed sends the same 24 prompts at every rate; the engine's prefix "
               "cache serves them again): the router's state and each worker's prefix cache carry over "
               "from run to run, as on the real server.",
+    "as-run-cluster-link": "`as-run` with the KV link the PD runs' own transfers achieved (the line "
+                           "through the mean transfer the workers reported for 264 MB and 67 MB in the "
+                           "runs with cached prompts: {cluster}) instead of the benchmark's.",
     "fresh": "Each run alone on a fresh simulated cluster, no prompt cached (what a replay of one "
              "run's records gives by itself).",
 }
@@ -71,17 +75,41 @@ KV_POINTS = ((268.4e6, 6.62e-3), (1073.7e6, 17.94e-3))
 
 
 def kv_link() -> tuple[float, float]:
-    """(GB/s, latency ms) of the line through the two measured transfers."""
-    (b1, t1), (b2, t2) = KV_POINTS
+    """(GB/s, latency ms) of the line through the two measured transfers (kvtransfer.txt)."""
+    return _line(*KV_POINTS)
+
+
+def cluster_link() -> tuple[float, float]:
+    """(GB/s, latency ms) of the line through the mean transfer the PD sweep's workers reported
+    (summary.csv: kv_transfer_seconds / kv_transfer_count) at each prompt length, over the runs
+    after the first of each dataset: their prompts were cached on the prefill worker, so a
+    transfer (first send to ACK) follows a step of a few tokens instead of overlapping a whole
+    prefill. Derived from the same runs the table compares against."""
+    by_dataset: dict[str, list[tuple[float, float]]] = {}
+    rows = sorted(csv.DictReader(open(SWEEP / "pd" / "summary.csv")), key=lambda r: float(r["start_time_unix"]))
+    seen = set()
+    for row in rows:
+        if row["dataset"] not in seen:  # the first run of a dataset: uncached prompts
+            seen.add(row["dataset"])
+            continue
+        n = float(row["kv_transfer_count"])
+        by_dataset.setdefault(row["dataset"], []).append((float(row["kv_transfer_bytes"]) / n,
+                                                          float(row["kv_transfer_seconds"]) / n))
+    points = [(sum(b for b, _ in v) / len(v), sum(t for _, t in v) / len(v)) for v in by_dataset.values()]
+    return _line(*sorted(points))
+
+
+def _line(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    (b1, t1), (b2, t2) = a, b
     gbytes_s = (b2 - b1) / (t2 - t1) / 1e9
-    latency_ms = (t1 - b1 / (gbytes_s * 1e9)) * 1e3
-    return gbytes_s, latency_ms
+    return gbytes_s, (t1 - b1 / (gbytes_s * 1e9)) * 1e3
 
 
-def cluster(config: str) -> tuple[ClusterConfig, str]:
-    """(the cluster of `config`, the policy name), as experiments/two-gpu/serve.sh starts it."""
+def cluster(config: str, link: tuple[float, float]) -> tuple[ClusterConfig, str]:
+    """(the cluster of `config`, the policy name), as experiments/two-gpu/serve.sh starts it;
+    `link`: the KV link GPU0 <-> GPU1, (GB/s, latency ms)."""
     profile = load_profile(str(PROFILE))
-    gbytes_s, latency_ms = kv_link()
+    gbytes_s, latency_ms = link
     # measured GPU0 -> GPU1; NVLink is symmetric, so the hybrid cluster's GPU1 -> GPU0 is taken the same
     topology = Topology(links=(Link("gpu0", "gpu1", gbytes_s * 8, latency_ms),
                                Link("gpu1", "gpu0", gbytes_s * 8, latency_ms)))
@@ -126,7 +154,8 @@ def runs() -> list[tuple[str, str, str, float, float, Path]]:
     return found
 
 
-def simulate_server(config: str, runs_of_server: list[tuple], *, as_run: bool) -> list[tuple[list, dict]]:
+def simulate_server(config: str, runs_of_server: list[tuple], *, as_run: bool,
+                    link: tuple[float, float]) -> list[tuple[list, dict]]:
     """Simulated records of each run of one configuration's server, and what the simulator did.
 
     `as_run`: the runs follow each other on one simulated cluster at the offsets they started
@@ -134,7 +163,7 @@ def simulate_server(config: str, runs_of_server: list[tuple], *, as_run: bool) -
     carry over), and a request's prompt is identified by (dataset, request index): the spec's
     one seed sends the same prompts at every rate. Otherwise each run is simulated alone on a
     fresh cluster and no prompt is cached."""
-    cfg, policy = cluster(config)
+    cfg, policy = cluster(config, link)
     if not as_run:
         out = []
         for *_, path in runs_of_server:
@@ -147,14 +176,16 @@ def simulate_server(config: str, runs_of_server: list[tuple], *, as_run: bool) -
     tagged = []
     for j, (_, _, dataset, _, offset, path) in enumerate(runs_of_server):
         for r in read_jsonl(path):
-            tagged.append((offset + r.sent_s, j, Arrival(offset + r.sent_s, int(r.prompt_tokens or r.prompt_tokens_est),
+            tagged.append((offset + r.sent_s, (j, r.index), Arrival(offset + r.sent_s, int(r.prompt_tokens or r.prompt_tokens_est),
                                                          int(r.max_tokens), prefix_key=(dataset, r.index))))
     tagged.sort(key=lambda t: t[0])
     run = simulate(cfg, policy, [a for _, _, a in tagged])
     per_run: list[tuple[list, dict]] = [([], {"placements": {}, "preemptions": 0}) for _ in runs_of_server]
-    for (_, j, _), request in zip(tagged, run.requests):
+    for (_, (j, index), _), request in zip(tagged, run.requests):
         records, extra = per_run[j]
-        records.append(to_record(request))
+        record = to_record(request)
+        record.index = index  # the real record's index, to pair them
+        records.append(record)
         d = request.decision
         key = "-" if d is None else d.kind if d.prefill is None else f"{d.prefill}->{d.decode}"
         extra["placements"][key] = extra["placements"].get(key, 0) + 1
@@ -170,16 +201,23 @@ def main() -> int:
     servers: dict[tuple[str, str], list[tuple]] = {}
     for item in runs():
         servers.setdefault((item[0], item[1]), []).append(item)
-    for model, as_run in MODELS.items():
+    links = {"benchmark": kv_link(), "cluster": cluster_link()}
+    for model, (as_run, link) in MODELS.items():
         for (experiment, config), items in servers.items():
-            for item, (sim_records, extra) in zip(items, simulate_server(config, items, as_run=as_run)):
+            for item, (sim_records, extra) in zip(items, simulate_server(config, items, as_run=as_run,
+                                                                          link=links[link])):
                 _, _, dataset, rate, _, path = item
-                real, sim = metrics(read_jsonl(path)), metrics(sim_records)
+                real_records = read_jsonl(path)
+                real, sim = metrics(real_records), metrics(sim_records)
+                by_index = {r.index: r for r in sim_records}
+                gaps = sorted(r.ttft_s - by_index[r.index].ttft_s for r in real_records
+                              if r.ok and r.index in by_index and by_index[r.index].ok)
                 point = {"model": model, "experiment": experiment, "config": config, "dataset": dataset,
                          "rate": rate, "real_ok": real["num_ok"], "sim_ok": sim["num_ok"],
                          "sim_placements": " ".join(f"{k}:{v}" for k, v in sorted(extra["placements"].items())),
                          "sim_preemptions": extra["preemptions"],
-                         "sim_overlaps_next_run": extra.get("overlaps_next", False)}
+                         "sim_overlaps_next_run": extra.get("overlaps_next", False),
+                         "ttft_gap_p50": gaps[len(gaps) // 2] if gaps else float("nan")}
                 for m in METRICS:
                     rv, sv = float(real[m] or 0.0), float(sim[m] or 0.0)
                     point[f"real_{m}"], point[f"sim_{m}"] = rv, sv
@@ -204,17 +242,24 @@ def _cell(p: dict, m: str) -> str:
 def report(points: list[dict]) -> list[str]:
     gbytes_s, latency_ms = kv_link()
     lines = ["# Simulator fidelity: the two-H200 runs", "",
-             "Real: `experiments/results/two-gpu/` (24 requests a point) and `two-gpu-steady/` (120 requests "
-             "at 14 req/s). Simulated: each run's own requests (send times, server-counted prompt tokens, "
-             "max_tokens) on the same cluster, with the H200 profile of the same engine "
-             f"(`two-gpu/profile.json`) and the measured KV link ({gbytes_s:.1f} GB/s + {latency_ms:.2f} ms, "
-             "the line through pdserve's 2k- and 8k-token transfers). "
-             "`python -m experiments.sim_fidelity_two_gpu`. Error = (sim - real) / real.", "",
+             "Real: `experiments/results/two-gpu/` (24 requests a point, one server per configuration "
+             "running its 10 runs one after the other) and `two-gpu-steady/` (120 requests at 14 req/s, a "
+             "fresh server each). Simulated: the runs' own requests (send times, server-counted prompt "
+             "tokens, max_tokens) on the same cluster shape and policy, with the H200 profile of the same "
+             "engine (`two-gpu/profile.json`) and, unless said otherwise, the benchmarked KV link "
+             f"({gbytes_s:.1f} GB/s + {latency_ms:.2f} ms, the line through pdserve's 2k- and 8k-token "
+             "transfers in `kvtransfer.txt`). `PYTHONPATH=. python -m experiments.sim_fidelity_two_gpu` "
+             "(seconds). Error = (sim - real) / real.", "",
              "TTFT and TPOT in ms; goodput in req/s at the loose (TTFT <= 1 s, TPOT <= 50 ms) and tight "
-             "(TPOT <= 10 ms) sets; each cell real / sim (error).", ""]
+             "(TPOT <= 10 ms) sets; each cell real / sim (error). Three models: `as-run` (the runs of a "
+             "server chained on one simulated cluster, prompts repeated across rates hit the prefix cache), "
+             "`as-run-cluster-link` (the same with the link the runs' own transfers achieved) and `fresh` "
+             "(each run alone, nothing cached). experiments/README.md discusses where the errors come from.",
+             ""]
     for model in MODELS:
         at = [p for p in points if p["model"] == model]
-        lines += [f"## model `{model}`", "", MODEL_TEXT[model], ""]
+        text = MODEL_TEXT[model].format(cluster="{:.2f} GB/s + {:.2f} ms".format(*cluster_link()))
+        lines += [f"## model `{model}`", "", text, ""]
         for experiment in ("sweep", "steady"):
             for dataset in sorted({p["dataset"] for p in at if p["experiment"] == experiment}):
                 mine = [p for p in at if p["experiment"] == experiment and p["dataset"] == dataset]
@@ -243,8 +288,9 @@ def _ranking(points: list[dict], key: str, lower_better: bool = False, configs=(
 
 def summary_lines(points: list[dict], model: str) -> list[str]:
     lines = [f"### `{model}`: errors", ""]
-    for configs in (("pd",), ("colocated",), ("hybrid-loose", "hybrid-tight"), CONFIGS):
-        mine = [p for p in points if p["config"] in configs]
+    for experiment, configs in itertools.product(("sweep", "steady"), (("pd",), ("colocated",),
+                                                                     ("hybrid-loose", "hybrid-tight"), CONFIGS)):
+        mine = [p for p in points if p["config"] in configs and p["experiment"] == experiment]
         if not mine:
             continue
         figures = [(abs(p[f"err_{m}"]), m, p) for p in mine for m in METRICS]
@@ -252,9 +298,19 @@ def summary_lines(points: list[dict], model: str) -> list[str]:
         worst = max(figures, key=lambda t: t[0])
         per_metric = "; ".join(
             f"{m} {max(abs(p[f'err_{m}']) for p in mine):.0%}" for m in METRICS)
-        lines.append(f"- {' + '.join(configs)}: {within} of {len(figures)} figures within 10%; worst "
+        lines.append(f"- {experiment}, {' + '.join(configs) if configs != CONFIGS else 'all'}: {within} of {len(figures)} figures within 10%; worst "
                      f"{worst[0]:.0%} ({worst[1]} of {worst[2]['config']}, {worst[2]['dataset']} at "
                      f"{worst[2]['rate']:g} req/s, {worst[2]['experiment']}); worst per metric: {per_metric}")
+    lines += ["", f"### `{model}`: what the simulator leaves out of TTFT", "",
+              "Median over a run's requests of (real TTFT - simulated TTFT), request by request, in ms:", "",
+              "| experiment | dataset | config | " + " | ".join(f"{r:g} req/s" for r in RATES) + " |",
+              "|---|---|---|" + "---|" * len(RATES)]
+    for experiment, dataset, config in sorted({(p["experiment"], p["dataset"], p["config"]) for p in points},
+                                              key=lambda k: (k[0] != "sweep", k[1], CONFIGS.index(k[2]))):
+        by_rate = {p["rate"]: p["ttft_gap_p50"] for p in points
+                   if (p["experiment"], p["dataset"], p["config"]) == (experiment, dataset, config)}
+        lines.append(f"| {experiment} | {dataset} | {config} | "
+                     + " | ".join(f"{by_rate[r] * 1e3:.0f}" if r in by_rate else "-" for r in RATES) + " |")
     lines += ["", f"### `{model}`: ranking PD vs colocated (goodput at each SLO set; TTFT p50)", "",
               "| experiment | dataset | rate | loose real / sim | tight real / sim | TTFT p50 real / sim |",
               "|---|---|---|---|---|---|"]
