@@ -8,7 +8,10 @@ requests at 14 req/s, 2048/256) under experiments/results/two-gpu*/<config>/runs
 Simulated: the same requests (each record's `sent_s`, its server-counted prompt tokens and
 `max_tokens`) on the same cluster shape, with the H200 profile of the same engine
 (experiments/results/two-gpu/profile.json) and the measured GPU0->GPU1 KV link
-(experiments/results/two-gpu/kvtransfer.txt):
+(experiments/results/two-gpu/kvtransfer.txt), in three models (MODEL_TEXT): `as-run` (each
+configuration's runs chained on one simulated cluster as they ran on one server, the prompts
+that repeat across rates served by the prefix cache), `as-run-cluster-link` (the same with the
+link the PD runs' transfers achieved) and `fresh` (each run alone, nothing cached). Clusters:
 
 - `pd`: a prefill worker on gpu0 and a decode worker on gpu1, round-robin;
 - `colocated`: two mixed workers in colocated mode, least-loaded;
@@ -54,7 +57,6 @@ PROFILE = SWEEP / "profile.json"
 SLOS = {"loose": SLO(ttft_s=1.0, tpot_s=0.05), "tight": SLO(ttft_s=1.0, tpot_s=0.01)}
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "goodput_loose", "goodput_tight")
 CONFIGS = ("pd", "colocated", "hybrid-loose", "hybrid-tight")
-SIMULATED = tuple(c for c in CONFIGS if c in __import__("os").environ.get("TWO_GPU_CONFIGS", ",".join(CONFIGS)).split(","))
 MODELS = {"as-run": (True, "benchmark"), "as-run-cluster-link": (True, "cluster"), "fresh": (False, "benchmark")}
 RATES = (2.0, 5.0, 9.0, 14.0, 20.0)
 MODEL_TEXT = {
@@ -142,7 +144,7 @@ def runs() -> list[tuple[str, str, str, float, float, Path]]:
     of every committed real run, each configuration's in the order they ran on its server."""
     found = []
     for experiment, base in (("sweep", SWEEP), ("steady", STEADY)):
-        for config in SIMULATED:
+        for config in CONFIGS:
             summary = base / config / "summary.csv"
             if not summary.exists():
                 continue
@@ -167,20 +169,23 @@ def simulate_server(config: str, runs_of_server: list[tuple], *, as_run: bool,
     if not as_run:
         out = []
         for *_, path in runs_of_server:
-            arrivals = sorted((Arrival(r.sent_s, int(r.prompt_tokens or r.prompt_tokens_est), int(r.max_tokens))
-                               for r in read_jsonl(path)), key=lambda a: a.offset_s)
-            run = simulate(cfg, policy, arrivals)
-            out.append(([to_record(q) for q in run.requests],
-                        {"placements": run.decisions, "preemptions": run.num_preemptions}))
+            real = sorted(read_jsonl(path), key=lambda r: r.sent_s)
+            run = simulate(cfg, policy, [Arrival(r.sent_s, _prompt(r), int(r.max_tokens)) for r in real])
+            records = [to_record(q) for q in run.requests]
+            for record, r in zip(records, real):
+                record.index = r.index  # the real record's index, to pair them
+            out.append((records, {"placements": run.decisions, "preemptions": run.num_preemptions}))
         return out
     tagged = []
     for j, (_, _, dataset, _, offset, path) in enumerate(runs_of_server):
         for r in read_jsonl(path):
-            tagged.append((offset + r.sent_s, (j, r.index), Arrival(offset + r.sent_s, int(r.prompt_tokens or r.prompt_tokens_est),
-                                                         int(r.max_tokens), prefix_key=(dataset, r.index))))
+            arrival = Arrival(offset + r.sent_s, _prompt(r), int(r.max_tokens), prefix_key=(dataset, r.index))
+            tagged.append((arrival.offset_s, (j, r.index), arrival))
     tagged.sort(key=lambda t: t[0])
     run = simulate(cfg, policy, [a for _, _, a in tagged])
-    per_run: list[tuple[list, dict]] = [([], {"placements": {}, "preemptions": 0}) for _ in runs_of_server]
+    # preemptions: the server's whole simulated timeline
+    per_run: list[tuple[list, dict]] = [([], {"placements": {}, "preemptions": run.num_preemptions})
+                                        for _ in runs_of_server]
     for (_, (j, index), _), request in zip(tagged, run.requests):
         records, extra = per_run[j]
         record = to_record(request)
@@ -194,6 +199,10 @@ def simulate_server(config: str, runs_of_server: list[tuple], *, as_run: bool,
             end = max(r.sent_s + (r.e2e_s or 0.0) for r in records)
             extra["overlaps_next"] = end > runs_of_server[j + 1][4]
     return per_run
+
+
+def _prompt(record) -> int:
+    return int(record.prompt_tokens or record.prompt_tokens_est)
 
 
 def main() -> int:
@@ -298,7 +307,8 @@ def summary_lines(points: list[dict], model: str) -> list[str]:
         worst = max(figures, key=lambda t: t[0])
         per_metric = "; ".join(
             f"{m} {max(abs(p[f'err_{m}']) for p in mine):.0%}" for m in METRICS)
-        lines.append(f"- {experiment}, {' + '.join(configs) if configs != CONFIGS else 'all'}: {within} of {len(figures)} figures within 10%; worst "
+        which = " + ".join(configs) if configs != CONFIGS else "all"
+        lines.append(f"- {experiment}, {which}: {within} of {len(figures)} figures within 10%; worst "
                      f"{worst[0]:.0%} ({worst[1]} of {worst[2]['config']}, {worst[2]['dataset']} at "
                      f"{worst[2]['rate']:g} req/s, {worst[2]['experiment']}); worst per metric: {per_metric}")
     lines += ["", f"### `{model}`: what the simulator leaves out of TTFT", "",
