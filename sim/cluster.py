@@ -5,11 +5,13 @@ Lifecycle of a request (as `router/cluster_backend.py` drives it in a real clust
 1. Arrival: the router builds a `ClusterSnapshot` (each worker's last polled stats, its own
    in-flight counts, the link states of the real `router.congestion.LinkMonitor`) and asks
    the real placement policy. NoWorkersAvailable is a 503, SLOUnattainable a 429.
-2. Disaggregated (P, D): the in-flight counts of P and D and the P->D flow count from the
-   decision. D reserves blocks for the prompt (none free: D is excluded and the request is
-   placed again, up to `max_retries`), then P queues the prefill.
+2. Disaggregated (P, D; in a hybrid cluster both are mixed workers, router mode disaggregated):
+   the in-flight counts of P and D and the P->D flow count from the decision. D reserves
+   blocks for the prompt (none free: D is excluded and the request is placed again, up to
+   `max_retries`), then P queues the prefill.
 3. P's steps compute the prompt; each step's share of the prompt's KV streams to D while the
-   step computes (the flow is capped at the rate the step produces KV), the rest after it at
+   step computes (the flow is capped at the rate the step produces KV; the first step also
+   makes a prefix-cache hit's KV ready), the rest after it at
    the link's fair share. The transfer ends when the last byte and the link latency are past
    and the compute is done; then P frees its blocks, the router records the transfer with
    the monitor (`finish`, with kv_seconds and prefill_seconds as a real worker reports them)
@@ -238,6 +240,8 @@ class SimCluster:
         return resource, self._latency[link.key]
 
     def _on_chunk(self, worker: SimWorker, request: SimRequest, num_new: int, seconds: float) -> None:
+        if request.kv_flow is None:  # the first chunk: a prefix-cache hit's KV is ready to send with it
+            num_new += request.num_computed_tokens
         produced = num_new * self.kv_bytes_per_token_true / seconds if seconds > 0 else math.inf
         if request.kv_flow is None:
             resource, _ = self._link(worker.node, request.decode_worker.node)

@@ -23,6 +23,7 @@ class Arrival:
     max_tokens: int
     prompt_tokens_est: int | None = None
     group: int | None = None
+    prefix_key: object = None  # arrivals with the same key send the same prompt (prefix caching: sim.worker)
 
 
 @dataclass
@@ -67,6 +68,7 @@ def simulate(config: ClusterConfig, policy: str, arrivals: Iterable[Arrival], *,
         request = SimRequest(i, a.offset_s, a.prompt_tokens, a.max_tokens, record_tokens=record_tokens)
         request.prompt_tokens_est = a.prompt_tokens_est
         request.group = a.group
+        request.prefix_key = a.prefix_key
         if keep:
             submitted.append(request)
         cluster.submit(request)

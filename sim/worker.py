@@ -13,11 +13,22 @@ both side by side on random workloads and checks that they schedule the same bat
 3. A request whose computed tokens reach its tokens samples one token. Roles: `mixed` and
    `decode` run to `max_tokens`; `prefill` stops after the first token and holds the blocks
    until the KV has been handed off (`release`); `decode` also takes requests whose KV comes
-   from elsewhere (`reserve` blocks for the prompt, then `commit` once it has landed).
+   from elsewhere (`reserve` blocks for the prompt, then `commit` once it has landed). A
+   `mixed` worker of a hybrid cluster does both per request: it hands off the requests the
+   router split with it as their prefill worker, and reserves/commits those it decodes.
 
-Not modelled: prefix caching (the simulated prompts carry no token ids; the engine's cache
-hits nothing on the synthetic and trace prompts either), stop strings and EOS (requests run
-to `max_tokens`, as with `ignore_eos`).
+Prefix caching, by prompt identity: a request may carry a `prefix_key` (requests with the
+same key have the same prompt tokens, e.g. a replayed run's prompts when the runs of one seed
+repeat them). A worker that has computed a key's prompt keeps its full blocks cached; a later
+request with that key admitted there starts with them computed (all but at least the last
+token, as the engine never shares the block it writes), and the KV it hands off still covers
+the whole prompt. Cached blocks are evicted least recently used when they exceed the worker's
+blocks (the engine reuses them out of its free pool, so they cost no capacity; it may evict
+earlier than this when running requests hold most blocks). Requests without a key (the
+default; the engine's cache hits nothing on distinct synthetic and trace prompts) are never
+cached. Not modelled: partial-prefix hits between different prompts, a prompt cached on a
+decode worker by received KV, stop strings and EOS (requests run to `max_tokens`, as with
+`ignore_eos`).
 
 Step time (profile `P` = prefill seconds of n tokens on an idle worker, `D(b, c)` = decode
 step of b requests at mean context c):
@@ -33,7 +44,7 @@ paced by the step's unstretched time: a simplification).
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Callable
 
 from router.profiles import Profile
@@ -53,6 +64,7 @@ class SimRequest:
         "last_token_time", "sent", "decision", "kv_flow", "kv_started", "kv_compute_done", "kv_sent",
         "prefill_rpc_start", "kv_bytes", "kv_seconds", "error", "status_code", "retries", "excluded",
         "monitor_flow", "prefill_worker", "decode_worker", "prefilled_time", "group", "prompt_tokens_est",
+        "prefix_key",
     )
 
     def __init__(self, index: int, arrival: float, num_prompt_tokens: int, max_tokens: int,
@@ -93,6 +105,7 @@ class SimRequest:
         self.prefilled_time: float | None = None
         self.group: int | None = None
         self.prompt_tokens_est: int | None = None
+        self.prefix_key: object = None  # same key, same prompt tokens (prefix caching); None: never cached
 
     @property
     def num_tokens(self) -> int:
@@ -143,9 +156,10 @@ class SimWorker:
     - `on_token(worker, request, now)`: a token was sampled (decode and mixed roles, and the
       first token on a prefill worker);
     - `on_finished(worker, request, now)`: the request reached max_tokens here (its blocks are freed);
-    - `on_prefilled(worker, request, now)`: prefill role, the first token is sampled and the KV held;
-    - `on_chunk(worker, request, num_new, seconds)`: prefill role, a step computing `num_new`
-      of the request's prompt tokens starts and lasts about `seconds`.
+    - `on_prefilled(worker, request, now)`: a request this worker prefills for another (prefill
+      role, or mixed and split by the router): the first token is sampled and the KV held;
+    - `on_chunk(worker, request, num_new, seconds)`: for such a request, a step computing
+      `num_new` of its prompt tokens starts and lasts about `seconds`.
     """
 
     __slots__ = (
@@ -153,6 +167,7 @@ class SimWorker:
         "max_num_seqs", "costs", "host", "waiting", "running", "num_free_blocks", "busy",
         "on_token", "on_finished", "on_prefilled", "on_chunk", "num_preemptions", "num_steps",
         "busy_seconds", "_batch", "_step_started", "num_held", "num_awaiting", "healthy", "_kick_pending",
+        "prefix_cache", "num_cached_blocks", "num_prefix_hit_tokens",
     )
 
     def __init__(
@@ -193,6 +208,9 @@ class SimWorker:
         self.num_held = 0
         self.num_awaiting = 0
         self._kick_pending = False
+        self.prefix_cache: OrderedDict[object, int] = OrderedDict()  # key -> cached tokens, LRU first
+        self.num_cached_blocks = 0
+        self.num_prefix_hit_tokens = 0
 
     # ---------------------------------------------------------------- queue management
 
@@ -320,13 +338,39 @@ class SimWorker:
             waiting.popleft()
             self.num_free_blocks -= need
             seq.num_blocks = need
-            seq.num_computed_tokens = 0
+            seq.num_computed_tokens = self._cached_tokens(seq, total)
             seq.status = RUNNING
             running.append(seq)
-            num_new = total if total < budget else budget
+            left = total - seq.num_computed_tokens
+            num_new = left if left < budget else budget
             batch.append((seq, num_new))
             budget -= num_new
         return batch, preempted
+
+    def _cached_tokens(self, seq: SimRequest, total: int) -> int:
+        """Tokens of `seq` whose KV this worker's prefix cache holds (0 without a key or a hit);
+        at least one token is left to compute."""
+        if seq.prefix_key is None:
+            return 0
+        cached = self.prefix_cache.get(seq.prefix_key)
+        if not cached:
+            return 0
+        self.prefix_cache.move_to_end(seq.prefix_key)
+        if cached >= total:
+            cached = (total - 1) // self.block_size * self.block_size
+        self.num_prefix_hit_tokens += cached
+        return cached
+
+    def _cache_prompt(self, seq: SimRequest) -> None:
+        """The full blocks of `seq`'s prompt, now computed here, join the prefix cache."""
+        tokens = seq.num_prompt_tokens // self.block_size * self.block_size
+        cache = self.prefix_cache
+        old = cache.pop(seq.prefix_key, 0)
+        cache[seq.prefix_key] = max(old, tokens)
+        self.num_cached_blocks += (max(old, tokens) - old) // self.block_size
+        while self.num_cached_blocks > self.num_blocks and cache:
+            _, evicted = cache.popitem(last=False)
+            self.num_cached_blocks -= evicted // self.block_size
 
     def _preempt(self, seq: SimRequest) -> None:
         self.running.remove(seq)
@@ -360,7 +404,7 @@ class SimWorker:
         self.busy = True
         self._batch = batch
         self._step_started = self.loop.now
-        if self.on_chunk is not None and self.role == "prefill":
+        if self.on_chunk is not None and self.role != "decode":
             for seq, num_new in batch:
                 if seq.num_computed_tokens < seq.num_prompt_tokens and self._hands_off(seq):
                     self.on_chunk(self, seq, num_new, seconds)
@@ -377,7 +421,10 @@ class SimWorker:
         for seq, num_new in batch:
             if seq.status != RUNNING:
                 continue  # aborted during the step
+            before = seq.num_computed_tokens
             seq.num_computed_tokens += num_new
+            if seq.prefix_key is not None and before < seq.num_prompt_tokens <= seq.num_computed_tokens:
+                self._cache_prompt(seq)
             if seq.num_computed_tokens == seq.num_prompt_tokens + seq.num_output_tokens:
                 self._sample(seq, now)
         self.busy = False
@@ -386,8 +433,12 @@ class SimWorker:
 
     def _hands_off(self, seq: SimRequest) -> bool:
         """A prefill worker hands a request's KV to a decode worker, unless the router placed
-        the whole request on it (degraded: no decode-capable worker is up)."""
-        return self.role == "prefill" and not getattr(seq.decision, "degraded", False)
+        the whole request on it (degraded: no decode-capable worker is up); a mixed worker (a
+        hybrid cluster's, which also moves KV) hands off the requests the router split with
+        it as their prefill worker, and runs the others to the end."""
+        if self.role == "prefill":
+            return not getattr(seq.decision, "degraded", False)
+        return self.role == "mixed" and getattr(seq.decision, "prefill", None) == self.worker_id
 
     def _sample(self, seq: SimRequest, now: float) -> None:
         seq.num_output_tokens += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -259,3 +260,97 @@ def test_every_block_comes_back_after_disaggregated_and_local_runs():
         run = simulate(config, policy, arrivals)
         assert all(to_record(r).ok for r in run.requests)
         assert run.free_blocks == {"p0": (1000, 1000), "d0": (1000, 1000)}
+
+
+def _hybrid_config(gbps: float) -> ClusterConfig:
+    # two mixed workers that also move KV (a hybrid cluster: router mode disaggregated, every
+    # worker mixed); the profile and the link of `_pd_config`, in both directions
+    profile = flat_profile(prefill_tokens=(100, 200), prefill_times=(1.0, 2.0), decode_s=0.1,
+                           kv_bytes_per_token=1_000_000)
+    topology = Topology(links=(Link("n0", "n1", gbps), Link("n1", "n0", gbps)))
+    return ClusterConfig(
+        profile=profile, topology=topology,
+        workers=(WorkerConfig("w0", "mixed", "n0"), WorkerConfig("w1", "mixed", "n1")),
+        engine=EngineLimits(num_blocks=1000, block_size=16, max_num_batched_tokens=512, max_num_seqs=8),
+    )
+
+
+def test_a_mixed_worker_prefilling_for_another_hands_the_kv_off():
+    # Round-robin pairs two mixed workers as (P, D) = (w1, w0), then (w0, w1). A request split
+    # over them runs as on a prefill and a decode worker (the first test above): P's prefill
+    # 1.0 s streams half of the 1e8 B over the 0.4 Gbit/s link by then, the rest takes 1.0 s
+    # more: TTFT 2.0; D decodes tokens 2 and 3 at 2.1 and 2.2. P samples none of them. The
+    # second request, sent at 10, goes the other way with the same times.
+    config = _hybrid_config(0.4)
+    run = simulate(config, "round-robin", [Arrival(0.0, 100, 3), Arrival(10.0, 100, 3)])
+    records = [to_record(r) for r in run.requests]
+    assert run.decisions == {"w1->w0": 1, "w0->w1": 1}
+    assert [r.ok for r in records] == [True, True]
+    assert [r.ttft_s for r in records] == pytest.approx([2.0, 2.0])
+    assert [r.token_times_s for r in records] == [pytest.approx([2.0, 2.1, 2.2])] * 2
+    assert [r.num_output_tokens for r in records] == [3, 3]
+    assert [r.kv_seconds for r in records] == pytest.approx([2.0, 2.0])
+    assert run.free_blocks == {"w0": (1000, 1000), "w1": (1000, 1000)}
+
+
+def test_network_aware_in_a_hybrid_cluster_models_the_load_from_the_simulated_clock():
+    # The hybrid model (router.policies.split) estimates the arrival rate from the snapshots'
+    # `now`: 20 requests 2 s apart are 0.5 req/s on the simulated clock (0.58 as its window
+    # estimates it). The first 7 arrivals give no estimate (local). Then, at 0.5 req/s: all local, each worker prefills 1.0 s at
+    # 0.25 req/s (duty 0.25), TPOT 0.1 / 0.75 = 0.133 s against the SLO's 0.15 (score 0.89);
+    # split, the decode worker's TPOT is 0.1 s (score 0.67, TTFT ~1.6 s of the 5 s allowed),
+    # better by more than the 10% hysteresis: one worker prefills, the other decodes. Each split
+    # request: the 8 Gbit/s link outruns the KV the 1.0 s prefill produces, so the transfer
+    # ends with the compute (TTFT 1.0) and D decodes tokens 2 and 3 at 1.1 and 1.2.
+    config = replace(_hybrid_config(8.0), router=RouterConfig(policy_options={
+        "network-aware": {"slo_ttft": 5.0, "slo_tpot": 0.15}}))
+    run = simulate(config, "network-aware", [Arrival(2.0 * i, 100, 3) for i in range(20)])
+    assert all(to_record(r).ok for r in run.requests)
+    kinds = [r.decision.kind for r in run.requests]
+    assert kinds == ["local"] * 7 + ["disaggregated"] * 13
+    assert run.decisions == {"local": 7, "w0->w1": 13}  # the prefilling worker stays while k does
+    split = [to_record(r) for r in run.requests[7:]]
+    assert all(r.token_times_s == pytest.approx([1.0, 1.1, 1.2]) for r in split)
+    assert run.free_blocks == {"w0": (1000, 1000), "w1": (1000, 1000)}
+
+
+def test_a_repeated_prompt_hits_the_prefix_cache_of_the_worker_that_computed_it():
+    # One mixed worker, P(n) = n / 100 s, decode steps 0.01 s, blocks of 16. A 200-token prompt
+    # computes in one step of 2.0 s (TTFT 2.0). The same prompt (key "a") again at 10: its 12
+    # full blocks are cached, but 200 = 12.5 blocks, so 192 tokens hit and 8 are computed:
+    # max(P(200) - P(192), D(1, 200)) = max(0.08, 0.01) = 0.08 s. Another prompt (key "b") at
+    # 20 misses: 2.0 s again. A request without a key is never cached (at 30: 2.0 s).
+    profile = flat_profile(prefill_tokens=(100, 200), prefill_times=(1.0, 2.0), decode_s=0.01)
+    config = ClusterConfig(profile=profile, workers=(WorkerConfig("w0", "mixed"),), mode="colocated",
+                           engine=EngineLimits(num_blocks=1000, block_size=16, max_num_batched_tokens=512))
+    arrivals = [Arrival(0.0, 200, 2, prefix_key="a"), Arrival(10.0, 200, 2, prefix_key="a"),
+                Arrival(20.0, 200, 2, prefix_key="b"), Arrival(30.0, 200, 2), Arrival(40.0, 200, 2)]
+    run = simulate(config, "round-robin", arrivals)
+    assert [to_record(r).ttft_s for r in run.requests] == pytest.approx([2.0, 0.08, 2.0, 2.0, 2.0])
+    assert run.free_blocks == {"w0": (1000, 1000)}
+
+
+def test_a_prefill_worker_with_a_cached_prompt_still_sends_all_of_its_kv():
+    # `_pd_config(0.4)`: the 100-token prompt's 1e8 B of KV over a 5e7 B/s link. Uncached, as in
+    # the first end-to-end test: TTFT 2.0. Cached on P (96 tokens hit, 4 computed in one step of
+    # max(P(100) - P(96), D(1, 100)) = 0.1 s): the whole 1e8 B is ready with that step and the
+    # link carries it in 2.0 s: TTFT 2.0 again. A 0.8 Gbit/s link (1e8 B/s) halves it: 1.0.
+    for gbps, ttfts in ((0.4, [2.0, 2.0]), (0.8, [1.0, 1.0])):
+        run = simulate(_pd_config(gbps), "round-robin",
+                       [Arrival(0.0, 100, 2, prefix_key="a"), Arrival(10.0, 100, 2, prefix_key="a")])
+        assert [to_record(r).ttft_s for r in run.requests] == pytest.approx(ttfts)
+    # with a 8 Gbit/s link the compute bounds it: uncached the 1.0 s prefill; cached the 0.1 s step
+    run = simulate(_pd_config(8.0), "round-robin",
+                   [Arrival(0.0, 100, 2, prefix_key="a"), Arrival(10.0, 100, 2, prefix_key="a")])
+    assert [to_record(r).ttft_s for r in run.requests] == pytest.approx([1.0, 0.1])
+
+
+def test_the_prefix_cache_evicts_the_least_recently_used_prompt_beyond_the_workers_blocks():
+    # 20 blocks of 16; each 200-token prompt caches 12 full blocks. "a" then "b" make 24 > 20:
+    # "a" is evicted. "b" again hits (0.08 s, as above), "a" again misses (2.0 s).
+    profile = flat_profile(prefill_tokens=(100, 200), prefill_times=(1.0, 2.0), decode_s=0.01)
+    config = ClusterConfig(profile=profile, workers=(WorkerConfig("w0", "mixed"),), mode="colocated",
+                           engine=EngineLimits(num_blocks=20, block_size=16, max_num_batched_tokens=512))
+    keys = ["a", "b", "b", "a"]
+    run = simulate(config, "round-robin", [Arrival(10.0 * i, 200, 2, prefix_key=k) for i, k in enumerate(keys)])
+    assert [to_record(r).ttft_s for r in run.requests] == pytest.approx([2.0, 2.0, 0.08, 2.0])
