@@ -66,7 +66,7 @@ def run_id(labels: dict) -> str:
     return f"{tag}_{labels['dataset']}_rate{labels['rate']:g}".replace("/", "-").replace(" ", "-")
 
 
-def _load_config(spec: ExperimentSpec, url: str, dataset, rate: float) -> LoadConfig:
+def _load_config(spec: ExperimentSpec, url: str, dataset, rate: float, seed: int | None = None) -> LoadConfig:
     w = spec.workload
     api_key = os.environ.get(spec.server.api_key_env) if spec.server.api_key_env else None
     client = ClientConfig(
@@ -75,7 +75,8 @@ def _load_config(spec: ExperimentSpec, url: str, dataset, rate: float) -> LoadCo
     )
     return LoadConfig(
         client=client, rate=rate, arrival=w.arrival, burstiness=w.burstiness,
-        num_requests=w.num_requests, duration_s=w.duration_s, seed=spec.seed, dataset=dataset,
+        num_requests=w.num_requests, duration_s=w.duration_s, seed=spec.seed if seed is None else seed,
+        dataset=dataset,
         trace_path=w.trace_path, trace_format=w.trace_format, trace_speedup=w.trace_speedup,
         concurrency=w.concurrency, max_run_time_s=w.max_run_time_s, slo=spec.slo,
         scrape_metrics=spec.server.scrape_metrics,
@@ -152,7 +153,11 @@ def run_experiment(spec: ExperimentSpec, *, output_dir: str | Path | None = None
                 with _server(spec, cluster, policy, bandwidth, out / "server-logs", tag) as url:
                     for k, (dataset, rate) in enumerate(loads):
                         labels = _labels(cluster, policy, bandwidth, dataset.name, rate)
-                        result.rows.append(_one_run(spec, url, dataset, rate, labels, out, progress))
+                        # each run on one server draws its own prompts and arrivals (seed + its place
+                        # among the server's runs): a later run must not find an earlier run's
+                        # prompts in the prefix cache; the same point on every server draws the same
+                        result.rows.append(_one_run(spec, url, dataset, rate, labels, out, progress,
+                                                    seed=spec.seed + k))
                         write_summary_csv(out / "summary.csv", result.rows)
                         if spec.workload.pause_s and k + 1 < len(loads):
                             time.sleep(spec.workload.pause_s)
@@ -173,7 +178,7 @@ def run_experiment(spec: ExperimentSpec, *, output_dir: str | Path | None = None
     return result
 
 
-def _one_run(spec, url, dataset, rate, labels, out: Path, progress) -> dict:
+def _one_run(spec, url, dataset, rate, labels, out: Path, progress, seed: int | None = None) -> dict:
     rid = run_id(labels)
     records_file = Path("runs") / f"{rid}.jsonl"
     row = {"run_id": rid} | labels | {"records_file": records_file.as_posix()}
@@ -184,7 +189,7 @@ def _one_run(spec, url, dataset, rate, labels, out: Path, progress) -> dict:
             sink.flush()
 
         try:
-            run = run_load(_load_config(spec, url, dataset, rate), on_record=write, progress=progress)
+            run = run_load(_load_config(spec, url, dataset, rate, seed), on_record=write, progress=progress)
         except RunInterrupted as e:
             row |= e.result.summary | {"interrupted": True, "error": None}
             # Keep the partial run in the summary, then stop the sweep.

@@ -6,7 +6,7 @@ output directory is relative to the current directory. Schema (defaults after `=
 
     name: str = file stem
     output_dir: str = results/<name>
-    seed: int = 0
+    seed: int = 0                 # a server's k-th run uses seed + k (no prompt repeats across its runs)
     server:                       # exactly one of url / launch
       url: http://host:port       # a running server: only rate and dataset axes may vary
       launch:

@@ -75,8 +75,10 @@ def run_sim_experiment(spec: ExperimentSpec, cluster: ClusterConfig, *, cluster_
         config = cluster.with_shape(shape.prefill, shape.decode) if shape else cluster
         config = with_bandwidth(config, bandwidth)
         name = policy or "round-robin"
+        k = -1  # the server's k-th run draws with seed + k, as loadgen.experiment does
         for dataset in spec.datasets:
             for rate in spec.rates_for(bandwidth):
+                k += 1
                 labels = _labels(shape, policy, bandwidth, dataset.name, rate)
                 rid = run_id(labels)
                 run_config = per_run(rid, config) if per_run is not None else config
@@ -85,7 +87,7 @@ def run_sim_experiment(spec: ExperimentSpec, cluster: ClusterConfig, *, cluster_
                 else:
                     arrivals = spec_arrivals(
                         arrival=w.arrival, rate=rate, num_requests=w.num_requests, duration_s=w.duration_s,
-                        seed=spec.seed, dataset=dataset, burstiness=w.burstiness, trace_path=w.trace_path,
+                        seed=spec.seed + k, dataset=dataset, burstiness=w.burstiness, trace_path=w.trace_path,
                         trace_format=w.trace_format, trace_speedup=w.trace_speedup)
                 run = simulate(run_config, name, arrivals, seed=spec.seed, max_run_time_s=w.max_run_time_s)
                 records = [to_record(r) for r in run.requests]

@@ -192,3 +192,19 @@ def test_sigint_on_the_cli_keeps_results_and_stops_server(tmp_path):
     pids, alive = pids_gone(tmp_path)
     assert len(pids) == 1 and alive == []
     assert (tmp_path / "out" / "report.md").exists()
+
+
+def test_each_run_on_a_server_draws_its_own_prompts(tmp_path, monkeypatch):
+    """A later run on one server must not replay an earlier run's prompts (the prefix cache
+    would serve them); the same point on every server draws the same ones."""
+    seeds = []
+    real = experiment.run_load
+
+    def spy(cfg, **kw):
+        seeds.append((cfg.rate, cfg.seed))
+        return real(cfg, **kw)
+
+    monkeypatch.setattr(experiment, "run_load", spy)
+    spec = load_spec(launch_spec(tmp_path, extra="seed: 7"))
+    experiment.run_experiment(spec, progress=False)
+    assert seeds == [(20.0, 7), (40.0, 8)] * 4
