@@ -13,9 +13,10 @@ sends per destination with a token bucket whose rates it re-reads from a file
 1. `workers` starts the workers as standalone processes (`pdserve worker`; prefill ones through
    `pdserve.emulation.worker --kv-pacing file:DIR/pacing-<id>.txt`); pair i (prefill i,
    decode i) runs on GPU `gpus[i % len(gpus)]`, so with fewer GPUs than workers they share one.
-   CUDA_VISIBLE_DEVICES lists that GPU first and the others after it: the worker computes on its
-   own GPU (cuda:0 in the process) and still sees the others, so that UCX's cuda_ipc can map a
-   peer GPU's memory for KV between pairs on different GPUs. It saves the router's tokenizer,
+   Every worker sees all of `gpus` in the same order (CUDA_VISIBLE_DEVICES) and computes on its
+   own with `--device cuda:<i>`, so that UCX's cuda_ipc can map a peer GPU's memory for KV
+   between pairs on different GPUs (the order that `pdserve up` on Ray uses too, and the one
+   measured on two H200s). It saves the router's tokenizer,
    waits until every worker listens, writes DIR/cluster.json, samples GPU utilisation into
    DIR/gpu_samples.csv (launcher.gpu_sampler) and serves until SIGTERM or SIGINT, then stops the
    workers (which also get SIGTERM if the launcher dies).
@@ -185,22 +186,25 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def plan_workers(prefill: int, decode: int, gpus: list[str]) -> list[dict]:
-    """Worker ids, roles, GPUs and CUDA_VISIBLE_DEVICES: pair i (p<i>, d<i>) on gpus[i % len(gpus)]
-    (None: no GPU), listed first among all of `gpus`."""
+    """Worker ids, roles, GPUs, CUDA_VISIBLE_DEVICES (all of `gpus`, the same for every worker)
+    and the torch device: pair i (p<i>, d<i>) on gpus[i % len(gpus)] (None: no GPU)."""
     if prefill < 1 or decode < 1:
         raise PacedError(f"need at least one prefill and one decode worker, got --prefill {prefill} --decode {decode}")
     plan = []
     for role, n, prefix in (("prefill", prefill, "p"), ("decode", decode, "d")):
         for i in range(n):
             gpu = gpus[i % len(gpus)] if gpus else None
-            visible = ",".join([gpu] + [g for g in gpus if g != gpu]) if gpu is not None else None
-            plan.append({"id": f"{prefix}{i}", "role": role, "gpu": gpu, "visible_devices": visible})
+            visible = ",".join(gpus) if gpu is not None else None
+            device = f"cuda:{i % len(gpus)}" if gpu is not None else None
+            plan.append({"id": f"{prefix}{i}", "role": role, "gpu": gpu, "visible_devices": visible,
+                         "device": device})
     return plan
 
 
 def worker_argv(w: dict, model: str, port: int, state: Path, extra: list[str]) -> list[str]:
+    device = ["--device", w["device"]] if w.get("device") and "--device" not in extra else []
     flags = ["--role", w["role"], "--host", "127.0.0.1", "--port", str(port), "--worker-id", w["id"],
-             "--model", model, *extra]
+             "--model", model, *device, *extra]
     if w["role"] == "prefill":
         return [sys.executable, "-m", "pdserve.emulation.worker", "--kv-pacing",
                 f"file:{state / w['pacing_file']}", "--", *flags]

@@ -343,6 +343,12 @@ class WorkerServer:
         engine_config = config.engine
         if engine_config.scheduler.role != config.role:
             engine_config = replace(engine_config, scheduler=replace(engine_config.scheduler, role=config.role))
+        if engine_config.device and engine_config.device.startswith("cuda:"):
+            import torch
+
+            # this thread builds and warms the engine (CUDA graphs are captured here): on the
+            # engine's GPU when the process sees several
+            torch.cuda.set_device(torch.device(engine_config.device))
         t0 = time.perf_counter()
         self.engine = LLMEngine(engine_config)
         load_s = time.perf_counter() - t0

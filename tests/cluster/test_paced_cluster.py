@@ -4,6 +4,7 @@ sampler's parsers, without starting workers."""
 import argparse
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from launcher.paced import (
     parse_pairs,
     plan_workers,
     router_argv,
+    worker_argv,
 )
 from pdserve.emulation.pacing_spec import read_pacing_file
 from router.topology import load_topology
@@ -29,9 +31,12 @@ CLUSTER = {"model": "random:tiny-llama", "token_file": "token", "workers": [
 
 def test_plan_puts_pair_i_on_gpu_i_mod_n():
     plan = plan_workers(2, 2, ["0", "1"])
-    assert [(w["id"], w["role"], w["gpu"], w["visible_devices"]) for w in plan] == [
-        ("p0", "prefill", "0", "0,1"), ("p1", "prefill", "1", "1,0"), ("d0", "decode", "0", "0,1"),
-        ("d1", "decode", "1", "1,0")]
+    assert [(w["id"], w["role"], w["gpu"], w["visible_devices"], w["device"]) for w in plan] == [
+        ("p0", "prefill", "0", "0,1", "cuda:0"), ("p1", "prefill", "1", "0,1", "cuda:1"),
+        ("d0", "decode", "0", "0,1", "cuda:0"), ("d1", "decode", "1", "0,1", "cuda:1")]
+    argv = worker_argv(plan[3], "m", 5000, Path("/state"), ["--gpu-memory-fraction", "0.3"])
+    assert argv[argv.index("--device") + 1] == "cuda:1"
+    assert "--device" not in worker_argv(plan[3], "m", 5000, Path("/s"), ["--device", "cpu"])[:-2]
     assert {w["gpu"] for w in plan_workers(2, 2, ["0"])} == {"0"}
     assert {w["gpu"] for w in plan_workers(1, 1, [])} == {None}
     assert {w["visible_devices"] for w in plan_workers(1, 1, [])} == {None}
