@@ -209,11 +209,9 @@ def nccl_gbps(sizes: list[int], device: str, receiver_device: str, repeat: int) 
     barrier to its synchronize after every receive); None when both ends share a GPU."""
     if not device.startswith("cuda") or torch.device(device) == torch.device(receiver_device):
         return None
-    import socket
+    from loadgen.launcher import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     pipes = [ctx.Pipe() for _ in range(2)]
     procs = [ctx.Process(target=_nccl_main, args=(rank, port, dev, sizes, repeat, pipes[rank][1]), daemon=True)

@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import sys
 import threading
@@ -26,13 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from loadgen.launcher import free_port  # noqa: E402
 from benchmarks.faultlib import HealthTimeline, start_up, stop_group, wait_all_healthy, worker_pid  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ from pathlib import Path
 
 import yaml
 
+from loadgen.launcher import free_port
 from pdserve.emulation.pacing_spec import parse_pacing
 
 CLUSTER_FILE = "cluster.json"
@@ -178,12 +178,6 @@ def run_router(args: argparse.Namespace) -> int:
 
 
 # ---- workers ------------------------------------------------------------------------------
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
 
 def plan_workers(prefill: int, decode: int, gpus: list[str]) -> list[dict]:
     """Worker ids, roles, GPUs, CUDA_VISIBLE_DEVICES (all of `gpus`, the same for every worker)

@@ -94,9 +94,7 @@ class WorkerActor:
             config = dataclasses.replace(config, host=self._node_ip, kv_host=self._node_ip)
         index = assigned_cuda_index(ray.get_gpu_ids())
         if index is not None and (config.engine.device in (None, "cuda")):
-            import torch
-
-            torch.cuda.set_device(index)
+            # WorkerServer selects cuda:<index> for the threads that build and run the engine
             config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, device=f"cuda:{index}"))
             logger.info("worker %s on cuda:%d (all of the node's GPUs visible)", config.worker_id, index)
         self._config = config

@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -214,7 +215,7 @@ def hard_exit(code: int) -> None:
     """Exits now, skipping atexit hooks (Ray's would wait a minute for a dead GCS)."""
     for stream in ("stdout", "stderr"):
         try:
-            getattr(__import__("sys"), stream).flush()
+            getattr(sys, stream).flush()
         except Exception:
             pass
     logging.shutdown()

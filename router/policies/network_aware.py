@@ -139,10 +139,20 @@ class NetworkAware(PoolPolicy):
         self.split.window.observe(snapshot.now, request.num_prompt_tokens, request.max_tokens)
         kv_bytes_per_token = snapshot.kv_bytes_per_token or self.profile.kv_bytes_per_token
 
+        by_node: dict[str, list[WorkerSnapshot]] = {}
+        for w in workers:  # a link is a node pair: price each once, weighted by its worker pairs
+            by_node.setdefault(snapshot.node_of(w), []).append(w)
+
         def kv_seconds(prompt_tokens: float) -> float:  # mean over the worker pairs' links
-            times = [transfer_seconds(*snapshot.link(p, d), round(prompt_tokens * kv_bytes_per_token))
-                     for p in workers for d in workers if p.worker_id != d.worker_id]
-            return sum(times) / len(times)
+            nbytes = round(prompt_tokens * kv_bytes_per_token)
+            total, pairs = 0.0, 0
+            for a, src in by_node.items():
+                for b, dst in by_node.items():
+                    n = len(src) * len(dst) - (len(src) if a == b else 0)
+                    if n:
+                        total += n * transfer_seconds(*snapshot.link(src[0], dst[0]), nbytes)
+                        pairs += n
+            return total / pairs
 
         k, why = self.split.choose(self.profile, snapshot.now, len(workers), kv_seconds=kv_seconds,
                                    slo_ttft=self.slo_ttft, slo_tpot=self.slo_tpot)
