@@ -144,9 +144,11 @@ def run_experiment(spec: ExperimentSpec, *, output_dir: str | Path | None = None
     result = ExperimentResult(output_dir=out)
     shutil.copyfile(spec.path, out / "spec.yaml")
     environment = write_environment(out / "environment.json")
-    configs = list(itertools.product(spec.clusters, spec.policies, spec.bandwidths))
+    # bandwidth before policy: a sweep stopped early (Ctrl-C, a deadline) has every policy at the
+    # bandwidths it reached, so what it kept still compares the policies
+    configs = list(itertools.product(spec.clusters, spec.bandwidths, spec.policies))
     try:
-        for cluster, policy, bandwidth in configs:
+        for cluster, bandwidth, policy in configs:
             tag = server_tag(cluster, policy, bandwidth)
             loads = [(d, r) for d in spec.datasets for r in spec.rates_for(bandwidth)]
             try:

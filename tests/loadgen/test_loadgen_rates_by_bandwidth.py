@@ -16,8 +16,9 @@ def test_rates_per_bandwidth_run_only_their_rates(tmp_path):
     assert spec.rates_for(1.0) == (20.0,) and spec.rates_for(10.0) == (30.0, 40.0)
     result = experiment.run_experiment(spec, progress=False)
     assert [(r["policy"], r["bandwidth_gbps"], r["rate"]) for r in result.rows] == [
-        ("round-robin", 1.0, 20.0), ("round-robin", 10.0, 30.0), ("round-robin", 10.0, 40.0),
-        ("network-aware", 1.0, 20.0), ("network-aware", 10.0, 30.0), ("network-aware", 10.0, 40.0)]
+        ("round-robin", 1.0, 20.0), ("network-aware", 1.0, 20.0),   # every policy at a bandwidth,
+        ("round-robin", 10.0, 30.0), ("round-robin", 10.0, 40.0),   # then the next bandwidth
+        ("network-aware", 10.0, 30.0), ("network-aware", 10.0, 40.0)]
     with open(tmp_path / "out" / "summary.csv") as f:
         assert len(list(csv.DictReader(f))) == 6
     assert pids_gone(tmp_path)[1] == []
