@@ -11,7 +11,8 @@ the steady state, and each request follows it (router.policies.network_aware):
 - k = 0 ("local"): every worker prefills and decodes its own requests; arrivals split evenly.
 - k >= 1 ("split k"): k workers prefill, N - k decode; KV crosses the link for every request.
 
-For each k, with the recent arrival rate lam, mean prompt P and output O (ArrivalWindow),
+For each k, with the recent arrival rate lam, mean prompt P and output O (ArrivalWindow: quick
+to see a rise, slow to believe a fall),
 a profile of the engine (router.profiles) and the KV link's rate:
 
 - prefill duty u = lam_w * prefill(P) on a worker that prefills (lam_w its share of arrivals);
@@ -46,50 +47,80 @@ class Load:
     output_tokens: float  # mean max_tokens
 
 
+class _Ewma:
+    """Exponentially weighted arrival count and length sums over a time constant."""
+
+    def __init__(self, tau_s: float) -> None:
+        self.tau_s = tau_s
+        self.weight = 0.0  # decayed count of arrivals
+        self.prompt = 0.0  # decayed sums
+        self.output = 0.0
+        self.last: float | None = None
+
+    def decay(self, now: float) -> None:
+        if self.last is not None and now > self.last:
+            f = math.exp(-(now - self.last) / self.tau_s)
+            self.weight *= f
+            self.prompt *= f
+            self.output *= f
+        if self.last is None or now > self.last:
+            self.last = now
+
+    def add(self, prompt_tokens: int, output_tokens: int) -> None:
+        self.weight += 1.0
+        self.prompt += prompt_tokens
+        self.output += output_tokens
+
+    def load(self, now: float, first: float) -> Load:
+        # the decayed count over the window it covers (shorter than tau_s early on)
+        span = self.tau_s * (1.0 - math.exp(-max(now - first, 1e-9) / self.tau_s))
+        return Load(rate=self.weight / max(span, 1e-9), prompt_tokens=self.prompt / self.weight,
+                    output_tokens=self.output / self.weight)
+
+
 class ArrivalWindow:
-    """Exponentially weighted arrival rate and mean lengths over a time constant `tau_s`.
+    """The recent arrival rate and mean lengths: quick to see a rise, slow to believe a fall.
 
-    Fed with the router's clock from each snapshot (`observe(now, ...)`); the first
-    `min_samples` arrivals give no estimate."""
+    Two exponentially weighted windows over the router's clock (`observe(now, ...)` from each
+    snapshot): a slow one (`tau_s`) and a fast one (`fast_tau_s`). The estimate is the fast one
+    while it sees a higher rate, else the slow one: a load step shows within a couple of
+    seconds (a 10 s window alone saw a step from 6 to 9 req/s only after ~5 s, when a
+    64-request run was nearly over), while a lull does not at once undo a split that the
+    next burst needs. The first `min_samples` arrivals give no estimate. `fast_tau_s=None`
+    keeps the slow window alone."""
 
-    def __init__(self, tau_s: float = 10.0, min_samples: int = 8) -> None:
-        if not (isinstance(tau_s, (int, float)) and math.isfinite(tau_s) and tau_s > 0):
-            raise ValueError(f"tau_s must be > 0, got {tau_s!r}")
+    def __init__(self, tau_s: float = 10.0, min_samples: int = 8, fast_tau_s: float | None = 2.0) -> None:
+        for name, v in (("tau_s", tau_s), ("fast_tau_s", fast_tau_s)):
+            if v is None and name == "fast_tau_s":
+                continue
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be > 0, got {v!r}")
+        if fast_tau_s is not None and fast_tau_s >= tau_s:
+            raise ValueError(f"fast_tau_s must be < tau_s ({tau_s}), got {fast_tau_s!r}")
         self.tau_s = float(tau_s)
+        self.fast_tau_s = None if fast_tau_s is None else float(fast_tau_s)
         self.min_samples = min_samples
-        self._weight = 0.0  # decayed count of arrivals
-        self._prompt = 0.0  # decayed sums
-        self._output = 0.0
-        self._last: float | None = None
+        self._windows = [_Ewma(self.tau_s)] + ([] if fast_tau_s is None else [_Ewma(float(fast_tau_s))])
         self._first: float | None = None
         self.samples = 0
 
-    def _decay(self, now: float) -> None:
-        if self._last is not None and now > self._last:
-            f = math.exp(-(now - self._last) / self.tau_s)
-            self._weight *= f
-            self._prompt *= f
-            self._output *= f
-        if self._last is None or now > self._last:
-            self._last = now
-
     def observe(self, now: float, prompt_tokens: int, output_tokens: int) -> None:
-        self._decay(now)
         if self._first is None:
             self._first = now
-        self._weight += 1.0
-        self._prompt += prompt_tokens
-        self._output += output_tokens
+        for w in self._windows:
+            w.decay(now)
+            w.add(prompt_tokens, output_tokens)
         self.samples += 1
 
     def estimate(self, now: float) -> Load | None:
         if self.samples < self.min_samples or self._first is None:
             return None
-        self._decay(now)
-        # the decayed count over the window it covers (shorter than tau_s early on)
-        span = self.tau_s * (1.0 - math.exp(-max(now - self._first, 1e-9) / self.tau_s))
-        return Load(rate=self._weight / max(span, 1e-9), prompt_tokens=self._prompt / self._weight,
-                    output_tokens=self._output / self._weight)
+        loads = []
+        for w in self._windows:
+            w.decay(now)
+            if w.weight > 0:
+                loads.append(w.load(now, self._first))
+        return max(loads, key=lambda load: load.rate) if loads else None
 
 
 @dataclass(frozen=True)
@@ -183,12 +214,12 @@ class SplitChooser:
     """Keeps the cluster's current k and revisits it at each request (module docstring)."""
 
     def __init__(self, *, switch_margin: float = 0.1, tau_s: float = 10.0, min_samples: int = 8,
-                 max_batch: int = 64) -> None:
+                 max_batch: int = 64, fast_tau_s: float | None = 2.0) -> None:
         if not 0 <= switch_margin < 1:
             raise ValueError(f"switch_margin must be in [0, 1), got {switch_margin!r}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch!r}")
-        self.window = ArrivalWindow(tau_s=tau_s, min_samples=min_samples)
+        self.window = ArrivalWindow(tau_s=tau_s, min_samples=min_samples, fast_tau_s=fast_tau_s)
         self.switch_margin = switch_margin
         self.max_batch = max_batch
         self.current = 0

@@ -71,6 +71,28 @@ def test_arrival_window_rate_and_means():
     assert est.prompt_tokens == pytest.approx(2000, rel=0.05) and est.output_tokens == pytest.approx(100)
 
 
+def test_arrival_window_sees_a_rise_fast_and_a_fall_slowly():
+    # 6 req/s for 30 s, then 9 req/s: after 2 s of the step the estimate is past 8 req/s (the
+    # 10 s window alone: 6 + 3 * (1 - e^-0.2) = 6.54); then a lull to 3 req/s: the slow window
+    # holds the estimate near the earlier rate for a while
+    win, slow = ArrivalWindow(tau_s=10.0, min_samples=8), ArrivalWindow(tau_s=10.0, min_samples=8, fast_tau_s=None)
+    t = 0.0
+    for rate, seconds in ((6.0, 30.0), (9.0, 2.0)):
+        for _ in range(int(rate * seconds)):
+            t += 1.0 / rate
+            win.observe(t, 1000, 100)
+            slow.observe(t, 1000, 100)
+    assert win.estimate(t).rate > 8.0 and slow.estimate(t).rate < 7.0
+    for _ in range(6):  # 2 s at 3 req/s
+        t += 1.0 / 3.0
+        win.observe(t, 1000, 100)
+    assert win.estimate(t).rate > 5.5  # the slow window (the fast one alone: 5.06): the fall is not believed yet
+    with pytest.raises(ValueError, match="fast_tau_s"):
+        ArrivalWindow(tau_s=2.0, fast_tau_s=5.0)
+    with pytest.raises(ValueError, match="fast_tau_s"):
+        ArrivalWindow(fast_tau_s=0.0)
+
+
 def test_chooser_hysteresis():
     chooser = SplitChooser(switch_margin=0.5, min_samples=1)
     chooser.window.observe(0.0, 1000, 100)
