@@ -240,7 +240,10 @@ class SplitChooser:
         self.last = preds
         best = min(preds, key=lambda p: (p.score, p.prefill_workers))
         current = preds[self.current]
-        if best.prefill_workers != self.current and (
+        # only to a configuration that can carry the load: when none can (a burst, or a rate
+        # past every configuration's capacity), the cluster keeps the one it runs, rather than
+        # falling back to "local" as the lowest k among equal infinite scores
+        if best.feasible and best.prefill_workers != self.current and (
                 not current.feasible or best.score < (1.0 - self.switch_margin) * current.score):
             self.current = best.prefill_workers
         chosen = preds[self.current]

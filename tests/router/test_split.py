@@ -102,6 +102,20 @@ def test_chooser_hysteresis():
     assert k == 0 and "local" in why
 
 
+def test_chooser_keeps_its_configuration_when_none_can_carry_the_load():
+    chooser = SplitChooser(min_samples=1)
+    for i in range(24):  # 6 req/s of 1000-token prompts (0.1 s prefills): local misses the TPOT SLO
+        chooser.window.observe(i / 6, 1000, 100)
+    kv = lambda p: 0.004  # noqa: E731
+    k, _ = chooser.choose(FLAT, 4.0, 2, kv_seconds=kv, slo_ttft=1.0, slo_tpot=0.011)
+    assert k == 1 and chooser.last[1].feasible
+    for i in range(200):  # a burst past both configurations' capacity (>= 20 req/s)
+        chooser.window.observe(4.0 + i * 0.005, 1000, 100)
+    k, why = chooser.choose(FLAT, 5.0, 2, kv_seconds=kv, slo_ttft=1.0, slo_tpot=0.011)
+    assert not any(p.feasible for p in chooser.last)
+    assert k == 1 and "split 1P: overloaded" in why  # not the lowest k among equal infinite scores
+
+
 def _hybrid_run(policy, prompt: int, output: int, n: int = 40, gap_s: float = 0.25):
     workers = (w("m0", "mixed", "n0"), w("m1", "mixed", "n0"))
     decisions = []
