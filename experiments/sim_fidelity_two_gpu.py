@@ -209,7 +209,8 @@ def cluster(config: str, link: tuple[float, float], served: dict[str, float] | N
             ) -> tuple[ClusterConfig, str]:
     """(the cluster of `config`, the policy name), as experiments/two-gpu/serve.sh starts it;
     `link`: the KV link GPU0 <-> GPU1, (GB/s, latency ms); `served`: a `served_calibration`
-    (scaled profile and front_s; the router's network-aware model is given the same profile)."""
+    (the workers step by the scaled profile, front_s before placement; the router's
+    network-aware model keeps profile.json as measured, as on the real server)."""
     profile = load_profile(str(PROFILE))
     front_s = 0.0
     if served is not None:
@@ -229,8 +230,10 @@ def cluster(config: str, link: tuple[float, float], served: dict[str, float] | N
         return ClusterConfig(profile=profile, workers=workers, topology=topology, mode="colocated",
                              engine=ENGINE, router=RouterConfig(front_s=front_s)), "least-loaded"
     tpot = {"hybrid-loose": 0.05, "hybrid-tight": 0.01}[config]
-    router = RouterConfig(front_s=front_s,
-                          policy_options={"network-aware": {"slo_ttft": 1.0, "slo_tpot": tpot, "max_batch": 64}})
+    # the router prices placements with profile.json as measured, as the real one was started
+    # (serve.sh --profile), also when the simulated workers step by a calibrated profile
+    router = RouterConfig(front_s=front_s, policy_options={"network-aware": {
+        "slo_ttft": 1.0, "slo_tpot": tpot, "max_batch": 64, "profile": load_profile(str(PROFILE))}})
     return ClusterConfig(profile=profile, workers=workers, topology=topology, mode="disaggregated",
                          engine=ENGINE, router=router), "network-aware"
 
