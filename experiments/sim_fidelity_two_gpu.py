@@ -85,7 +85,8 @@ MODEL_TEXT = {
              "by itself), benchmarked link.",
     "chained-served": "CALIBRATED. `chained` with the serving costs measured from the records of the "
                       "lowest-rate PD runs (both datasets; `served_calibration`), applied unchanged to "
-                      "every configuration, rate and workload: {served}. The calibration points "
+                      "every configuration, rate and workload: {served}. The router still prices "
+                      "placements with profile.json as measured, as the real one did. The calibration points "
                       "(PD at the lowest rate) are fitted, not predicted.",
 }
 ENGINE = EngineLimits(num_blocks=40_000, block_size=16, max_num_batched_tokens=512, max_num_seqs=64)
