@@ -19,7 +19,8 @@ Lifecycle of a request (as `router/cluster_backend.py` drives it in a real clust
 4. D commits the request into its batch and streams the other tokens; the last one ends it.
 5. Local (or colocated): the whole request on D (prefill chunks share D's steps).
 
-Every router<->worker call adds `rpc_s` (one way).
+Every router<->worker call adds `rpc_s` (one way); `front_s` delays each request's placement
+after its send (the client -> router path: HTTP, tokenising the prompt), so it adds to TTFT.
 """
 
 from __future__ import annotations
@@ -122,7 +123,11 @@ class SimCluster:
         self.arrivals_left -= 1
         self.outstanding += 1
         request.sent = self.loop.now
-        self._place(request)
+        front = self.config.router.front_s
+        if front > 0:
+            self.loop.after(front, self._place, request)
+        else:
+            self._place(request)
 
     # ---------------------------------------------------------------- the router's view
 

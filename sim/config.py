@@ -11,6 +11,7 @@
     router:
       stats_interval_s: 0.5         # how often the router polls worker stats
       rpc_s: 0.0                    # one-way latency of each router<->worker call
+      front_s: 0.0                  # client -> router path before placement (HTTP, tokenising), once a request
       max_retries: 2
       policy_options:               # per policy, as `make_policy` takes them
         network-aware: {slo_ttft: 2.5, slo_tpot: 0.5}
@@ -33,7 +34,7 @@ from router.topology import Topology, load_topology, parse_topology
 
 _TOP = ("profile", "decode_profile", "topology", "mode", "engine", "workers", "cluster", "hosts", "router")
 _ENGINE = ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs")
-_ROUTER = ("stats_interval_s", "rpc_s", "max_retries", "policy_options")
+_ROUTER = ("stats_interval_s", "rpc_s", "front_s", "max_retries", "policy_options")
 _WORKER = ("id", "role", "node", "host")
 _SHAPE = re.compile(r"^\s*(\d+)\s*P\s*(\d+)\s*D\s*$", re.IGNORECASE)
 
@@ -59,6 +60,7 @@ class RouterConfig:
     stats_interval_s: float = 0.5
     rpc_s: float = 0.0
     max_retries: int = 2
+    front_s: float = 0.0  # from the client's send to the placement (HTTP, tokenising the prompt, the router)
     policy_options: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: MappingProxyType({}))
 
 
@@ -183,6 +185,7 @@ def load_cluster(path: str | Path) -> ClusterConfig:
     router = RouterConfig(
         stats_interval_s=_non_negative(path, "router.stats_interval_s", router_data.get("stats_interval_s", 0.5)),
         rpc_s=_non_negative(path, "router.rpc_s", router_data.get("rpc_s", 0.0)),
+        front_s=_non_negative(path, "router.front_s", router_data.get("front_s", 0.0)),
         max_retries=int(_non_negative(path, "router.max_retries", router_data.get("max_retries", 2))),
         policy_options=MappingProxyType({k: MappingProxyType(dict(v)) for k, v in options.items()}),
     )
@@ -195,17 +198,25 @@ def load_cluster(path: str | Path) -> ClusterConfig:
 
 
 def scale_profile(profile: Profile, *, time_factor: float = 1.0, kv_bytes_per_token: int | None = None,
-                  num_layers: int | None = None, label: str = "") -> Profile:
-    """A profile derived from a measured one: every step time x `time_factor`, optionally another
-    KV size and layer count. The model name records the derivation (`label`), so reports say
-    the figures come from a scaled profile, not a measurement."""
-    if not time_factor > 0:
-        raise ValueError(f"time_factor must be > 0, got {time_factor!r}")
+                  num_layers: int | None = None, label: str = "", prefill_factor: float | None = None,
+                  decode_factor: float | None = None) -> Profile:
+    """A profile derived from a measured one: every step time x `time_factor` (prefill times x
+    `prefill_factor` and decode steps x `decode_factor` where given), optionally another KV size
+    and layer count. The model name records the derivation (`label`), so reports say the
+    figures come from a scaled profile, not a measurement."""
+    prefill_factor = time_factor if prefill_factor is None else prefill_factor
+    decode_factor = time_factor if decode_factor is None else decode_factor
+    for name, value in (("time_factor", time_factor), ("prefill_factor", prefill_factor),
+                        ("decode_factor", decode_factor)):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
+    default = (f"times x{time_factor:g}" if prefill_factor == decode_factor == time_factor
+               else f"prefill x{prefill_factor:g}, decode x{decode_factor:g}")
     return replace(
         profile,
-        model=f"{profile.model} scaled ({label or f'times x{time_factor:g}'})",
-        prefill_times=tuple(t * time_factor for t in profile.prefill_times),
-        decode_times=tuple(tuple(t * time_factor for t in row) for row in profile.decode_times),
+        model=f"{profile.model} scaled ({label or default})",
+        prefill_times=tuple(t * prefill_factor for t in profile.prefill_times),
+        decode_times=tuple(tuple(t * decode_factor for t in row) for row in profile.decode_times),
         kv_bytes_per_token=kv_bytes_per_token or profile.kv_bytes_per_token,
         num_layers=num_layers or profile.num_layers,
     )

@@ -188,6 +188,24 @@ def test_layer_wise_streaming_hides_a_fast_link_behind_the_prefill():
     assert record.token_times_s == pytest.approx([1.017, 1.122])
 
 
+def test_front_s_delays_the_placement_and_adds_to_ttft_only():
+    # front_s = 0.03: the request is placed at 0.03 instead of 0, so every token is 0.03 later
+    # than in the layer-wise streaming case above (TTFT 1.017 + 0.03); the client's send time,
+    # and so the TPOT, are unchanged; a local (colocated) request is delayed the same way.
+    config = _pd_config(8.0, latency_ms=2.0, rpc_s=0.005)
+    config = replace(config, router=replace(config.router, front_s=0.03))
+    [record] = [to_record(r) for r in simulate(config, "round-robin", [Arrival(0.0, 100, 2)]).requests]
+    assert record.sent_s == 0.0
+    assert record.token_times_s == pytest.approx([1.047, 1.152])
+    colocated = ClusterConfig(profile=config.profile, workers=(WorkerConfig("m0", "mixed", "np"),),
+                              mode="colocated", engine=config.engine, router=RouterConfig(front_s=0.03))
+    plain = replace(colocated, router=RouterConfig())
+    late, early = ([to_record(r) for r in simulate(c, "round-robin", [Arrival(0.0, 100, 2)]).requests][0]
+                   for c in (colocated, plain))
+    assert late.ttft_s == pytest.approx(early.ttft_s + 0.03)
+    assert late.e2e_s - late.ttft_s == pytest.approx(early.e2e_s - early.ttft_s)
+
+
 def test_two_requests_on_one_pair_queue_at_the_prefill_worker_and_share_the_link():
     # Both 100-token prompts arrive at 0 on one P: P's budget (512) batches them into one step
     # of two chunks, 2 x 1.0 s = 2.0 s. Both KV flows start with the step, each capped at its

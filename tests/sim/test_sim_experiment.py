@@ -132,6 +132,28 @@ def test_a_scaled_profile_says_so_in_its_name(files):
         scale_profile(profile, time_factor=0)
 
 
+def test_prefill_and_decode_scale_apart(files):
+    _, cluster = files
+    profile = load_cluster(cluster).profile
+    scaled = scale_profile(profile, prefill_factor=1.5, decode_factor=0.5)
+    assert scaled.model == "tiny scaled (prefill x1.5, decode x0.5)"
+    assert scaled.prefill_seconds(1000) == pytest.approx(1.5 * profile.prefill_seconds(1000))
+    assert scaled.decode_step_seconds(8, 1024) == pytest.approx(0.5 * profile.decode_step_seconds(8, 1024))
+    with pytest.raises(ValueError, match="decode_factor"):
+        scale_profile(profile, decode_factor=-1)
+
+
+def test_the_cluster_file_takes_front_s(files, tmp_path):
+    _, cluster = files
+    text = cluster.read_text().replace("router:\n", "router:\n  front_s: 0.03\n")
+    path = tmp_path / "front.yaml"
+    path.write_text(text)
+    assert load_cluster(path).router.front_s == 0.03
+    path.write_text(text.replace("front_s: 0.03", "front_s: -1"))
+    with pytest.raises(ValueError, match="router.front_s"):
+        load_cluster(path)
+
+
 def test_the_simulator_imports_neither_the_engine_nor_ray_nor_torch():
     import subprocess
     import sys
