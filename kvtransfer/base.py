@@ -36,7 +36,8 @@ KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 # the last one completed; ``ack``: last message completed to the receiver's acknowledgement;
 # ``link`` (paced links only; overlaps ``queue`` and ``wire``): the time the link was busy with
 # the transfer's messages that were ready before the link was free (queued behind earlier
-# bytes), so that the link, not the compute, held them; ``TransferResult.link_bytes`` are
+# bytes) and waited for the token bucket, so that the link, not the compute, held them (those
+# the bucket let through at once, its burst, are left out); ``TransferResult.link_bytes`` are
 # those messages' bytes and link_bytes / link is the rate the link delivered while it was the
 # bottleneck (its SET rate when pacing holds).
 # Receiver: ``scatter``: time spent writing payloads into the reserved blocks (summed);

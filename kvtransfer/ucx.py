@@ -492,7 +492,7 @@ class UcxSender(KVSender):
         self._ledger = SendLedger()
         self._links: dict[str, _Link] = {}
         self._pacing_delay = 0.0
-        self._last_post: dict = {}  # token bucket -> pacer time of its latest post (on the loop)
+        self._last_post: dict = {}  # token bucket -> (pacer time of its latest post, whether it waited)
         self._closed = False
         self._close_lock = threading.Lock()
         self._waiter: queue.SimpleQueue | None = None
@@ -747,7 +747,7 @@ class UcxSender(KVSender):
                     if delay > 0:
                         self._pacing_delay += delay
                         await _sleep_precisely(delay)
-                    self._account_link(bucket, msg)
+                    self._account_link(bucket, msg, waited=delay > 0)
                 else:
                     self._ledger.on_posted(msg.key)
                 # Tasks take their first step (which posts the UCX send) in creation order,
@@ -776,18 +776,21 @@ class UcxSender(KVSender):
                 link.acks.cancel()
             _abort_link(link)
 
-    def _account_link(self, bucket, msg: _Message) -> None:
-        """Records ``msg`` as posted, and the time the link was busy with it when the link, not
-        the sender's compute, held it back: ``msg`` was ready before the bucket's previous message
-        was posted (it queued behind it), so the link carried it from that post to its own. Every
-        such interval belongs to one message, so their sums are the link-bound bytes and seconds
-        (``TransferResult.link_bytes``, phase ``link``), whose ratio is the rate the paced link
-        delivered while it was the bottleneck: the SET rate when pacing holds."""
+    def _account_link(self, bucket, msg: _Message, waited: bool) -> None:
+        """Records ``msg`` as posted, and the link's time on it when the bucket, not the sender's
+        compute, held it back: ``msg`` was ready before the bucket's previous message was posted
+        (it queued behind earlier bytes) and waited for the bucket (``waited``), as did that
+        previous message. Both were then posted when the bucket let them go, so the link carried
+        ``msg`` from that post to its own. Messages the bucket let through at once (its burst,
+        or a sender behind its schedule) are left out: they would make the figure the rate plus
+        the burst. Every such interval belongs to one message, so the sums are the link-bound
+        bytes and seconds (``TransferResult.link_bytes``, phase ``link``), whose ratio is the
+        rate the bucket delivered while it was the bottleneck: its SET rate when pacing holds."""
         now = self._pacer.now()
         last = self._last_post.get(bucket)
-        self._last_post[bucket] = now
-        if last is not None and msg.ready_at <= last:
-            self._ledger.on_posted(msg.key, link_bytes=msg.nbytes, link_s=now - last)
+        self._last_post[bucket] = (now, waited)
+        if last is not None and waited and last[1] and msg.ready_at <= last[0]:
+            self._ledger.on_posted(msg.key, link_bytes=msg.nbytes, link_s=now - last[0])
         else:
             self._ledger.on_posted(msg.key)
 
