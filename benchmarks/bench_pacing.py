@@ -41,8 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-mb", type=float, default=2000.0, help="largest transfer (MB)")
     parser.add_argument("--ceiling-mb", type=float, default=None,
                         help="the unpaced transfer (MB; default 1000 on CUDA, 100 on CPU, at most --max-mb)")
+    parser.add_argument("--burst", default=None, help="bucket depth, as a pacing spec writes it (e.g. 64KiB; "
+                        "default: the spec's 1 MiB)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="give up on the probe after this")
     args = parser.parse_args(argv)
+    if args.burst:
+        from pdserve.emulation.pacing_spec import parse_pacing
+
+        try:
+            parse_pacing(f"default=1,burst={args.burst}")
+        except ValueError as e:
+            parser.error(f"--burst: {e}")
     if args.transfers < 1 or args.seconds <= 0 or any(r <= 0 for r in args.rates) or \
             not 0 < args.min_mb <= args.max_mb:
         parser.error("--transfers, --seconds and --rates must be positive, and 0 < --min-mb <= --max-mb")
@@ -70,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ceiling_mb = min(args.max_mb, args.ceiling_mb or (1000.0 if device == "cuda" else 100.0))
     plan = [(ceiling_mb, None)] + [
-        (transfer_mb(rate, args.seconds, low=args.min_mb, high=args.max_mb), f"default={rate:g}") for rate in args.rates]
+        (transfer_mb(rate, args.seconds, low=args.min_mb, high=args.max_mb),
+         f"default={rate:g}" + (f",burst={args.burst}" if args.burst else "")) for rate in args.rates]
     start = time.monotonic()
     results = measure_plan(spawn, "127.0.0.1", plan, args.transfers, device=device, timeout_s=args.timeout_s)
     ceiling_row = summarize(None, "none (unpaced)", results[0])

@@ -400,7 +400,9 @@ def link_section(links: list[dict]) -> list[str]:
         "carried while it was the bottleneck over its time on them (server_timing kv_link_bytes / kv_link, "
         "summed over the pair's transfers). A KV message counts when it was ready before the link had "
         "posted the previous one (it queued behind earlier bytes, so the link and not the prefill's "
-        "compute held it); its time runs from that post to its own, on the sender's clock. **link share**: "
+        "compute held it) and it waited for the bucket after a message that did too (what the bucket let "
+        "through at once, its burst, is left out); its time runs from that post to its own, on the sender's "
+        "clock. **link share**: "
         "the part of the pair's KV bytes that was link-bound (the rest streamed as the layers were "
         "computed). *not recorded*: records from before the workers reported these fields; "
         f"*too little*: less than {MIN_LINK_S * 1e3:g} ms link-bound.",

@@ -336,7 +336,7 @@ def format_table(rows: list[dict]) -> str:
         if link:
             g = r.get("link_gbps")
             link_ratio = "-" if g is None or not r["set_gbps"] else f"{g / r['set_gbps']:.3f}"
-            extra = f"{'-' if g is None else f'{g:.3f}':>11} {link_ratio:>10} "
-        lines.append(f"{set_text:>10}  {r['method']:<18} {r['achieved_gbps']:>15.3f} {ratio:>6}  "
-                     f"{r['recv_gbps']:>11.3f} {extra}{r['mb']:>7.1f}  {r['note']}")
+            extra = f"{'-' if g is None else f'{g:.4g}':>11} {link_ratio:>10} "
+        lines.append(f"{set_text:>10}  {r['method']:<18} {r['achieved_gbps']:>15.4g} {ratio:>6}  "
+                     f"{r['recv_gbps']:>11.4g} {extra}{r['mb']:>7.1f}  {r['note']}")
     return "\n".join(lines)
