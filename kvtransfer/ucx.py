@@ -492,7 +492,8 @@ class UcxSender(KVSender):
         self._ledger = SendLedger()
         self._links: dict[str, _Link] = {}
         self._pacing_delay = 0.0
-        self._last_post: dict = {}  # token bucket -> (pacer time of its latest post, whether it waited)
+        # token bucket -> (pacer time of its latest post, whether it waited); a reloaded pacer drops its old buckets
+        self._last_post: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._closed = False
         self._close_lock = threading.Lock()
         self._waiter: queue.SimpleQueue | None = None
