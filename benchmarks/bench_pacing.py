@@ -4,11 +4,19 @@ token bucket (kvtransfer LinkPacer, spec string from pdserve.emulation.pacing_sp
 Both processes use the same device: on a GPU machine, two processes on GPU 0 (UCX then
 moves the KV by CUDA IPC, which no kernel shaping could hold: that is what pacing is
 for); without CUDA, host memory (UCX shared memory / TCP). SmolLM2-135M-shaped caches
-(30 layers, 3 KV heads, head_dim 64, fp32). First the unpaced ceiling, then each rate.
-Achieved = KV bytes / (first send_layer .. receiver's ACK), median of ``--transfers``.
-A set rate above ~90% of the unpaced ceiling is marked as not held.
+(30 layers, 3 KV heads, head_dim 64, fp32). First the unpaced ceiling, then each rate, all in
+one pair of processes (pdserve.emulation.kvprobe --plan: starting processes costs seconds, more
+than a slow rate's transfers). Each rate's transfer is sized to take about ``--seconds`` at
+that rate (at least ``--min-mb``, at most ``--max-mb``), after a warm-up that connects and
+drains the bucket's burst, so the transfers start on an empty bucket.
+Achieved = KV bytes / (first send_layer .. receiver's ACK), median of ``--transfers``; link =
+the sender's link-bound rate (bytes it held back over its time on them, TransferResult
+link_bytes / phase "link"). A set rate above ~90% of the unpaced ceiling is marked as not held.
 
-    python benchmarks/bench_pacing.py [--device auto|cpu|cuda] [--rates 1 10 25 100]
+    python benchmarks/bench_pacing.py [--device auto|cpu|cuda] [--rates 1 10 25 100] [--seconds 0.5]
+
+At --seconds 0.5 and 3 transfers, six rates take about 3 x 0.5 s each plus the warm-ups (2 MB
+each: 0.17 s at 0.1 Gbit/s) and one start of the two processes.
 """
 
 from __future__ import annotations
@@ -18,24 +26,39 @@ import os
 import platform
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--rates", type=float, nargs="+", default=[1, 10, 25, 100])
     parser.add_argument("--transfers", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=1.0, help="target duration of one transfer")
+    parser.add_argument("--min-mb", type=float, default=2.0, help="smallest transfer (MB)")
     parser.add_argument("--max-mb", type=float, default=2000.0, help="largest transfer (MB)")
-    args = parser.parse_args()
-    if args.transfers < 1 or args.seconds <= 0 or any(r <= 0 for r in args.rates):
-        parser.error("--transfers, --seconds and --rates must be positive")
+    parser.add_argument("--ceiling-mb", type=float, default=None,
+                        help="the unpaced transfer (MB; default 1000 on CUDA, 100 on CPU, at most --max-mb)")
+    parser.add_argument("--burst", default=None, help="bucket depth, as a pacing spec writes it (e.g. 64KiB; "
+                        "default: the spec's 1 MiB)")
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="give up on the probe after this")
+    args = parser.parse_args(argv)
+    if args.burst:
+        from pdserve.emulation.pacing_spec import parse_pacing
+
+        try:
+            parse_pacing(f"default=1,burst={args.burst}")
+        except ValueError as e:
+            parser.error(f"--burst: {e}")
+    if args.transfers < 1 or args.seconds <= 0 or any(r <= 0 for r in args.rates) or \
+            not 0 < args.min_mb <= args.max_mb:
+        parser.error("--transfers, --seconds and --rates must be positive, and 0 < --min-mb <= --max-mb")
 
     import torch
 
-    from pdserve.emulation.kvprobe import format_table, measure, summarize, transfer_mb
+    from pdserve.emulation.kvprobe import format_table, measure_plan, summarize, transfer_mb
 
     cuda = torch.cuda.is_available()
     if args.device == "cuda" and not cuda:
@@ -54,20 +77,21 @@ def main() -> int:
     def spawn(side, argv):
         return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    ceiling_result = measure(spawn, "127.0.0.1", transfer_mb(None, 0, high=args.max_mb),
-                             args.transfers, device=device)
-    ceiling_row = summarize(None, "none (unpaced)", ceiling_result)
+    ceiling_mb = min(args.max_mb, args.ceiling_mb or (1000.0 if device == "cuda" else 100.0))
+    plan = [(ceiling_mb, None)] + [
+        (transfer_mb(rate, args.seconds, low=args.min_mb, high=args.max_mb),
+         f"default={rate:g}" + (f",burst={args.burst}" if args.burst else "")) for rate in args.rates]
+    start = time.monotonic()
+    results = measure_plan(spawn, "127.0.0.1", plan, args.transfers, device=device, timeout_s=args.timeout_s)
+    ceiling_row = summarize(None, "none (unpaced)", results[0])
     ceiling = ceiling_row["achieved_gbps"]
-    rows = [ceiling_row]
-    for rate in args.rates:
-        mb = transfer_mb(min(rate, ceiling), args.seconds, high=args.max_mb)
-        result = measure(spawn, "127.0.0.1", mb, args.transfers, pacing=f"default={rate:g}", device=device)
-        rows.append(summarize(rate, "pacing", result, ceiling))
-        print(f"  {rate:g} Gbit/s done", file=sys.stderr, flush=True)
-    print()
+    rows = [ceiling_row] + [summarize(rate, "pacing", result, ceiling) for rate, result in zip(args.rates, results[1:])]
+    print(f"({len(plan)} measurements in {time.monotonic() - start:.1f} s)\n")
     print(format_table(rows))
     print("\nachieved: sender side, first send_layer to ACK; recv: receiver side, first layer landed to last "
-          "(excludes the first layer, so it reads high by ~1/30); ratio = achieved / set.")
+          "(excludes the first layer, so it reads high by ~1/30); link: the sender's link-bound rate (each "
+          "message that was ready before the previous one was posted and waited for the bucket, from that post to "
+          "its own); ratio = achieved / set.")
     return 0
 
 

@@ -7,13 +7,17 @@
 #
 # 1. The network-aware policy's profile: $PROFILE if given (a `pdserve profile` JSON measured on
 #    this hardware), else measured now with a small grid (on GPU 0, before the workers start).
+# 1b. links: benchmarks/bench_pacing.py measures every SET rate of the spec (each bandwidth and
+#    its --slow-factor share) on a bare link first, two processes on GPU 0 (on the CPU in `cpu`
+#    mode), bounded by $LINKS_TIMEOUT_S (default 90 s): cluster/pacing.txt of the results, a
+#    pure-link check of each rate that analyze_grid.py quotes next to the in-run figures.
 # 2. launcher.paced starts 2 prefill + 2 decode workers once (pair i on GPU i mod #GPUs) and
 #    samples GPU utilisation; every (policy, bandwidth) of the spec then starts only a router,
 #    which sets the pacing of each (P, D) pair first.
 # 3. loadgen runs the spec (records, summary.csv, report.md under the spec's output_dir).
 # 4. The cluster's files (link rates per configuration, GPU samples, worker tails) are copied
 #    next to the results and experiments/analyze_grid.py writes analysis/ (CSV, plots, grid.md).
-# The workers are stopped on any exit. Environment: PYTHON (default python3), PROFILE, and
+# The workers are stopped on any exit. Environment: PYTHON (default python3), PROFILE, LINKS_TIMEOUT_S, and
 # DEADLINE_S (default 500): seconds from the start after which the sweep is stopped like Ctrl-C
 # (the runs done so far are kept and analysed), so that one device call of ~9 minutes always
 # brings results back.
@@ -36,6 +40,7 @@ case "$MODE" in
                   --repeats 2 --decode-steps 4)
     [ "$MODE" = gpu-smoke ] && PROFILE_ARGS=(--prefill-tokens 512,1024 --decode-batches 1,8 --decode-contexts 1024
                                              --repeats 1 --decode-steps 2)
+    LINKS_ARGS=(--device cuda --transfers 3 --seconds 0.5)
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     ;;
   cpu)
@@ -44,6 +49,7 @@ case "$MODE" in
     WORKER_ARGS=(--device cpu --kv-cache-gib 0.2)
     PROFILE_ARGS=(--device cpu --kv-cache-gib 0.2 --prefill-tokens 32,64,128 --decode-batches 1,2,4
                   --decode-contexts 64,128 --repeats 1 --decode-steps 2)
+    LINKS_ARGS=(--device cpu --transfers 2 --seconds 0.5 --min-mb 0.5)
     export OMP_NUM_THREADS=1
     ;;
   *) echo "usage: $0 [gpu|gpu-smoke|cpu]" >&2; exit 2 ;;
@@ -76,6 +82,17 @@ else
 fi
 echo "profile done at +$(( $(date +%s) - start ))s"
 
+# links: the spec's SET rates (each bandwidth, and its --slow-factor share) and --burst, paced on a
+# bare link before anything else uses the GPU
+read -r -a LINK_RATES <<< "$(python3 experiments/grid_link_rates.py "$SPEC")"
+echo "links: pacing check, bench_pacing.py --rates ${LINK_RATES[*]}"
+rc=0
+CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=${GPUS%%,*} timeout -k 10 "${LINKS_TIMEOUT_S:-90}" \
+  python3 benchmarks/bench_pacing.py "${LINKS_ARGS[@]}" --rates "${LINK_RATES[@]}" > "$STATE/pacing.txt" 2>&1 || rc=$?
+[ "$rc" -eq 0 ] || echo "bench_pacing exited with $rc (124: stopped after ${LINKS_TIMEOUT_S:-90} s)" >> "$STATE/pacing.txt"
+cat "$STATE/pacing.txt"
+echo "links done at +$(( $(date +%s) - start ))s"
+
 python3 -m launcher.paced workers --state "$STATE" --model "$MODEL" --gpus "$GPUS" -- "${WORKER_ARGS[@]}" \
   > "$STATE/workers.out" 2>&1 &
 WORKERS_PID=$!
@@ -98,7 +115,7 @@ case $rc in
 esac
 
 mkdir -p "$OUT/cluster"
-cp "$STATE/profile.json" "$STATE/links.jsonl" "$STATE/cluster.json" "$OUT/cluster/"
+cp "$STATE/profile.json" "$STATE/links.jsonl" "$STATE/cluster.json" "$STATE/pacing.txt" "$OUT/cluster/"
 [ -f "$STATE/gpu_samples.csv" ] && cp "$STATE/gpu_samples.csv" "$OUT/cluster/"
 for log in "$STATE"/*.log "$STATE/workers.out"; do tail -n 40 "$log" > "$OUT/cluster/$(basename "$log").tail"; done
 python3 experiments/analyze_grid.py "$OUT"

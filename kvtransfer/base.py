@@ -33,10 +33,16 @@ KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 # Sender: ``stage``: first send_layer to the last message staged (gathered; in serving this
 # includes the compute of the later layers); ``queue``: first send_layer to the first message
 # posted (connecting, waiting for an in-flight slot, pacing); ``wire``: first message posted to
-# the last one completed; ``ack``: last message completed to the receiver's acknowledgement.
+# the last one completed; ``ack``: last message completed to the receiver's acknowledgement;
+# ``link`` (paced links only; overlaps ``queue`` and ``wire``): the time the link was busy with
+# the transfer's messages that were ready before the link was free (queued behind earlier
+# bytes) and waited for the token bucket, so that the link, not the compute, held them (those
+# the bucket let through at once, its burst, are left out); ``TransferResult.link_bytes`` are
+# those messages' bytes and link_bytes / link is the rate the link delivered while it was the
+# bottleneck (its SET rate when pacing holds).
 # Receiver: ``scatter``: time spent writing payloads into the reserved blocks (summed);
 # ``land``: last payload received to the transfer marked landed.
-SENDER_PHASES = ("stage", "queue", "wire", "ack")
+SENDER_PHASES = ("stage", "queue", "wire", "ack", "link")
 RECEIVER_PHASES = ("scatter", "land")
 
 
@@ -44,19 +50,22 @@ RECEIVER_PHASES = ("scatter", "land")
 class TransferResult:
     """One finished transfer: payload bytes moved, seconds from the first layer to the
     last landing (receiver) or to the acknowledgement (sender), the rate in Gbit/s, and
-    where the time went (``phases``, see SENDER_PHASES / RECEIVER_PHASES)."""
+    where the time went (``phases``, see SENDER_PHASES / RECEIVER_PHASES); ``link_bytes``
+    (sender, paced links): the bytes the link carried while it was the bottleneck (phase
+    ``link``)."""
 
     transfer_id: str
     num_bytes: int
     seconds: float
     gbps: float
     phases: dict[str, float] = field(default_factory=dict, compare=False)
+    link_bytes: int = field(default=0, compare=False)
 
     @classmethod
     def of(cls, transfer_id: str, num_bytes: int, seconds: float,
-           phases: dict[str, float] | None = None) -> TransferResult:
+           phases: dict[str, float] | None = None, link_bytes: int = 0) -> TransferResult:
         seconds = max(seconds, 1e-9)
-        return cls(transfer_id, num_bytes, seconds, num_bytes * 8 / seconds / 1e9, dict(phases or {}))
+        return cls(transfer_id, num_bytes, seconds, num_bytes * 8 / seconds / 1e9, dict(phases or {}), int(link_bytes))
 
 
 class KVReceiver(abc.ABC):

@@ -39,7 +39,7 @@ RECEIVER_COUNTERS = (
 ) + tuple(f"{phase}_seconds" for phase in RECEIVER_PHASES)
 SENDER_COUNTERS = (
     "transfers_started", "transfers_completed", "transfers_failed", "messages_sent", "bytes_sent", "transfer_seconds",
-    "messages_skipped",
+    "messages_skipped", "link_bytes",
 ) + tuple(f"{phase}_seconds" for phase in SENDER_PHASES)
 
 
@@ -377,6 +377,8 @@ class _Outgoing:
     staged_at: float | None = None  # the latest message staged (gathered)
     posted_at: float | None = None  # the first message posted on the wire
     sent_at: float | None = None  # the latest message completed
+    link_bytes: int = 0  # bytes of messages posted while the link held them back (see on_posted)
+    link_s: float = 0.0  # the link's time on those messages
 
     def phases(self) -> dict[str, float]:
         end = self.acked_at or self.started
@@ -384,7 +386,7 @@ class _Outgoing:
         posted = self.posted_at or self.started
         sent = self.sent_at or posted
         return {"stage": staged - self.started, "queue": posted - self.started,
-                "wire": max(0.0, sent - posted), "ack": max(0.0, end - sent)}
+                "wire": max(0.0, sent - posted), "ack": max(0.0, end - sent), "link": self.link_s}
 
 
 class SendLedger:
@@ -420,13 +422,18 @@ class SendLedger:
             if out is not None:
                 out.staged_at = now
 
-    def on_posted(self, key: int) -> None:
-        """A message of ``key`` was posted to the transport."""
+    def on_posted(self, key: int, link_bytes: int = 0, link_s: float = 0.0) -> None:
+        """A message of ``key`` was posted to the transport; ``link_bytes`` and ``link_s``: its
+        bytes and the link's time on them when the link, not the sender, held it back (a paced
+        link with a backlog; see UcxSender._account_link)."""
         now = self._clock()
         with self._cond:
             out = self._by_key.get(key)
-            if out is not None and out.posted_at is None:
-                out.posted_at = now
+            if out is not None:
+                if out.posted_at is None:
+                    out.posted_at = now
+                out.link_bytes += link_bytes
+                out.link_s += link_s
 
     def on_sent(self, key: int, nbytes: int) -> None:
         now = self._clock()
@@ -509,7 +516,8 @@ class SendLedger:
                 self.counters["transfer_seconds"] += seconds
                 for phase, value in phases.items():
                     self.counters[f"{phase}_seconds"] += value
-                return TransferResult.of(transfer_id, out.num_bytes, seconds, phases)
+                self.counters["link_bytes"] += out.link_bytes
+                return TransferResult.of(transfer_id, out.num_bytes, seconds, phases, out.link_bytes)
             finally:
                 del self._by_id[transfer_id]
                 del self._by_key[out.key]

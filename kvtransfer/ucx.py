@@ -413,6 +413,7 @@ class _Message:
     ready: torch.cuda.Event | None  # gather finished (CUDA); the waiter clears it
     ready_at: float = 0.0  # pacer clock when the payload was ready (0 when unpaced)
     buffer: torch.Tensor | None = None  # the whole staging buffer the payload is a prefix of
+    completed: bool = False  # both sends completed and recorded (on_sent)
 
     @property
     def nbytes(self) -> int:
@@ -491,6 +492,8 @@ class UcxSender(KVSender):
         self._ledger = SendLedger()
         self._links: dict[str, _Link] = {}
         self._pacing_delay = 0.0
+        # token bucket -> (pacer time of its latest post, whether it waited); a reloaded pacer drops its old buckets
+        self._last_post: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._closed = False
         self._close_lock = threading.Lock()
         self._waiter: queue.SimpleQueue | None = None
@@ -739,17 +742,21 @@ class UcxSender(KVSender):
                 msg = await link.queue.get()
                 if self._ledger.should_skip(msg.key):
                     continue
-                if self._pacer is not None:
-                    delay = self._pacer.reserve(link.address, msg.nbytes, msg.ready_at)
+                bucket = self._pacer.bucket_for(link.address) if self._pacer is not None else None
+                if bucket is not None:
+                    delay = bucket.reserve(msg.nbytes, msg.ready_at)
                     if delay > 0:
                         self._pacing_delay += delay
                         await _sleep_precisely(delay)
+                    self._account_link(bucket, msg, waited=delay > 0)
+                else:
+                    self._ledger.on_posted(msg.key)
                 # Tasks take their first step (which posts the UCX send) in creation order,
                 # so the receiver matches control and payload of each message in order.
                 loop = asyncio.get_running_loop()
-                self._ledger.on_posted(msg.key)
                 control = loop.create_task(link.data_ep.send(msg.control, tag=link.data_tag, force_tag=True))
                 payload = loop.create_task(link.data_ep.send(wire_buffer(msg.payload), tag=link.data_tag, force_tag=True))
+                self._watch(msg, control, payload)
                 inflight.append((msg, control, payload))
         except asyncio.CancelledError:
             raise
@@ -770,14 +777,52 @@ class UcxSender(KVSender):
                 link.acks.cancel()
             _abort_link(link)
 
-    async def _complete(self, entry: tuple[_Message, asyncio.Task, asyncio.Task]) -> None:
-        msg, control, payload = entry
-        await control
-        await payload
+    def _account_link(self, bucket, msg: _Message, waited: bool) -> None:
+        """Records ``msg`` as posted, and the link's time on it when the bucket, not the sender's
+        compute, held it back: ``msg`` was ready before the bucket's previous message was posted
+        (it queued behind earlier bytes) and waited for the bucket (``waited``), as did that
+        previous message. Both were then posted when the bucket let them go, so the link carried
+        ``msg`` from that post to its own. Messages the bucket let through at once (its burst,
+        or a sender behind its schedule) are left out: they would make the figure the rate plus
+        the burst. Every such interval belongs to one message, so the sums are the link-bound
+        bytes and seconds (``TransferResult.link_bytes``, phase ``link``), whose ratio is the
+        rate the bucket delivered while it was the bottleneck: its SET rate when pacing holds."""
+        now = self._pacer.now()
+        last = self._last_post.get(bucket)
+        self._last_post[bucket] = (now, waited)
+        if last is not None and waited and last[1] and msg.ready_at <= last[0]:
+            self._ledger.on_posted(msg.key, link_bytes=msg.nbytes, link_s=now - last[0])
+        else:
+            self._ledger.on_posted(msg.key)
+
+    def _watch(self, msg: _Message, control: asyncio.Task, payload: asyncio.Task) -> None:
+        """Records ``msg`` as sent as soon as both its sends complete. The driver awaits them only
+        when its in-flight window is full or its queue runs dry, which on a paced link with a
+        transfer queued behind can be ``max_inflight`` paced messages later: finish() (which
+        waits for every message sent) then returned that much after the acknowledgement."""
+        def done(_task: asyncio.Task) -> None:
+            if msg.completed or not (control.done() and payload.done()):
+                return
+            for task in (control, payload):
+                if task.cancelled() or task.exception() is not None:
+                    return  # the driver's _complete raises it
+            self._sent(msg)
+        control.add_done_callback(done)
+        payload.add_done_callback(done)
+
+    def _sent(self, msg: _Message) -> None:
+        msg.completed = True
         self._ledger.on_sent(msg.key, msg.payload.numel())
         if self._host_buffers is not None:
             with self._buffers_lock:
                 self._host_buffers.give(msg.buffer if msg.buffer is not None else msg.payload)
+
+    async def _complete(self, entry: tuple[_Message, asyncio.Task, asyncio.Task]) -> None:
+        msg, control, payload = entry
+        await control
+        await payload
+        if not msg.completed:
+            self._sent(msg)
 
     async def _read_replies(self, link: _Link) -> None:
         buf = np.zeros(HEADER_BYTES, dtype=np.uint8)

@@ -85,11 +85,14 @@ WAIT_POLL_S = 0.1  # while a request waits for a worker, placement is retried th
 # connecting, in-flight slots, pacing), `kv_tail` (KV still in flight after the first token),
 # `prefill_rpc` (the whole Prefill call, as the router saw it), `first_decode` (D's Decode call to
 # its first token), `kv_bytes`, `kv_gbps`, `kv_done_at` (wall clock, time.time(), when the Prefill
-# call returned: the transfer ran over [kv_done_at - kv, kv_done_at]); both kinds: `placement`
-# (disaggregated | local), `prefill_worker` / `decode_worker` (ids), `attempts`.
+# call returned: the transfer ran over [kv_done_at - kv, kv_done_at]), `kv_link` and `kv_link_bytes`
+# (paced links: the link's time on the messages it held back, those queued behind earlier bytes, and
+# their bytes; kv_link_bytes / kv_link is the rate the link delivered while it was the bottleneck;
+# None from a worker that does not report them); both kinds: `placement` (disaggregated | local),
+# `prefill_worker` / `decode_worker` (ids), `attempts`.
 TIMING_KEYS = ("place", "reserve", "queue", "prefill", "kv", "kv_wire", "kv_wait", "kv_tail", "prefill_rpc",
-               "first_decode", "kv_bytes", "kv_gbps", "kv_done_at", "placement", "prefill_worker", "decode_worker",
-               "attempts")
+               "first_decode", "kv_bytes", "kv_gbps", "kv_done_at", "kv_link", "kv_link_bytes", "placement",
+               "prefill_worker", "decode_worker", "attempts")
 
 
 # (client, worker-side request id) of one worker's part in a request
@@ -569,6 +572,8 @@ class ClusterBackend:
             "kv_tail": max(0.0, result.kv_seconds - phases.get("stage", result.kv_seconds)),
             "prefill_rpc": prefill_rpc_s, "kv_bytes": result.kv_bytes, "kv_done_at": time.time(),
             "kv_gbps": result.kv_bytes * 8 / result.kv_seconds / 1e9 if result.kv_seconds > 0 else None,
+            "kv_link": phases.get("link"),
+            "kv_link_bytes": getattr(result, "kv_link_bytes", 0) if "link" in phases else None,
         }
 
     def _count_recovery(self, kind: str) -> None:

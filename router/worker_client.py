@@ -60,6 +60,7 @@ class PrefillResult:
     queue_seconds: float
     prefill_seconds: float
     kv_phases: dict[str, float] = field(default_factory=dict)  # kvtransfer.SENDER_PHASES -> seconds
+    kv_link_bytes: int = 0  # TransferResult.link_bytes: bytes over phase "link" (0 from older workers)
 
 
 class WorkerClient:
@@ -109,7 +110,8 @@ class WorkerClient:
             first = chunk_to_output(r.first)
         except ValueError as exc:
             raise self._failed(f"worker {self.worker_id} sent a bad first chunk: {exc}") from None
-        return PrefillResult(first, r.kv_bytes, r.kv_seconds, r.queue_seconds, r.prefill_seconds, dict(r.kv_phases))
+        return PrefillResult(first, r.kv_bytes, r.kv_seconds, r.queue_seconds, r.prefill_seconds, dict(r.kv_phases),
+                             r.kv_link_bytes)
 
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> bool:
         r = await self._unary("Abort", self._stub.Abort, pb.AbortRequest(request_id=request_id), request_id, timeout_s)

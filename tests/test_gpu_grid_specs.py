@@ -25,3 +25,22 @@ def test_full_grid_covers_the_issue():
     assert spec.bandwidths == (1.0, 10.0, 25.0, 100.0)
     assert spec.policies == ("round-robin", "least-loaded", "network-aware")
     assert spec.server.model == "random:llama-3.1-8b"
+
+
+@pytest.mark.parametrize("name, args", [("gpu-grid", "0.1 1 2.5 10 25 100"), ("gpu-grid-smoke", "1 10"),
+                                        ("gpu-grid-cpu", "0.005 0.05 0.5 --burst 64KiB")])
+def test_links_step_paces_every_set_rate(name, args):
+    """run_gpu_grid.sh's links step: bench_pacing.py at every SET rate of the spec (the bandwidths
+    and their --slow-factor share), with the run's burst, into cluster/pacing.txt."""
+    import importlib.util
+
+    import yaml
+
+    spec = importlib.util.spec_from_file_location("grid_link_rates", EXPERIMENTS / "grid_link_rates.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert " ".join(mod.link_rates(yaml.safe_load((EXPERIMENTS / f"{name}.yaml").read_text()))) == args
+    script = (EXPERIMENTS / "run_gpu_grid.sh").read_text()
+    assert "benchmarks/bench_pacing.py" in script and 'timeout -k 10 "${LINKS_TIMEOUT_S:-90}"' in script
+    assert '"$STATE/pacing.txt" "$OUT/cluster/"' in script
+    assert script.index("bench_pacing.py") < script.index("launcher.paced workers")  # before the workers and the sweep

@@ -277,7 +277,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             # queue: Prefill call in -> its first chunk's first layer done (waiting for the scheduler)
             queue_s = max(0.0, dest.started_at - t0) if dest.started_at else 0.0
             return pb.PrefillResponse(first=chunk, kv_bytes=result.num_bytes, kv_seconds=result.seconds,
-                                      queue_seconds=queue_s, prefill_seconds=t_first - t0, kv_phases=result.phases)
+                                      queue_seconds=queue_s, prefill_seconds=t_first - t0, kv_phases=result.phases,
+                                      kv_link_bytes=result.link_bytes)
         except RuntimeError as exc:
             await release()
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc))

@@ -155,3 +155,36 @@ def test_pacing_rate_within_5_percent_over_ucx(gbps):
                         f"(CPU-bound); pacing can only slow it, so {gbps:g} Gbit/s is not reachable here")
     rates = _ucx_rate(f"default={gbps:g}", gbps * 1e9 / 8 / 1e6)  # ~1 s per transfer
     assert abs(statistics.median(rates) / gbps - 1) <= 0.05, f"paced at {gbps} Gbit/s, achieved {rates}"
+
+
+@pytest.mark.timeout(120)
+def test_measure_plan_several_rates_in_one_pair_of_processes(tmp_path):
+    """benchmarks/bench_pacing.py's path: the unpaced ceiling and two rates measured by one pair
+    of kvprobe processes; each rate's transfers start on a drained bucket, so the achieved rate
+    (first send_layer to ACK) and the link-bound rate both read the SET rate, not rate + burst."""
+    import importlib.util
+    from pathlib import Path
+
+    from pdserve.emulation.kvprobe import measure_plan, parse_plan
+
+    def spawn(side, argv):
+        return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    start = time.monotonic()
+    results = measure_plan(spawn, "127.0.0.1", [(5.0, None), (2.5, "default=0.1"), (6.25, "default=0.25")], 2,
+                           timeout_s=60)
+    assert time.monotonic() - start < 30
+    assert [len(r["send_gbps"]) for r in results] == [2, 2, 2]
+    assert results[0]["link_gbps"] == [None, None]  # unpaced: no link-bound figure
+    for result, gbps in zip(results[1:], (0.1, 0.25)):
+        assert statistics.median(result["send_gbps"]) == pytest.approx(gbps, rel=0.05), result
+        assert statistics.median(result["link_gbps"]) == pytest.approx(gbps, rel=0.05), result
+    with pytest.raises(ValueError, match="--plan"):
+        parse_plan('[[0, "default=1"]]')
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_pacing", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_pacing.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--device", "cpu", "--rates", "0.2", "--transfers", "1", "--seconds", "0.1",
+                       "--ceiling-mb", "3"]) == 0

@@ -111,3 +111,71 @@ def test_token_bucket_ready_at_banks_no_more_than_a_burst():
     assert bucket.reserve(1000) == 0.0
     assert bucket.reserve(1000) == pytest.approx(1e-6)
     assert bucket.reserve(500, ready_at=clock.now + 5) == pytest.approx(1.5e-6)  # a future stamp counts as now
+
+
+# ---- UCX over loopback: when finish() returns, and the link-bound rate -------------------
+
+@pytest.fixture(scope="module")
+def peer():
+    from kvx_peer import Peer
+
+    peer = Peer()
+    yield peer
+    assert peer.stop() == 0, "peer process did not exit cleanly"
+
+
+@pytest.mark.timeout(60)
+def test_ucx_paced_finish_returns_at_the_ack_and_link_bound_rate_is_the_set_rate(peer):
+    """Two transfers on one paced link, B enqueued while A is on it (a second request behind the
+    first). finish(A) must return at A's acknowledgement: the worker's Prefill reply, and the
+    router's kv_done_at stamp, follow it. It used to wait until the driver got round to recording
+    A's last sends, up to max_inflight of B's paced messages later (~60 ms here, ~0.3 s at
+    1 Gbit/s with 2.5 MB layers), which shifted A's [kv_done_at - kv, kv_done_at] interval late
+    and made the grid's union-of-intervals rate read above the SET rate (1.15x at 1 Gbit/s).
+    The link-bound figure (link_bytes over phase "link") reads the SET rate."""
+    import threading
+
+    spec = CacheSpec(num_layers=30, num_blocks=8, block_size=16, num_kv_heads=3, head_dim=64)
+    rate = 0.2  # 25 MB/s: a layer of 4 blocks (98 KB) takes ~3.9 ms
+    address = peer.call("open_receiver", spec)
+    pacer = LinkPacer(burst_bytes=64 << 10)
+    pacer.set_link(address, rate_gbps=rate)
+    ids = list(range(4))
+    results, returned = {}, {}
+    with kvtransfer.create_sender("ucx", make_caches(spec, seed=5), pacer=pacer) as sender:
+        for name in ("warm", "a", "b"):
+            peer.call("expect", name, ids, 30, 30.0)
+        for layer in range(30):
+            sender.send_layer(address, "warm", layer, ids, ids)
+        sender.finish("warm", 20)
+        time.sleep(0.05)
+
+        def finish(name):
+            results[name] = sender.finish(name, 20)
+            returned[name] = time.monotonic()
+
+        start = time.monotonic()
+        for layer in range(30):
+            sender.send_layer(address, "a", layer, ids, ids)
+        waiter = threading.Thread(target=finish, args=("a",))
+        waiter.start()
+        time.sleep(0.03)
+        for layer in range(30):
+            sender.send_layer(address, "b", layer, ids, ids)
+        finish("b")
+        waiter.join()
+        for name in ("a", "b"):
+            peer.call("wait", name, 20.0)
+    a, b = results["a"], results["b"]
+    # A's last message completed before its ACK, and finish(A) returned right after the ACK
+    assert a.phases["queue"] + a.phases["wire"] <= a.seconds + 0.01
+    assert returned["a"] - start <= a.seconds + 0.02
+    # B queued behind A: almost all of it was link-bound, and the link ran at its SET rate
+    assert b.link_bytes >= 0.9 * b.num_bytes
+    link_gbps = (a.link_bytes + b.link_bytes) * 8 / (a.phases["link"] + b.phases["link"]) / 1e9
+    assert link_gbps == pytest.approx(rate, rel=0.05)
+    # and the bytes over the union of the transfers' intervals, stamped at finish's return
+    spans = sorted((returned[n] - r.seconds, returned[n]) for n, r in results.items())
+    busy = max(spans[0][1], spans[1][1]) - spans[0][0] if spans[1][0] <= spans[0][1] else \
+        (spans[0][1] - spans[0][0]) + (spans[1][1] - spans[1][0])
+    assert (a.num_bytes + b.num_bytes) * 8 / busy / 1e9 <= rate * 1.05

@@ -148,7 +148,8 @@ class FakeWorker(pb_grpc.WorkerServicer):
             )
             return pb.PrefillResponse(
                 first=first, kv_bytes=len(prompt) * PREFILL_KV_BYTES_PER_TOKEN, kv_seconds=0.002,
-                queue_seconds=0.0, prefill_seconds=0.001,
+                queue_seconds=0.0, prefill_seconds=0.001, kv_phases={"wire": 0.0015, "link": 0.001},
+                kv_link_bytes=len(prompt) * PREFILL_KV_BYTES_PER_TOKEN // 2,
             )
         finally:
             self.live.discard(request.request_id)

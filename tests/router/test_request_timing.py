@@ -47,6 +47,7 @@ def _check(entry: dict, prompt_tokens: int) -> None:
     assert entry["kv"] == pytest.approx(0.002) and entry["kv_bytes"] == prompt_tokens * PREFILL_KV_BYTES_PER_TOKEN
     assert entry["kv_gbps"] == pytest.approx(entry["kv_bytes"] * 8 / 0.002 / 1e9)
     assert entry["queue"] == 0.0 and entry["prefill"] == pytest.approx(0.001)
+    assert entry["kv_link"] == pytest.approx(0.001) and entry["kv_link_bytes"] == entry["kv_bytes"] // 2
     for key in ("place", "reserve", "prefill_rpc", "first_decode"):
         assert 0 <= entry[key] < 2.0, key
 
@@ -74,3 +75,20 @@ def test_usage_without_timing_has_no_extension():
     formatter = CompletionFormatter(P(), MODEL, str)  # type: ignore[arg-type]
     assert formatter.usage(3, {0: None}).model_dump() == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
     assert formatter.usage(3).model_dump() == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+
+
+def test_timing_from_a_worker_without_link_figures():
+    """A worker that reports no "link" phase (older, or the fake transport): kv_link and
+    kv_link_bytes are None (not recorded), not zero."""
+    from router.worker_client import PrefillResult
+
+    class Decision:
+        prefill, decode = "p0", "d0"
+
+    result = PrefillResult(None, 1000, 0.5, 0.0, 0.1, {"wire": 0.4})  # type: ignore[arg-type]
+    timing = ClusterBackend._timing(Decision(), 0.01, 0.6, result)  # type: ignore[arg-type]
+    assert timing["kv_link"] is None and timing["kv_link_bytes"] is None
+    assert set(timing) <= set(TIMING_KEYS)
+    paced = PrefillResult(None, 1000, 0.5, 0.0, 0.1, {"link": 0.3}, 800)  # type: ignore[arg-type]
+    timing = ClusterBackend._timing(Decision(), 0.01, 0.6, paced)  # type: ignore[arg-type]
+    assert (timing["kv_link"], timing["kv_link_bytes"]) == (0.3, 800)
