@@ -36,6 +36,7 @@ and the TPOT feasibility use them), and the split model's configurations by thei
 prefill factor on the split's prefill service time, hence on its capacity). Until enough
 outcomes arrive every factor is 1 and the policy decides as without calibration. The factors
 in use are named at the end of `Decision.reason` ("calibrated: prefill x1.60, ...").
+`calibrate=False` keeps the offline model alone (outcomes are ignored).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from router.placement import (
 )
 from router.policies import prune
 from router.policies.baselines import PrefixIndex
-from router.policies.calibration import Calibration, Factors, Prediction
+from router.policies.calibration import Calibration, Prediction
 from router.congestion import transfer_seconds
 from router.policies.cost import Estimate, estimate_local, estimate_pair
 from router.policies.split import SplitChooser, SplitPrediction
@@ -74,7 +75,7 @@ class NetworkAware(PoolPolicy):
         self, *, profile: Profile | None = None, topology: Topology | None = None,
         slo_ttft: float | None = None, slo_tpot: float | None = None, admission_control: bool = False,
         local_margin: float = 0.2, block_size: int = 16, local_prefill_max_tokens: int = 0,
-        max_batch: int = 64,
+        max_batch: int = 64, calibrate: bool = True,
     ) -> None:
         super().__init__(local_prefill_max_tokens=local_prefill_max_tokens)
         if not isinstance(profile, Profile):
@@ -101,6 +102,9 @@ class NetworkAware(PoolPolicy):
             raise ValueError(f"max_batch must be an integer >= 1 (the workers' --max-num-seqs), got {max_batch!r}")
         self.split = SplitChooser(max_batch=max_batch)
         self._prefilling: tuple[str, ...] = ()  # hybrid: the workers that prefill for the others now
+        if not isinstance(calibrate, bool):
+            raise ValueError(f"calibrate must be true or false, got {calibrate!r}")
+        self.calibrate = calibrate
         self.calibration = Calibration()
         self._pair_profile_cache: tuple[float, Profile] = (1.0, profile)
         # set while placing: the chosen estimate and the split model's prediction in use
@@ -113,7 +117,8 @@ class NetworkAware(PoolPolicy):
         self._chosen = self._split_chosen = None
         decision = super().place(request, snapshot)
         try:
-            self._remember(request, decision)
+            if self.calibrate:
+                self._remember(request, decision)
         finally:
             self._chosen = self._split_chosen = None
         note = self.calibration.describe()
@@ -122,7 +127,8 @@ class NetworkAware(PoolPolicy):
         return decision
 
     def observe_outcome(self, outcome: Outcome) -> None:
-        self.calibration.observe(outcome)
+        if self.calibrate:
+            self.calibration.observe(outcome)
 
     def calibration_factors(self) -> dict[str, float]:
         return self.calibration.factors()

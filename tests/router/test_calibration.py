@@ -196,3 +196,52 @@ def test_a_hybrid_cluster_leaves_a_split_its_served_prefill_cannot_carry():
     plain = make_policy("network-aware", profile=FLAT, slo_ttft=1.0, slo_tpot=0.011)
     late = [plain.place(_req(f"r{i}"), snapshot(workers, topology(), now=100.0 + i / 6)) for i in range(40)][24:]
     assert all(d.kind == "disaggregated" for d in late)
+
+
+def _calibrated(policy, **factors: float):
+    for name, value in factors.items():
+        ratio = policy.calibration.ratios[name.replace("_", ".")]
+        ratio.value, ratio.samples = value, ratio.min_samples
+    return policy
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_calibrated_pruned_search_chooses_what_pricing_every_pair_chooses(seed):
+    """The prefill factor scales the profile the pruned search bounds with; the residuals apply
+    after it: on random large clusters both searches still decide alike."""
+    import random
+
+    from router.placement import SLOUnattainable
+    from router.policies import NetworkAware
+    from tests.router.network_fixtures import PROFILE
+    from tests.router.test_prune import random_cluster
+
+    rng = random.Random(5000 + seed)
+    snap = random_cluster(rng)
+    factors = dict(prefill=rng.choice([0.5, 1.7, 3.0]), ttft_disaggregated=rng.choice([0.8, 1.3]),
+                   tpot_disaggregated=rng.choice([1.0, 1.9]), ttft_local=1.2, tpot_local=rng.choice([0.7, 1.5]))
+    options = rng.choice([{}, {"slo_tpot": 0.02}, {"slo_ttft": 0.3, "slo_tpot": 0.02, "admission_control": True}])
+    policies = [_calibrated(NetworkAware(profile=PROFILE, **options), **factors) for _ in range(2)]
+    policies[0].exhaustive_max_pairs = 10**9
+    policies[1].exhaustive_max_pairs = -1
+    for i in range(8):
+        request = RequestInfo(request_id=f"r{i}", num_prompt_tokens=rng.randint(16, 2000),
+                              max_tokens=rng.choice([1, 64]))
+        decisions = []
+        for policy in policies:
+            try:
+                decisions.append(policy.place(request, snap))
+            except SLOUnattainable as exc:
+                decisions.append(str(exc))
+        assert decisions[0] == decisions[1]
+
+
+def test_calibrate_false_keeps_the_offline_model():
+    policy = make_policy("network-aware", profile=FLAT, calibrate=False)
+    snap = snapshot((w("p0", "prefill", "n0"), w("d0", "decode", "n0")), topology(), now=1.0)
+    for i in range(6):
+        assert policy.place(_req(f"r{i}"), snap).kind == "disaggregated"
+        policy.observe_outcome(outcome(f"r{i}", prefill_s=1.0, ttft_s=5.0))
+    assert policy.calibration.num_pending == 0 and set(policy.calibration_factors().values()) == {1.0}
+    with pytest.raises(ValueError, match="calibrate"):
+        make_policy("network-aware", profile=FLAT, calibrate="yes")
