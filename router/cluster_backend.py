@@ -547,12 +547,13 @@ class ClusterBackend:
                 return
             now = time.monotonic()
             prefill_s = timing.get("prefill") if placement == "disaggregated" else None
+            queue_s = timing.get("queue") if placement == "disaggregated" else None
             outcome = Outcome(
                 request_id=flight.request_id, placement=placement, prefill_worker=timing.get("prefill_worker"),
                 decode_worker=decode, prompt_tokens=flight.num_prompt_tokens, output_tokens=num_tokens,
                 ttft_s=None if first_token is None else first_token - arrival,
                 tpot_s=(now - first_token) / (num_tokens - 1) if first_token is not None and num_tokens > 1 else None,
-                prefill_s=prefill_s, attempts=flight.num_attempts,
+                prefill_s=prefill_s, prefill_queue_s=queue_s, attempts=flight.num_attempts,
             )
             self.policy.observe_outcome(outcome)
         except Exception:

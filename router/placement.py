@@ -195,7 +195,8 @@ class Outcome:
     `placement`: where it ran in the end (local covers colocated runs); `ttft_s` from the
     router's receipt of the request to its first token, `tpot_s` the mean time between its
     later tokens (None with fewer than 2); `prefill_s`: the prefill worker's reported prefill
-    time, its queue excluded (disaggregated, where known); `attempts`: placements it took."""
+    time, its queue excluded, and `prefill_queue_s` its queue (disaggregated, where known);
+    `attempts`: placements it took."""
 
     request_id: str
     placement: Literal["local", "disaggregated"]
@@ -206,6 +207,7 @@ class Outcome:
     ttft_s: float | None
     tpot_s: float | None
     prefill_s: float | None = None
+    prefill_queue_s: float | None = None
     attempts: int = 1
 
 

@@ -332,13 +332,14 @@ def outcome_of(request: SimRequest) -> Outcome:
     decision = request.decision
     first, last, n = request.first_token_time, request.last_token_time, request.num_output_tokens
     disaggregated = decision.prefill is not None
-    prefill_s = None
+    prefill_s = queue_s = None
     if disaggregated and request.prefilled_time is not None and request.kv_started is not None:
         prefill_s = request.prefilled_time - request.kv_started
+        queue_s = request.kv_started - request.prefill_rpc_start
     return Outcome(
         request_id=request.request_id, placement="disaggregated" if disaggregated else "local",
         prefill_worker=decision.prefill, decode_worker=decision.decode, prompt_tokens=request.num_prompt_tokens,
         output_tokens=n, ttft_s=None if first is None else first - request.sent,
         tpot_s=(last - first) / (n - 1) if first is not None and last is not None and n > 1 else None,
-        prefill_s=prefill_s, attempts=1 + request.retries,
+        prefill_s=prefill_s, prefill_queue_s=queue_s, attempts=1 + request.retries,
     )

@@ -12,11 +12,16 @@ planner that corrects its models from live metrics, the policy keeps, per quanti
 where clamp keeps each ratio in [lo, hi] (default [0.5, 4]: one stalled request cannot teach
 the policy that the engine is 100x slower). The quantities:
 
-- ``prefill``: a disaggregated request's prefill as its prefill worker reports it (its queue
-  excluded) over the profile's prefill of the uncached prompt. It is the served prefill's
-  *service time*, so it acts on capacity: the split model's prefill utilisation (its M/D/1
-  queue and its feasibility) and the cost model's prefill queue and prefill time use
-  profile x factor. It is learned against the raw profile (no feedback loop).
+- ``prefill``: a disaggregated request's prefill as its prefill worker reports it (first
+  chunk to first token, its queue excluded) over the profile's prefill of its uncached prompt,
+  n tokens. It is the served prefill's *service time*, so it acts on capacity: the split
+  model's prefill utilisation (its M/D/1 queue and its feasibility) and the cost model's
+  prefill queue and prefill time use profile x factor. It is learned against the raw profile
+  (no feedback loop). A request that waited at P for at least one full step (P backlogged)
+  shares its first and last steps with its neighbours' chunks: a backlogged chunked-prefill
+  worker runs full steps of B = max_num_batched_tokens, and n tokens touch n/B + 1 of them on
+  average, so its prediction is (n/B + 1) x prefill(B) (for n = 1000, B = 512: 1.51x prefill(n)
+  on a linear profile), not prefill(n), which would read the sharing as a slower engine.
 - ``ttft.local``, ``ttft.disaggregated``, ``tpot.local``, ``tpot.disaggregated``: the residual
   of the per-request estimates (router.policies.cost) for the kind of run the request had,
   observed over the estimate *with* the prefill correction and *without* the residual itself,
@@ -96,7 +101,9 @@ class Prediction:
     """What the model predicted for a placed request, to be compared with its outcome.
 
     `ttft_s`/`tpot_s`: the per-request estimate with the prefill correction, without the
-    residuals; `prefill_s`: the raw profile's prefill of the uncached prompt (disaggregated);
+    residuals; `prefill_s`: the raw profile's prefill of the uncached prompt (disaggregated),
+    `prefill_busy_s` the same prompt's span on a backlogged worker, `prefill_step_s` the
+    profile's full step (the queue beyond which the worker counts as backlogged);
     `split_k`, `split_ttft_s`, `split_tpot_s`: the hybrid split model's prediction for the
     configuration the request ran under (None outside hybrid clusters), likewise."""
 
@@ -106,6 +113,8 @@ class Prediction:
     ttft_s: float
     tpot_s: float
     prefill_s: float = 0.0
+    prefill_busy_s: float = 0.0
+    prefill_step_s: float = math.inf
     split_k: int | None = None
     split_ttft_s: float = math.nan
     split_tpot_s: float = math.nan
@@ -180,6 +189,7 @@ class Calibration:
             if config is not None:
                 self.ratios[f"split.tpot.{config}"].observe(outcome.tpot_s, p.split_tpot_s)
         if p.kind == "disaggregated" and outcome.prefill_s is not None:
-            self.ratios["prefill"].observe(outcome.prefill_s, p.prefill_s)
+            busy = outcome.prefill_queue_s is not None and outcome.prefill_queue_s >= p.prefill_step_s
+            self.ratios["prefill"].observe(outcome.prefill_s, p.prefill_busy_s if busy else p.prefill_s)
         self.num_outcomes += 1
         return True

@@ -58,6 +58,7 @@ class Estimate:
     room: bool = True  # D has free KV blocks for the prompt (when it reports them)
     ttft_factor: float = 1.0  # calibration residuals (module docstring); tpot_s includes tpot_factor
     tpot_factor: float = 1.0
+    prefill_tokens: int = 0  # the uncached prompt tokens `prefill_s` prices (0: not recorded)
 
     @property
     def base_ttft_s(self) -> float:
@@ -126,6 +127,7 @@ def estimate_pair(
         prefill=prefill.worker_id, decode=decode.worker_id, queue_s=queue_s, prefill_s=prefill_s, kv_s=kv_s,
         hidden_s=hidden_s, admit_s=profile.decode_step_seconds(batch, context),
         tpot_s=profile.decode_step_seconds(batch + 1, context), room=has_room(decode, n),
+        prefill_tokens=uncached,
     )
 
 

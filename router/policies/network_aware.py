@@ -140,12 +140,15 @@ class NetworkAware(PoolPolicy):
         kind = "local" if e.prefill is None else "disaggregated"
         # the estimate's prefill is the profile's scaled by the prefill factor for pairs
         prefill_factor = self._pair_profile_cache[0] if e.prefill is not None else 1.0
+        budget = self.profile.max_num_batched_tokens
+        step_s = self.profile.prefill_seconds(budget)
+        busy_s = (e.prefill_tokens / budget + 1.0) * step_s if e.prefill is not None else 0.0
         split = self._split_chosen
         if split is not None and (split.prefill_workers > 0) != (kind == "disaggregated"):
             split = None  # the request did not run as its configuration does (no pair was free)
         self.calibration.expect(request.request_id, Prediction(
             kind=kind, prefill=e.prefill, decode=e.decode, ttft_s=e.base_ttft_s, tpot_s=e.base_tpot_s,
-            prefill_s=e.prefill_s / prefill_factor,
+            prefill_s=e.prefill_s / prefill_factor, prefill_busy_s=busy_s, prefill_step_s=step_s,
             split_k=None if split is None else split.prefill_workers,
             split_ttft_s=math.nan if split is None else split.ttft_s / split.factors.ttft,
             split_tpot_s=math.nan if split is None else split.tpot_s / split.factors.tpot,

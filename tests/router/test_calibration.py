@@ -63,6 +63,22 @@ def test_calibration_learns_from_outcomes_that_match_their_prediction():
                               "split.ttft.split x3.00, split.tpot.split x0.60")
 
 
+def test_a_backlogged_prefill_is_compared_with_its_span_over_shared_steps():
+    # FLAT, n = 1000 uncached tokens, B = 512: idle prefill(1000) = 0.1 s; backlogged, its
+    # tokens touch 1000/512 + 1 full steps of prefill(512) = 0.0512 s: 0.1 + 0.0512 = 0.1512 s
+    cal = Calibration(min_samples=1)
+    step = FLAT.prefill_seconds(512)
+    busy = (1000 / 512 + 1) * step
+    assert busy == pytest.approx(0.1512)
+    prediction = pair_prediction(prefill_s=0.1, prefill_busy_s=busy, prefill_step_s=step)
+    cal.expect("r0", prediction)
+    cal.observe(outcome("r0", prefill_s=0.3, prefill_queue_s=1.0))  # waited >= one step: backlogged
+    assert cal.factor("prefill") == pytest.approx(0.3 / busy)
+    cal.expect("r1", prediction)
+    cal.observe(outcome("r1", prefill_s=0.3, prefill_queue_s=0.01))  # found P (almost) idle
+    assert cal.factor("prefill") == pytest.approx(0.3 / busy + 0.2 * (3.0 - 0.3 / busy))
+
+
 def test_calibration_ignores_outcomes_it_cannot_compare():
     cal = Calibration(min_samples=1, max_pending=2)
     assert not cal.observe(outcome("unknown", ttft_s=1.0, prefill_s=1.0))  # never placed
@@ -185,6 +201,7 @@ def test_a_hybrid_cluster_leaves_a_split_its_served_prefill_cannot_carry():
         if i >= 20 and d.kind == "disaggregated":
             pending = policy.calibration._pending[f"r{i}"]
             assert pending.split_k == 1 and pending.prefill_s == profile_prefill
+            assert pending.prefill_busy_s == pytest.approx(0.1512)
             policy.observe_outcome(outcome(f"r{i}", prefill=d.prefill, decode=d.decode,
                                            prefill_s=2 * profile_prefill))
     assert all(d.kind == "disaggregated" for d in decisions[12:24])
