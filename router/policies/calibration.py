@@ -26,8 +26,9 @@ the policy that the engine is 100x slower). The quantities:
   of the per-request estimates (router.policies.cost) for the kind of run the request had,
   observed over the estimate *with* the prefill correction and *without* the residual itself,
   so that the residual does not feed on itself and does not count the prefill twice (early
-  on, before the prefill factor is in use, the TTFT residual carries that part too; it gives
-  it back as the prefill factor takes over). They scale the estimates' TTFT and TPOT, which
+  on, before the prefill factor is in use, the queue a too-fast profile builds at P is the
+  prefill factor's error, not a residual: a disaggregated TTFT predicted then is not learned
+  from when the outcome reports a prefill). They scale the estimates' TTFT and TPOT, which
   decide the pair-vs-local competition, the SLO checks and the TPOT feasibility.
 - ``split.ttft.local``, ``split.ttft.split``, ``split.tpot.local``, ``split.tpot.split``: the
   same residuals for the hybrid split model's steady-state prediction of the configuration a
@@ -35,7 +36,10 @@ the policy that the engine is 100x slower). The quantities:
   its score.
 
 A placement's predictions wait in a bounded table (oldest dropped first: requests that never
-finish, e.g. errors) until the request's outcome arrives. An outcome is used only when it ran
+finish, e.g. errors) until the request's outcome arrives. When a hybrid cluster changes its
+configuration, the requests placed before the change ran partly in each (a split's decode
+worker that starts prefilling local requests slows the split requests it still decodes 2x in
+the simulator): their outcomes teach the prefill factor, not the residuals. An outcome is used only when it ran
 where it was placed, in one attempt (a recovery's times are not the model's). Factors only
 move with the placements that produce samples: a configuration the policy no longer uses
 keeps its last factors.
@@ -115,6 +119,8 @@ class Prediction:
     prefill_s: float = 0.0
     prefill_busy_s: float = 0.0
     prefill_step_s: float = math.inf
+    prefill_in_use: bool = True  # the prefill factor was in use when this was predicted
+    epoch: int = 0  # the cluster configuration it was placed in (Calibration.epoch)
     split_k: int | None = None
     split_ttft_s: float = math.nan
     split_tpot_s: float = math.nan
@@ -135,6 +141,7 @@ class Calibration:
         self.max_pending = max_pending
         self._pending: OrderedDict[str, Prediction] = OrderedDict()
         self.num_outcomes = 0  # outcomes used
+        self.epoch = 0  # bumped when the cluster's configuration changes (hybrid: k)
 
     # ---------------------------------------------------------------- factors
 
@@ -161,6 +168,11 @@ class Calibration:
 
     # ---------------------------------------------------------------- predictions and outcomes
 
+    def new_epoch(self) -> None:
+        """The cluster's configuration changed: requests placed before it are not learned from
+        for the residuals (they ran partly in each configuration)."""
+        self.epoch += 1
+
     @property
     def num_pending(self) -> int:
         return len(self._pending)
@@ -180,11 +192,15 @@ class Calibration:
         if outcome.decode_worker != p.decode or (p.kind == "disaggregated" and outcome.prefill_worker != p.prefill):
             return False
         config = None if p.split_k is None else ("split" if p.split_k else "local")
-        if outcome.ttft_s is not None:
+        # a disaggregated TTFT predicted before the prefill factor was in use is not the
+        # residual's to learn: the queue that the missing factor builds is the factor's error
+        stable = p.epoch == self.epoch
+        learn_ttft = stable and (p.kind == "local" or p.prefill_in_use or outcome.prefill_s is None)
+        if outcome.ttft_s is not None and learn_ttft:
             self.ratios[f"ttft.{p.kind}"].observe(outcome.ttft_s, p.ttft_s)
             if config is not None:
                 self.ratios[f"split.ttft.{config}"].observe(outcome.ttft_s, p.split_ttft_s)
-        if outcome.tpot_s is not None:
+        if outcome.tpot_s is not None and stable:
             self.ratios[f"tpot.{p.kind}"].observe(outcome.tpot_s, p.tpot_s)
             if config is not None:
                 self.ratios[f"split.tpot.{config}"].observe(outcome.tpot_s, p.split_tpot_s)

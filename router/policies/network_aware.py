@@ -149,6 +149,7 @@ class NetworkAware(PoolPolicy):
         self.calibration.expect(request.request_id, Prediction(
             kind=kind, prefill=e.prefill, decode=e.decode, ttft_s=e.base_ttft_s, tpot_s=e.base_tpot_s,
             prefill_s=e.prefill_s / prefill_factor, prefill_busy_s=busy_s, prefill_step_s=step_s,
+            prefill_in_use=self.calibration.ratios["prefill"].ready, epoch=self.calibration.epoch,
             split_k=None if split is None else split.prefill_workers,
             split_ttft_s=math.nan if split is None else split.ttft_s / split.factors.ttft,
             split_tpot_s=math.nan if split is None else split.tpot_s / split.factors.tpot,
@@ -246,10 +247,13 @@ class NetworkAware(PoolPolicy):
                         pairs += n
             return total / pairs
 
+        before = self.split.current
         k, why = self.split.choose(self.profile, snapshot.now, len(workers), kv_seconds=kv_seconds,
                                    slo_ttft=self.slo_ttft, slo_tpot=self.slo_tpot,
                                    factors=self.calibration.split_factors)
         self._split_chosen = self.split.last[k] if self.split.last else None
+        if k != before:
+            self.calibration.new_epoch()
         keys = self.prefixes.keys(request.prompt_token_ids)
         load = {w.worker_id: w.load for w in workers}
         if k > 0:

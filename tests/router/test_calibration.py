@@ -79,6 +79,21 @@ def test_a_backlogged_prefill_is_compared_with_its_span_over_shared_steps():
     assert cal.factor("prefill") == pytest.approx(0.3 / busy + 0.2 * (3.0 - 0.3 / busy))
 
 
+def test_transients_teach_the_prefill_factor_not_the_residuals():
+    cal = Calibration(min_samples=1)
+    # predicted before the prefill factor was in use: the TTFT is the factor's error
+    cal.expect("a", pair_prediction(prefill_in_use=False))
+    cal.observe(outcome("a", ttft_s=2.0, tpot_s=0.02, prefill_s=0.2))
+    assert (cal.factor("prefill"), cal.factor("ttft.disaggregated"), cal.factor("tpot.disaggregated")) == \
+        (pytest.approx(2.0), 1.0, pytest.approx(2.0))
+    # the configuration changed while it ran: neither residual learns, the prefill factor does
+    cal.expect("b", pair_prediction())
+    cal.new_epoch()
+    cal.observe(outcome("b", ttft_s=2.0, tpot_s=0.04, prefill_s=0.3))
+    assert cal.ratios["ttft.disaggregated"].samples == 0 and cal.ratios["tpot.disaggregated"].samples == 1
+    assert cal.ratios["prefill"].samples == 2
+
+
 def test_calibration_ignores_outcomes_it_cannot_compare():
     cal = Calibration(min_samples=1, max_pending=2)
     assert not cal.observe(outcome("unknown", ttft_s=1.0, prefill_s=1.0))  # never placed
