@@ -110,11 +110,14 @@ class NetworkAware(PoolPolicy):
         # set while placing: the chosen estimate and the split model's prediction in use
         self._chosen: Estimate | None = None
         self._split_chosen: SplitPrediction | None = None
+        self._residuals = {kind: self.calibration.estimate_factors(kind) for kind in ("local", "disaggregated")}
 
     # ---------------------------------------------------------------- calibration
 
     def place(self, request: RequestInfo, snapshot: ClusterSnapshot) -> Decision:
         self._chosen = self._split_chosen = None
+        cal = self.calibration  # the residuals of this placement, read once
+        self._residuals = {kind: cal.estimate_factors(kind) for kind in ("local", "disaggregated")}
         decision = super().place(request, snapshot)
         try:
             if self.calibrate:
@@ -169,7 +172,7 @@ class NetworkAware(PoolPolicy):
 
     def _correct(self, e: Estimate) -> Estimate:
         """`e` with its kind's TTFT and TPOT residuals applied."""
-        f = self.calibration.estimate_factors("local" if e.prefill is None else "disaggregated")
+        f = self._residuals["local" if e.prefill is None else "disaggregated"]
         if f.ttft == 1.0 and f.tpot == 1.0:
             return e
         return dataclasses.replace(e, ttft_factor=f.ttft, tpot_factor=f.tpot, tpot_s=e.tpot_s * f.tpot)
