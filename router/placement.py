@@ -213,7 +213,7 @@ class Outcome:
 
 class PlacementPolicy(ABC):
     """Chooses where a request runs. Implementations are pure; a tiny internal state
-    (a round-robin counter) is allowed, I/O and clocks are not."""
+    (a round-robin counter, network-aware's calibration) is allowed, I/O and clocks are not."""
 
     name: ClassVar[str]
     topology: Topology | None = None  # set by policies built with a topology file; the backend uses it
