@@ -39,7 +39,11 @@ A placement's predictions wait in a bounded table (oldest dropped first: request
 finish, e.g. errors) until the request's outcome arrives. When a hybrid cluster changes its
 configuration, the requests placed before the change ran partly in each (a split's decode
 worker that starts prefilling local requests slows the split requests it still decodes 2x in
-the simulator): their outcomes teach the prefill factor, not the residuals. An outcome is used only when it ran
+the simulator): their outcomes teach the prefill factor, not the residuals. Nor is anything
+learned from the requests placed while the previous configuration's requests still drain
+(`settled` False: the policy expects that to take the prompts in flight on the busiest worker
+at the served prefill rate, then their mean output x that configuration's TPOT): on two H200s a split's first hand-off prefills took 154-186 ms on a worker still
+decoding its local requests, which would read as a slow engine and undo the split at once. An outcome is used only when it ran
 where it was placed, in one attempt (a recovery's times are not the model's). Factors only
 move with the placements that produce samples: a configuration the policy no longer uses
 keeps its last factors.
@@ -121,6 +125,7 @@ class Prediction:
     prefill_step_s: float = math.inf
     prefill_in_use: bool = True  # the prefill factor was in use when this was predicted
     epoch: int = 0  # the cluster configuration it was placed in (Calibration.epoch)
+    settled: bool = True  # placed after the previous configuration's requests drained
     split_k: int | None = None
     split_ttft_s: float = math.nan
     split_tpot_s: float = math.nan
@@ -187,7 +192,7 @@ class Calibration:
     def observe(self, outcome: Outcome) -> bool:
         """Learns from `outcome` when its prediction is waiting and it ran as predicted."""
         p = self._pending.pop(outcome.request_id, None)
-        if p is None or outcome.attempts > 1 or outcome.placement != p.kind:
+        if p is None or not p.settled or outcome.attempts > 1 or outcome.placement != p.kind:
             return False
         if outcome.decode_worker != p.decode or (p.kind == "disaggregated" and outcome.prefill_worker != p.prefill):
             return False

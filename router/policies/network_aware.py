@@ -111,6 +111,8 @@ class NetworkAware(PoolPolicy):
         self._chosen: Estimate | None = None
         self._split_chosen: SplitPrediction | None = None
         self._residuals = {kind: self.calibration.estimate_factors(kind) for kind in ("local", "disaggregated")}
+        self._settle_until = -math.inf  # hybrid: the previous configuration's requests drain until then
+        self._now = 0.0
 
     # ---------------------------------------------------------------- calibration
 
@@ -118,6 +120,7 @@ class NetworkAware(PoolPolicy):
         self._chosen = self._split_chosen = None
         cal = self.calibration  # the residuals of this placement, read once
         self._residuals = {kind: cal.estimate_factors(kind) for kind in ("local", "disaggregated")}
+        self._now = snapshot.now
         decision = super().place(request, snapshot)
         try:
             if self.calibrate:
@@ -153,6 +156,7 @@ class NetworkAware(PoolPolicy):
             kind=kind, prefill=e.prefill, decode=e.decode, ttft_s=e.base_ttft_s, tpot_s=e.base_tpot_s,
             prefill_s=e.prefill_s / prefill_factor, prefill_busy_s=busy_s, prefill_step_s=step_s,
             prefill_in_use=self.calibration.ratios["prefill"].ready, epoch=self.calibration.epoch,
+            settled=self._now >= self._settle_until,
             split_k=None if split is None else split.prefill_workers,
             split_ttft_s=math.nan if split is None else split.ttft_s / split.factors.ttft,
             split_tpot_s=math.nan if split is None else split.tpot_s / split.factors.tpot,
@@ -257,6 +261,7 @@ class NetworkAware(PoolPolicy):
         self._split_chosen = self.split.last[k] if self.split.last else None
         if k != before:
             self.calibration.new_epoch()
+            self._settle_until = snapshot.now + self._drain_s(before, k, snapshot.now, workers)
         keys = self.prefixes.keys(request.prompt_token_ids)
         load = {w.worker_id: w.load for w in workers}
         if k > 0:
@@ -281,6 +286,19 @@ class NetworkAware(PoolPolicy):
         self._chosen = chosen
         self.prefixes.record(keys, chosen.decode)
         return Decision("local", None, chosen.decode, f"hybrid {why}; {chosen.describe()}")
+
+    def _drain_s(self, before: int, after: int, now: float, workers: Sequence[WorkerSnapshot]) -> float:
+        """How long the requests of configuration `before` take to finish: the prompts in flight
+        on the busiest worker at the served prefill rate, then their mean output x the predicted
+        TPOT of `before` (or of `after`, when `before` has none)."""
+        backlog = max(self._pair_profile().prefill_seconds(w.num_inflight_tokens) for w in workers)
+        load = self.split.window.estimate(now)
+        if load is None:
+            return backlog
+        for k in (before, after):
+            if k < len(self.split.last) and math.isfinite(self.split.last[k].tpot_s):
+                return backlog + load.output_tokens * self.split.last[k].tpot_s
+        return backlog
 
     def _compete(self, pair: Estimate | None, local: Estimate | None) -> tuple[Estimate | None, str]:
         if pair is None or local is None:

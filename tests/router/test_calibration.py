@@ -92,6 +92,10 @@ def test_transients_teach_the_prefill_factor_not_the_residuals():
     cal.observe(outcome("b", ttft_s=2.0, tpot_s=0.04, prefill_s=0.3))
     assert cal.ratios["ttft.disaggregated"].samples == 0 and cal.ratios["tpot.disaggregated"].samples == 1
     assert cal.ratios["prefill"].samples == 2
+    # placed while the previous configuration's requests drained: nothing is learned
+    cal.expect("c", pair_prediction(settled=False, epoch=cal.epoch))
+    assert not cal.observe(outcome("c", ttft_s=2.0, tpot_s=0.04, prefill_s=0.3))
+    assert cal.ratios["prefill"].samples == 2
 
 
 def test_calibration_ignores_outcomes_it_cannot_compare():
