@@ -36,17 +36,18 @@ the policy that the engine is 100x slower). The quantities:
   its score.
 
 A placement's predictions wait in a bounded table (oldest dropped first: requests that never
-finish, e.g. errors) until the request's outcome arrives. When a hybrid cluster changes its
-configuration, the requests placed before the change ran partly in each (a split's decode
-worker that starts prefilling local requests slows the split requests it still decodes 2x in
-the simulator): their outcomes teach the prefill factor, not the residuals. Nor is anything
-learned from the requests placed while the previous configuration's requests still drain
-(`settled` False: the policy expects that to take the prompts in flight on the busiest worker
-at the served prefill rate, then their mean output x that configuration's TPOT): on two H200s a split's first hand-off prefills took 154-186 ms on a worker still
-decoding its local requests, which would read as a slow engine and undo the split at once. An outcome is used only when it ran
-where it was placed, in one attempt (a recovery's times are not the model's). Factors only
-move with the placements that produce samples: a configuration the policy no longer uses
-keeps its last factors.
+finish, e.g. errors) until the request's outcome arrives. An outcome is used only when it ran
+where it was placed, in one attempt (a recovery's times are not the model's). When a hybrid
+cluster changes its configuration, the requests placed before the change ran partly in each
+(a split's decode worker that starts prefilling local requests slows the split requests it
+still decodes 2x in the simulator): their outcomes teach the prefill factor, not the
+residuals. Nor is anything learned from the requests placed while the previous
+configuration's requests still drain (`settled` False: the policy expects that to take the
+prompts in flight on the busiest worker at the served prefill rate, then their mean output x
+that configuration's TPOT): on two H200s a split's first hand-off prefills took 154-186 ms on
+a worker still decoding its local requests, which would read as a slow engine and undo the
+split at once. Factors only move with the placements that produce samples: a configuration
+the policy no longer uses keeps its last factors.
 """
 
 from __future__ import annotations
