@@ -281,3 +281,15 @@ def test_calibrate_false_keeps_the_offline_model():
     assert policy.calibration.num_pending == 0 and set(policy.calibration_factors().values()) == {1.0}
     with pytest.raises(ValueError, match="calibrate"):
         make_policy("network-aware", profile=FLAT, calibrate="yes")
+
+
+def test_build_policy_passes_calibrate(tmp_path):
+    from router.policies import build_policy
+    from router.profiles import save_profile
+
+    path = tmp_path / "profile.json"
+    save_profile(FLAT, str(path))
+    assert build_policy("network-aware", profile_path=str(path)).calibrate is True
+    assert build_policy("network-aware", profile_path=str(path), calibrate=False).calibrate is False
+    with pytest.raises(ValueError, match=r"--no-calibration: only the network-aware policy uses it"):
+        build_policy("least-loaded", calibrate=False)
