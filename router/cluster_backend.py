@@ -32,6 +32,13 @@ node (router.topology); the `LinkMonitor` (router.congestion) counts it while it
 the throughput it reports as a sample; KV bytes per token are learned from those reports.
 Snapshots carry the topology, the links and that number; optional probes (router.probes)
 measure links between requests.
+
+Feedback to the policy: a request that finishes (not aborted, not failed) is reported to
+`policy.observe_outcome` as a `router.placement.Outcome`: where its first token came from
+(`RequestOutput.timing`), TTFT from the backend's receipt of the request to its first token,
+TPOT over the later tokens, the prefill its prefill worker reported (P's queue excluded); the
+policy's current `calibration_factors()` go to the gauge `pdserve:policy_calibration_factor`.
+An exception raised there is logged; the request is served regardless.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ from router.placement import (
     ClusterSnapshot,
     Decision,
     NoWorkersAvailable,
+    Outcome,
     PlacementPolicy,
     RequestInfo,
     SLOUnattainable,
@@ -173,6 +181,7 @@ class ClusterBackend:
             metrics.registry.register(WorkerStatsCollector(lambda: list(self.pool.workers.values())))
             for kind in get_args(DecisionKind):  # every series exists (at 0) before its first decision
                 metrics.placement_decisions.labels(policy.name, kind)
+            self._set_calibration_gauges()
         self.rpc_timeout_s = float(rpc_timeout_s)
         self.network = NetworkTracker(network or NetworkOptions(), self.pool, policy, metrics,
                                       rpc_timeout_s=self.rpc_timeout_s, max_model_len=max_model_len)
@@ -252,13 +261,21 @@ class ClusterBackend:
         flight = _Flight(request_id, len(prompt_token_ids))
         self._flights[request_id] = flight
         arrival = time.monotonic()
+        first_token: float | None = None
+        num_tokens = 0
         try:
             async for output in self._serve(flight, list(prompt_token_ids), params):
+                if output.new_token_ids:
+                    now = time.monotonic()
+                    first_token = now if first_token is None else first_token
+                    num_tokens += len(output.new_token_ids)
                 if "place" not in flight.timing and "placed_at" in flight.timing:
                     flight.timing["place"] = flight.timing.pop("placed_at") - arrival
                 if output.finished and flight.timing:
                     output.timing = {k: flight.timing[k] for k in TIMING_KEYS if k in flight.timing}
                     output.timing["attempts"] = flight.num_attempts
+                if output.finished and output.finish_reason != "abort" and not flight.aborted:
+                    self._report_outcome(flight, arrival, first_token, num_tokens)
                 yield output
         finally:
             if self._flights.get(request_id) is flight:
@@ -520,6 +537,43 @@ class ClusterBackend:
             request_id=flight.request_id, new_token_ids=[], new_text="", finished=True, finish_reason="abort",
             num_prompt_tokens=flight.num_prompt_tokens, num_output_tokens=len(flight.sent_token_ids),
         )
+
+    # ---------------------------------------------------------------- feedback to the policy
+
+    def _report_outcome(self, flight: _Flight, arrival: float, first_token: float | None, num_tokens: int) -> None:
+        """Tells the policy how a finished request went (module docstring); never raises."""
+        try:
+            timing = flight.timing
+            placement = timing.get("placement")
+            decode = timing.get("decode_worker")
+            if placement not in ("local", "disaggregated") or decode is None:
+                return
+            now = time.monotonic()
+            prefill_s = timing.get("prefill") if placement == "disaggregated" else None
+            queue_s = timing.get("queue") if placement == "disaggregated" else None
+            outcome = Outcome(
+                request_id=flight.request_id, placement=placement, prefill_worker=timing.get("prefill_worker"),
+                decode_worker=decode, prompt_tokens=flight.num_prompt_tokens, output_tokens=num_tokens,
+                ttft_s=None if first_token is None else first_token - arrival,
+                tpot_s=(now - first_token) / (num_tokens - 1) if first_token is not None and num_tokens > 1 else None,
+                prefill_s=prefill_s, prefill_queue_s=queue_s, attempts=flight.num_attempts,
+            )
+            self.policy.observe_outcome(outcome)
+        except Exception:
+            logger.warning("policy %s: observe_outcome failed for request %s; the request is unaffected",
+                           self.policy.name, flight.request_id, exc_info=True)
+            return
+        self._set_calibration_gauges()
+
+    def _set_calibration_gauges(self) -> None:
+        if self.metrics is None:
+            return
+        try:
+            factors = self.policy.calibration_factors()
+            for name, value in factors.items():
+                self.metrics.policy_calibration_factor.labels(self.policy.name, name).set(value)
+        except Exception:
+            logger.warning("policy %s: calibration_factors failed", self.policy.name, exc_info=True)
 
     # ---------------------------------------------------------------- helpers
 

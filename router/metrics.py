@@ -2,7 +2,8 @@
 
 Latencies are observed per backend request (one per choice), request counts per HTTP request.
 `placement_decisions`, `kv_transfer_*`, `request_recoveries` and the per-link gauges `link_*`
-(label `link` = "src_node->dst_node") are declared here and updated by the cluster backend
+(label `link` = "src_node->dst_node") and `policy_calibration_factor` (a learning policy's
+factors, router.policies.calibration) are declared here and updated by the cluster backend
 (router.cluster_backend), which also sets its label sets to 0 at start, so that every series a
 dashboard queries (deploy/grafana) exists before its first event.
 """
@@ -113,6 +114,12 @@ class RouterMetrics:
             "pdserve:link_estimated_gbps",
             "Bandwidth the router assumes for a link: min(capacity, EWMA of measured throughput), Gbit/s.",
             ["link"], registry=r,
+        )
+        self.policy_calibration_factor = Gauge(
+            "pdserve:policy_calibration_factor",
+            "Observed / predicted factor the placement policy applies to its model, by quantity (e.g. "
+            "prefill, ttft.disaggregated, split.tpot.local); 1 until it has enough outcomes.",
+            ["policy", "quantity"], registry=r,
         )
         self.prompt_tokens = Counter("pdserve:prompt_tokens_total", "Prompt tokens of accepted requests.", registry=r)
         self.generation_tokens = Counter("pdserve:generation_tokens_total", "Generated tokens.", registry=r)

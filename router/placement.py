@@ -20,6 +20,12 @@ Rules shared by every policy (`PoolPolicy`):
 Policies differ in how they pick within a pool (`pick`) or a pair (`choose_pair`); a policy
 that needs the whole picture (network-aware) overrides `place`.
 
+Feedback: when a request finishes, the router (and the simulator) hands the policy an
+`Outcome` (where it ran, its measured TTFT and TPOT, the prefill its prefill worker reported)
+through `observe_outcome`; the default ignores it. A policy that learns from outcomes
+(network-aware calibrates its model, router.policies.calibration) keeps that cheap; the
+router logs, and never fails a request on, an exception raised there.
+
 The registry holds the baselines here (round-robin, least-loaded) and those of
 `router.policies` (random, power-of-two, prefix-aware, network-aware), which register when this
 module is imported.
@@ -182,9 +188,32 @@ class Decision:
         return (self.decode,) if self.prefill is None else (self.prefill, self.decode)
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """What a finished request measured, for the policy that placed it (`observe_outcome`).
+
+    `placement`: where it ran in the end (local covers colocated runs); `ttft_s` from the
+    router's receipt of the request to its first token, `tpot_s` the mean time between its
+    later tokens (None with fewer than 2); `prefill_s`: the prefill worker's reported prefill
+    time, its queue excluded, and `prefill_queue_s` its queue (disaggregated, where known);
+    `attempts`: placements it took."""
+
+    request_id: str
+    placement: Literal["local", "disaggregated"]
+    prefill_worker: str | None
+    decode_worker: str
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float | None
+    tpot_s: float | None
+    prefill_s: float | None = None
+    prefill_queue_s: float | None = None
+    attempts: int = 1
+
+
 class PlacementPolicy(ABC):
     """Chooses where a request runs. Implementations are pure; a tiny internal state
-    (a round-robin counter) is allowed, I/O and clocks are not."""
+    (a round-robin counter, network-aware's calibration) is allowed, I/O and clocks are not."""
 
     name: ClassVar[str]
     topology: Topology | None = None  # set by policies built with a topology file; the backend uses it
@@ -192,6 +221,13 @@ class PlacementPolicy(ABC):
     @abstractmethod
     def place(self, request: RequestInfo, snapshot: ClusterSnapshot) -> Decision:
         """Returns the decision; raises NoWorkersAvailable when no healthy worker fits."""
+
+    def observe_outcome(self, outcome: Outcome) -> None:
+        """A request this policy placed has finished (module docstring); the default ignores it."""
+
+    def calibration_factors(self) -> dict[str, float]:
+        """The factors a learning policy applies to its model now, by name (for gauges); none here."""
+        return {}
 
 
 class PoolPolicy(PlacementPolicy):

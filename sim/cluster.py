@@ -21,6 +21,12 @@ Lifecycle of a request (as `router/cluster_backend.py` drives it in a real clust
 
 Every router<->worker call adds `rpc_s` (one way); `front_s` delays each request's placement
 after its send (the client -> router path: HTTP, tokenising the prompt), so it adds to TTFT.
+
+6. The end of a request that finished: the router reports its `Outcome` (where it ran, TTFT
+   from its send (front_s included), TPOT, the prefill worker's prefill from its first chunk to
+   its last, as a real worker reports it without its queue) to `policy.observe_outcome`, as
+   the real backend does, so that a learning policy (network-aware's calibration) runs here
+   as it runs in a cluster.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from router.congestion import CongestionView, LinkMonitor
 from router.placement import (
     ClusterSnapshot,
     NoWorkersAvailable,
+    Outcome,
     PlacementPolicy,
     RequestInfo,
     SLOUnattainable,
@@ -320,4 +327,24 @@ class SimCluster:
 
     def _complete(self, request: SimRequest) -> None:
         self.outstanding -= 1
+        if request.error is None and request.decision is not None:
+            self.policy.observe_outcome(outcome_of(request))
         self.on_complete(request)
+
+
+def outcome_of(request: SimRequest) -> Outcome:
+    """A finished request's outcome, as the real router measures it (module docstring, 6)."""
+    decision = request.decision
+    first, last, n = request.first_token_time, request.last_token_time, request.num_output_tokens
+    disaggregated = decision.prefill is not None
+    prefill_s = queue_s = None
+    if disaggregated and request.prefilled_time is not None and request.kv_started is not None:
+        prefill_s = request.prefilled_time - request.kv_started
+        queue_s = request.kv_started - request.prefill_rpc_start
+    return Outcome(
+        request_id=request.request_id, placement="disaggregated" if disaggregated else "local",
+        prefill_worker=decision.prefill, decode_worker=decision.decode, prompt_tokens=request.num_prompt_tokens,
+        output_tokens=n, ttft_s=None if first is None else first - request.sent,
+        tpot_s=(last - first) / (n - 1) if first is not None and last is not None and n > 1 else None,
+        prefill_s=prefill_s, prefill_queue_s=queue_s, attempts=1 + request.retries,
+    )

@@ -30,6 +30,7 @@ def build_policy(
     admission_control: bool = False,
     seed: int = 0,
     max_batch: int | None = None,
+    calibrate: bool = True,
 ) -> PlacementPolicy:
     """The policy `name` from command-line settings; ValueError names the flag or file at fault.
 
@@ -39,6 +40,8 @@ def build_policy(
       to start without a profile); given to another policy they are an error, not ignored.
     - `seed`: random and power-of-two; the deterministic policies do not draw.
     - `max_batch`: the workers' --max-num-seqs, for network-aware's model of hybrid clusters.
+    - `calibrate`: network-aware corrects its model from request outcomes
+      (router.policies.calibration); False (--no-calibration) keeps the offline profile alone.
     """
     if name not in POLICIES:
         raise ValueError(f"--policy: unknown placement policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
@@ -48,12 +51,13 @@ def build_policy(
         if profile_path is None:
             raise ValueError("--profile: network-aware needs --profile (a file from `pdserve profile`)")
         options.update(profile=load_profile(profile_path), topology=topology, slo_ttft=slo_ttft,
-                       slo_tpot=slo_tpot, admission_control=admission_control)
+                       slo_tpot=slo_tpot, admission_control=admission_control, calibrate=calibrate)
         if max_batch is not None:
             options["max_batch"] = max_batch
     else:
         given = [flag for flag, value in (("--profile", profile_path), ("--slo-ttft", slo_ttft),
-                                          ("--slo-tpot", slo_tpot), ("--admission-control", admission_control or None))
+                                          ("--slo-tpot", slo_tpot), ("--admission-control", admission_control or None),
+                                          ("--no-calibration", None if calibrate else True))
                  if value is not None]
         if given:
             raise ValueError(f"{given[0]}: only the network-aware policy uses it, not {name!r}")

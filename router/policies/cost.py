@@ -26,6 +26,12 @@ ceil(uncached / max_num_batched_tokens)).
 TPOT at D = decode_step(batch + 1, context): the batch after this request joins, at the mean
 context of D's requests with this one. A local run also prefills inside D's steps: its TPOT
 adds the prefill of one chunk to that step when D has other requests.
+
+Calibration (router.policies.calibration): the policy prices pairs with a profile whose
+prefill times are scaled by the learned prefill factor (queue(P) and prefill(uncached) then
+use the served prefill time), and an estimate may carry residual factors: TTFT = ttft_factor x
+(the sum above), TPOT = tpot_factor x the model's (`tpot_s` holds the corrected value).
+Without outcomes every factor is 1 and the numbers are the model's.
 """
 
 from __future__ import annotations
@@ -50,10 +56,22 @@ class Estimate:
     admit_s: float
     tpot_s: float
     room: bool = True  # D has free KV blocks for the prompt (when it reports them)
+    ttft_factor: float = 1.0  # calibration residuals (module docstring); tpot_s includes tpot_factor
+    tpot_factor: float = 1.0
+    prefill_tokens: int = 0  # the uncached prompt tokens `prefill_s` prices (0: not recorded)
+
+    @property
+    def base_ttft_s(self) -> float:
+        """The model's TTFT, before the TTFT residual."""
+        return self.queue_s + self.prefill_s + self.kv_s - self.hidden_s + self.admit_s
 
     @property
     def ttft_s(self) -> float:
-        return self.queue_s + self.prefill_s + self.kv_s - self.hidden_s + self.admit_s
+        return self.ttft_factor * self.base_ttft_s
+
+    @property
+    def base_tpot_s(self) -> float:
+        return self.tpot_s / self.tpot_factor
 
     @property
     def where(self) -> str:
@@ -65,6 +83,9 @@ class Estimate:
         if self.prefill is not None:
             parts += f" + kv {self.kv_s:.3f} - hidden {self.hidden_s:.3f}"
         parts += f" + admit {self.admit_s:.3f}"
+        if self.ttft_factor != 1.0 or self.tpot_factor != 1.0:
+            return (f"TTFT {self.ttft_s:.3f}s {self.where} (x{self.ttft_factor:.2f} ({parts})), "
+                    f"TPOT {self.tpot_s:.3f}s (x{self.tpot_factor:.2f})")
         return f"TTFT {self.ttft_s:.3f}s {self.where} ({parts}), TPOT {self.tpot_s:.3f}s"
 
 
@@ -106,6 +127,7 @@ def estimate_pair(
         prefill=prefill.worker_id, decode=decode.worker_id, queue_s=queue_s, prefill_s=prefill_s, kv_s=kv_s,
         hidden_s=hidden_s, admit_s=profile.decode_step_seconds(batch, context),
         tpot_s=profile.decode_step_seconds(batch + 1, context), room=has_room(decode, n),
+        prefill_tokens=uncached,
     )
 
 

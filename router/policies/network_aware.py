@@ -24,16 +24,31 @@ request runs locally on the worker with the lowest predicted TTFT, otherwise it 
 on one of the k prefilling workers and decoded on one of the others (the pair with the lowest
 predicted TTFT, as above). The prefilling workers stay the same while k does; when k changes,
 the least loaded become them.
+
+Calibration (router.policies.calibration): at each placement the policy remembers what its
+model predicted for the chosen option (and, on a hybrid cluster, the split model's prediction
+for the configuration in use); `observe_outcome` compares the request's measured TTFT, TPOT
+and reported prefill with it and keeps exponentially weighted observed/predicted factors,
+separately for local and disaggregated runs. They are applied to what is compared: pairs are
+priced with the prefill times scaled by the prefill factor (queue and prefill at P), each
+option's TTFT and TPOT by its kind's residuals (so the pair-vs-local competition, the SLOs
+and the TPOT feasibility use them), and the split model's configurations by theirs (the
+prefill factor on the split's prefill service time, hence on its capacity). Until enough
+outcomes arrive every factor is 1 and the policy decides as without calibration. The factors
+in use are named at the end of `Decision.reason` ("calibrated: prefill x1.60, ...").
+`calibrate=False` keeps the offline model alone (outcomes are ignored).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
 from router.placement import (
     ClusterSnapshot,
     Decision,
+    Outcome,
     PoolPolicy,
     Purpose,
     RequestInfo,
@@ -43,9 +58,10 @@ from router.placement import (
 )
 from router.policies import prune
 from router.policies.baselines import PrefixIndex
+from router.policies.calibration import Calibration, Prediction
 from router.congestion import transfer_seconds
 from router.policies.cost import Estimate, estimate_local, estimate_pair
-from router.policies.split import SplitChooser
+from router.policies.split import SplitChooser, SplitPrediction
 from router.profiles import Profile
 from router.topology import Topology
 
@@ -59,7 +75,7 @@ class NetworkAware(PoolPolicy):
         self, *, profile: Profile | None = None, topology: Topology | None = None,
         slo_ttft: float | None = None, slo_tpot: float | None = None, admission_control: bool = False,
         local_margin: float = 0.2, block_size: int = 16, local_prefill_max_tokens: int = 0,
-        max_batch: int = 64,
+        max_batch: int = 64, calibrate: bool = True,
     ) -> None:
         super().__init__(local_prefill_max_tokens=local_prefill_max_tokens)
         if not isinstance(profile, Profile):
@@ -86,6 +102,88 @@ class NetworkAware(PoolPolicy):
             raise ValueError(f"max_batch must be an integer >= 1 (the workers' --max-num-seqs), got {max_batch!r}")
         self.split = SplitChooser(max_batch=max_batch)
         self._prefilling: tuple[str, ...] = ()  # hybrid: the workers that prefill for the others now
+        if not isinstance(calibrate, bool):
+            raise ValueError(f"calibrate must be true or false, got {calibrate!r}")
+        self.calibrate = calibrate
+        self.calibration = Calibration()
+        self._pair_profile_cache: tuple[float, Profile] = (1.0, profile)
+        # set while placing: the chosen estimate and the split model's prediction in use
+        self._chosen: Estimate | None = None
+        self._split_chosen: SplitPrediction | None = None
+        self._residuals = {kind: self.calibration.estimate_factors(kind) for kind in ("local", "disaggregated")}
+        self._settle_until = -math.inf  # hybrid: the previous configuration's requests drain until then
+        self._now = 0.0
+
+    # ---------------------------------------------------------------- calibration
+
+    def place(self, request: RequestInfo, snapshot: ClusterSnapshot) -> Decision:
+        self._chosen = self._split_chosen = None
+        cal = self.calibration  # the residuals of this placement, read once
+        self._residuals = {kind: cal.estimate_factors(kind) for kind in ("local", "disaggregated")}
+        self._now = snapshot.now
+        decision = super().place(request, snapshot)
+        try:
+            if self.calibrate:
+                self._remember(request, decision)
+        finally:
+            self._chosen = self._split_chosen = None
+        note = self.calibration.describe()
+        if note:
+            decision = dataclasses.replace(decision, reason=f"{decision.reason}; calibrated: {note}")
+        return decision
+
+    def observe_outcome(self, outcome: Outcome) -> None:
+        if self.calibrate:
+            self.calibration.observe(outcome)
+
+    def calibration_factors(self) -> dict[str, float]:
+        return self.calibration.factors()
+
+    def _remember(self, request: RequestInfo, decision: Decision) -> None:
+        e = self._chosen
+        if e is None or decision.degraded or e.decode != decision.decode or e.prefill != decision.prefill:
+            return
+        kind = "local" if e.prefill is None else "disaggregated"
+        # the estimate's prefill is the profile's scaled by the prefill factor for pairs
+        prefill_factor = self._pair_profile_cache[0] if e.prefill is not None else 1.0
+        budget = self.profile.max_num_batched_tokens
+        step_s = self.profile.prefill_seconds(budget)
+        busy_s = (e.prefill_tokens / budget + 1.0) * step_s if e.prefill is not None else 0.0
+        split = self._split_chosen
+        if split is not None and (split.prefill_workers > 0) != (kind == "disaggregated"):
+            split = None  # the request did not run as its configuration does (no pair was free)
+        self.calibration.expect(request.request_id, Prediction(
+            kind=kind, prefill=e.prefill, decode=e.decode, ttft_s=e.base_ttft_s, tpot_s=e.base_tpot_s,
+            prefill_s=e.prefill_s / prefill_factor, prefill_busy_s=busy_s, prefill_step_s=step_s,
+            prefill_in_use=self.calibration.ratios["prefill"].ready, epoch=self.calibration.epoch,
+            settled=self._now >= self._settle_until,
+            split_k=None if split is None else split.prefill_workers,
+            split_ttft_s=math.nan if split is None else split.ttft_s / split.factors.ttft,
+            split_tpot_s=math.nan if split is None else split.tpot_s / split.factors.tpot,
+        ))
+
+    def _pair_profile(self) -> Profile:
+        """The profile pairs are priced with: prefill times x the prefill factor."""
+        f = self.calibration.factor("prefill")
+        cached_f, cached = self._pair_profile_cache
+        if f != cached_f:
+            cached = self.profile if f == 1.0 else dataclasses.replace(
+                self.profile, prefill_times=tuple(t * f for t in self.profile.prefill_times))
+            if cached is not self.profile:  # the decode steps are the same: share their memo
+                object.__setattr__(cached, "_step_memo_dict", self.profile._step_memo)
+            self._pair_profile_cache = (f, cached)
+        return cached
+
+    def _correct(self, e: Estimate) -> Estimate:
+        """`e` with its kind's TTFT and TPOT residuals applied."""
+        f = self._residuals["local" if e.prefill is None else "disaggregated"]
+        if f.ttft == 1.0 and f.tpot == 1.0:
+            return e
+        return dataclasses.replace(e, ttft_factor=f.ttft, tpot_factor=f.tpot, tpot_s=e.tpot_s * f.tpot)
+
+    def _feasible_raw(self, e: Estimate) -> bool:
+        """Feasibility of a model estimate (not yet corrected), as the search sees it."""
+        return self._feasible(self._correct(e))
 
     # ---------------------------------------------------------------- the disaggregated choice
 
@@ -101,8 +199,8 @@ class NetworkAware(PoolPolicy):
         keys = self.prefixes.keys(request.prompt_token_ids)
         load = {w.worker_id: w.load for w in (*prefills, *decodes)}
         options = self._options(prefills, decodes, request, snapshot, keys, load)
-        best_pair = options.best_pair(self._feasible)
-        best_local = options.best_local(self._feasible)
+        best_pair = _maybe(self._correct, options.best_pair(self._feasible_raw))
+        best_local = _maybe(self._correct, options.best_local(self._feasible_raw))
 
         chosen, why = self._compete(best_pair, best_local)
         if chosen is None:
@@ -110,7 +208,7 @@ class NetworkAware(PoolPolicy):
                        f"({options.num_pairs + len(decodes)} estimated)")
             if self.admission_control:
                 raise SLOUnattainable(f"request {request.request_id}: {summary}")
-            everything = [e for e in (options.best_pair(), options.best_local()) if e is not None]
+            everything = [self._correct(e) for e in (options.best_pair(), options.best_local()) if e is not None]
             chosen = min(everything, key=lambda e: _order(e, load))
             why = f"best effort, {summary}"
         elif self.slo_ttft is not None and chosen.ttft_s > self.slo_ttft:
@@ -119,13 +217,15 @@ class NetworkAware(PoolPolicy):
                                       f"{self.slo_ttft:.3f}s; best: {chosen.describe()}")
             why += f"; misses the TTFT SLO {self.slo_ttft:.3f}s"
 
-        over_tpot = options.count_pairs(lambda e: self.slo_tpot is not None and e.tpot_s > self.slo_tpot)
+        over_tpot = options.count_pairs(
+            lambda e: self.slo_tpot is not None and self._correct(e).tpot_s > self.slo_tpot)
         no_room = options.count_pairs(lambda e: not e.room)
         others = (f"{options.num_pairs} pairs ({over_tpot} over the TPOT SLO, {no_room} without free KV blocks "
                   f"at D)")
         rival = best_local if chosen.prefill is not None else best_pair
         rival_text = f"; best {'local' if rival.prefill is None else 'pair'} {rival.ttft_s:.3f}s" if rival else ""
         reason = f"{chosen.describe()}; {why}{rival_text}; {others}"
+        self._chosen = chosen
         self.prefixes.record(keys, chosen.prefill if chosen.prefill is not None else chosen.decode)
         if chosen.prefill is None:
             return Decision("local", None, chosen.decode, reason)
@@ -154,19 +254,26 @@ class NetworkAware(PoolPolicy):
                         pairs += n
             return total / pairs
 
+        before = self.split.current
         k, why = self.split.choose(self.profile, snapshot.now, len(workers), kv_seconds=kv_seconds,
-                                   slo_ttft=self.slo_ttft, slo_tpot=self.slo_tpot)
+                                   slo_ttft=self.slo_ttft, slo_tpot=self.slo_tpot,
+                                   factors=self.calibration.split_factors)
+        self._split_chosen = self.split.last[k] if self.split.last else None
+        if k != before:
+            self.calibration.new_epoch()
+            self._settle_until = snapshot.now + self._drain_s(before, k, snapshot.now, workers)
         keys = self.prefixes.keys(request.prompt_token_ids)
         load = {w.worker_id: w.load for w in workers}
         if k > 0:
             ids = {w.worker_id for w in workers}
             if len(self._prefilling) != k or not set(self._prefilling) <= ids:
                 self._prefilling = tuple(w.worker_id for w in sorted(workers, key=lambda w: (w.load, w.worker_id))[:k])
-            pairs = [self._estimate_pair(request, p, d, snapshot, keys) for p in prefills for d in decodes
-                     if p.worker_id in self._prefilling and d.worker_id not in self._prefilling]
+            pairs = [self._correct(self._estimate_pair(request, p, d, snapshot, keys)) for p in prefills
+                     for d in decodes if p.worker_id in self._prefilling and d.worker_id not in self._prefilling]
             if pairs:
                 feasible = [e for e in pairs if self._feasible(e)]
                 chosen = min(feasible or pairs, key=lambda e: _order(e, load))
+                self._chosen = chosen
                 self.prefixes.record(keys, chosen.prefill)  # type: ignore[arg-type]
                 note = "" if feasible else "; best effort: no pair within the TPOT SLO or with free KV blocks"
                 return Decision("disaggregated", chosen.prefill, chosen.decode,
@@ -174,10 +281,24 @@ class NetworkAware(PoolPolicy):
             why += "; no prefilling/decoding pair is available, so local"
         else:
             self._prefilling = ()
-        estimates = [self._estimate_local(request, d, keys) for d in decodes]
+        estimates = [self._correct(self._estimate_local(request, d, keys)) for d in decodes]
         chosen = min(estimates, key=lambda e: (not self._feasible(e), *_order(e, load)))
+        self._chosen = chosen
         self.prefixes.record(keys, chosen.decode)
         return Decision("local", None, chosen.decode, f"hybrid {why}; {chosen.describe()}")
+
+    def _drain_s(self, before: int, after: int, now: float, workers: Sequence[WorkerSnapshot]) -> float:
+        """How long the requests of configuration `before` take to finish: the prompts in flight
+        on the busiest worker at the served prefill rate, then their mean output x the predicted
+        TPOT of `before` (or of `after`, when `before` has none)."""
+        backlog = max(self._pair_profile().prefill_seconds(w.num_inflight_tokens) for w in workers)
+        load = self.split.window.estimate(now)
+        if load is None:
+            return backlog
+        for k in (before, after):
+            if k < len(self.split.last) and math.isfinite(self.split.last[k].tpot_s):
+                return backlog + load.output_tokens * self.split.last[k].tpot_s
+        return backlog
 
     def _compete(self, pair: Estimate | None, local: Estimate | None) -> tuple[Estimate | None, str]:
         if pair is None or local is None:
@@ -200,7 +321,7 @@ class NetworkAware(PoolPolicy):
         """Every option priced on small clusters; the pruned search (same choice) on large ones."""
         depth = self.prefixes.depths(keys)
         return prune.options(
-            self.profile, request, prefills, decodes, snapshot, load,
+            self._pair_profile(), request, prefills, decodes, snapshot, load,
             pair=lambda p, d: self._estimate_pair(request, p, d, snapshot, keys),
             local=lambda d: self._estimate_local(request, d, keys),
             cached_tokens=lambda worker_id: depth.get(worker_id, 0) * self.prefixes.block_size,
@@ -210,7 +331,7 @@ class NetworkAware(PoolPolicy):
     def _estimate_pair(self, request: RequestInfo, p: WorkerSnapshot, d: WorkerSnapshot, snapshot: ClusterSnapshot,
               keys: list[int]) -> Estimate:
         cached = self.prefixes.matched_blocks(keys, p.worker_id) * self.prefixes.block_size
-        return estimate_pair(self.profile, request, p, d, snapshot, cached_tokens=cached)
+        return estimate_pair(self._pair_profile(), request, p, d, snapshot, cached_tokens=cached)
 
     def _estimate_local(self, request: RequestInfo, d: WorkerSnapshot, keys: list[int]) -> Estimate:
         cached = self.prefixes.matched_blocks(keys, d.worker_id) * self.prefixes.block_size
@@ -224,9 +345,15 @@ class NetworkAware(PoolPolicy):
         """Colocated, resumed and short requests: the lowest local TTFT, TPOT-feasible first."""
         keys = self.prefixes.keys(request.prompt_token_ids)
         load = {w.worker_id: w.load for w in candidates}
-        estimates = [self._estimate_local(request, w, keys) for w in candidates]
+        estimates = [self._correct(self._estimate_local(request, w, keys)) for w in candidates]
         best = min(estimates, key=lambda e: (not self._feasible(e), *_order(e, load)))
+        if purpose in ("local", "colocated"):
+            self._chosen = best
         return next(w for w in candidates if w.worker_id == best.decode)
+
+
+def _maybe(f, e: Estimate | None) -> Estimate | None:
+    return None if e is None else f(e)
 
 
 def _hybrid(prefills: Sequence[WorkerSnapshot], decodes: Sequence[WorkerSnapshot]) -> bool:

@@ -27,6 +27,15 @@ a profile of the engine (router.profiles) and the KV link's rate:
 Each k is scored by its worst SLO fraction, max(TTFT / slo_ttft, TPOT / slo_tpot) (without
 SLOs: the mean request latency TTFT + O * TPOT); the lowest score wins. Hysteresis keeps the
 current k unless another scores better by `switch_margin`.
+
+Calibration (router.policies.calibration): each k may come with `Factors` learned from the
+router's outcomes. `prefill` multiplies the prefill service time of a split (the profile
+misses the serving path: RPCs, KV gather and send), so with the served prefill 1.6x the
+profile's, u, the M/D/1 wait and the feasibility of a split all use 1.6 x prefill(P): a split
+that the offline profile says can carry the rate but the served prefill cannot is infeasible.
+`ttft` and `tpot` multiply the configuration's predicted TTFT and TPOT (residuals, e.g. local
+TPOT measured 10.8 ms where 8.7 ms was predicted) before the score. Neutral factors (no
+outcomes yet) leave every number as above.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from router.policies.calibration import NEUTRAL, Factors
 from router.profiles import Profile
 
 _ITERATIONS = 60
@@ -129,6 +139,7 @@ class SplitPrediction:
     ttft_s: float
     tpot_s: float
     score: float
+    factors: Factors = NEUTRAL  # the calibration applied (ttft_s and tpot_s include it)
 
     @property
     def feasible(self) -> bool:
@@ -174,21 +185,23 @@ def decode_tpot(profile: Profile, rate: float, output_tokens: float, context: in
 
 
 def predict(profile: Profile, load: Load, workers: int, prefill_workers: int, *, kv_seconds: float,
-            slo_ttft: float | None, slo_tpot: float | None, max_batch: int) -> SplitPrediction:
+            slo_ttft: float | None, slo_tpot: float | None, max_batch: int,
+            factors: Factors = NEUTRAL) -> SplitPrediction:
     """The steady state of `workers` mixed workers with `prefill_workers` of them prefilling
-    for the rest (0: all local); `kv_seconds`: one prompt's KV over a free link."""
+    for the rest (0: all local); `kv_seconds`: one prompt's KV over a free link; `factors`:
+    the calibration of this configuration (module docstring)."""
     n, k = workers, prefill_workers
     if not 0 <= k < n:
         raise ValueError(f"prefill_workers must be in [0, {n - 1}], got {k}")
     prompt = max(1, round(load.prompt_tokens))
     context = max(1, round(load.prompt_tokens + load.output_tokens / 2))
-    prefill_s = profile.prefill_seconds(prompt)
+    prefill_s = profile.prefill_seconds(prompt) * factors.prefill
     if k == 0:
         lam = load.rate / n
         duty = lam * prefill_s
         tpot, batch = decode_tpot(profile, lam, load.output_tokens, context, duty, max_batch)
         if not math.isfinite(tpot):
-            return SplitPrediction(0, INFEASIBLE, INFEASIBLE, INFEASIBLE)
+            return SplitPrediction(0, INFEASIBLE, INFEASIBLE, INFEASIBLE, factors)
         chunks = -(-prompt // profile.max_num_batched_tokens)
         service = prefill_s + chunks * profile.decode_step_seconds(max(1, math.ceil(batch)), context)
         ttft = _mdl_wait(lam, service) + service
@@ -198,16 +211,17 @@ def predict(profile: Profile, load: Load, workers: int, prefill_workers: int, *,
         wait = _mdl_wait(lam_p, prefill_s)
         rho_link = load.rate / (k * (n - k)) * kv_seconds  # pairs share the arrivals evenly
         if not math.isfinite(tpot) or not math.isfinite(wait) or rho_link >= 1.0:
-            return SplitPrediction(k, INFEASIBLE, INFEASIBLE, INFEASIBLE)
+            return SplitPrediction(k, INFEASIBLE, INFEASIBLE, INFEASIBLE, factors)
         layers = profile.num_layers
         exposed = (kv_seconds - (layers - 1) / layers * min(kv_seconds, prefill_s)) / (1.0 - rho_link)
         admit = profile.decode_step_seconds(max(1, math.ceil(batch)), context)
         ttft = wait + prefill_s + exposed + admit
+    ttft, tpot = ttft * factors.ttft, tpot * factors.tpot
     if slo_ttft is None and slo_tpot is None:
         score = ttft + load.output_tokens * tpot
     else:
         score = max(ttft / slo_ttft if slo_ttft else 0.0, tpot / slo_tpot if slo_tpot else 0.0)
-    return SplitPrediction(k, ttft, tpot, score)
+    return SplitPrediction(k, ttft, tpot, score, factors)
 
 
 class SplitChooser:
@@ -226,17 +240,21 @@ class SplitChooser:
         self.last: list[SplitPrediction] = []
 
     def choose(self, profile: Profile, now: float, workers: int, *, kv_seconds: Callable[[float], float],
-               slo_ttft: float | None, slo_tpot: float | None) -> tuple[int, str]:
+               slo_ttft: float | None, slo_tpot: float | None,
+               factors: Callable[[int], Factors] | None = None) -> tuple[int, str]:
         """(k, why) for a request arriving at `now` (observe it first); `kv_seconds(prompt_tokens)`:
-        a prompt's KV over a free link of the cluster."""
+        a prompt's KV over a free link of the cluster; `factors(k)`: the calibration of
+        configuration k (none: neutral). `last` holds the predictions ([] when not modelled)."""
         load = self.window.estimate(now)
         if load is None or workers < 2:
             self.current = 0
+            self.last = []
             return 0, f"local (too few arrivals to model: {self.window.samples})" if workers >= 2 else "local"
         self.current = min(self.current, workers - 1)
         kv = kv_seconds(load.prompt_tokens)
         preds = [predict(profile, load, workers, k, kv_seconds=kv, slo_ttft=slo_ttft, slo_tpot=slo_tpot,
-                         max_batch=self.max_batch) for k in range(workers)]
+                         max_batch=self.max_batch, factors=NEUTRAL if factors is None else factors(k))
+                 for k in range(workers)]
         self.last = preds
         best = min(preds, key=lambda p: (p.score, p.prefill_workers))
         current = preds[self.current]

@@ -372,3 +372,26 @@ def test_the_prefix_cache_evicts_the_least_recently_used_prompt_beyond_the_worke
     keys = ["a", "b", "b", "a"]
     run = simulate(config, "round-robin", [Arrival(10.0 * i, 200, 2, prefix_key=k) for i, k in enumerate(keys)])
     assert [to_record(r).ttft_s for r in run.requests] == pytest.approx([2.0, 2.0, 0.08, 2.0])
+
+
+def test_the_simulator_feeds_outcomes_to_the_policy(monkeypatch):
+    # The run of the test above, with its policy kept: each finished request reaches
+    # observe_outcome, as in the real router. The simulated serving path is the profile's
+    # (one 1.0 s chunk, no overhead): the prefill factor learned from the split requests is 1,
+    # and the TPOT of the split ones is the 0.1 s decode step the model predicted. The request
+    # that switched the cluster to the split is placed before the local ones drain: not learned
+    # from (19 of 20); the TTFT residuals learn once the prefill factor is in use (4 samples).
+    import sim.run
+
+    policies = []
+    build = sim.run.build_sim_policy
+    monkeypatch.setattr(sim.run, "build_sim_policy", lambda *a, **kw: policies.append(build(*a, **kw)) or policies[-1])
+    config = replace(_hybrid_config(8.0), router=RouterConfig(policy_options={
+        "network-aware": {"slo_ttft": 5.0, "slo_tpot": 0.15}}))
+    simulate(config, "network-aware", [Arrival(2.0 * i, 100, 3) for i in range(20)])
+    [policy] = policies
+    cal = policy.calibration
+    assert cal.num_outcomes == 19 and cal.num_pending == 0 and cal.epoch == 1
+    assert cal.ratios["prefill"].samples == 12 and cal.factor("prefill") == pytest.approx(1.0)
+    assert cal.ratios["tpot.disaggregated"].samples == 12 and cal.factor("tpot.disaggregated") == pytest.approx(1.0)
+    assert cal.ratios["split.ttft.split"].samples == 8 and cal.ratios["ttft.local"].samples == 7
