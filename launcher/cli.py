@@ -113,7 +113,7 @@ def cmd_router(args: argparse.Namespace) -> int:
                               kv_deadline_s=args.kv_deadline_s, log_level=args.log_level.lower(),
                               topology=args.topology, profile=args.profile, slo_ttft=args.slo_ttft,
                               slo_tpot=args.slo_tpot, admission_control=args.admission_control,
-                              worker_wait_s=args.worker_wait_s, cluster_token=_cluster_token(args))
+                              calibrate=not args.no_calibration, worker_wait_s=args.worker_wait_s, cluster_token=_cluster_token(args))
     return run_router(args.worker, settings)
 
 
@@ -227,6 +227,9 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
     p.add_argument("--slo-tpot", type=float_arg("--slo-tpot"), default=d(None), help="TPOT SLO, seconds")
     p.add_argument("--admission-control", action="store_true", default=d(False),
                    help="429 when no placement can meet the SLOs (network-aware)")
+    p.add_argument("--no-calibration", action="store_true", default=d(False),
+                   help="network-aware: keep the --profile model as measured (default: correct it from "
+                        "each finished request's served prefill, TTFT and TPOT)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -81,6 +81,7 @@ class UpConfig:
     slo_ttft: float | None = None
     slo_tpot: float | None = None
     admission_control: bool = False
+    no_calibration: bool = False
 
     def __post_init__(self) -> None:
         def fail(key: str, message: str) -> None:
@@ -157,7 +158,7 @@ _INTS = {"max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"
          "port", "ray_object_store_mb"}
 _FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s",
            "worker_wait_s", "slo_ttft", "slo_tpot"}
-_BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control"}
+_BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration"}
 _OPTIONAL = {"tokenizer", "dtype", "device", "max_model_len", "replicas", "worker_gpus", "address", "api_key", "served_model_name",
              "topology", "profile", "slo_ttft", "slo_tpot"}
 

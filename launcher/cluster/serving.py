@@ -40,6 +40,7 @@ class RouterSettings:
     slo_ttft: float | None = None
     slo_tpot: float | None = None
     admission_control: bool = False
+    calibrate: bool = True  # network-aware corrects its model from outcomes (--no-calibration: False)
     seed: int = 0
 
 
@@ -74,7 +75,7 @@ def make_router_policy(settings: RouterSettings) -> Any:
     try:
         return build_policy(settings.policy, topology_path=settings.topology, profile_path=settings.profile,
                             slo_ttft=settings.slo_ttft, slo_tpot=settings.slo_tpot,
-                            admission_control=settings.admission_control, seed=settings.seed,
+                            admission_control=settings.admission_control, calibrate=settings.calibrate, seed=settings.seed,
                             max_batch=settings.max_batch)
     except ValueError as e:
         raise ValueError(f"--policy {settings.policy}: {e}") from None

@@ -160,7 +160,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
                               log_level=log_level.lower(),
                               topology=config.topology, profile=config.profile, slo_ttft=config.slo_ttft,
                               slo_tpot=config.slo_tpot, admission_control=config.admission_control,
-                              graceful_shutdown_s=ROUTER_DRAIN_S, cluster_token=cluster_token)
+                              calibrate=not config.no_calibration, graceful_shutdown_s=ROUTER_DRAIN_S, cluster_token=cluster_token)
     policy = make_router_policy(settings)
 
     import ray

@@ -248,3 +248,23 @@ def test_cli_cluster_token_errors_name_the_flag_or_variable(capsys, tmp_path, mo
     monkeypatch.setenv("PDSERVE_CLUSTER_TOKEN", "short")
     assert_one_line_error(*run_cli(capsys, "router", "--worker", "decode=127.0.0.1:1"),
                           "$PDSERVE_CLUSTER_TOKEN", "at least 16 characters")
+
+
+def test_cli_no_calibration_is_network_aware_only(capsys):
+    for argv in (("up", "--no-calibration"),
+                 ("router", "--worker", "prefill=h:1", "--worker", "decode=h:2", "--no-calibration")):
+        assert_one_line_error(*run_cli(capsys, *argv), "--no-calibration", "only the network-aware policy")
+
+
+def test_no_calibration_reaches_the_network_aware_policy(tmp_path):
+    from pathlib import Path
+
+    from launcher.cluster.serving import RouterSettings, make_router_policy
+
+    profile = str(Path(__file__).resolve().parents[2] / "experiments" / "profile-smollm2-cpu-1thread.json")
+    assert UpConfig(policy="network-aware", profile=profile).no_calibration is False
+    (tmp_path / "up.yaml").write_text("no_calibration: true\n")
+    assert read_config_file(str(tmp_path / "up.yaml"))["no_calibration"] is True
+    for calibrate in (True, False):
+        settings = RouterSettings(model="smollm2", policy="network-aware", profile=profile, calibrate=calibrate)
+        assert make_router_policy(settings).calibrate is calibrate
