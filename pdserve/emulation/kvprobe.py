@@ -73,28 +73,36 @@ def run_receiver(host: str, mb: float, transfers: int, device: str, timeout_s: f
     return 0
 
 
-def run_sender(address: str, mb: float, transfers: int, device: str, pacing: str | None, timeout_s: float,
-               max_inflight: int = 4) -> int:
-    import kvtransfer
-
+def _sender_options(pacing: str | None, max_inflight: int) -> dict:
     opts: dict = {"max_inflight": max_inflight}
     if pacing:
         from pdserve.emulation.pacing_spec import build_pacer
 
         opts["pacer"] = build_pacer(pacing)
+    return opts
+
+
+def _transfer(sender, address, tid: str, blocks: list[int], timeout_s: float):
+    """Every layer of `blocks` to the same blocks at `address`; (TransferResult, wall seconds)."""
+    start = time.perf_counter()
+    for layer in range(NUM_LAYERS):
+        sender.send_layer(address, tid, layer, blocks, blocks)
+    result = sender.finish(tid, timeout_s)
+    return result, time.perf_counter() - start
+
+
+def run_sender(address: str, mb: float, transfers: int, device: str, pacing: str | None, timeout_s: float,
+               max_inflight: int = 4) -> int:
+    import kvtransfer
+
     blocks = num_blocks_for(mb)
     ids = list(range(blocks))
-    with kvtransfer.create_sender("ucx", make_caches(blocks, device, fill=True), **opts) as sender:
-        for layer in range(NUM_LAYERS):
-            sender.send_layer(address, WARMUP_ID, layer, [0], [0])
-        sender.finish(WARMUP_ID, timeout_s)
+    with kvtransfer.create_sender("ucx", make_caches(blocks, device, fill=True),
+                                  **_sender_options(pacing, max_inflight)) as sender:
+        _transfer(sender, address, WARMUP_ID, [0], timeout_s)
         for i in range(transfers):
             tid = f"t{i}"
-            start = time.perf_counter()
-            for layer in range(NUM_LAYERS):
-                sender.send_layer(address, tid, layer, ids, ids)
-            result = sender.finish(tid, timeout_s)
-            wall = time.perf_counter() - start
+            result, wall = _transfer(sender, address, tid, ids, timeout_s)
             _emit({"side": "send", "id": tid, "bytes": result.num_bytes, "seconds": wall,
                    "gbps": result.num_bytes * 8 / wall / 1e9})
         if pacing:
@@ -148,26 +156,15 @@ def run_plan_sender(address: str, plan: list, transfers: int, device: str, timeo
     sizes = [num_blocks_for(mb) for mb, _ in plan]
     caches = make_caches(max(sizes), device, fill=True)
     for i, ((_, pacing), blocks) in enumerate(zip(plan, sizes)):
-        opts: dict = {"max_inflight": max_inflight}
-        if pacing:
-            from pdserve.emulation.pacing_spec import build_pacer
-
-            opts["pacer"] = build_pacer(pacing)
         ids, warm = list(range(blocks)), list(range(_warmup_blocks(blocks)))
-        with kvtransfer.create_sender("ucx", caches, **opts) as sender:
+        with kvtransfer.create_sender("ucx", caches, **_sender_options(pacing, max_inflight)) as sender:
             # connect first: layers queued while connecting count as ready all along, and the
             # bucket would bank the connect time (up to a burst) instead of being drained
             for tid, blocks_ in ((f"w{i}c", [0]), (f"w{i}", warm)):
-                for layer in range(NUM_LAYERS):
-                    sender.send_layer(address, tid, layer, blocks_, blocks_)
-                sender.finish(tid, timeout_s)
+                _transfer(sender, address, tid, blocks_, timeout_s)
             for j in range(transfers):
                 tid = f"e{i}t{j}"
-                start = time.perf_counter()
-                for layer in range(NUM_LAYERS):
-                    sender.send_layer(address, tid, layer, ids, ids)
-                result = sender.finish(tid, timeout_s)
-                wall = time.perf_counter() - start
+                result, wall = _transfer(sender, address, tid, ids, timeout_s)
                 link_s = result.phases.get("link", 0.0)
                 _emit({"side": "send", "entry": i, "id": tid, "bytes": result.num_bytes, "seconds": wall,
                        "gbps": result.num_bytes * 8 / wall / 1e9,
