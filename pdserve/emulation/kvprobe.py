@@ -227,13 +227,11 @@ def _lines(proc):
             yield json.loads(line)
 
 
-def measure(spawn, recv_host: str, mb: float, transfers: int = 3, pacing: str | None = None,
-            device: str = "cpu", timeout_s: float = 120.0, max_inflight: int = 4) -> dict:
-    """Run one probe: ``spawn(side, argv)`` starts a process for ``side`` ("recv", "send")
-    with stdout piped as text (e.g. ``lambda side, argv: cluster.run_in(node, argv, ...)``).
-    Returns {"send_gbps": [...], "recv_gbps": [...], "bytes": n}; raises RuntimeError with
-    the processes' output when a side fails."""
-    common = ["--mb", str(mb), "--transfers", str(transfers), "--device", device, "--timeout-s", str(timeout_s)]
+def _probe(spawn, recv_host: str, common: list[str], send_extra: list[str], expected: int,
+           timeout_s: float) -> tuple[dict, list[dict], list[dict]]:
+    """Start the receiver, then the sender at its address; (the receiver's first line, the
+    sender's and the receiver's transfer lines). RuntimeError with the output when a side
+    fails or reports other than `expected` transfers; both processes are gone on return."""
     recv = spawn("recv", probe_command("recv", "--host", recv_host, *common))
     send = None
     try:
@@ -241,20 +239,31 @@ def measure(spawn, recv_host: str, mb: float, transfers: int = 3, pacing: str | 
         first = next(recv_lines, None)
         if first is None or "address" not in first:
             raise RuntimeError(f"KV probe receiver did not start: {_drain(recv)}")
-        extra = ["--max-inflight", str(max_inflight)] + (["--pacing", pacing] if pacing else [])
-        send = spawn("send", probe_command("send", "--address", first["address"], *common, *extra))
+        send = spawn("send", probe_command("send", "--address", first["address"], *common, *send_extra))
         sent = [obj for obj in _lines(send) if obj.get("side") == "send"]
         landed = [obj for obj in recv_lines if obj.get("side") == "recv"]
-        for proc, name in ((send, "sender"), (recv, "receiver")):
-            if proc.wait(timeout_s) != 0 or len(sent if proc is send else landed) != transfers:
+        for proc, name, got in ((send, "sender", sent), (recv, "receiver", landed)):
+            if proc.wait(timeout_s) != 0 or len(got) != expected:
                 raise RuntimeError(f"KV probe {name} failed (exit {proc.returncode}): {_drain(proc)}")
-        return {"bytes": first["bytes_per_transfer"], "send_gbps": [s["gbps"] for s in sent],
-                "recv_gbps": [r["gbps"] for r in landed]}
+        return first, sent, landed
     finally:
         for proc in (send, recv):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def measure(spawn, recv_host: str, mb: float, transfers: int = 3, pacing: str | None = None,
+            device: str = "cpu", timeout_s: float = 120.0, max_inflight: int = 4) -> dict:
+    """Run one probe: ``spawn(side, argv)`` starts a process for ``side`` ("recv", "send")
+    with stdout piped as text (e.g. ``lambda side, argv: cluster.run_in(node, argv, ...)``).
+    Returns {"send_gbps": [...], "recv_gbps": [...], "bytes": n}; raises RuntimeError with
+    the processes' output when a side fails."""
+    common = ["--mb", str(mb), "--transfers", str(transfers), "--device", device, "--timeout-s", str(timeout_s)]
+    extra = ["--max-inflight", str(max_inflight)] + (["--pacing", pacing] if pacing else [])
+    first, sent, landed = _probe(spawn, recv_host, common, extra, transfers, timeout_s)
+    return {"bytes": first["bytes_per_transfer"], "send_gbps": [s["gbps"] for s in sent],
+            "recv_gbps": [r["gbps"] for r in landed]}
 
 
 def measure_plan(spawn, recv_host: str, plan: list[tuple[float, str | None]], transfers: int = 3,
@@ -264,29 +273,12 @@ def measure_plan(spawn, recv_host: str, plan: list[tuple[float, str | None]], tr
     link-bound rate per transfer, None where nothing was link-bound)."""
     common = ["--plan", json.dumps([[mb, pacing] for mb, pacing in plan]), "--transfers", str(transfers),
               "--device", device, "--timeout-s", str(timeout_s)]
-    recv = spawn("recv", probe_command("recv", "--host", recv_host, *common))
-    send = None
-    try:
-        recv_lines = _lines(recv)
-        first = next(recv_lines, None)
-        if first is None or "address" not in first:
-            raise RuntimeError(f"KV probe receiver did not start: {_drain(recv)}")
-        send = spawn("send", probe_command("send", "--address", first["address"], *common,
-                                           "--max-inflight", str(max_inflight)))
-        sent = [obj for obj in _lines(send) if obj.get("side") == "send"]
-        landed = [obj for obj in recv_lines if obj.get("side") == "recv"]
-        for proc, name, got in ((send, "sender", sent), (recv, "receiver", landed)):
-            if proc.wait(timeout_s) != 0 or len(got) != transfers * len(plan):
-                raise RuntimeError(f"KV probe {name} failed (exit {proc.returncode}): {_drain(proc)}")
-        return [{"bytes": first["bytes_per_transfer"][i],
-                 "send_gbps": [s["gbps"] for s in sent if s["entry"] == i],
-                 "link_gbps": [s["link_gbps"] for s in sent if s["entry"] == i],
-                 "recv_gbps": [r["gbps"] for r in landed if r["entry"] == i]} for i in range(len(plan))]
-    finally:
-        for proc in (send, recv):
-            if proc is not None and proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    first, sent, landed = _probe(spawn, recv_host, common, ["--max-inflight", str(max_inflight)],
+                                 transfers * len(plan), timeout_s)
+    return [{"bytes": first["bytes_per_transfer"][i],
+             "send_gbps": [s["gbps"] for s in sent if s["entry"] == i],
+             "link_gbps": [s["link_gbps"] for s in sent if s["entry"] == i],
+             "recv_gbps": [r["gbps"] for r in landed if r["entry"] == i]} for i in range(len(plan))]
 
 
 def _drain(proc) -> str:
