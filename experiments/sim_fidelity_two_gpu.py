@@ -45,6 +45,7 @@ Writes experiments/results/sim-fidelity/two_gpu.md and two_gpu.csv.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import itertools
 import sys
@@ -99,13 +100,30 @@ def kv_link() -> tuple[float, float]:
     return _line(*KV_POINTS)
 
 
+@functools.cache
+def _summary(run_dir: Path) -> list[dict]:
+    """A results directory's summary.csv rows ([] when it has none), read once."""
+    path = run_dir / "summary.csv"
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@functools.cache
+def _raw_records(path: Path) -> list[dict]:
+    """A run's records as the raw dicts (server_timing and status included), read once."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def cluster_link() -> tuple[float, float, str]:
     """(GB/s, latency ms, how) of the line through the mean transfer the PD sweep's workers
     reported (summary.csv: kv_transfer_seconds / kv_transfer_count) at each prompt length, over
     all PD runs. With uncached prompts each transfer overlaps its prefill, so the fit may come
     out with a negative latency: `fit_link` clamps it."""
     by_dataset: dict[str, list[tuple[float, float]]] = {}
-    for row in csv.DictReader(open(SWEEP / "pd" / "summary.csv")):
+    for row in _summary(SWEEP / "pd"):
         n = float(row["kv_transfer_count"] or 0)
         if n:
             by_dataset.setdefault(row["dataset"], []).append((float(row["kv_transfer_bytes"]) / n,
@@ -143,12 +161,11 @@ def _line(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]
 
 def _lowest_rate_pd() -> list[dict]:
     """The raw records (dicts) of the PD sweep's lowest-rate run of each dataset."""
-    rows = list(csv.DictReader(open(SWEEP / "pd" / "summary.csv")))
+    rows = _summary(SWEEP / "pd")
     out = []
     for dataset in sorted({r["dataset"] for r in rows}):
         low = min((r for r in rows if r["dataset"] == dataset), key=lambda r: float(r["rate"]))
-        with open(SWEEP / "pd" / low["records_file"]) as f:
-            out.extend(json.loads(line) for line in f if line.strip())
+        out.extend(_raw_records(SWEEP / "pd" / low["records_file"]))
     return out
 
 
@@ -256,10 +273,9 @@ def runs() -> list[tuple[str, str, str, float, float, Path]]:
     found = []
     for experiment, base in (("sweep", SWEEP), ("steady", STEADY)):
         for config in CONFIGS:
-            summary = base / config / "summary.csv"
-            if not summary.exists():
+            rows = sorted(_summary(base / config), key=lambda r: float(r["start_time_unix"]))
+            if not rows:
                 continue
-            rows = sorted(csv.DictReader(open(summary)), key=lambda r: float(r["start_time_unix"]))
             first = float(rows[0]["start_time_unix"])
             for row in rows:
                 found.append((experiment, config, row["dataset"], float(row["rate"]),
@@ -462,13 +478,11 @@ def _span(values: list[float]) -> str:
 
 def _split_timing(config: str, dataset: str, rate: float) -> dict[str, float]:
     """Medians of the split requests' server_timing (seconds) in one sweep run; {} if none."""
-    row = next((r for r in csv.DictReader(open(SWEEP / config / "summary.csv"))
-                if r["dataset"] == dataset and float(r["rate"]) == rate), None)
+    row = next((r for r in _summary(SWEEP / config) if r["dataset"] == dataset and float(r["rate"]) == rate), None)
     if row is None:
         return {}
-    with open(SWEEP / config / row["records_file"]) as f:
-        split = [t for t in ((json.loads(line).get("server_timing") or {}) for line in f if line.strip())
-                 if t.get("placement") == "disaggregated" and t.get("prefill") is not None]
+    split = [t for t in ((r.get("server_timing") or {}) for r in _raw_records(SWEEP / config / row["records_file"]))
+             if t.get("placement") == "disaggregated" and t.get("prefill") is not None]
     if not split:
         return {}
     return {k: _median([t.get(k) or 0.0 for t in split]) for k in ("prefill", "queue", "kv_tail")}
@@ -568,12 +582,8 @@ def evidence() -> list[str]:
              "| config | dataset | rate | splits | served prefill | profile P | served / profile | queue | kv_tail "
              "| TTFT |", "|---|---|---|---|---|---|---|---|---|---|"]
     for config in CONFIGS:
-        summary = SWEEP / config / "summary.csv"
-        if not summary.exists():
-            continue
-        for row in sorted(csv.DictReader(open(summary)), key=lambda r: (r["dataset"], float(r["rate"]))):
-            with open(SWEEP / config / row["records_file"]) as f:
-                recs = [json.loads(line) for line in f if line.strip()]
+        for row in sorted(_summary(SWEEP / config), key=lambda r: (r["dataset"], float(r["rate"]))):
+            recs = _raw_records(SWEEP / config / row["records_file"])
             split = [r for r in recs if r.get("status") == 200
                      and (r.get("server_timing") or {}).get("placement") == "disaggregated"
                      and r["server_timing"].get("prefill") is not None]

@@ -58,7 +58,6 @@ from dataclasses import dataclass
 
 from router.placement import Outcome
 
-ESTIMATE_KINDS = ("local", "disaggregated")
 QUANTITIES = ("prefill", "ttft.local", "ttft.disaggregated", "tpot.local", "tpot.disaggregated",
               "split.ttft.local", "split.ttft.split", "split.tpot.local", "split.tpot.split")
 
@@ -71,10 +70,6 @@ class Factors:
     prefill: float = 1.0
     ttft: float = 1.0
     tpot: float = 1.0
-
-    @property
-    def neutral(self) -> bool:
-        return self.prefill == 1.0 and self.ttft == 1.0 and self.tpot == 1.0
 
 
 NEUTRAL = Factors()

@@ -68,13 +68,14 @@ class _Ewma:
         self.last: float | None = None
 
     def decay(self, now: float) -> None:
-        if self.last is not None and now > self.last:
+        if self.last is not None and now <= self.last:
+            return
+        if self.last is not None:
             f = math.exp(-(now - self.last) / self.tau_s)
             self.weight *= f
             self.prompt *= f
             self.output *= f
-        if self.last is None or now > self.last:
-            self.last = now
+        self.last = now
 
     def add(self, prompt_tokens: int, output_tokens: int) -> None:
         self.weight += 1.0
@@ -100,17 +101,14 @@ class ArrivalWindow:
     keeps the slow window alone."""
 
     def __init__(self, tau_s: float = 10.0, min_samples: int = 8, fast_tau_s: float | None = 2.0) -> None:
-        for name, v in (("tau_s", tau_s), ("fast_tau_s", fast_tau_s)):
-            if v is None and name == "fast_tau_s":
-                continue
+        taus = {"tau_s": tau_s} | ({} if fast_tau_s is None else {"fast_tau_s": fast_tau_s})
+        for name, v in taus.items():
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be > 0, got {v!r}")
         if fast_tau_s is not None and fast_tau_s >= tau_s:
             raise ValueError(f"fast_tau_s must be < tau_s ({tau_s}), got {fast_tau_s!r}")
-        self.tau_s = float(tau_s)
-        self.fast_tau_s = None if fast_tau_s is None else float(fast_tau_s)
         self.min_samples = min_samples
-        self._windows = [_Ewma(self.tau_s)] + ([] if fast_tau_s is None else [_Ewma(float(fast_tau_s))])
+        self._windows = [_Ewma(float(v)) for v in taus.values()]
         self._first: float | None = None
         self.samples = 0
 
