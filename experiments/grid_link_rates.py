@@ -25,6 +25,23 @@ def link_rates(spec: dict) -> list[str]:
     return out + (["--burst", burst[1]] if burst else [])
 
 
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python3 experiments/grid_link_rates.py SPEC.yaml", file=sys.stderr)
+        return 2
+    try:
+        with open(argv[0]) as f:
+            spec = yaml.safe_load(f)
+        print(" ".join(link_rates(spec)))
+    except (OSError, yaml.YAMLError) as e:
+        print(f"grid_link_rates.py: {argv[0]}: {e}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError, ValueError) as e:
+        print(f"grid_link_rates.py: {argv[0]}: not a grid spec with server.launch.command and "
+              f"grid.bandwidth_gbps ({type(e).__name__}: {e})", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    with open(sys.argv[1]) as f:
-        print(" ".join(link_rates(yaml.safe_load(f))))
+    sys.exit(main(sys.argv[1:]))
