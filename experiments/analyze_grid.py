@@ -378,6 +378,9 @@ def markdown(exp: Path, grid: list[dict], ratios: list[dict], links: list[dict])
     util_keys = sorted({k for g in grid for k in g if k.startswith("gpu_util")})
     lines += ["", "## GPU utilisation (mean SM %, per run)", ""]
     if util_keys:
+        lines += ["gpu<i>: utilization.gpu of GPU i; the others: pmon SM % of the worker's process (a worker that ran "
+                  "nothing in the run has no pmon row). -: no sample fell inside the run (nvidia-smi samples about "
+                  "once a second, so a run shorter than that can have none).", ""]
         lines += ["| link Gbit/s | policy | rate | " + " | ".join(k.removeprefix("gpu_util_") for k in util_keys) + " |",
                   "|---|---|---|" + "---|" * len(util_keys)]
         for g in grid:
