@@ -5,9 +5,12 @@ sender process pushes every layer to a receiver process and waits for its acknow
 Reported, median of ``--repeat`` transfers after a warm-up:
 
 - ``kvx``: pdserve's UCX backend end to end, first ``send_layer`` to the receiver's ACK as
-  the sender sees it (the gather, the wire, the receiver's scatter and the ACK), and the
-  per-transfer breakdown (``TransferResult.phases``: stage, queue, wire, ack on the sender;
-  scatter, land on the receiver);
+  the sender sees it, and the per-transfer breakdown (``TransferResult.phases``: stage,
+  queue, wire, ack on the sender; scatter, land on the receiver). Between processes on one
+  host the receiver maps the sender's pools (CUDA IPC) and pulls each message's blocks in one
+  copy kernel (the default); ``kvx staged`` is the same with ``pull=False``: gather into a
+  staging buffer, the payload over UCX, scatter. Both are checked: the received blocks must
+  equal the sent ones, byte for byte;
 - ``raw same``: raw ``ucxx`` between two other processes moving the same payload bytes in
   the same messages (one per layer, K then V), every send and receive posted at once, from
   the first send posted to the receiver's report that all landed;
@@ -79,13 +82,25 @@ def make_caches(shape: Shape, num_blocks: int, device: str, fill: bool):
     return [(pools[i, 0], pools[i, 1]) for i in range(shape.num_layers)]
 
 
+def block_digest(caches, block_ids) -> int:
+    """An exact fingerprint of the K and V bytes of ``block_ids`` in every layer, in order."""
+    total = 0
+    weights = torch.arange(1, len(block_ids) + 1, dtype=torch.int64, device=caches[0][0].device)
+    for layer, (k, v) in enumerate(caches):
+        for which, pool in enumerate((k, v)):
+            words = pool[block_ids].reshape(len(block_ids), -1).view(torch.int32).to(torch.int64).sum(dim=1)
+            total += int((words * weights).sum().item()) * (2 * layer + which + 1)
+    return total
+
+
 def _receiver_main(conn, shape: Shape, num_blocks: int, device: str) -> None:
     """Child process: a pdserve UCX receiver driven over a Pipe."""
     import kvtransfer
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    receiver = kvtransfer.create_receiver("ucx", make_caches(shape, num_blocks, device, fill=False))
+    caches = make_caches(shape, num_blocks, device, fill=False)
+    receiver = kvtransfer.create_receiver("ucx", caches)
     conn.send(receiver.address())
     while True:
         cmd, args = conn.recv()
@@ -98,6 +113,15 @@ def _receiver_main(conn, shape: Shape, num_blocks: int, device: str) -> None:
             conn.send(None)
         elif cmd == "wait":
             conn.send(receiver.wait(*args))
+        elif cmd == "digest":
+            conn.send(block_digest(caches, args[0]))
+        elif cmd == "zero":
+            for k, v in caches:
+                k.zero_()
+                v.zero_()
+            conn.send(None)
+        elif cmd == "metrics":
+            conn.send(receiver.metrics())
 
 
 def _raw_receiver_main(conn, device: str) -> None:
@@ -290,16 +314,29 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
             conn.send((cmd, args))
             return conn.recv()
 
-        with kvtransfer.create_sender("ucx", src) as sender:
-            runs = [one_transfer(sender, address, f"ucx-{i}", shape, src_ids, dst_ids,
-                                 lambda *a: call("expect", *a), lambda *a: call("wait", *a))
-                    for i in range(repeat + 1)]  # the first connects and warms up
+        want = block_digest(src, src_ids)
+        by_mode = {}
+        for mode, pull in (("kvx", True), ("staged", False)):
+            call("zero")
+            before = call("metrics")["messages_pulled"]
+            with kvtransfer.create_sender("ucx", src, pull=pull) as sender:
+                by_mode[mode] = [one_transfer(sender, address, f"{mode}-{i}", shape, src_ids, dst_ids,
+                                              lambda *a: call("expect", *a), lambda *a: call("wait", *a))
+                                 for i in range(repeat + 1)]  # the first connects and warms up
+            if call("digest", dst_ids) != want:
+                raise RuntimeError(f"{mode}: the received KV blocks differ from the sent ones")
+            out[f"{mode}_pulled"] = call("metrics")["messages_pulled"] - before
         call("stop")
     finally:
         child.join(30)
         if child.is_alive():
             child.kill()
-    runs = runs[1:]
+    runs = by_mode["kvx"][1:]
+    out["staged"] = statistics.median(r[0] for r in by_mode["staged"][1:])
+    out["staged_phases"] = {name: statistics.median(r[1].phases.get(name, 0.0) for r in by_mode["staged"][1:])
+                            for name in kvtransfer.SENDER_PHASES}
+    out["staged_phases"].update({name: statistics.median(r[2].phases.get(name, 0.0) for r in by_mode["staged"][1:])
+                                 for name in kvtransfer.RECEIVER_PHASES})
     out["kvx"] = statistics.median(r[0] for r in runs)
     out["kvx_recv"] = statistics.median(r[2].num_bytes / r[2].seconds / 1e9 for r in runs)
     out["phases"] = {name: statistics.median(r[1].phases.get(name, 0.0) for r in runs)
@@ -357,7 +394,7 @@ def main() -> int:
     UcxRuntime.release()
     print(f"median of {args.repeat} transfers after one warm-up; GB/s = 1e9 bytes/s\n")
     header = (f"{'tokens':>7} {'KV MB':>8} {'copy':>8} {'fake':>8} {'raw one':>8} {'raw same':>9} {'nccl one':>9} "
-              f"{'nccl same':>10} {'kvx':>8} {'kvx/raw same':>13} {'kvx/nccl same':>14} {'kvx ms':>8}")
+              f"{'nccl same':>10} {'staged':>8} {'kvx':>8} {'kvx/raw same':>13} {'kvx/nccl same':>14} {'kvx ms':>8}")
     print(header + "   (GB/s)")
     print("-" * len(header))
     results = []
@@ -368,16 +405,22 @@ def main() -> int:
             return f"{value:>{width}.{digits}f}" if value is not None else f"{'n/a':>{width}}"
 
         print(f"{tokens:>7} {r['bytes'] / 1e6:>8.1f} {r['copy']:>8.1f} {r['fake']:>8.2f} {r['raw_one']:>8.2f} "
-              f"{r['raw_same']:>9.2f} {na(r['nccl_one'], 9)} {na(r['nccl_same'], 10)} {r['kvx']:>8.2f} "
+              f"{r['raw_same']:>9.2f} {na(r['nccl_one'], 9)} {na(r['nccl_same'], 10)} {r['staged']:>8.2f} {r['kvx']:>8.2f} "
               f"{r['kvx'] / r['raw_same']:>13.2f} "
               f"{na(r['kvx'] / r['nccl_same'] if r['nccl_same'] else None, 14)} {r['seconds'] * 1e3:>8.2f}",
               flush=True)
-    print("\nper-transfer breakdown, ms (median): sender stage / queue / wire / ack; receiver scatter / land")
+    print("\nper-transfer breakdown, ms (median): sender stage / queue / wire / ack; receiver scatter (pulled:"
+          "\nthe copy from the sender's pools) / land")
     for tokens, r in results:
-        p = {k: v * 1e3 for k, v in r["phases"].items()}
-        print(f"{tokens:>7}: stage {p['stage']:.2f} queue {p['queue']:.2f} wire {p['wire']:.2f} ack {p['ack']:.2f} | "
-              f"scatter {p['scatter']:.2f} land {p['land']:.2f}  (receiver first byte to landed: {r['kvx_recv']:.2f} GB/s)")
-    print("\nkvx: first send_layer to ACK (sender); raw same: raw ucxx, one message per layer, all posted at once;"
+        for mode, phases in (("kvx", r["phases"]), ("staged", r["staged_phases"])):
+            p = {k: v * 1e3 for k, v in phases.items()}
+            extra = (f"  (receiver first byte to landed: {r['kvx_recv']:.2f} GB/s; messages pulled: {r['kvx_pulled']:.0f})"
+                     if mode == "kvx" else f"  (messages pulled: {r['staged_pulled']:.0f})")
+            print(f"{tokens:>7} {mode:>6}: stage {p['stage']:.2f} queue {p['queue']:.2f} wire {p['wire']:.2f} "
+                  f"ack {p['ack']:.2f} | scatter {p['scatter']:.2f} land {p['land']:.2f}{extra}")
+    print("received blocks equal the sent ones, byte for byte, in both modes (checked)")
+    print("\nkvx: first send_layer to ACK (sender), pulled by the receiver where it maps the sender's pools;"
+          "\nstaged: the same, pull=False (gather, payload over UCX, scatter); raw same: raw ucxx, one message per layer, all posted at once;"
           "\nraw one: raw ucxx, one message; nccl: NCCL send/recv (torch.distributed), one message per layer / one"
           "\nmessage (n/a: both ends on one GPU); copy: device copy of the same bytes (bytes read, once).")
     return 0

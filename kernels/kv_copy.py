@@ -4,6 +4,10 @@
     index [n]          block ids (int64, on the pools' device)
     staged [P, n, R]   gather: staged[p, j] = pools[p, index[j]]; scatter: the reverse
 
+``copy_blocks`` moves blocks between two pool sets without a staging buffer: dst[p, di[j]] =
+src[p, si[j]] (the KV transfer's pull path, where ``src`` is a peer GPU's pools mapped over
+CUDA IPC and the reads go over NVLink).
+
 Blocks are copied as raw words whatever the cache dtype (bf16, fp32, FP8 with its scale rows):
 the pools are viewed as int32 when a block's bytes allow, else as uint8. On CUDA this is one
 Triton launch at close to copy bandwidth; torch's index_select / index_copy_ along the block
@@ -45,7 +49,29 @@ def _copy_blocks_kernel(
         tl.store(pooled, tl.load(flat, mask=mask), mask=mask)
 
 
-_TRITON = TritonKernels(globals(), "_copy_blocks_kernel", do_not_specialize={"_copy_blocks_kernel": ("n",)})
+def _copy_pool_blocks_kernel(
+    src,  # [P, NBs, R] words
+    dst,  # [P, NBd, R] words
+    src_index,  # [n] int64
+    dst_index,  # [n] int64
+    n,
+    src_stride,  # words between src pools
+    dst_stride,  # words between dst pools
+    R,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # p * n + j
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < R
+    pool = row // n
+    s = tl.load(src_index + row % n)
+    d = tl.load(dst_index + row % n)
+    tl.store(dst + pool * dst_stride + d * R + cols, tl.load(src + pool * src_stride + s * R + cols, mask=mask),
+             mask=mask)
+
+
+_TRITON = TritonKernels(globals(), "_copy_blocks_kernel", "_copy_pool_blocks_kernel",
+                        do_not_specialize={"_copy_blocks_kernel": ("n",), "_copy_pool_blocks_kernel": ("n",)})
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -99,3 +125,33 @@ def gather_blocks(pools: torch.Tensor, index: torch.Tensor, staged: torch.Tensor
 def scatter_blocks(pools: torch.Tensor, index: torch.Tensor, staged: torch.Tensor) -> None:
     """pools[p, index[j]] = staged[p, j] for every pool p (index ids distinct)."""
     _copy(pools, index, staged, gather=False)
+
+
+def copy_blocks_ref(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor) -> None:
+    dst.index_copy_(1, dst_index, torch.index_select(src, 1, src_index))
+
+
+def copy_blocks(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor) -> None:
+    """dst[p, dst_index[j]] = src[p, src_index[j]] for every pool p (src [P, NBs, R], dst [P, NBd, R],
+    one launch on dst's device; src may be a peer device's memory mapped into it)."""
+    for name, pools in (("src", src), ("dst", dst)):
+        if pools.dim() != 3 or pools.stride(2) != 1 or pools.stride(1) != pools.shape[2]:
+            raise ValueError(f"{name} must be [P, NB, R] with contiguous pools, got {tuple(pools.shape)}")
+    if src.shape[0] != dst.shape[0] or src.shape[2] != dst.shape[2] or src.dtype != dst.dtype:
+        raise ValueError(f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} differ "
+                         "in pools, block size or dtype")
+    for name, index in (("src_index", src_index), ("dst_index", dst_index)):
+        if index.dim() != 1 or index.dtype != torch.int64 or index.device != dst.device:
+            raise ValueError(f"{name} must be a 1-D int64 tensor on dst's device")
+    if src_index.numel() != dst_index.numel():
+        raise ValueError(f"{src_index.numel()} source blocks but {dst_index.numel()} destination blocks")
+    words_src, words_dst = _words(src), _words(dst)
+    if kernel_backend(dst.device) != "triton":
+        copy_blocks_ref(words_src, src_index, words_dst, dst_index)
+        return
+    rows, width = dst.shape[0] * dst_index.numel(), words_dst.shape[2]
+    if rows == 0:
+        return
+    kernel = _TRITON.get("_copy_pool_blocks_kernel")
+    kernel[(rows, cdiv(width, _BLOCK))](words_src, words_dst, src_index, dst_index, dst_index.numel(),
+                                        words_src.stride(0), words_dst.stride(0), width, BLOCK=_BLOCK)

@@ -14,12 +14,18 @@ Wire format (little endian, ``WIRE_VERSION`` 2). Every message starts with a fix
   connection): header followed by the 32-byte layout descriptor
   ``num_layers u32 | block_size u32 | num_kv_heads u32 | head_dim u32 | dtype 16s``.
   A transport may append data to HELLO_OK (UCX: the receiver's worker address, its
-  length in ``num_bytes``, and the data-path tag in ``transfer_key``).
+  length in ``num_bytes``, and the data-path tag in ``transfer_key``). UCX also appends the
+  sender's pool descriptor to HELLO (``kvtransfer.ipc``, may be empty); a HELLO_OK with
+  ``status`` ``PULL`` says the receiver mapped those pools.
 - LAYER (sender -> receiver): header followed by ``num_blocks`` int32 destination block
   ids; then, as a separate payload message, ``num_bytes`` bytes: for each of the ``layers``
   consecutive layers from ``layer`` on (v2; v1 had one), the K blocks then the V blocks,
   each ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous, i.e.
   ``[layers, 2, num_blocks, *block_shape]``.
+- LAYER with ``status`` ``PULL`` (only on a link whose HELLO_OK said PULL): no payload
+  message; the destination ids are followed by ``num_blocks`` int32 source block ids, and
+  the receiver copies those blocks of those layers from the sender's mapped pools itself.
+  ``num_bytes`` is still the KV bytes the message moves.
 - ACK / NACK (receiver -> sender), header only: the transfer landed (``num_bytes``
   landed) or was dropped (``status`` says why).
 - BYE (sender -> receiver), header only: the sender closes this connection.
@@ -226,9 +232,12 @@ def unpack_layout(buf) -> KVLayout:
         raise KVTransferError(f"peer sent an invalid KV layout: {e}") from None
 
 
-def pack_hello(kind: MsgKind, layout: KVLayout, extra: bytes = b"", tag: int = 0) -> bytes:
+PULL = 1  # LAYER / HELLO_OK status: the receiver reads the blocks from the sender's pools
+
+
+def pack_hello(kind: MsgKind, layout: KVLayout, extra: bytes = b"", tag: int = 0, status: int = 0) -> bytes:
     """A handshake message: header, layout descriptor, then ``extra`` transport data."""
-    header = WireHeader(kind, transfer_key=tag, num_bytes=len(extra), fingerprint=layout.fingerprint)
+    header = WireHeader(kind, transfer_key=tag, num_bytes=len(extra), fingerprint=layout.fingerprint, status=status)
     return header.pack() + pack_layout(layout) + extra
 
 

@@ -22,7 +22,7 @@ import torch
 from kvtransfer.base import RECEIVER_PHASES, SENDER_PHASES, KVCaches, TransferResult
 from kvtransfer.errors import KVTransferError, KVTransferTimeout
 from kvtransfer.layout import KVLayout, NackReason, transfer_key
-from kvtransfer.staging import block_index, scatter_layer, scatter_layers, stacked_pools
+from kvtransfer.staging import block_index, copy_layers, scatter_layer, scatter_layers, stacked_pools
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +35,22 @@ _PENDING, _DONE, _FAILED = "pending", "done", "failed"
 RECEIVER_COUNTERS = (
     "transfers_expected", "transfers_completed", "transfers_expired", "transfers_cancelled", "transfers_failed",
     "messages_received", "messages_dropped", "bytes_received", "bytes_dropped", "bytes_landed",
-    "transfer_seconds", "handshake_errors", "protocol_errors",
+    "transfer_seconds", "handshake_errors", "protocol_errors", "pull_links", "messages_pulled",
 ) + tuple(f"{phase}_seconds" for phase in RECEIVER_PHASES)
 SENDER_COUNTERS = (
     "transfers_started", "transfers_completed", "transfers_failed", "messages_sent", "bytes_sent", "transfer_seconds",
     "messages_skipped", "link_bytes",
 ) + tuple(f"{phase}_seconds" for phase in SENDER_PHASES)
+
+
+@dataclass(frozen=True)
+class PullSource:
+    """A message's blocks still in the sender's pools (``pools``: its stacked pools mapped on this
+    side): ``land_many`` copies blocks ``src_ids`` of ``layers`` layers from there."""
+
+    pools: torch.Tensor
+    src_ids: list[int]
+    layers: int
 
 
 @dataclass
@@ -197,17 +207,34 @@ class ReceiveLedger:
         start = time.perf_counter()
         try:
             for i, (key, layer, dst_ids, staged, peer) in enumerate(items):
-                nbytes = staged.numel() * staged.element_size()
-                layers = staged.shape[0]
+                pull = isinstance(staged, PullSource)
+                if pull:
+                    layers = staged.layers
+                    nbytes = layers * self._layout.layer_message_bytes(len(dst_ids))
+                    self.count("messages_pulled")
+                else:
+                    nbytes = staged.numel() * staged.element_size()
+                    layers = staged.shape[0]
                 self.count("messages_received")
                 self.count("bytes_received", nbytes)
                 incoming, reason = self._admit(key, layer, dst_ids, peer, layers)
+                if pull and incoming is not None and reason == NackReason.NONE:
+                    remote_blocks = staged.pools.shape[2]
+                    if (len(staged.src_ids) != len(dst_ids) or self._stacked is None
+                            or not all(0 <= b < remote_blocks for b in staged.src_ids)):
+                        self._fail(incoming, KVTransferError(
+                            f"transfer {incoming.transfer_id!r}: bad message: source block ids do not match "
+                            f"the destination ids or lie outside the sender's {remote_blocks} blocks"))
+                        reason = NackReason.BAD_MESSAGE
                 if incoming is not None and reason == NackReason.NONE:
                     incoming.lock.acquire()
                     held.append(incoming)
                     if incoming.state == _PENDING:
                         index = self._dst_index(incoming, dst_ids)
-                        if self._stacked is not None:
+                        if pull:
+                            src_index = self._dst_index(incoming, staged.src_ids)
+                            copy_layers(staged.pools, self._stacked, layer, layers, src_index, index)
+                        elif self._stacked is not None:
                             scatter_layers(self._stacked, layer, index, staged)
                         else:
                             for offset in range(layers):

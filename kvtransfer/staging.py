@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from kernels.kv_copy import gather_blocks, scatter_blocks
+from kernels.kv_copy import copy_blocks, gather_blocks, scatter_blocks
 from kvtransfer.layout import MAX_BLOCKS_PER_MESSAGE, KVLayout
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -109,6 +109,15 @@ def scatter_layers(stacked: torch.Tensor, first: int, dst_index: torch.Tensor, s
     count, n = staged.shape[0], staged.shape[2]
     pools = stacked[first:first + count].reshape(2 * count, stacked.shape[2], -1)
     scatter_blocks(pools, dst_index, staged.reshape(2 * count, n, -1))
+
+
+def copy_layers(src_stacked: torch.Tensor, dst_stacked: torch.Tensor, first: int, count: int,
+                src_index: torch.Tensor, dst_index: torch.Tensor) -> None:
+    """Blocks ``src_index`` of layers ``[first, first + count)`` of ``src_stacked`` into blocks
+    ``dst_index`` of the same layers of ``dst_stacked``, no staging; one launch on dst's device."""
+    src = src_stacked[first:first + count].reshape(2 * count, src_stacked.shape[2], -1)
+    dst = dst_stacked[first:first + count].reshape(2 * count, dst_stacked.shape[2], -1)
+    copy_blocks(src, src_index, dst, dst_index)
 
 
 def scatter_layer(kv_caches: KVCaches, layer: int, dst_index: torch.Tensor, staged: torch.Tensor) -> None:

@@ -79,6 +79,7 @@ from kvtransfer.layout import (
     HEADER_BYTES,
     LAYOUT_BYTES,
     MAX_BLOCKS_PER_MESSAGE,
+    PULL,
     KVLayout,
     MsgKind,
     NackReason,
@@ -88,7 +89,8 @@ from kvtransfer.layout import (
     unpack_header,
     unpack_layout,
 )
-from kvtransfer.ledger import ReceiveLedger, SendLedger
+from kvtransfer.ipc import MAX_DESCRIPTOR_BYTES, export_pools, import_pools
+from kvtransfer.ledger import PullSource, ReceiveLedger, SendLedger
 from kvtransfer.pacing import LinkPacer
 from kvtransfer.staging import HostBuffers, block_index, gather_layer, gather_layers, stacked_pools, wire_buffer
 from kvtransfer.ucx_runtime import SCHEME, TaskSet, UcxRuntime, abort_endpoint, parse_address
@@ -119,6 +121,10 @@ def _recv_slots() -> int:
 # receiver
 
 
+def _nothing() -> None:
+    pass
+
+
 class _Conn:
     """One sender's connection as the receiver sees it (also the ledger's peer handle)."""
 
@@ -126,6 +132,7 @@ class _Conn:
         self.ep = ep
         self.task: asyncio.Task | None = None
         self.open = True
+        self.remote: torch.Tensor | None = None  # the sender's stacked pools, mapped (pull path)
 
 
 class _Slot:
@@ -198,6 +205,7 @@ class UcxReceiver(KVReceiver):
         self._host = host
         self._connect_timeout = connect_timeout
         self._ledger = ReceiveLedger(kv_caches, self.layout, on_ack=self._on_ack, on_nack=self._on_nack)
+        self._stacked = stacked_pools(kv_caches)
         self._slots = _recv_slots()
         self._lander = _Lander(self._ledger, self._device)
         self._conns: set[_Conn] = set()
@@ -270,7 +278,8 @@ class UcxReceiver(KVReceiver):
             abort_endpoint(ep)
             return
         self._conns.add(conn)
-        control = np.empty(HEADER_BYTES + MAX_BLOCKS_PER_MESSAGE * BLOCK_ID_BYTES, dtype=np.uint8)
+        # LAYER: header + destination ids (+ source ids on the pull path); HELLO: + layout + pool descriptor
+        control = np.empty(HEADER_BYTES + 2 * MAX_BLOCKS_PER_MESSAGE * BLOCK_ID_BYTES, dtype=np.uint8)
         data = watch = None
         try:
             tag = await self._handshake(conn, control)
@@ -316,7 +325,15 @@ class UcxReceiver(KVReceiver):
             await asyncio.sleep(0.05)  # let the reject reach the sender before we close
             return None
         tag = int.from_bytes(os.urandom(8), "little")
-        hello = pack_hello(MsgKind.HELLO_OK, self.layout, extra=self._rt.worker_address, tag=tag)
+        status = 0
+        if 0 < header.num_bytes <= MAX_DESCRIPTOR_BYTES:
+            start = HEADER_BYTES + LAYOUT_BYTES
+            conn.remote, how = import_pools(control[start:start + header.num_bytes].tobytes(), self._stacked)
+            if conn.remote is not None:
+                status = PULL
+                self._ledger.count("pull_links")
+            logger.info("KV sender %s: %s", "pull path" if status else "staged path", how)
+        hello = pack_hello(MsgKind.HELLO_OK, self.layout, extra=self._rt.worker_address, tag=tag, status=status)
         await conn.ep.send(np.frombuffer(hello, dtype=np.uint8))
         return tag
 
@@ -349,6 +366,14 @@ class UcxReceiver(KVReceiver):
                     raise KVTransferError(f"LAYER header with {n} blocks, {layers} layers and {header.num_bytes} "
                                           "bytes is inconsistent")
                 dst_ids = control[HEADER_BYTES:HEADER_BYTES + n * BLOCK_ID_BYTES].view("<i4").tolist()
+                if header.status == PULL:
+                    if conn.remote is None:
+                        raise KVTransferError("a pull LAYER message on a link without mapped pools")
+                    src_ids = control[HEADER_BYTES + n * BLOCK_ID_BYTES:HEADER_BYTES + 2 * n * BLOCK_ID_BYTES]
+                    source = PullSource(conn.remote, src_ids.view("<i4").tolist(), layers)
+                    self._lander.put([(header.transfer_key, header.layer, dst_ids, source, conn)], _nothing)
+                    pending_control = loop.create_task(recv(control, tag))
+                    continue
                 slot = await free.get()
                 raw = slot.view(header.num_bytes)
                 # always drained, even when the transfer is gone
@@ -408,16 +433,17 @@ class UcxReceiver(KVReceiver):
 @dataclass
 class _Message:
     key: int
-    control: np.ndarray  # header + int32 dst ids
-    payload: torch.Tensor  # flat uint8 staging buffer
-    ready: torch.cuda.Event | None  # gather finished (CUDA); the waiter clears it
+    control: np.ndarray  # header + int32 dst ids (+ int32 src ids when pulled)
+    payload: torch.Tensor | None  # flat uint8 staging buffer; None: the receiver pulls the blocks
+    payload_bytes: int  # KV bytes the message moves
+    ready: torch.cuda.Event | None  # gather (or, pulled, the layers' compute) finished (CUDA); the waiter clears it
     ready_at: float = 0.0  # pacer clock when the payload was ready (0 when unpaced)
     buffer: torch.Tensor | None = None  # the whole staging buffer the payload is a prefix of
     completed: bool = False  # both sends completed and recorded (on_sent)
 
     @property
     def nbytes(self) -> int:
-        return self.control.nbytes + self.payload.numel()
+        return self.control.nbytes + (self.payload.numel() if self.payload is not None else 0)
 
 
 async def _sleep_precisely(delay: float) -> None:
@@ -443,6 +469,7 @@ class _Link:
         self.data_tag = 0
         self.driver: asyncio.Task | None = None
         self.acks: asyncio.Task | None = None
+        self.pull = False  # the receiver mapped this sender's pools and reads the blocks itself
 
 
 @dataclass
@@ -456,16 +483,19 @@ class _Group:
     num_blocks: int
     first_layer: int
     capacity: int  # layers
-    buffer: torch.Tensor  # flat uint8, capacity * layer bytes
+    buffer: torch.Tensor | None  # flat uint8, capacity * layer bytes; None when pulled
     src: torch.Tensor  # the gather index on the pools' device
     count: int = 0
+    src_bytes: bytes = b""  # int32 source ids, when pulled
 
 
 class UcxSender(KVSender):
     """Options: ``pacer`` (a LinkPacer keyed by address), ``connect_timeout``,
     ``max_inflight`` (messages posted and not yet completed, per connection),
     ``coalesce_bytes`` (most payload bytes per message; None: 64 MiB for CUDA pools, 0 --
-    one layer per message -- for host pools)."""
+    one layer per message -- for host pools), ``pull`` (offer the pools to receivers on this
+    host, who then copy the blocks straight from them: no staging, no payload message; a link
+    with a pacer bucket always sends the bytes)."""
 
     _INDEX_CACHE = 16  # block lists kept as device index tensors and wire bytes (one per chunk in flight)
 
@@ -476,6 +506,7 @@ class UcxSender(KVSender):
         connect_timeout: float = 5.0,
         max_inflight: int = 16,
         coalesce_bytes: int | None = None,
+        pull: bool = True,
     ):
         if not isinstance(max_inflight, int) or max_inflight < 1:
             raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
@@ -500,6 +531,7 @@ class UcxSender(KVSender):
         self._index_cache: collections.OrderedDict[tuple, tuple[torch.Tensor, bytes, tuple]] = collections.OrderedDict()
         self._host_buffers = HostBuffers() if not kv_caches[0][0].is_cuda else None
         self._stacked = stacked_pools(kv_caches)  # then a message is gathered in one op, at flush
+        self._descriptor = export_pools(self._stacked) if pull else b""  # offered in HELLO
         self._buffers_lock = threading.Lock()
         self._groups: dict[str, _Group] = {}  # open groups by transfer id
         self._groups_lock = threading.Lock()
@@ -544,7 +576,7 @@ class UcxSender(KVSender):
             if group is None:
                 parse_address(address)
                 group = self._open_group(address, transfer_id, layer, ids, dst_bytes, src)
-            if self._stacked is None:
+            if group.buffer is not None and self._stacked is None:
                 layer_bytes = self.layout.layer_message_bytes(group.num_blocks)
                 gather_layer(self._caches, layer, src, group.buffer[group.count * layer_bytes:(group.count + 1) * layer_bytes])
             group.count += 1
@@ -560,6 +592,12 @@ class UcxSender(KVSender):
         if bucket is not None:
             limit = min(limit, int(bucket.bytes_per_second * 2e-3))
         capacity = max(1, min(self.layout.num_layers - layer, limit // layer_bytes))
+        link = self._links.get(address)
+        if link is not None and link.pull and bucket is None:  # the receiver reads the pools: no buffer
+            group = _Group(address, transfer_id, ids, dst_bytes, num_blocks, layer, capacity, None, src,
+                           src_bytes=np.asarray(ids[0], dtype="<i4").tobytes())
+            self._groups[transfer_id] = group
+            return group
         if self._host_buffers is not None:
             with self._buffers_lock:
                 buffer = self._host_buffers.take(capacity * layer_bytes)
@@ -571,24 +609,28 @@ class UcxSender(KVSender):
 
     def _flush(self, group: _Group) -> None:
         """Sends an open group as one message (called with the groups lock held)."""
-        if group.buffer.is_cuda:  # any thread may flush (finish() too): gather on the pools' GPU
+        if self._caches[0][0].is_cuda:  # any thread may flush (finish() too): gather on the pools' GPU
             with torch.cuda.device(group.buffer.device):
                 return self._flush_on_device(group)
         return self._flush_on_device(group)
 
     def _flush_on_device(self, group: _Group) -> None:
-        payload = group.buffer[:group.count * self.layout.layer_message_bytes(group.num_blocks)]
-        if self._stacked is not None:  # the group's layers are computed: gather them all at once
-            gather_layers(self._stacked, group.first_layer, group.count, group.src, payload)
+        nbytes = group.count * self.layout.layer_message_bytes(group.num_blocks)
+        device = self._caches[0][0].device
+        payload = None
+        if group.buffer is not None:
+            payload = group.buffer[:nbytes]
+            if self._stacked is not None:  # the group's layers are computed: gather them all at once
+                gather_layers(self._stacked, group.first_layer, group.count, group.src, payload)
         ready = None
-        if payload.is_cuda:
+        if device.type == "cuda":  # the gather or, pulled, the layers' compute
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(payload.device))
-        key = self._ledger.on_enqueue(group.transfer_id, group.address, payload.numel())
-        header = WireHeader(MsgKind.LAYER, key, group.first_layer, group.num_blocks, payload.numel(),
-                            self.layout.fingerprint, layers=group.count)
-        msg = _Message(key, np.frombuffer(header.pack() + group.dst_bytes, dtype=np.uint8), payload, ready,
-                       buffer=group.buffer)
+            ready.record(torch.cuda.current_stream(device))
+        key = self._ledger.on_enqueue(group.transfer_id, group.address, nbytes)
+        header = WireHeader(MsgKind.LAYER, key, group.first_layer, group.num_blocks, nbytes,
+                            self.layout.fingerprint, layers=group.count, status=PULL if payload is None else 0)
+        control = np.frombuffer(header.pack() + group.dst_bytes + group.src_bytes, dtype=np.uint8)
+        msg = _Message(key, control, payload, nbytes, ready, buffer=group.buffer)
         if ready is None:
             self._ledger.on_staged(key)
             msg.ready_at = self._pacer.now() if self._pacer is not None else 0.0
@@ -710,7 +752,7 @@ class UcxSender(KVSender):
             )
         except Exception as e:
             raise KVTransferError(f"cannot connect to KV receiver {link.address}: {type(e).__name__}: {e}") from e
-        await link.ep.send(np.frombuffer(pack_hello(MsgKind.HELLO, self.layout), dtype=np.uint8))
+        await link.ep.send(np.frombuffer(pack_hello(MsgKind.HELLO, self.layout, extra=self._descriptor), dtype=np.uint8))
         reply = np.zeros(HEADER_BYTES + LAYOUT_BYTES + _MAX_WORKER_ADDRESS, dtype=np.uint8)
         try:
             await asyncio.wait_for(link.ep.recv(reply), self._connect_timeout)
@@ -729,6 +771,7 @@ class UcxSender(KVSender):
             ucxx.get_ucx_address_from_buffer(worker_address), endpoint_error_handling=False
         )
         link.data_tag = header.transfer_key
+        link.pull = header.status == PULL and bool(self._descriptor)
         link.acks = asyncio.get_running_loop().create_task(self._read_replies(link))
 
     async def _drive(self, link: _Link) -> None:
@@ -741,6 +784,9 @@ class UcxSender(KVSender):
                     await self._complete(inflight.popleft())
                 msg = await link.queue.get()
                 if self._ledger.should_skip(msg.key):
+                    continue
+                if msg.payload is None and not link.pull:  # grouped for a link that has since reconnected
+                    self._ledger.fail_key(msg.key, KVTransferError(f"KV link to {link.address} no longer pulls"))
                     continue
                 bucket = self._pacer.bucket_for(link.address) if self._pacer is not None else None
                 if bucket is not None:
@@ -755,7 +801,10 @@ class UcxSender(KVSender):
                 # so the receiver matches control and payload of each message in order.
                 loop = asyncio.get_running_loop()
                 control = loop.create_task(link.data_ep.send(msg.control, tag=link.data_tag, force_tag=True))
-                payload = loop.create_task(link.data_ep.send(wire_buffer(msg.payload), tag=link.data_tag, force_tag=True))
+                payload = None
+                if msg.payload is not None:
+                    payload = loop.create_task(link.data_ep.send(wire_buffer(msg.payload), tag=link.data_tag,
+                                                                 force_tag=True))
                 self._watch(msg, control, payload)
                 inflight.append((msg, control, payload))
         except asyncio.CancelledError:
@@ -769,8 +818,9 @@ class UcxSender(KVSender):
                 del self._links[link.address]  # the next send_layer reconnects
             self._ledger.fail_address(link.address, error)
             for msg, control, payload in inflight:
-                control.cancel()
-                payload.cancel()
+                for task in (control, payload):
+                    if task is not None:
+                        task.cancel()
             while not link.queue.empty():
                 self._ledger.fail_key(link.queue.get_nowait().key, error)
             if link.acks is not None:
@@ -800,27 +850,30 @@ class UcxSender(KVSender):
         when its in-flight window is full or its queue runs dry, which on a paced link with a
         transfer queued behind can be ``max_inflight`` paced messages later: finish() (which
         waits for every message sent) then returned that much after the acknowledgement."""
+        tasks = [t for t in (control, payload) if t is not None]
+
         def done(_task: asyncio.Task) -> None:
-            if msg.completed or not (control.done() and payload.done()):
+            if msg.completed or not all(t.done() for t in tasks):
                 return
-            for task in (control, payload):
+            for task in tasks:
                 if task.cancelled() or task.exception() is not None:
                     return  # the driver's _complete raises it
             self._sent(msg)
-        control.add_done_callback(done)
-        payload.add_done_callback(done)
+        for task in tasks:
+            task.add_done_callback(done)
 
     def _sent(self, msg: _Message) -> None:
         msg.completed = True
-        self._ledger.on_sent(msg.key, msg.payload.numel())
-        if self._host_buffers is not None:
+        self._ledger.on_sent(msg.key, msg.payload_bytes)
+        if self._host_buffers is not None and msg.payload is not None:
             with self._buffers_lock:
                 self._host_buffers.give(msg.buffer if msg.buffer is not None else msg.payload)
 
     async def _complete(self, entry: tuple[_Message, asyncio.Task, asyncio.Task]) -> None:
         msg, control, payload = entry
         await control
-        await payload
+        if payload is not None:
+            await payload
         if not msg.completed:
             self._sent(msg)
 

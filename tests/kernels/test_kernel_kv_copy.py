@@ -4,7 +4,7 @@ against the torch reference, for fp32, bf16 and byte-sized rows."""
 import pytest
 import torch
 
-from kernels.kv_copy import gather_blocks, gather_blocks_ref, scatter_blocks, scatter_blocks_ref
+from kernels.kv_copy import copy_blocks, copy_blocks_ref, gather_blocks, gather_blocks_ref, scatter_blocks, scatter_blocks_ref
 from kernels.dispatch import force_backend
 
 
@@ -46,3 +46,26 @@ def test_bad_shapes_are_refused():
         gather_blocks(pools, torch.tensor([1]), torch.zeros(2, 2, 8))
     with pytest.raises(ValueError, match="int64"):
         gather_blocks(pools, torch.tensor([1], dtype=torch.int32), torch.zeros(2, 1, 8))
+
+
+@pytest.mark.parametrize("dtype, row", [(torch.float32, 40), (torch.bfloat16, 48), (torch.uint8, 7)])
+def test_copy_between_pool_sets_matches_reference(needs_triton, dtype, row):
+    """Pool set to pool set without staging (the pull path): different block counts per side."""
+    gen = torch.Generator().manual_seed(5)
+    src = torch.randn(3, 9, row, generator=gen).to(dtype) if dtype != torch.uint8 else \
+        torch.randint(0, 255, (3, 9, row), generator=gen, dtype=torch.uint8)
+    si, di = torch.tensor([8, 0, 4], dtype=torch.int64), torch.tensor([1, 5, 2], dtype=torch.int64)
+    dst, ref = torch.zeros(3, 6, row, dtype=dtype), torch.zeros(3, 6, row, dtype=dtype)
+    with force_backend("triton"):
+        copy_blocks(src, si, dst, di)
+    copy_blocks_ref(src, si, ref, di)
+    assert torch.equal(dst, ref)
+    assert torch.equal(dst[2, 1], src[2, 8]) and torch.equal(dst[0, 2], src[0, 4])
+    assert not dst[:, [0, 3, 4]].any()
+
+
+def test_copy_blocks_refuses_mismatches():
+    with pytest.raises(ValueError, match="differ"):
+        copy_blocks(torch.zeros(2, 4, 8), torch.tensor([1]), torch.zeros(2, 4, 6), torch.tensor([0]))
+    with pytest.raises(ValueError, match="1 source blocks but 2"):
+        copy_blocks(torch.zeros(2, 4, 8), torch.tensor([1]), torch.zeros(2, 4, 8), torch.tensor([0, 1]))

@@ -25,6 +25,7 @@ class CacheSpec:
     head_dim: int = 8
     dtype: str = "float32"
     device: str = "cpu"
+    stacked: bool = False  # every pool a view of one [layers, 2, ...] allocation (as the engine makes them)
 
 
 def make_caches(spec: CacheSpec, seed: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -32,6 +33,10 @@ def make_caches(spec: CacheSpec, seed: int | None) -> list[tuple[torch.Tensor, t
     shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     dtype = getattr(torch, spec.dtype)
     gen = None if seed is None else torch.Generator().manual_seed(seed)
+    if spec.stacked:
+        full = (spec.num_layers, 2, *shape)
+        pools = (torch.zeros(full) if gen is None else torch.randn(full, generator=gen)).to(dtype).to(spec.device)
+        return [(pools[i, 0], pools[i, 1]) for i in range(spec.num_layers)]
     caches = []
     for _ in range(spec.num_layers):
         pair = []

@@ -205,6 +205,34 @@ def test_ucx_cuda_to_cuda_between_processes(peer):
     peer.call("open_receiver", FP32)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ucx_cuda_pull_between_processes(peer):
+    """Stacked CUDA pools in two processes (on two GPUs when there are two): after the first
+    transfer opens the link, the receiver maps the sender's pools over CUDA IPC and pulls the
+    blocks; every transfer lands exactly."""
+    from dataclasses import replace
+
+    spec = CacheSpec(num_layers=4, num_blocks=40, block_size=16, num_kv_heads=8, head_dim=128,
+                     dtype="bfloat16", device="cuda:0", stacked=True)
+    src = make_caches(spec, seed=45)
+    receiver_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+    address = peer.call("open_receiver", replace(spec, num_blocks=24, device=receiver_device))
+    src_ids, dst_ids = [39, 2, 17, 8, 30], [0, 23, 5, 11, 6]
+    with kvtransfer.create_sender("ucx", src) as sender:
+        for n in range(3):
+            peer.call("expect", f"pull{n}", dst_ids, 4, 30.0)
+            for layer in range(4):
+                sender.send_layer(address, f"pull{n}", layer, src_ids, dst_ids)
+            sender.finish(f"pull{n}", timeout=30)
+            peer.call("wait", f"pull{n}", 30.0)
+            for layer in range(4):
+                assert peer.call("read", layer, dst_ids) == block_bytes(src, layer, src_ids)
+    metrics = peer.call("metrics")
+    assert metrics["pull_links"] == 1 and metrics["messages_pulled"] >= 2
+    peer.call("open_receiver", FP32)
+
+
 def test_ucx_coalesces_consecutive_layers(peer):
     """With coalesce_bytes set, a chunk's layers travel in one message; interleaved transfers
     and a chunk that ends before the last layer (flushed by finish) land exactly too."""
@@ -260,6 +288,59 @@ def test_ucx_stacked_pools_one_op_per_message():
             assert torch.equal(dst_pools[:, :, dst_ids], src_pools[:, :, src_ids])
             dst_pools.zero_()
         assert sender.metrics()["messages_sent"] == 2
+        # the first transfer opened the link (staged); the second was pulled from the sender's pools
+        assert receiver.metrics()["pull_links"] == 1
+        assert receiver.metrics()["messages_pulled"] == 1
+
+
+def test_ucx_pull_off_keeps_the_staged_path():
+    gen = torch.Generator().manual_seed(8)
+    src_pools = torch.randn((2, 2, 8, 4, 2, 8), generator=gen)
+    dst_pools = torch.zeros_like(src_pools)
+    src = [(src_pools[i, 0], src_pools[i, 1]) for i in range(2)]
+    dst = [(dst_pools[i, 0], dst_pools[i, 1]) for i in range(2)]
+    with kvtransfer.create_receiver("ucx", dst) as receiver, \
+            kvtransfer.create_sender("ucx", src, coalesce_bytes=1 << 20, pull=False) as sender:
+        for n in range(2):
+            receiver.expect(f"p{n}", [5, 1], 2, 20.0)
+            for layer in range(2):
+                sender.send_layer(receiver.address(), f"p{n}", layer, [0, 7], [5, 1])
+            assert sender.finish(f"p{n}", timeout=20).num_bytes == 2 * 2 * 2 * 4 * 2 * 8 * 4
+            receiver.wait(f"p{n}", timeout=20)
+            assert torch.equal(dst_pools[:, :, [5, 1]], src_pools[:, :, [0, 7]])
+        assert receiver.metrics()["pull_links"] == 0 and receiver.metrics()["messages_pulled"] == 0
+
+
+def test_ucx_pulled_chunks_and_interleaved_transfers_land_exactly():
+    """On a pulling link, two transfers sent layer by layer in small messages (one layer each)
+    and a chunked prompt (blocks sent in two chunks) land exactly; bytes are counted as sent."""
+    gen = torch.Generator().manual_seed(9)
+    src_pools = torch.randn((4, 2, 24, 4, 2, 8), generator=gen)
+    dst_pools = torch.zeros((4, 2, 20, 4, 2, 8))  # a different pool size on each side
+    src = [(src_pools[i, 0], src_pools[i, 1]) for i in range(4)]
+    dst = [(dst_pools[i, 0], dst_pools[i, 1]) for i in range(4)]
+    block = 2 * 4 * 2 * 8 * 4
+    with kvtransfer.create_receiver("ucx", dst) as receiver, \
+            kvtransfer.create_sender("ucx", src, coalesce_bytes=block * 3) as sender:
+        receiver.expect("warm", [0], 4, 20.0)
+        for layer in range(4):
+            sender.send_layer(receiver.address(), "warm", layer, [0], [0])
+        sender.finish("warm", timeout=20)
+        receiver.wait("warm", timeout=20)
+        receiver.expect("a", [3, 4, 19], 4, 20.0)
+        receiver.expect("b", [10, 11], 4, 20.0)
+        for layer in range(4):
+            sender.send_layer(receiver.address(), "a", layer, [23, 2], [3, 4])  # first chunk
+            sender.send_layer(receiver.address(), "b", layer, [5, 6], [10, 11])
+        for layer in range(4):
+            sender.send_layer(receiver.address(), "a", layer, [17], [19])  # second chunk
+        assert sender.finish("a", timeout=20).num_bytes == 4 * 3 * block
+        assert sender.finish("b", timeout=20).num_bytes == 4 * 2 * block
+        receiver.wait("a", timeout=20)
+        receiver.wait("b", timeout=20)
+        assert torch.equal(dst_pools[:, :, [3, 4, 19]], src_pools[:, :, [23, 2, 17]])
+        assert torch.equal(dst_pools[:, :, [10, 11]], src_pools[:, :, [5, 6]])
+        assert receiver.metrics()["messages_pulled"] >= 6
 
 
 def test_ucx_stray_connection_changes_nothing():
