@@ -8,7 +8,8 @@ import math
 import pytest
 
 from router.placement import make_policy
-from router.policies.split import ArrivalWindow, Load, SplitChooser, decode_tpot, predict
+from router.policies.calibration import Factors
+from router.policies.split import ArrivalWindow, Load, SplitChooser, decode_tpot, predict, slo_rate
 from router.profiles import Profile
 from tests.router.network_fixtures import PROFILE, req, snapshot, topology, w
 
@@ -97,9 +98,33 @@ def test_chooser_hysteresis():
     chooser = SplitChooser(switch_margin=0.5, min_samples=1)
     chooser.window.observe(0.0, 1000, 100)
     chooser.window.observe(0.25, 1000, 100)
-    # split scores 0.909 against local's 1.136: better, but not by the margin of 50%
+    # both meet a 20 ms TPOT SLO at the whole rate (SLO rates equal): split scores 0.5 against
+    # local's 0.625, better but not by the margin of 50%
+    k, why = chooser.choose(FLAT, 0.25, 2, kv_seconds=lambda p: 0.032, slo_ttft=1.0, slo_tpot=0.02)
+    assert k == 0 and why.startswith("local")
+    rate = chooser.window.estimate(0.25).rate  # ~8 req/s: two arrivals 0.25 s apart
+    assert chooser.last_slo_rates[0] == chooser.last_slo_rates[1] == pytest.approx(rate)
+    # at 11 ms local meets the SLOs only up to 1.82 req/s (TPOT 0.01 / (1 - lam / 2 x 0.1) <= 0.011)
+    # and the split at all ~8: 4.4x the goodput, past the margin
     k, why = chooser.choose(FLAT, 0.25, 2, kv_seconds=lambda p: 0.032, slo_ttft=1.0, slo_tpot=0.011)
-    assert k == 0 and "local" in why
+    assert k == 1 and chooser.last_slo_rates[0] == pytest.approx(1.0 / 0.55, rel=1e-4)
+    assert f"within SLOs to {rate:.2f} req/s" in why and "within SLOs to 1.82 req/s" in why
+
+
+def test_slo_rate_by_hand():
+    load = Load(rate=6.0, prompt_tokens=1000, output_tokens=100)
+    kw = dict(kv_seconds=0.004, slo_ttft=1.0, slo_tpot=0.011, max_batch=64)
+    assert slo_rate(FLAT, load, 2, 0, **kw) == pytest.approx(1.0 / 0.55, rel=1e-4)  # the TPOT bound above
+    assert slo_rate(FLAT, load, 2, 1, **kw) == pytest.approx(6.0)  # meets both at the whole rate
+    # a split overloaded by the served prefill (2x: 0.2 s, rho 1.2) still meets the SLOs up to the
+    # rate where its M/D/1 wait + 0.2 s + exposed KV + 10 ms reaches 1 s
+    over = slo_rate(FLAT, load, 2, 1, factors=Factors(prefill=2.0), **kw)
+    assert 4.0 < over < 5.0
+    assert predict(FLAT, Load(over, 1000, 100), 2, 1, factors=Factors(prefill=2.0), **kw).ttft_s == \
+        pytest.approx(1.0, rel=1e-3)
+    assert slo_rate(FLAT, load, 2, 0, kv_seconds=0.004, slo_ttft=None, slo_tpot=None, max_batch=64) == 0.0
+    # an SLO no configuration meets at any rate: 0 (the chooser then ranks by score)
+    assert slo_rate(FLAT, load, 2, 1, kv_seconds=0.004, slo_ttft=1.0, slo_tpot=0.005, max_batch=64) == 0.0
 
 
 def test_chooser_keeps_its_configuration_when_none_can_carry_the_load():
