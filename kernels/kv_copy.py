@@ -16,6 +16,9 @@ dim of a [P, NB, R] view run several times slower there. The torch reference is 
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 
 from kernels._jit import TritonKernels, cdiv
@@ -24,6 +27,7 @@ from kernels.dispatch import kernel_backend
 tl = None  # bound to triton.language on the first launch (kernels._jit)
 
 _BLOCK = 1024  # words per program
+_PULL_BLOCK, _PULL_WARPS = 4096, 8  # pool-to-pool copy (see _pull_tiling)
 
 
 def _copy_blocks_kernel(
@@ -127,13 +131,31 @@ def scatter_blocks(pools: torch.Tensor, index: torch.Tensor, staged: torch.Tenso
     _copy(pools, index, staged, gather=False)
 
 
+def _pull_tiling() -> tuple[int, int]:
+    """Words per program and warps of the pool-to-pool copy. Reads from a peer GPU over NVLink
+    need more bytes in flight per SM than a local copy; PDSERVE_KV_PULL_TILING=words,warps
+    overrides the default (for benchmarking)."""
+    value = os.environ.get("PDSERVE_KV_PULL_TILING", "")
+    if not value:
+        return _PULL_BLOCK, _PULL_WARPS
+    try:
+        words, warps = (int(x) for x in value.split(","))
+    except ValueError:
+        words = warps = 0
+    if words < 64 or words & (words - 1) or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"PDSERVE_KV_PULL_TILING must be 'words,warps' (words a power of 2 >= 64, warps 1-16), "
+                         f"got {value!r}")
+    return words, warps
+
+
 def copy_blocks_ref(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor) -> None:
     dst.index_copy_(1, dst_index, torch.index_select(src, 1, src_index))
 
 
 def copy_blocks(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor) -> None:
-    """dst[p, dst_index[j]] = src[p, src_index[j]] for every pool p (src [P, NBs, R], dst [P, NBd, R],
-    one launch on dst's device; src may be a peer device's memory mapped into it)."""
+    """dst[p, dst_index[j]] = src[p, src_index[j]] for every pool p (src [P, NBs, R], dst [P, NBd, R]),
+    one launch on the indices' device: dst's (reads from a peer: a pull) or src's (writes to a
+    peer: a push). The other side may be a peer GPU's memory (CUDA IPC or peer access)."""
     for name, pools in (("src", src), ("dst", dst)):
         if pools.dim() != 3 or pools.stride(2) != 1 or pools.stride(1) != pools.shape[2]:
             raise ValueError(f"{name} must be [P, NB, R] with contiguous pools, got {tuple(pools.shape)}")
@@ -141,8 +163,9 @@ def copy_blocks(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, d
         raise ValueError(f"src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} differ "
                          "in pools, block size or dtype")
     for name, index in (("src_index", src_index), ("dst_index", dst_index)):
-        if index.dim() != 1 or index.dtype != torch.int64 or index.device != dst.device:
-            raise ValueError(f"{name} must be a 1-D int64 tensor on dst's device")
+        if index.dim() != 1 or index.dtype != torch.int64 or index.device != src_index.device \
+                or index.device not in (src.device, dst.device):
+            raise ValueError(f"{name} must be a 1-D int64 tensor, both indices on src's or dst's device")
     if src_index.numel() != dst_index.numel():
         raise ValueError(f"{src_index.numel()} source blocks but {dst_index.numel()} destination blocks")
     words_src, words_dst = _words(src), _words(dst)
@@ -152,6 +175,10 @@ def copy_blocks(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, d
     rows, width = dst.shape[0] * dst_index.numel(), words_dst.shape[2]
     if rows == 0:
         return
+    block, warps = _pull_tiling()
     kernel = _TRITON.get("_copy_pool_blocks_kernel")
-    kernel[(rows, cdiv(width, _BLOCK))](words_src, words_dst, src_index, dst_index, dst_index.numel(),
-                                        words_src.stride(0), words_dst.stride(0), width, BLOCK=_BLOCK)
+    launching = torch.cuda.device(src_index.device) if src_index.is_cuda else contextlib.nullcontext()
+    with launching:  # the launching GPU: dst's (a pull) or src's (a push)
+        kernel[(rows, cdiv(width, block))](words_src, words_dst, src_index, dst_index, dst_index.numel(),
+                                           words_src.stride(0), words_dst.stride(0), width, BLOCK=block,
+                                           num_warps=warps)
