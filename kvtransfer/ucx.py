@@ -104,6 +104,7 @@ def _abort_link(link) -> None:
 
 
 _MAX_WORKER_ADDRESS = 64 * 1024
+_PULL_BYTES = 256 << 20  # most KV bytes per pulled message (UcxSender._open_group)
 
 
 def _recv_slots() -> int:
@@ -301,6 +302,7 @@ class UcxReceiver(KVReceiver):
             logger.debug("KV connection ended: %s: %s", type(e).__name__, e)
         finally:
             conn.open = False
+            conn.remote = None  # unmap the sender's pools (a landing in progress holds its own reference)
             self._conns.discard(conn)
             abort_endpoint(ep)
             for task in (data, watch):
@@ -594,6 +596,9 @@ class UcxSender(KVSender):
         capacity = max(1, min(self.layout.num_layers - layer, limit // layer_bytes))
         link = self._links.get(address)
         if link is not None and link.pull and bucket is None:  # the receiver reads the pools: no buffer
+            # and no buffer bound: a message costs a chain of thread hand-offs on both sides, the
+            # copy ~0.1 ms per layer of 2k tokens, so a pulled message carries up to _PULL_BYTES
+            capacity = max(1, min(self.layout.num_layers - layer, max(limit, _PULL_BYTES) // layer_bytes))
             group = _Group(address, transfer_id, ids, dst_bytes, num_blocks, layer, capacity, None, src,
                            src_bytes=np.asarray(ids[0], dtype="<i4").tobytes())
             self._groups[transfer_id] = group
@@ -610,7 +615,7 @@ class UcxSender(KVSender):
     def _flush(self, group: _Group) -> None:
         """Sends an open group as one message (called with the groups lock held)."""
         if self._caches[0][0].is_cuda:  # any thread may flush (finish() too): gather on the pools' GPU
-            with torch.cuda.device(group.buffer.device):
+            with torch.cuda.device(self._caches[0][0].device):
                 return self._flush_on_device(group)
         return self._flush_on_device(group)
 
