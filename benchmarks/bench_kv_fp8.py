@@ -127,10 +127,12 @@ def engine_run(torch, args, kv_dtype: str, bw: float) -> dict:
     out.update(offline_s=elapsed, offline_out_tok_s=sum(len(o.token_ids) for o in res) / elapsed)
     print(f"[{kv_dtype}] offline {args.requests} x ({args.input_len} / {args.output_len}): {elapsed:.1f}s = "
           f"{out['offline_out_tok_s']:.0f} output tok/s")
-    del llm, engine, runner, res, outs
+    engine.__dict__.pop("step", None)  # the timer's restored bound method: a cycle through the engine
+    del llm, engine, runner, res, outs, timer
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
+        print(f"[{kv_dtype}] released: {torch.cuda.memory_allocated() / 2**30:.1f} GiB still allocated")
     return out
 
 
