@@ -1,9 +1,10 @@
 """KV data plane: push paged KV blocks from a prefill worker to a decode worker.
 
 Modules: ``base`` (interfaces, registry), ``layout`` (KV layout, wire header),
-``staging`` (gather/scatter), ``ledger`` (transfer bookkeeping), ``pacing`` (token
-buckets), ``fake`` (in-process backend for tests), ``ucx`` (UCX backend, via ucxx) and
-``ucx_runtime`` (the process-wide ucxx context and event loop thread).
+``staging`` (gather/scatter), ``ipc`` (sharing a sender's pools with a receiver on the same
+host: the pull path), ``ledger`` (transfer bookkeeping), ``pacing`` (token buckets), ``fake``
+(in-process backend for tests), ``ucx`` (UCX backend, via ucxx) and ``ucx_runtime`` (the
+process-wide ucxx context and event loop thread).
 Backends are imported on first use.
 """
 

@@ -40,6 +40,15 @@ Per connection (sender -> receiver):
    it sends ACK (on the control path) to every sender that contributed, NACK when it
    drops one (deadline, cancel, bad message, unknown id). Failure of a peer is seen
    on the control path, which then tears down the data path.
+4. Pull path (same host, CUDA pools that are one allocation, ``pull=True``, no pacer on the
+   link): HELLO carries the sender's pool descriptor (``kvtransfer.ipc``); a receiver that
+   maps it answers HELLO_OK with status PULL. From then on a message is the control message
+   alone (header with status PULL, destination ids, then source ids; up to 256 MiB of KV per
+   message, after the layers are computed), and the landing thread copies those blocks from
+   the sender's pools into the reserved ones in one kernel (reads over NVLink), then ACKs as
+   above. The sender keeps its blocks until the ACK (the prefill worker releases them after
+   ``finish``). The link's first transfer, sent before the handshake ends, takes the staged
+   path.
 
 The loop thread shares the GIL with the engine thread of a worker; a thread waiting for
 the GIL waits up to ``sys.getswitchinterval()`` (5 ms by default) each time, several times
