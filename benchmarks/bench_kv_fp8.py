@@ -76,6 +76,41 @@ def kernel_rates(torch, device: str, batches, contexts) -> list[dict]:
     return rows
 
 
+def config_sweep(torch, configs, batches=(64, 256), contexts=(1024, 4096)) -> list[dict]:
+    """FP8 decode attention under each (BLOCK_N, warps, stages), against bf16 at its default."""
+    from kernels import kv_quant
+    from kernels.decode_attention import decode_attention_triton
+
+    hq, hk, d, bs = 32, 8, 128, 16
+    rows = []
+    for batch in batches:
+        for context in contexts:
+            blocks = batch * (context // bs)
+            tables = torch.randperm(blocks, device="cuda", dtype=torch.int64).to(torch.int32).view(batch, -1)
+            lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+            q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
+            kb = torch.randn(blocks, bs, hk, d, device="cuda", dtype=q.dtype)
+            bf16_ms = timed_ms(torch, lambda: decode_attention_triton(q, kb, kb, tables, lens, d ** -0.5), "cuda")
+            del kb
+            k = torch.randn(kv_quant.fp8_pool_shape(blocks, bs, hk, d), device="cuda").to(kv_quant.FP8_DTYPE)
+            k.view(blocks, -1)[:, bs * hk * d:].view(torch.float32).fill_(0.01)
+            want = decode_attention_triton(q, k, k, tables, lens, d ** -0.5)
+            for config in configs:
+                out = decode_attention_triton(q, k, k, tables, lens, d ** -0.5, config=config)
+                err = (out.float() - want.float()).abs().max().item()
+                ms = timed_ms(torch, lambda: decode_attention_triton(q, k, k, tables, lens, d ** -0.5, config=config),
+                              "cuda")
+                rows.append({"batch": batch, "context": context, "config": list(config), "fp8_ms": ms,
+                             "bf16_ms": bf16_ms, "fp8_gb_s": attention_bytes(batch, context, hk, d, True) / ms / 1e6,
+                             "max_diff_vs_default": err})
+                print(f"fp8 decode attention b{batch:>3} ctx{context:>5} config {config}: {ms:.3f} ms "
+                      f"({rows[-1]['fp8_gb_s']:.0f} GB/s), bf16 default {bf16_ms:.3f} ms: fp8 {bf16_ms / ms:.2f}x faster"
+                      f" (max diff vs default {err:.1e})", flush=True)
+            del k
+            torch.cuda.empty_cache()
+    return rows
+
+
 def engine_run(torch, args, kv_dtype: str, bw: float) -> dict:
     from pdserve.llm import LLM
     from pdserve.sampling_params import SamplingParams
@@ -160,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--decode-batch", type=int, default=256)
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--attention-sweep", action="store_true",
+                   help="only time the FP8 decode attention kernel under several tile configurations (CUDA)")
     args = p.parse_args(argv)
     args.requests = args.requests or (256 if args.quick else 512)
 
@@ -174,6 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_bandwidth(torch, args.device, 1 << 30 if args.device == "cuda" else 1 << 24)
     print(f"{gpu}: device copy {bw / 1e9:.0f} GB/s; model {args.model}")
     results: dict = {"gpu": gpu, "model": args.model, "copy_gb_s": bw / 1e9}
+    if args.attention_sweep:
+        if args.device != "cuda":
+            p.error("--attention-sweep needs --device cuda")
+        configs = [(64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 4, 4), (128, 4, 4), (256, 8, 3), (64, 8, 3), (32, 4, 4)]
+        results["sweep"] = config_sweep(torch, configs)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(results, fh, indent=2)
+        return 0
     if args.device == "cuda":
         results["kernel"] = kernel_rates(torch, "cuda", (64, 256), (1024, 4096))
     else:
