@@ -13,6 +13,9 @@ on p0->d0, the profile predicts 1.705 s; the profile was measured in another pha
 shared host), to show where the error comes from; and `host-phase` (`no-host` with each run's profile
 scaled by that run's own host speed: sim/calibrate.py measures it from the decode steps of
 the run's isolated requests, the ones that decoded while no other request did); and
+`current-profile` / `current-profile-shared` (`no-host` / `host-phase-shared` with the workers
+stepping by a profile of the current engine, measured on the same idle host after the 2026-12-01
+runs; the router keeps pricing with the profile it was given in the real runs); and
 `host-phase-shared` (`host-phase` with the four workers sharing the host again, as a fair share
 of the cores that matches the slowdown the round-robin runs measured with three workers busy:
 2.67 cores rather than 2, see `contention`).
@@ -30,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from loadgen.spec import load_spec
+from router.profiles import load_profile
 from sim.calibrate import host_factor
 from sim.config import load_cluster, scale_profile
 from sim.experiment import run_sim_experiment
@@ -40,6 +44,7 @@ REAL = (("headline", ROOT / "headline.yaml", ROOT / "results" / "headline"),
         ("headline-sweep", ROOT / "headline-sweep.yaml", ROOT / "results" / "headline-sweep"))
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "goodput")
 POLICIES = ("round-robin", "least-loaded", "network-aware")
+CURRENT_PROFILE = ROOT / "profile-smollm2-cpu-1thread-2026-12-01.json"
 CALIBRATION = 1.37 / 1.705  # pilot TTFT measured / profiled, one 450-token request alone (experiments/README.md)
 
 
@@ -63,6 +68,14 @@ def main() -> int:
     runs = contention()
     cores = effective_cores(runs)
     models["host-phase-shared"] = replace(cluster, hosts={name: cores for name in cluster.hosts})
+    # the workers step by a profile of the engine the runs used; the router still prices with the
+    # profile the real router was given (the headline topology's --profile)
+    current = load_profile(str(CURRENT_PROFILE))
+    router = replace(cluster.router, policy_options={
+        name: ({**opts, "profile": cluster.profile} if name == "network-aware" else opts)
+        for name, opts in cluster.router.policy_options.items()})
+    models["current-profile"] = replace(models["no-host"], profile=current, router=router)
+    models["current-profile-shared"] = replace(models["host-phase-shared"], profile=current, router=router)
     phases: dict[str, tuple[float, int]] = {}  # run id -> (host factor, isolated gaps)
 
     def host_phase(rid: str, config, real_dir: Path):
@@ -98,9 +111,16 @@ def main() -> int:
         writer.writeheader()
         writer.writerows(points)
     lines = ["# Simulator fidelity: the committed CPU runs", "",
-             "Real: the committed runs (`experiments/results/headline`, 2026-11-29, and "
-             "`experiments/results/headline-sweep`, same session), 60 requests per policy and rate, 2-core VM. "
-             "Simulated: the same requests replayed (`experiments/sim_fidelity.py`). Error = (sim - real) / real.", ""]
+             "Real: the committed runs (`experiments/results/headline` and `experiments/results/headline-sweep`, "
+             "rerun on 2026-12-01 on an idle 2-core VM), 60 requests per policy and rate. Simulated: the same "
+             "requests replayed (`experiments/sim_fidelity.py`). Error = (sim - real) / real.", "",
+             "The profile the real router priced placements with (`profile-smollm2-cpu-1thread.json`) is older "
+             "than the engine these runs used: its one-request decode step is 0.081 s, these runs' 0.031-0.034 s. "
+             "`current-profile` and `current-profile-shared` step the simulated workers by "
+             "`profile-smollm2-cpu-1thread-2026-12-01.json`, measured on the same idle VM after the runs with "
+             "the same command and the current engine (not fitted to the runs), and keep the old one for the "
+             "router's pricing, as the real router had it; `-shared` shares the host's cores as measured "
+             "(`contention`). The other models use the old profile throughout.", ""]
     for model in models:
         lines += [f"## model `{model}`", "",
                   "| rate | policy | TTFT p50 s real / sim (err) | TTFT p90 | TPOT p50 | TPOT p90 | goodput req/s |",
