@@ -17,7 +17,6 @@ dim of a [P, NB, R] view run several times slower there. The torch reference is 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
@@ -27,7 +26,9 @@ from kernels.dispatch import kernel_backend
 tl = None  # bound to triton.language on the first launch (kernels._jit)
 
 _BLOCK = 1024  # words per program
-_PULL_BLOCK, _PULL_WARPS = 4096, 8  # pool-to-pool copy (see _pull_tiling)
+# pool-to-pool copy: 16 KiB per program, 8 warps (1024-8192 words and 4-16 warps read a peer GPU over
+# NVLink within noise of each other on two H200s)
+_PULL_BLOCK, _PULL_WARPS = 4096, 8
 
 
 def _copy_blocks_kernel(
@@ -131,23 +132,6 @@ def scatter_blocks(pools: torch.Tensor, index: torch.Tensor, staged: torch.Tenso
     _copy(pools, index, staged, gather=False)
 
 
-def _pull_tiling() -> tuple[int, int]:
-    """Words per program and warps of the pool-to-pool copy. Reads from a peer GPU over NVLink
-    need more bytes in flight per SM than a local copy; PDSERVE_KV_PULL_TILING=words,warps
-    overrides the default (for benchmarking)."""
-    value = os.environ.get("PDSERVE_KV_PULL_TILING", "")
-    if not value:
-        return _PULL_BLOCK, _PULL_WARPS
-    try:
-        words, warps = (int(x) for x in value.split(","))
-    except ValueError:
-        words = warps = 0
-    if words < 64 or words & (words - 1) or warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"PDSERVE_KV_PULL_TILING must be 'words,warps' (words a power of 2 >= 64, warps 1-16), "
-                         f"got {value!r}")
-    return words, warps
-
-
 def copy_blocks_ref(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, dst_index: torch.Tensor) -> None:
     dst.index_copy_(1, dst_index, torch.index_select(src, 1, src_index))
 
@@ -175,10 +159,9 @@ def copy_blocks(src: torch.Tensor, src_index: torch.Tensor, dst: torch.Tensor, d
     rows, width = dst.shape[0] * dst_index.numel(), words_dst.shape[2]
     if rows == 0:
         return
-    block, warps = _pull_tiling()
     kernel = _TRITON.get("_copy_pool_blocks_kernel")
     launching = torch.cuda.device(src_index.device) if src_index.is_cuda else contextlib.nullcontext()
     with launching:  # the launching GPU: dst's (a pull) or src's (a push)
-        kernel[(rows, cdiv(width, block))](words_src, words_dst, src_index, dst_index, dst_index.numel(),
-                                           words_src.stride(0), words_dst.stride(0), width, BLOCK=block,
-                                           num_warps=warps)
+        kernel[(rows, cdiv(width, _PULL_BLOCK))](words_src, words_dst, src_index, dst_index, dst_index.numel(),
+                                                 words_src.stride(0), words_dst.stride(0), width,
+                                                 BLOCK=_PULL_BLOCK, num_warps=_PULL_WARPS)

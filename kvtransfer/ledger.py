@@ -70,7 +70,7 @@ class _Incoming:
     received_at: float | None = None  # the last payload handed to land()
     peers: set = field(default_factory=set)
     lock: threading.RLock = field(default_factory=threading.RLock)  # held while its blocks are written
-    dst_index: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # on the pools' device
+    indices: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # block ids on the pools' device
 
     @property
     def complete(self) -> bool:
@@ -91,7 +91,7 @@ class ReceiveLedger:
         max_tombstones: int = 65536,
     ):
         self._caches = kv_caches
-        self._stacked = stacked_pools(kv_caches)
+        self.stacked = stacked_pools(kv_caches)  # [layers, 2, ...] over the pools, or None
         self._layout = layout
         self._num_blocks = kv_caches[0][0].shape[0]
         self._device = kv_caches[0][0].device
@@ -220,7 +220,7 @@ class ReceiveLedger:
                 incoming, reason = self._admit(key, layer, dst_ids, peer, layers)
                 if pull and incoming is not None and reason == NackReason.NONE:
                     remote_blocks = staged.pools.shape[2]
-                    if (len(staged.src_ids) != len(dst_ids) or self._stacked is None
+                    if (len(staged.src_ids) != len(dst_ids) or self.stacked is None
                             or not all(0 <= b < remote_blocks for b in staged.src_ids)):
                         self._fail(incoming, KVTransferError(
                             f"transfer {incoming.transfer_id!r}: bad message: source block ids do not match "
@@ -230,12 +230,12 @@ class ReceiveLedger:
                     incoming.lock.acquire()
                     held.append(incoming)
                     if incoming.state == _PENDING:
-                        index = self._dst_index(incoming, dst_ids)
+                        index = self._index(incoming, dst_ids)
                         if pull:
-                            src_index = self._dst_index(incoming, staged.src_ids)
-                            copy_layers(staged.pools, self._stacked, layer, layers, src_index, index)
-                        elif self._stacked is not None:
-                            scatter_layers(self._stacked, layer, index, staged)
+                            src_index = self._index(incoming, staged.src_ids)
+                            copy_layers(staged.pools, self.stacked, layer, layers, src_index, index)
+                        elif self.stacked is not None:
+                            scatter_layers(self.stacked, layer, index, staged)
                         else:
                             for offset in range(layers):
                                 scatter_layer(self._caches, layer + offset, index, staged[offset])
@@ -264,13 +264,13 @@ class ReceiveLedger:
                 incoming.lock.release()
         return results
 
-    def _dst_index(self, incoming: _Incoming, dst_ids: list[int]) -> torch.Tensor:
-        """The scatter index of ``dst_ids`` on the pools' device, built once per transfer and
-        block list (every layer of a chunk lands in the same blocks)."""
-        ids = tuple(dst_ids)
-        index = incoming.dst_index.get(ids)
+    def _index(self, incoming: _Incoming, ids: list[int]) -> torch.Tensor:
+        """Block ids ``ids`` (destination, or a pull's source) as an index on the pools' device,
+        built once per transfer and block list (every layer of a chunk uses the same blocks)."""
+        key = tuple(ids)
+        index = incoming.indices.get(key)
         if index is None:
-            index = incoming.dst_index[ids] = torch.tensor(ids, dtype=torch.int64, device=self._device)
+            index = incoming.indices[key] = torch.tensor(key, dtype=torch.int64, device=self._device)
         return index
 
     def _admit(self, key: int, layer: int, dst_ids: Sequence[int], peer: Peer,

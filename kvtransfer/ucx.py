@@ -131,10 +131,6 @@ def _recv_slots() -> int:
 # receiver
 
 
-def _nothing() -> None:
-    pass
-
-
 class _Conn:
     """One sender's connection as the receiver sees it (also the ledger's peer handle)."""
 
@@ -169,9 +165,9 @@ class _Lander:
                                         name="kvtransfer-landing")
         self._thread.start()
 
-    def put(self, items: list[tuple[int, int, list[int], torch.Tensor, _Conn]], done) -> None:
-        """``items``: ``(key, first_layer, dst_ids, staged [layers, 2, n, ...], conn)`` of one
-        received message."""
+    def put(self, items: list[tuple[int, int, list[int], torch.Tensor | PullSource, _Conn]], done=None) -> None:
+        """``items``: ``(key, first_layer, dst_ids, staged [layers, 2, n, ...] or a PullSource, conn)``
+        of one received message; ``done`` (if any) runs after they landed."""
         self._todo.put((items, done))
 
     def close(self) -> None:
@@ -199,7 +195,8 @@ class _Lander:
                     logger.error("landing KV payloads failed: %s: %s", type(e).__name__, e)
                 finally:
                     for _, done in batch:
-                        done()
+                        if done is not None:
+                            done()
 
 
 class UcxReceiver(KVReceiver):
@@ -215,7 +212,6 @@ class UcxReceiver(KVReceiver):
         self._host = host
         self._connect_timeout = connect_timeout
         self._ledger = ReceiveLedger(kv_caches, self.layout, on_ack=self._on_ack, on_nack=self._on_nack)
-        self._stacked = stacked_pools(kv_caches)
         self._slots = _recv_slots()
         self._lander = _Lander(self._ledger, self._device)
         self._conns: set[_Conn] = set()
@@ -339,7 +335,7 @@ class UcxReceiver(KVReceiver):
         status = 0
         if 0 < header.num_bytes <= MAX_DESCRIPTOR_BYTES:
             start = HEADER_BYTES + LAYOUT_BYTES
-            conn.remote, how = import_pools(control[start:start + header.num_bytes].tobytes(), self._stacked)
+            conn.remote, how = import_pools(control[start:start + header.num_bytes].tobytes(), self._ledger.stacked)
             if conn.remote is not None:
                 status = PULL
                 self._ledger.count("pull_links")
@@ -382,7 +378,7 @@ class UcxReceiver(KVReceiver):
                         raise KVTransferError("a pull LAYER message on a link without mapped pools")
                     src_ids = control[HEADER_BYTES + n * BLOCK_ID_BYTES:HEADER_BYTES + 2 * n * BLOCK_ID_BYTES]
                     source = PullSource(conn.remote, src_ids.view("<i4").tolist(), layers)
-                    self._lander.put([(header.transfer_key, header.layer, dst_ids, source, conn)], _nothing)
+                    self._lander.put([(header.transfer_key, header.layer, dst_ids, source, conn)])
                     pending_control = loop.create_task(recv(control, tag))
                     continue
                 slot = await free.get()

@@ -247,10 +247,9 @@ def slo_rate(profile: Profile, load: Load, workers: int, prefill_workers: int, *
 
     if load.rate <= 0 or meets(load.rate):
         return max(load.rate, 0.0)
-    lo, hi = 0.0, load.rate
-    if not meets(hi * 1e-3):
+    lo, hi = load.rate * 1e-3, load.rate
+    if not meets(lo):
         return 0.0
-    lo = hi * 1e-3
     for _ in range(iterations):
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if meets(mid) else (lo, mid)
@@ -315,7 +314,9 @@ class SplitChooser:
                     not current.feasible or best.score < (1.0 - self.switch_margin) * current.score):
                 self.current = best.prefill_workers
         chosen = preds[self.current]
-        within = lambda k: f", within SLOs to {rates[k]:.2f} req/s" if top > 0.0 else ""  # noqa: E731
+
+        def within(k: int) -> str:
+            return f", within SLOs to {rates[k]:.2f} req/s" if top > 0.0 else ""
         others = "; ".join(p.describe() + within(p.prefill_workers) for p in preds
                            if p.prefill_workers != self.current)
         why = (f"{chosen.describe()}{within(self.current)} at {load.rate:.2f} req/s, prompt "
