@@ -12,8 +12,19 @@ The JSON file (version 1)::
                   "seconds": [0.011, 0.012, 0.02, 0.07, 0.31]},  # time to first token, idle engine
       "decode": {"batch_sizes": [1, 4, 16], "contexts": [128, 1024],  # strictly increasing
                  "seconds": [[0.010, 0.011], [0.011, 0.013], [0.013, 0.02]]},  # [batch][context]
+      "mixed": {"context": 1024, "batch_sizes": [1, 16], "chunk_tokens": [64, 512],  # optional
+                "seconds": [[0.021, 0.03], [0.024, 0.034]]},  # [batch][chunk tokens]
       "created": "2025-01-01T00:00:00Z"
     }
+
+`mixed` (optional; files without it load as before): the time of one engine step that carries
+a decode batch of B requests at context `context` plus a prefill chunk of T tokens, measured
+as the engine runs such steps (`pdserve profile --mixed`; on a GPU they run eagerly where
+decode-only steps replay CUDA graphs, so they cost more than the sum of the two tables).
+`mixed_step_seconds(b, t, c)` interpolates the table along T in each batch row, then along B,
+and moves it to the actual context `c` by the decode table's difference at that batch,
+D(b, c) - D(b, context), never below D(b, c) itself (the mixed step is measured at one
+context; the decode table says how a decode batch's time grows with it).
 
 Queries interpolate linearly between measured points; beyond the last point they extend the
 last segment's slope (never decreasing); below the first point they take the first point's
@@ -32,8 +43,9 @@ from typing import Any
 
 PROFILE_VERSION = 1
 _KEYS = ("version", "hardware", "model", "dtype", "num_layers", "kv_bytes_per_token", "block_size",
-         "max_num_batched_tokens", "prefill", "decode", "created")
-_OPTIONAL = ("created",)
+         "max_num_batched_tokens", "prefill", "decode", "mixed", "created")
+_OPTIONAL = ("mixed", "created")
+_MIXED_KEYS = ("context", "batch_sizes", "chunk_tokens", "seconds")
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,11 @@ class Profile:
     decode_contexts: tuple[int, ...]
     decode_times: tuple[tuple[float, ...], ...]  # [batch index][context index]
     created: str = ""
+    # the optional mixed table (module docstring): all four set, or none (context None)
+    mixed_context: int | None = None
+    mixed_batch_sizes: tuple[int, ...] = ()
+    mixed_chunk_tokens: tuple[int, ...] = ()
+    mixed_times: tuple[tuple[float, ...], ...] = ()  # [batch index][chunk index]
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_bytes_per_token", "block_size", "max_num_batched_tokens"):
@@ -65,6 +82,23 @@ class Profile:
                              f"got {len(self.decode_times)}")
         for i, row in enumerate(self.decode_times):
             _times(f"decode.seconds[{i}]", row, len(self.decode_contexts))
+        if self.mixed_context is None:
+            if self.mixed_batch_sizes or self.mixed_chunk_tokens or self.mixed_times:
+                raise ValueError("mixed.context: missing (the mixed table needs its decode context)")
+        else:
+            _positive_int("mixed.context", self.mixed_context)
+            _axis("mixed.batch_sizes", self.mixed_batch_sizes)
+            _axis("mixed.chunk_tokens", self.mixed_chunk_tokens)
+            if len(self.mixed_times) != len(self.mixed_batch_sizes):
+                raise ValueError(f"mixed.seconds must have one row per batch size ({len(self.mixed_batch_sizes)}), "
+                                 f"got {len(self.mixed_times)}")
+            for i, row in enumerate(self.mixed_times):
+                _times(f"mixed.seconds[{i}]", row, len(self.mixed_chunk_tokens))
+
+    @property
+    def has_mixed(self) -> bool:
+        """Whether the profile has a mixed table (`mixed_step_seconds` answers)."""
+        return self.mixed_context is not None
 
     # ---------------------------------------------------------------- queries
 
@@ -91,6 +125,21 @@ class Profile:
             memo[(batch, context)] = found
         return found
 
+    def mixed_step_seconds(self, batch: int, chunk_tokens: int, context: int) -> float:
+        """Time of one step of `batch` decodes at about `context` tokens each plus `chunk_tokens`
+        prefill tokens, from the mixed table (module docstring); ValueError without one.
+        No decodes: the chunk's prefill time; no chunk: the decode step."""
+        if chunk_tokens <= 0:
+            return self.decode_step_seconds(batch, context)
+        if batch <= 0:
+            return self.prefill_seconds(chunk_tokens)
+        if self.mixed_context is None:
+            raise ValueError("this profile has no mixed table (`pdserve profile --mixed` measures one)")
+        rows = _LazyRows(self.mixed_chunk_tokens, self.mixed_times, chunk_tokens)
+        at_table = _interpolate(self.mixed_batch_sizes, rows, batch)
+        decode = self.decode_step_seconds(batch, context)
+        return max(at_table + decode - self.decode_step_seconds(batch, self.mixed_context), decode)
+
     @property
     def _step_memo(self) -> dict[tuple[int, int], float]:
         memo = self.__dict__.get("_step_memo_dict")
@@ -111,6 +160,10 @@ class Profile:
             "prefill": {"tokens": list(self.prefill_tokens), "seconds": list(self.prefill_times)},
             "decode": {"batch_sizes": list(self.decode_batch_sizes), "contexts": list(self.decode_contexts),
                        "seconds": [list(row) for row in self.decode_times]},
+            **({} if self.mixed_context is None else {"mixed": {
+                "context": self.mixed_context, "batch_sizes": list(self.mixed_batch_sizes),
+                "chunk_tokens": list(self.mixed_chunk_tokens),
+                "seconds": [list(row) for row in self.mixed_times]}}),
             "created": self.created,
         }
 
@@ -130,6 +183,17 @@ class Profile:
         rows = decode["seconds"]
         if not isinstance(rows, list) or not all(isinstance(r, list) for r in rows):
             raise ValueError("decode.seconds must be a list of lists (one per batch size)")
+        mixed: dict[str, Any] = {}
+        if "mixed" in data:
+            table = _keys("mixed", data["mixed"], _MIXED_KEYS, ())
+            _positive_int("mixed.context", table["context"])
+            mixed_rows = table["seconds"]
+            if not isinstance(mixed_rows, list) or not all(isinstance(r, list) for r in mixed_rows):
+                raise ValueError("mixed.seconds must be a list of lists (one per batch size)")
+            mixed = dict(mixed_context=table["context"],
+                         mixed_batch_sizes=_tuple("mixed.batch_sizes", table["batch_sizes"]),
+                         mixed_chunk_tokens=_tuple("mixed.chunk_tokens", table["chunk_tokens"]),
+                         mixed_times=tuple(tuple(r) for r in mixed_rows))
         return cls(
             hardware=hw["name"], device=hw["device"], model=data["model"], dtype=data["dtype"],
             num_layers=data["num_layers"], kv_bytes_per_token=data["kv_bytes_per_token"],
@@ -140,6 +204,7 @@ class Profile:
             decode_contexts=_tuple("decode.contexts", decode["contexts"]),
             decode_times=tuple(tuple(r) for r in rows),
             created=str(data.get("created", "")),
+            **mixed,
         )
 
 
