@@ -28,6 +28,9 @@ _MAX_SPLITS = 64
 _MIN_TOKENS_PER_SPLIT = 128
 # (BLOCK_N, num_warps, num_stages) of the split kernel on CUDA; see benchmarks/bench_kernels.py.
 _CUDA_CONFIG = (64, 4, 3)
+# FP8 pools: larger tiles (the H200 sweep of bench_kv_fp8.py --attention-sweep: 1.3-1.5x the
+# bf16 tiles at batch 256 and at context 4k, docs/results/h200_kv_fp8_sweep.txt)
+_CUDA_CONFIG_FP8 = (128, 4, 4)
 _WAVES = 4  # programs per SM that the split count aims for
 
 
@@ -39,8 +42,8 @@ def _decode_split_kernel(
     v_scale_ptr,  # FP8: the V pool seen as float32; else unused
     block_tables_ptr,  # [B, MAX_BLOCKS] int32, row stride stride_bt
     seq_lens_ptr,  # [B] int32
-    mid_out_ptr,  # [B, HQ, NUM_SPLITS, D] float32 contiguous
-    mid_lse_ptr,  # [B, HQ, NUM_SPLITS] float32 contiguous (log2 domain)
+    mid_out_ptr,  # [B, HQ, NUM_SPLITS, D] float32 contiguous; DIRECT: out [B, HQ, D] contiguous
+    mid_lse_ptr,  # [B, HQ, NUM_SPLITS] float32 contiguous (log2 domain); DIRECT: unused
     stride_qb,
     stride_qh,
     stride_bt,
@@ -58,6 +61,7 @@ def _decode_split_kernel(
     FP8: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,  # FP8: float32 elements per block
     SCALE_OFF: tl.constexpr,  # FP8: float32 offset of the scales in a block
+    DIRECT: tl.constexpr,  # one split: write the output itself, no partials and no merge
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -114,10 +118,14 @@ def _decode_split_kernel(
 
     empty = l_i == 0.0  # this split starts past the end of the sequence
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    mid_row = (seq * HQ + heads) * NUM_SPLITS + split
-    tl.store(mid_out_ptr + mid_row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
-    tl.store(mid_lse_ptr + mid_row, lse, mask=g_mask)
+    if DIRECT:  # the whole context was this program's: out is final (zeros for an empty sequence)
+        tl.store(mid_out_ptr + (seq * HQ + heads)[:, None] * D + offs_d[None, :],
+                 out.to(mid_out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        mid_row = (seq * HQ + heads) * NUM_SPLITS + split
+        tl.store(mid_out_ptr + mid_row[:, None] * D + offs_d[None, :], out, mask=g_mask[:, None])
+        tl.store(mid_lse_ptr + mid_row, lse, mask=g_mask)
 
 
 def _decode_reduce_kernel(
@@ -234,10 +242,15 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     group = hq // hk
-    mid_out = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
+    direct = num_splits == 1  # e.g. large batches: no partials to merge, one launch
+    if direct:
+        mid_out, mid_lse = out, out
+    else:
+        mid_out = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)
     if config is None:
-        config = _CUDA_CONFIG if q.is_cuda else (16, 4, 1)
+        config = ((_CUDA_CONFIG_FP8 if kv_quant.is_fp8(k_cache) else _CUDA_CONFIG) if q.is_cuda
+                  else (16, 4, 1))
     block_n, num_warps, num_stages = config
     if q.dtype == torch.float32 and q.is_cuda:
         block_n = min(block_n, 32)
@@ -248,8 +261,11 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), block_tables.stride(0), float(scale) * math.log2(math.e),
         num_splits, HQ=hq, HK=hk, GROUP=group, BS=block_size, D=d,
         BLOCK_G=max(16, next_power_of_2(group)), BLOCK_N=block_n,
-        IEEE_DOT=q.dtype == torch.float32, **fp8_args, num_warps=num_warps, num_stages=num_stages,
+        IEEE_DOT=q.dtype == torch.float32, **fp8_args, DIRECT=direct, num_warps=num_warps,
+        num_stages=num_stages,
     )
+    if direct:
+        return out
     _TRITON.get("_decode_reduce_kernel")[(batch, hq)](
         mid_out, mid_lse, out, num_splits,
         HQ=hq, D=d, BLOCK_S=max(next_power_of_2(num_splits), _MAX_SPLITS),  # one variant

@@ -53,6 +53,7 @@ DECODE_CASES = [
     pytest.param([9, 3], 4, 2, 64, 16, F32, 8, id="more-splits-than-tokens"),
     pytest.param([70, 5], 4, 1, 32, 16, F16, 2, id="fp16-d32"),
     pytest.param([40, 33], 12, 4, 128, 32, F16, None, id="fp16-gqa3-d128"),
+    pytest.param([33, 17, 1], 8, 2, 64, 16, F16, 1, id="fp16-one-split-direct"),
 ]
 
 

@@ -171,6 +171,9 @@ def test_decode_attention_fp8(paged_kv, needs_triton, seq_lens, hq, hk, d, bs):
     full = decode_attention_ref(q, kv.k_cache, kv.v_cache, kv.block_tables, kv.seq_lens, scale)
     ref = decode_attention_ref(q, k_pool, v_pool, kv.block_tables, kv.seq_lens, scale)
     tri = decode_attention_triton(q, k_pool, v_pool, kv.block_tables, kv.seq_lens, scale, num_splits=2)
+    # one split: the split kernel writes the output itself (no partials, no merge)
+    one = decode_attention_triton(q, k_pool, v_pool, kv.block_tables, kv.seq_lens, scale, num_splits=1)
+    assert torch.allclose(one, ref, atol=2e-5, rtol=1e-4)
     # the planned path gathers slot 0 for padding and masks it out: stale zeros, not NaN
     plan = decode_gather_plan(kv.block_tables.clamp(min=0), kv.seq_lens, bs)
     planned = decode_attention_planned(q, *fp8_copy(kv, d, stale=0), plan, scale)
