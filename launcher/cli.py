@@ -151,17 +151,26 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise CliError(f"--repeats must be >= 1, got {args.repeats}")
     if args.decode_steps < 1:
         raise CliError(f"--decode-steps must be >= 1, got {args.decode_steps}")
-    grids = {k: getattr(args, k) for k in ("prefill_tokens", "decode_batches", "decode_contexts")
+    mixed_flags = [f"--{k.replace('_', '-')}" for k in ("mixed_batches", "mixed_chunks", "mixed_context")
+                   if getattr(args, k) is not None]
+    if args.mixed_context is not None and args.mixed_context < 1:
+        raise CliError(f"--mixed-context must be >= 1, got {args.mixed_context}")
+    if mixed_flags and not args.mixed:
+        raise CliError(f"{mixed_flags[0]} needs --mixed")
+    grids = {k: getattr(args, k) for k in ("prefill_tokens", "decode_batches", "decode_contexts", "mixed_batches",
+                                           "mixed_chunks", "mixed_context")
              if getattr(args, k) is not None}
     profile = profile_engine(engine_config(args), repeats=args.repeats, decode_steps=args.decode_steps,
-                             progress=not args.quiet, **grids)
+                             progress=not args.quiet, mixed=args.mixed, **grids)
     try:
         save_profile(profile, args.out)
     except OSError as e:
         raise CliError(f"--out: cannot write {args.out}: {e.strerror or e}") from None
     print(f"{args.out}: {profile.model} on {profile.hardware} ({profile.dtype}): "
           f"{len(profile.prefill_tokens)} prefill lengths, "
-          f"{len(profile.decode_batch_sizes)}x{len(profile.decode_contexts)} decode points")
+          f"{len(profile.decode_batch_sizes)}x{len(profile.decode_contexts)} decode points"
+          + (f", {len(profile.mixed_batch_sizes)}x{len(profile.mixed_chunk_tokens)} mixed points at context "
+             f"{profile.mixed_context}" if profile.has_mixed else ""))
     return 0
 
 
@@ -290,8 +299,19 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="N,N,...", help="decode batch sizes to time (default 1..64 by powers of 2)")
     pr.add_argument("--decode-contexts", type=_int_list("--decode-contexts"), default=None,
                     metavar="N,N,...", help="decode context lengths to time (default 128,512,2048)")
+    pr.add_argument("--mixed", action="store_true",
+                    help="also time mixed steps (a decode batch plus a prefill chunk, as a serving worker runs "
+                         "them) into the profile's mixed table")
+    pr.add_argument("--mixed-batches", type=_int_list("--mixed-batches"), default=None, metavar="N,N,...",
+                    help="--mixed: decode batch sizes (default 1,4,16,32,64; over max-num-seqs - 1 measured there)")
+    pr.add_argument("--mixed-chunks", type=_int_list("--mixed-chunks"), default=None, metavar="N,N,...",
+                    help="--mixed: prefill chunk sizes in tokens (default 64,128,256,512; up to "
+                         "--max-num-batched-tokens)")
+    pr.add_argument("--mixed-context", type=int_arg("--mixed-context"), default=None,
+                    help="--mixed: the decodes' context in tokens (default 1024)")
     pr.add_argument("--repeats", type=int_arg("--repeats"), default=3, help="prefill runs per length (median)")
-    pr.add_argument("--decode-steps", type=int_arg("--decode-steps"), default=8, help="timed steps per decode point")
+    pr.add_argument("--decode-steps", type=int_arg("--decode-steps"), default=8,
+                    help="timed steps per decode point (and per mixed point)")
     pr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     pr.set_defaults(func=cmd_profile)
     return parser
