@@ -86,6 +86,15 @@ def kernel_profile(torch, engine, steps: int) -> dict:
         by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + (b - a)
         by_name[name] = by_name.get(name, 0.0) + (b - a)
     busy = union_us([(a, b) for _, a, b in kernels])
+    ordered = sorted(kernels, key=lambda k: k[1])
+    gaps = []
+    end, last = None, ""
+    for name, a, b in ordered:
+        if end is not None and a - end > 20:
+            gaps.append((a - end, last[:40], name[:40]))
+        if end is None or b > end:
+            end, last = b, name
+    gaps.sort(reverse=True)
     span = (max(b for _, _, b in kernels) - min(a for _, a, _ in kernels)) if kernels else 0.0
     return {
         "steps": steps, "wall_ms_per_step": wall / steps * 1e3,
@@ -93,6 +102,8 @@ def kernel_profile(torch, engine, steps: int) -> dict:
         "gpu_busy_ms_per_step": busy / steps / 1e3,
         "gpu_span_ms_per_step": span / steps / 1e3,
         "by_kind_ms_per_step": {k: v / steps / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "gaps_over_20us_ms_per_step": sum(g for g, _, _ in gaps) / steps / 1e3,
+        "largest_gaps_us": [[round(g, 1), before, after] for g, before, after in gaps[:6]],
         "top_kernels_ms_per_step": {k[:90]: v / steps / 1e3
                                     for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:12]},
     }
@@ -157,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model or ("random:llama-3.1-8b" if args.device == "cuda" else "random:tiny-llama")
     cuda = args.device == "cuda"
-    llm = LLM(model, dtype="bfloat16" if cuda else "float32", device=args.device, max_num_seqs=max(args.batches + args.mixed_batches),
+    llm = LLM(model, dtype="bfloat16" if cuda else "float32", device=args.device, max_num_seqs=max(args.batches + args.mixed_batches) + 1,
               max_num_batched_tokens=8192, gpu_memory_fraction=0.85,
               **({} if cuda else {"num_blocks": 2048, "block_size": 16}))
     engine, runner = llm.engine, llm.engine.runner
@@ -179,13 +190,15 @@ def main(argv: list[str] | None = None) -> int:
             wall = (time.perf_counter() - t) / steps * 1e3
             row = {"batch": batch, "mode": mode, "wall_ms_per_step": wall, **kernel_profile(torch, engine, steps)}
             row["wall_ms_per_step_unprofiled"] = wall
-            if mode == "eager" and batch == min(args.batches):
+            if (mode == "eager" and batch == min(args.batches)) or (mode == "graphs" and batch == max(args.batches)):
                 row["host"] = host_profile(engine, steps)
             abort_all(engine)
             results["decode"].append(row)
             print(f"\ndecode batch {batch} ({mode}): {wall:.2f} ms/step unprofiled, {row['wall_ms_per_step']:.2f} profiled; "
                   f"GPU busy {row['gpu_busy_ms_per_step']:.2f} ms/step ({row['kernels_per_step']:.0f} kernels), "
                   f"idle {max(0.0, 1 - row['gpu_busy_ms_per_step'] / row['wall_ms_per_step']):.0%} of the step", flush=True)
+            print(f"  gaps over 20 us between kernels: {row['gaps_over_20us_ms_per_step']:.2f} ms/step; largest (us, "
+                  f"after, before): {row['largest_gaps_us'][:4]}")
             for k, v in row["by_kind_ms_per_step"].items():
                 print(f"  {k:<14} {v:7.3f} ms")
             for k, v in row["top_kernels_ms_per_step"].items():
@@ -201,11 +214,12 @@ def main(argv: list[str] | None = None) -> int:
 
     engine.scheduler.config = dataclasses.replace(engine.scheduler.config, max_num_batched_tokens=args.mixed_budget)
     for batch in args.mixed_batches:
-        to_decode(engine, runner, batch, args.input_len, vocab, 64, seed=1000 + batch)
+        to_decode(engine, runner, batch, args.input_len, vocab, 4 * args.input_len // args.mixed_budget * batch + 64,
+                  seed=1000 + batch)
         with StepTimer(engine) as timer:
             for _ in range(4):
                 engine.step()  # decode-only
-            engine.add_request("prof-mixed", prompts(1, args.mixed_prompt, vocab, seed=7)[0],
+            engine.add_request("prof-mixed", prompts(1, args.mixed_prompt, vocab, seed=7000 + batch)[0],
                                SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
             while "prof-mixed" in engine.requests and len(timer.records) < 64:
                 engine.step()
@@ -216,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         abort_all(engine)
         # the chunk alone: the same prompt with nothing else running
         with StepTimer(engine) as timer:
-            engine.add_request("prof-alone", prompts(1, args.mixed_prompt, vocab, seed=8)[0],
+            engine.add_request("prof-alone", prompts(1, args.mixed_prompt, vocab, seed=8000 + batch)[0],
                                SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
             while "prof-alone" in engine.requests and len(timer.records) < 64:
                 engine.step()
