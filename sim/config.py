@@ -199,15 +199,17 @@ def load_cluster(path: str | Path) -> ClusterConfig:
 
 def scale_profile(profile: Profile, *, time_factor: float = 1.0, kv_bytes_per_token: int | None = None,
                   num_layers: int | None = None, label: str = "", prefill_factor: float | None = None,
-                  decode_factor: float | None = None) -> Profile:
+                  decode_factor: float | None = None, mixed_factor: float | None = None) -> Profile:
     """A profile derived from a measured one: every step time x `time_factor` (prefill times x
-    `prefill_factor` and decode steps x `decode_factor` where given), optionally another KV size
-    and layer count. The model name records the derivation (`label`), so reports say the
-    figures come from a scaled profile, not a measurement."""
+    `prefill_factor`, decode steps x `decode_factor` and the mixed table's steps, if it has one,
+    x `mixed_factor` where given), optionally another KV size and layer count. The model name
+    records the derivation (`label`), so reports say the figures come from a scaled profile,
+    not a measurement."""
     prefill_factor = time_factor if prefill_factor is None else prefill_factor
     decode_factor = time_factor if decode_factor is None else decode_factor
+    mixed_factor = time_factor if mixed_factor is None else mixed_factor
     for name, value in (("time_factor", time_factor), ("prefill_factor", prefill_factor),
-                        ("decode_factor", decode_factor)):
+                        ("decode_factor", decode_factor), ("mixed_factor", mixed_factor)):
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {value!r}")
     default = (f"times x{time_factor:g}" if prefill_factor == decode_factor == time_factor
@@ -217,6 +219,7 @@ def scale_profile(profile: Profile, *, time_factor: float = 1.0, kv_bytes_per_to
         model=f"{profile.model} scaled ({label or default})",
         prefill_times=tuple(t * prefill_factor for t in profile.prefill_times),
         decode_times=tuple(tuple(t * decode_factor for t in row) for row in profile.decode_times),
+        mixed_times=tuple(tuple(t * mixed_factor for t in row) for row in profile.mixed_times),
         kv_bytes_per_token=kv_bytes_per_token or profile.kv_bytes_per_token,
         num_layers=num_layers or profile.num_layers,
     )

@@ -36,7 +36,15 @@ step of b requests at mean context c):
     step = sum over prefill chunks of max(P(s + n) - P(s), D(1, s + n))   (s = tokens already computed)
          + D(decodes, mean context of the decodes)
 
-where a scheduled request with one new token counts as a decode. When workers share a host
+where a scheduled request with one new token counts as a decode. With a profile that has a mixed
+table (`pdserve profile --mixed`), a step with both decodes and prefill chunks costs instead
+
+    step = M(decodes, total prefill tokens of the step, mean context of the decodes)
+
+(`Profile.mixed_step_seconds`: the measured step of a decode batch plus one chunk, which on a GPU
+runs eagerly and costs more than chunk + decode; several chunks in one step count as one chunk of
+their total tokens, and the chunks' own positions in their prompts are not priced). Steps of only
+decodes or only chunks, and every step of a profile without the table, cost as above. When workers share a host
 (`host`), the step is `step` core-seconds of work on the host's cores (one core at most per
 worker), so a busy host stretches every step on it (the KV a prefill step streams is still
 paced by the step's unstretched time: a simplification).
@@ -115,13 +123,15 @@ class SimRequest:
 class StepCosts:
     """Memoized profile queries (the profile interpolates on every call)."""
 
-    __slots__ = ("profile", "_prefill", "_decode", "_chunk")
+    __slots__ = ("profile", "has_mixed", "_prefill", "_decode", "_chunk", "_mixed")
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
+        self.has_mixed = profile.has_mixed
         self._prefill: dict[int, float] = {}
         self._decode: dict[tuple[int, int], float] = {}
         self._chunk: dict[tuple[int, int], float] = {}
+        self._mixed: dict[tuple[int, int, int], float] = {}
 
     def prefill(self, num_tokens: int) -> float:
         t = self._prefill.get(num_tokens)
@@ -147,6 +157,16 @@ class StepCosts:
             end = start + num_new
             t = max(self.prefill(end) - (self.prefill(start) if start else 0.0), self.decode(1, end))
             self._chunk[key] = t
+        return t
+
+    def mixed(self, batch: int, chunk_tokens: int, context: int) -> float:
+        """A step of `batch` decodes plus `chunk_tokens` prefill tokens (the profile's mixed table)."""
+        key = (batch, chunk_tokens, context)
+        t = self._mixed.get(key)
+        if t is None:
+            if len(self._mixed) > 500_000:
+                self._mixed.clear()
+            t = self._mixed[key] = self.profile.mixed_step_seconds(batch, chunk_tokens, context)
         return t
 
 
@@ -386,13 +406,17 @@ class SimWorker:
         seconds = 0.0
         decodes = 0
         context = 0
+        chunk_tokens = 0
         for seq, num_new in batch:
             if num_new == 1:
                 decodes += 1
                 context += seq.num_computed_tokens + 1
             else:
                 seconds += costs.chunk(seq.num_computed_tokens, num_new)
+                chunk_tokens += num_new
         if decodes:
+            if chunk_tokens and costs.has_mixed:
+                return costs.mixed(decodes, chunk_tokens, int(context / decodes + 0.5))
             seconds += costs.decode(decodes, int(context / decodes + 0.5))
         return seconds
 
