@@ -18,6 +18,15 @@ server: the router's arrival window and link estimates carry from run to run),
 measured from the lowest-rate PD runs' server_timing). The first sweep's prefix-cache replay
 model no longer applies: no prompt repeats across runs (seed + k), so no request is cached.
 
+`chained-mixed` (only when a profile with a mixed table exists: `--mixed-profile PATH`, or
+$TWO_GPU_MIXED_PROFILE, default experiments/results/two-gpu/profile-mixed.json, measured by
+`experiments/two-gpu/run.sh profile-mixed`; absent, the model is skipped with a note and the
+outputs are those of the four models above): `chained` with the workers stepping by profile.json
+plus that file's mixed table, so that steps mixing decodes and prefill chunks cost the measured
+mixed step instead of chunk + decode (sim/worker.py), and nothing else differs from `chained`.
+
+    PYTHONPATH=. python -m experiments.sim_fidelity_two_gpu --mixed-profile experiments/results/two-gpu/profile-mixed.json
+
 Clusters:
 
 - `pd`: a prefill worker on gpu0 and a decode worker on gpu1, round-robin;
@@ -44,16 +53,19 @@ Writes experiments/results/sim-fidelity/two_gpu.md and two_gpu.csv.
 
 from __future__ import annotations
 
+import argparse
 import csv
+import dataclasses
 import functools
 import json
 import itertools
+import os
 import sys
 from pathlib import Path
 
 from loadgen.metrics import SLO, summarize
 from loadgen.records import read_jsonl
-from router.profiles import load_profile
+from router.profiles import Profile, load_profile
 from router.topology import Link, Topology
 from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig, scale_profile
 from sim.run import Arrival, simulate, to_record
@@ -63,12 +75,15 @@ SWEEP = ROOT / "results" / "two-gpu"
 STEADY = ROOT / "results" / "two-gpu-steady"
 OUT = ROOT / "results" / "sim-fidelity"
 PROFILE = SWEEP / "profile.json"
+MIXED_PROFILE = SWEEP / "profile-mixed.json"  # `run.sh profile-mixed`; the chained-mixed model needs it
+MIXED_PROFILE_ENV = "TWO_GPU_MIXED_PROFILE"
 SLOS = {"loose": SLO(ttft_s=1.0, tpot_s=0.05), "tight": SLO(ttft_s=1.0, tpot_s=0.01)}
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "goodput_loose", "goodput_tight")
 CONFIGS = ("pd", "colocated", "hybrid-loose", "hybrid-tight")
 # model -> (chained, link, calibrated serving costs)
 MODELS = {"chained": (True, "benchmark", False), "chained-cluster-link": (True, "cluster", False),
           "fresh": (False, "benchmark", False), "chained-served": (True, "served", True)}
+MIXED_MODEL = "chained-mixed"  # `chained`, the workers' profile with the measured mixed table (when one exists)
 MODEL_TEXT = {
     "chained": "Each configuration's runs one after the other on one simulated cluster, at the offsets "
                "they started at on the real server (one fresh server per configuration ran its 8 points "
@@ -89,6 +104,11 @@ MODEL_TEXT = {
                       "every configuration, rate and workload: {served}. The router still prices "
                       "placements with profile.json as measured, as the real one did. The calibration points "
                       "(PD at the lowest rate) are fitted, not predicted.",
+    MIXED_MODEL: "`chained` with the workers stepping by profile.json plus the mixed table of {mixed}: a "
+                 "step that carries decodes and prefill chunks costs the measured step of that decode batch "
+                 "and chunk (an eager step on the GPU, where decode-only steps replay CUDA graphs) instead of "
+                 "the profile's chunk + decode sum. Everything else as `chained` (the router prices placements "
+                 "with profile.json as measured). Not calibrated to the runs: measured on the GPU.",
 }
 ENGINE = EngineLimits(num_blocks=40_000, block_size=16, max_num_batched_tokens=512, max_num_seqs=64)
 # pdserve's transfer GPU0 -> GPU1, first send to ACK (kvtransfer.txt): (bytes, seconds)
@@ -223,13 +243,38 @@ def served_text(cal: dict[str, float]) -> str:
             f"from {cal['num_requests']:.0f} requests")
 
 
-def cluster(config: str, link: tuple[float, float], served: dict[str, float] | None = None
-            ) -> tuple[ClusterConfig, str]:
+def with_mixed_table(profile: Profile, mixed: Profile) -> Profile:
+    """`profile` with the mixed table of `mixed` (ValueError if it has none)."""
+    if not mixed.has_mixed:
+        raise ValueError("the mixed profile has no mixed table (`pdserve profile --mixed` measures one)")
+    return dataclasses.replace(profile, mixed_context=mixed.mixed_context, mixed_batch_sizes=mixed.mixed_batch_sizes,
+                               mixed_chunk_tokens=mixed.mixed_chunk_tokens, mixed_times=mixed.mixed_times)
+
+
+def load_mixed_profile(path: str | Path | None) -> Profile | None:
+    """The profile with a mixed table at `path` (default: $TWO_GPU_MIXED_PROFILE, else
+    MIXED_PROFILE); None, with a printed note, when the file does not exist."""
+    path = Path(path or os.environ.get(MIXED_PROFILE_ENV) or MIXED_PROFILE)
+    if not path.exists():
+        print(f"note: {path} does not exist: model `{MIXED_MODEL}` skipped (measure it on the GPU with "
+              "`experiments/two-gpu/run.sh profile-mixed`)", file=sys.stderr)
+        return None
+    profile = load_profile(str(path))
+    if not profile.has_mixed:
+        raise ValueError(f"{path}: no mixed table (`pdserve profile --mixed` measures one)")
+    return profile
+
+
+def cluster(config: str, link: tuple[float, float], served: dict[str, float] | None = None,
+            mixed: Profile | None = None) -> tuple[ClusterConfig, str]:
     """(the cluster of `config`, the policy name), as experiments/two-gpu/serve.sh starts it;
     `link`: the KV link GPU0 <-> GPU1, (GB/s, latency ms); `served`: a `served_calibration`
     (the workers step by the scaled profile, front_s before placement; the router's
-    network-aware model keeps profile.json as measured, as on the real server)."""
+    network-aware model keeps profile.json as measured, as on the real server); `mixed`: a
+    profile whose mixed table the workers' profile takes (the router's does not)."""
     profile = load_profile(str(PROFILE))
+    if mixed is not None:
+        profile = with_mixed_table(profile, mixed)
     front_s = 0.0
     if served is not None:
         profile = scale_profile(profile, prefill_factor=served["prefill_factor"],
@@ -284,14 +329,15 @@ def runs() -> list[tuple[str, str, str, float, float, Path]]:
 
 
 def simulate_server(config: str, runs_of_server: list[tuple], *, chained: bool,
-                    link: tuple[float, float], served: dict[str, float] | None = None) -> list[tuple[list, dict]]:
+                    link: tuple[float, float], served: dict[str, float] | None = None,
+                    mixed: Profile | None = None) -> list[tuple[list, dict]]:
     """Simulated records of each run of one configuration's server, and what the simulator did.
 
     `chained`: the runs follow each other on one simulated cluster at the offsets they started
     at (the router's state, e.g. network-aware's arrival window and link estimates, carries
     over). Otherwise each run is simulated alone on a fresh cluster. No prompt is cached
     (every run drew its own prompts)."""
-    cfg, policy = cluster(config, link, served)
+    cfg, policy = cluster(config, link, served, mixed)
     if not chained:
         out = []
         for *_, path in runs_of_server:
@@ -339,7 +385,17 @@ def _real_splits(records) -> int | str:
     return sum(1 for t in timed if (t or {}).get("placement") == "disaggregated")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Simulated vs real on two H200s (module docstring).")
+    parser.add_argument("--mixed-profile", default=None, metavar="PATH",
+                        help=f"a profile with a mixed table for the `{MIXED_MODEL}` model (default: "
+                             f"${MIXED_PROFILE_ENV}, else {MIXED_PROFILE.relative_to(ROOT.parent)}; "
+                             "skipped when absent)")
+    args = parser.parse_args(argv)
+    mixed = load_mixed_profile(args.mixed_profile)
+    models = dict(MODELS)
+    if mixed is not None:
+        models[MIXED_MODEL] = (True, "benchmark", False)
     points = []
     servers: dict[tuple[str, str], list[tuple]] = {}
     for item in runs():
@@ -347,10 +403,11 @@ def main() -> int:
     served = served_calibration()
     bench = kv_link()
     links = {"benchmark": bench, "cluster": cluster_link()[:2], "served": (bench[0], served["tail_ms"])}
-    for model, (chained, link, calibrated) in MODELS.items():
+    for model, (chained, link, calibrated) in models.items():
         for (experiment, config), items in servers.items():
             for item, (sim_records, extra) in zip(items, simulate_server(
-                    config, items, chained=chained, link=links[link], served=served if calibrated else None)):
+                    config, items, chained=chained, link=links[link], served=served if calibrated else None,
+                    mixed=mixed if model == MIXED_MODEL else None)):
                 _, _, dataset, rate, _, path = item
                 real_records = read_jsonl(path)
                 real, sim = metrics(real_records), metrics(sim_records)
@@ -376,7 +433,7 @@ def main() -> int:
         writer = csv.DictWriter(f, fieldnames=list(points[0]))
         writer.writeheader()
         writer.writerows(points)
-    lines = report(points, served)
+    lines = report(points, served, mixed)
     (OUT / "two_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
@@ -426,7 +483,13 @@ def rank_agreement(real: dict[str, float], sim: dict[str, float], lower_better: 
     return same, total, best_sim in real_groups[0]
 
 
-def report(points: list[dict], served: dict[str, float]) -> list[str]:
+def _models(points: list[dict]) -> list[str]:
+    """The models with points, in MODELS order (then chained-mixed)."""
+    have = {p["model"] for p in points}
+    return [m for m in (*MODELS, MIXED_MODEL) if m in have]
+
+
+def report(points: list[dict], served: dict[str, float], mixed: Profile | None = None) -> list[str]:
     gbytes_s, latency_ms = kv_link()
     cl = cluster_link()
     sweep = [p for p in points if p["experiment"] == "sweep" and p["model"] == "chained"]
@@ -447,13 +510,16 @@ def report(points: list[dict], served: dict[str, float]) -> list[str]:
              "TTFT and TPOT in ms; goodput in req/s at the loose (TTFT <= 1 s, TPOT <= 50 ms) and tight "
              "(TPOT <= 10 ms) sets; each cell real / sim (error); splits = requests whose KV moved "
              "(real from server_timing, simulated from the placements). Models:", ""]
+    models = _models(points)
     texts = {m: MODEL_TEXT[m].format(cluster=f"{cl[0]:.2f} GB/s + {cl[1]:.2f} ms, {cl[2]}",
-                                     served=served_text(served)) for m in MODELS}
-    lines += [f"- `{m}`: {texts[m]}" for m in MODELS] + [""]
+                                     served=served_text(served), mixed=mixed_text(mixed)) for m in models}
+    lines += [f"- `{m}`: {texts[m]}" for m in models] + [""]
     lines += overview(points)
     lines += causes(points, served)
+    if MIXED_MODEL in models:
+        lines += mixed_steps(points, mixed)
     lines += evidence()
-    for model in MODELS:
+    for model in models:
         at = [p for p in points if p["model"] == model]
         lines += [f"## model `{model}`", "", texts[model], ""]
         for experiment in ("sweep", "steady"):
@@ -469,6 +535,45 @@ def report(points: list[dict], served: dict[str, float]) -> list[str]:
                 lines.append("")
         lines += summary_lines(at, model)
     return lines
+
+
+def mixed_text(mixed: Profile | None) -> str:
+    if mixed is None:
+        return "-"
+    return (f"a `pdserve profile --mixed` of {mixed.model} on {mixed.hardware} ({mixed.created or 'undated'}): "
+            f"decode batches {list(mixed.mixed_batch_sizes)} at context {mixed.mixed_context} x chunks "
+            f"{list(mixed.mixed_chunk_tokens)} tokens")
+
+
+def mixed_steps(points: list[dict], mixed: Profile | None) -> list[str]:
+    """TPOT of the configurations whose workers mix decodes and chunks (colocated, hybrid), real
+    against `chained` and `chained-mixed`, and the mixed table against chunk + decode."""
+    profile = load_profile(str(PROFILE))
+    lines = ["## Mixed steps: `chained` against `chained-mixed`", "",
+             "TPOT p50 / p90 in ms, real / `chained` / `chained-mixed`, at every point of the configurations "
+             "with mixed workers.", "",
+             "| experiment | config | dataset | rate | TPOT p50 | TPOT p90 | goodput tight |", "|---|---|---|---|---|---|---|"]
+    key = lambda p: (p["experiment"], p["config"], p["dataset"], p["rate"])  # noqa: E731
+    by = {(p["model"], *key(p)): p for p in points}
+    for p in sorted((p for p in points if p["model"] == "chained" and p["config"] != "pd"),
+                    key=lambda p: (p["experiment"] != "sweep", CONFIGS.index(p["config"]), p["dataset"], p["rate"])):
+        m = by.get((MIXED_MODEL, *key(p)))
+        if m is None:
+            continue
+        cells = [f"{p['real_' + k] * 1e3:.1f} / {p['sim_' + k] * 1e3:.1f} / {m['sim_' + k] * 1e3:.1f}"
+                 for k in ("tpot_p50", "tpot_p90")]
+        cells.append(f"{p['real_goodput_tight']:.2f} / {p['sim_goodput_tight']:.2f} / {m['sim_goodput_tight']:.2f}")
+        lines.append(f"| {p['experiment']} | {p['config']} | {p['dataset']} | {p['rate']:g} | " + " | ".join(cells) + " |")
+    if mixed is not None:
+        c = mixed.mixed_context
+        lines += ["", f"The mixed table (ms) against profile.json's chunk + decode sum P(T) + D(B, {c}) for the "
+                  "same step:", "", "| B \\ T | " + " | ".join(str(t) for t in mixed.mixed_chunk_tokens) + " |",
+                  "|---|" + "---|" * len(mixed.mixed_chunk_tokens)]
+        for b, row in zip(mixed.mixed_batch_sizes, mixed.mixed_times):
+            lines.append(f"| {b} | " + " | ".join(
+                f"{s * 1e3:.1f} vs {(profile.prefill_seconds(t) + profile.decode_step_seconds(b, c)) * 1e3:.1f}"
+                for t, s in zip(mixed.mixed_chunk_tokens, row)) + " |")
+    return lines + [""]
 
 
 def _span(values: list[float]) -> str:
@@ -604,7 +709,7 @@ def overview(points: list[dict]) -> list[str]:
              "| model | runs | within 10% | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 | goodput loose | goodput tight "
              "| ranking: pairs agree (goodput tight) | best config agrees (tight) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for model in MODELS:
+    for model in _models(points):
         for experiment in ("sweep", "steady"):
             mine = [p for p in points if p["model"] == model and p["experiment"] == experiment]
             if not mine:
