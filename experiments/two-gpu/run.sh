@@ -2,9 +2,11 @@
 # The two-GPU study (README.md in this folder), in steps that each fit one device call:
 #   run.sh kv        KV GPU0 -> GPU1 against raw ucxx and NCCL   -> kvtransfer.txt
 #   run.sh profile   `pdserve profile` of the model on one GPU    -> profile.json
+#   run.sh profile-mixed  the same plus the mixed-step table (--mixed; ~3 min on one H200)
+#                    -> profile-mixed.json (sim_fidelity_two_gpu's chained-mixed model)
 #   run.sh CONFIG..  the sweep of those configurations: pd colocated hybrid-loose hybrid-tight
 #   run.sh analyze   tables and plots (needs matplotlib)          -> table.md, plots/
-#   run.sh all       all of it, in this order
+#   run.sh all       kv, profile, the four configurations and analyze, in this order
 # Results: experiments/results/two-gpu/ (RESULTS to change). Run from anywhere.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,7 +17,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export TWO_GPU_PROFILE=${TWO_GPU_PROFILE:-$results/profile.json}
 mkdir -p "$results"
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || { sed -n '2,9p' "$0"; exit 2; }
+[ ${#steps[@]} -gt 0 ] || { sed -n '2,11p' "$0"; exit 2; }
 [ "${steps[0]}" = all ] && steps=(kv profile pd colocated hybrid-loose hybrid-tight analyze)
 for step in "${steps[@]}"; do
   echo "== $step ($(date -u +%H:%M:%S))"
@@ -25,6 +27,10 @@ for step in "${steps[@]}"; do
     profile) "$py" -m pdserve.cli profile --model "$model" --out "$results/profile.json" -q \
           --prefill-tokens 128,512,1024,2048,4096 --decode-batches 1,8,32,64 --decode-contexts 512,2048 \
           --repeats 2 --decode-steps 8 2>&1 | tee "$results/profile.txt" ;;
+    profile-mixed) "$py" -m pdserve.cli profile --model "$model" --out "$results/profile-mixed.json" -q \
+          --prefill-tokens 128,512,1024,2048,4096 --decode-batches 1,8,32,64 --decode-contexts 512,2048 \
+          --repeats 2 --decode-steps 8 --mixed --mixed-batches 1,4,16,32,64 --mixed-chunks 64,128,256,512 \
+          --mixed-context 2048 2>&1 | tee "$results/profile-mixed.txt" ;;
     pd|colocated|hybrid-loose|hybrid-tight)
       "$py" -m loadgen.cli experiment "${SPEC:-experiments/two-gpu/spec.yaml}" --policy "$step" \
           --output-dir "$results/$step" --no-progress ;;
