@@ -125,3 +125,30 @@ def test_flush_emits_incomplete_tail(tokenizer):
     tail = detok.flush()
     assert partial + tail == tokenizer.decode(ids[:-1]) and tail.endswith("\ufffd")
     assert detok.text == partial + tail
+
+
+def test_byte_level_table_only_for_byte_level_bpe(tokenizer):
+    skip, keep = tokenizer.byte_table  # SmolLM2: BPE with the ByteLevel decoder
+    assert len(skip) == len(keep) >= tokenizer.vocab_size
+    eos = tokenizer.eos_token_ids[0]
+    assert skip[eos] == b"" and keep[eos] == tokenizer.token_to_str(eos).encode()
+    hello = tokenizer.encode(" hello", add_special_tokens=False)
+    assert b"".join(skip[i] for i in hello) == b" hello"
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_byte_table_detokenizer_equals_window_decoding(tokenizer, skip_special_tokens):
+    """The table path and the window-decoding path emit the same deltas, token by token, on
+    text with multi-byte characters and on random ids (special tokens and invalid byte runs)."""
+    import random
+
+    rng = random.Random(0)
+    streams = [tokenizer.encode(t, add_special_tokens=False) for t in TEXTS + ["naïve — “ok” 😀🚀 日本語\n\t x"]]
+    streams += [[rng.randrange(tokenizer.vocab_size) for _ in range(60)] for _ in range(40)]
+    for ids in streams:
+        fast = IncrementalDetokenizer(tokenizer, [5, 6], skip_special_tokens=skip_special_tokens)
+        slow = IncrementalDetokenizer(tokenizer, [5, 6], skip_special_tokens=skip_special_tokens)
+        assert fast._bytes is not None
+        slow._bytes = None  # the window-decoding path every other tokenizer takes
+        assert [fast.add(i) for i in ids] + [fast.flush()] == [slow.add(i) for i in ids] + [slow.flush()]
+        assert fast.text == slow.text
