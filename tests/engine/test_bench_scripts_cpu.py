@@ -30,6 +30,20 @@ def test_bench_engine_gpu_cpu_path(tmp_path):
     r = json.loads(out.read_text())
     assert r["kv_cache_dtype"] == "fp8" and r["offline_steps"] > 0 and r["decode_b2_step_ms"] > 0
     assert 0 < r["offline_roofline_fraction"] and r["warmup_s"] > 0
+    assert r["decode_b2_bound_ms"] >= r["decode_b2_roofline_ms"] > 0  # the FLOPs can only add
+
+
+@pytest.mark.timeout(120)
+def test_profile_decode_gpu_cpu_path(tmp_path):
+    out = tmp_path / "p.json"
+    rc = load("profile_decode_gpu").main(["--device", "cpu", "--batches", "1", "2", "--input-len", "24", "--steps", "2",
+                                          "--mixed-batches", "2", "--mixed-prompt", "80", "--mixed-budget", "32",
+                                          "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert [row["batch"] for row in r["decode"]] == [1, 2] and r["decode"][0]["host"]  # eager batch 1: host profile
+    mixed = r["mixed"][0]
+    assert mixed["mixed_steps"] >= 2 and mixed["chunk_steps"] >= 2 and mixed["mixed_ms"] > 0
 
 
 @pytest.mark.timeout(120)
