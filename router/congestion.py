@@ -107,8 +107,15 @@ class LinkMonitor:
         self.alpha = float(alpha)
         self.compute_slack = float(compute_slack)
         self._links: dict[str, _Link] = {}
+        self._states: dict[str, LinkState] = {}  # state() of each link, until it changes
+        self._view: CongestionView | None = None  # view() until any link changes
+
+    def _changed(self, key: str) -> None:
+        self._states.pop(key, None)
+        self._view = None
 
     def start(self, key: str, num_bytes: int) -> Flow:
+        self._changed(key)
         link = self._links.setdefault(key, _Link())
         flow = Flow(key, max(0, int(num_bytes)))
         link.flows.append(flow)
@@ -124,6 +131,7 @@ class LinkMonitor:
         if flow.done:
             return None
         flow.done = True
+        self._changed(flow.key)
         link = self._links[flow.key]
         link.flows.remove(flow)
         if kv_bytes <= 0 or kv_seconds <= 0:
@@ -137,6 +145,7 @@ class LinkMonitor:
         """One throughput sample for link `key` (see the module docstring for `lower_bound`)."""
         if not gbps > 0:
             return
+        self._changed(key)
         link = self._links.setdefault(key, _Link())
         if link.measured_gbps is None:
             if lower_bound:
@@ -149,16 +158,24 @@ class LinkMonitor:
         link.num_samples += 1
 
     def state(self, key: str) -> LinkState:
+        found = self._states.get(key)
+        if found is not None:
+            return found
         link = self._links.get(key)
         if link is None:
             return IDLE
-        return LinkState(
+        found = self._states[key] = LinkState(
             bytes_in_flight=sum(f.num_bytes for f in link.flows), active_flows=len(link.flows),
             measured_gbps=link.measured_gbps, num_samples=link.num_samples,
         )
+        return found
 
     def keys(self) -> tuple[str, ...]:
         return tuple(self._links)
 
     def view(self) -> CongestionView:
-        return CongestionView({key: self.state(key) for key in self._links})
+        """Every link's state now; an unchanged link keeps its LinkState object, an unchanged
+        monitor its view (a router builds one a request, over every link it has used)."""
+        if self._view is None:
+            self._view = CongestionView({key: self.state(key) for key in self._links})
+        return self._view

@@ -74,3 +74,16 @@ def test_a_transfer_just_past_its_compute_is_compute_bound():
 def test_alpha_is_checked():
     with pytest.raises(ValueError, match="alpha"):
         LinkMonitor(alpha=0)
+
+
+def test_link_monitor_views_reuse_unchanged_states():
+    monitor = LinkMonitor()
+    a = monitor.start("x->y", 100)
+    monitor.start("y->z", 50)
+    first = monitor.view()
+    assert monitor.view() is first
+    monitor.finish(a, kv_bytes=100, kv_seconds=1e-6)
+    second = monitor.view()
+    assert second is not first and second.links["y->z"] is first.links["y->z"]
+    assert second.links["x->y"] == LinkState(bytes_in_flight=0, active_flows=0, measured_gbps=0.8, num_samples=1)
+    assert first.links["x->y"] == LinkState(bytes_in_flight=100, active_flows=1)
