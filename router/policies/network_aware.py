@@ -2,7 +2,9 @@
 
 For a request that may be disaggregated (router.placement's shared rules decide that):
 1. every (P, D) pair with P != D and every local run on D is estimated (router.policies.cost;
-   above 1,024 pairs router.policies.prune finds the same best options without pricing them all);
+   above 1,024 pairs router.policies.prune finds the same best options without pricing them all,
+   in vector form over arrays kept across placements on clusters of prefill and decode workers,
+   router.policies.columnar; `columnar=False` keeps the general path, the same decisions);
 2. an option is feasible when D has free KV blocks for the prompt (when it reports them) and,
    with `slo_tpot`, its predicted TPOT at D is within it;
 3. the best feasible pair and the best feasible local run (lowest TTFT; ties to the less loaded
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from router.placement import (
     ClusterSnapshot,
@@ -59,6 +61,7 @@ from router.placement import (
 from router.policies import prune
 from router.policies.baselines import PrefixIndex
 from router.policies.calibration import Calibration, Prediction
+from router.policies.columnar import ROLE_DECODE, ROLE_PREFILL, Columnar, Columns
 from router.congestion import transfer_seconds
 from router.policies.cost import Estimate, estimate_local, estimate_pair
 from router.policies.split import SplitChooser, SplitPrediction
@@ -70,12 +73,13 @@ from router.topology import Topology
 class NetworkAware(PoolPolicy):
     name = "network-aware"
     exhaustive_max_pairs = prune.EXHAUSTIVE_MAX_PAIRS  # more pairs than this: the pruned search (router.policies.prune)
+    columnar = True  # the pruned search in vector form where it applies (router.policies.columnar); same decisions
 
     def __init__(
         self, *, profile: Profile | None = None, topology: Topology | None = None,
         slo_ttft: float | None = None, slo_tpot: float | None = None, admission_control: bool = False,
         local_margin: float = 0.2, block_size: int = 16, local_prefill_max_tokens: int = 0,
-        max_batch: int = 64, calibrate: bool = True,
+        max_batch: int = 64, calibrate: bool = True, columnar: bool | None = None,
     ) -> None:
         super().__init__(local_prefill_max_tokens=local_prefill_max_tokens)
         if not isinstance(profile, Profile):
@@ -113,6 +117,11 @@ class NetworkAware(PoolPolicy):
         self._residuals = {kind: self.calibration.estimate_factors(kind) for kind in ("local", "disaggregated")}
         self._settle_until = -math.inf  # hybrid: the previous configuration's requests drain until then
         self._now = 0.0
+        if columnar is not None:
+            if not isinstance(columnar, bool):
+                raise ValueError(f"columnar must be true or false, got {columnar!r}")
+            self.columnar = columnar
+        self._columns = Columns()  # the workers as arrays, kept across placements (columnar path)
 
     # ---------------------------------------------------------------- calibration
 
@@ -121,7 +130,9 @@ class NetworkAware(PoolPolicy):
         cal = self.calibration  # the residuals of this placement, read once
         self._residuals = {kind: cal.estimate_factors(kind) for kind in ("local", "disaggregated")}
         self._now = snapshot.now
-        decision = super().place(request, snapshot)
+        decision = self._place_columnar(request, snapshot) if self.columnar else None
+        if decision is None:
+            decision = super().place(request, snapshot)
         try:
             if self.calibrate:
                 self._remember(request, decision)
@@ -199,13 +210,55 @@ class NetworkAware(PoolPolicy):
         keys = self.prefixes.keys(request.prompt_token_ids)
         load = {w.worker_id: w.load for w in (*prefills, *decodes)}
         options = self._options(prefills, decodes, request, snapshot, keys, load)
+        return self._choose(options, request, keys, load, len(decodes))
+
+    def _place_columnar(self, request: RequestInfo, snapshot: ClusterSnapshot) -> Decision | None:
+        """PoolPolicy.place + decide for a request that the shared rules send to `decide` on a
+        large disaggregated cluster of prefill and decode workers, from arrays (router.policies.
+        columnar): the same decision. None, with nothing changed, where it does not apply."""
+        n = len(snapshot.workers)
+        if (snapshot.mode != "disaggregated" or request.num_resumed_tokens
+                or request.num_prompt_tokens <= self.local_prefill_max_tokens
+                or (n // 2) * (n - n // 2) <= self.exhaustive_max_pairs):
+            return None
+        columns = self._columns
+        if not columns.update(snapshot) or columns.has_mixed:
+            return None
+        healthy = columns.healthy()
+        is_decode = columns.role == ROLE_DECODE
+        if not (healthy & is_decode).any():
+            return None  # degraded: the shared rules' stand-in
+        usable = healthy
+        for worker_id in request.excluded:
+            row = columns.index.get(worker_id)
+            if row is not None:
+                usable[row] = False
+        by_id = columns.by_id
+        decode_ok = usable & is_decode & columns.fits(request.num_tokens)
+        prefill_ok = usable & (columns.role == ROLE_PREFILL) & columns.fits(request.num_prompt_tokens)
+        decode_rows, prefill_rows = by_id[decode_ok[by_id]], by_id[prefill_ok[by_id]]
+        if len(prefill_rows) * len(decode_rows) <= self.exhaustive_max_pairs:
+            return None
+        keys = self.prefixes.keys(request.prompt_token_ids)
+        options = Columnar(
+            self._pair_profile(), request, columns, prefill_rows, decode_rows, snapshot, columns.load(),
+            pair=lambda p, d: self._estimate_pair(request, p, d, snapshot, keys),
+            local=lambda d: self._estimate_local(request, d, keys),
+            cached_blocks=self.prefixes.depths(keys), block_size=self.prefixes.block_size,
+            tpot_limit=self.slo_tpot, tpot_factor=self._residuals["disaggregated"].tpot,
+        )
+        return self._choose(options, request, keys, options.load_map, len(decode_rows))
+
+    def _choose(self, options: prune.Exhaustive | prune.Pruned | Columnar, request: RequestInfo, keys: list[int],
+                load: Mapping[str, int], num_decodes: int) -> Decision:
+        """Rules 2-5 of the module docstring over the priced (or searched) options."""
         best_pair = _maybe(self._correct, options.best_pair(self._feasible_raw))
         best_local = _maybe(self._correct, options.best_local(self._feasible_raw))
 
         chosen, why = self._compete(best_pair, best_local)
         if chosen is None:
             summary = (f"no option within the TPOT SLO or with free KV blocks "
-                       f"({options.num_pairs + len(decodes)} estimated)")
+                       f"({options.num_pairs + num_decodes} estimated)")
             if self.admission_control:
                 raise SLOUnattainable(f"request {request.request_id}: {summary}")
             everything = [self._correct(e) for e in (options.best_pair(), options.best_local()) if e is not None]
@@ -217,9 +270,14 @@ class NetworkAware(PoolPolicy):
                                       f"{self.slo_ttft:.3f}s; best: {chosen.describe()}")
             why += f"; misses the TTFT SLO {self.slo_ttft:.3f}s"
 
-        over_tpot = options.count_pairs(
-            lambda e: self.slo_tpot is not None and self._correct(e).tpot_s > self.slo_tpot)
-        no_room = options.count_pairs(lambda e: not e.room)
+        if isinstance(options, Columnar):
+            over_tpot = 0 if self.slo_tpot is None else options.count_over_tpot(
+                self.slo_tpot, self._residuals["disaggregated"].tpot)
+            no_room = options.count_without_room()
+        else:
+            over_tpot = options.count_pairs(
+                lambda e: self.slo_tpot is not None and self._correct(e).tpot_s > self.slo_tpot)
+            no_room = options.count_pairs(lambda e: not e.room)
         others = (f"{options.num_pairs} pairs ({over_tpot} over the TPOT SLO, {no_room} without free KV blocks "
                   f"at D)")
         rival = best_local if chosen.prefill is not None else best_pair
@@ -363,5 +421,5 @@ def _hybrid(prefills: Sequence[WorkerSnapshot], decodes: Sequence[WorkerSnapshot
             and {w.worker_id for w in prefills} == {w.worker_id for w in decodes})
 
 
-def _order(e: Estimate, load: dict[str, int]) -> tuple[float, int, int, str, str]:
+def _order(e: Estimate, load: Mapping[str, int]) -> tuple[float, int, int, str, str]:
     return (e.ttft_s, load.get(e.prefill or "", 0), load[e.decode], e.prefill or "", e.decode)

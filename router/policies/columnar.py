@@ -1,0 +1,632 @@
+"""Network-aware placement on large clusters in vector form: the pruned search
+(router.policies.prune) with its per-worker work done on arrays. Same answers, bit for bit.
+
+At 1,000 workers the pruned search prices few pairs, but its setup touched every worker in
+Python on every request: the snapshot filtered and sorted (`PoolPolicy.place`), each decode
+worker's batch, context, two step times (admit, TPOT), free-block check and a probe estimate,
+each prefill worker's queue and bound, then sorts of tuples; about 6 ms a placement. Here:
+
+- `Columns` keeps the numbers of the snapshots' workers as arrays across placements: a row is
+  read again only when its `WorkerSnapshot` object is not the one seen last time (the
+  simulator, and a router that reuses unchanged snapshots, change a few rows a request);
+- the candidates, their load and capacity checks are array masks; the decode workers' context,
+  admit and TPOT come from `decode_steps` (router.profiles' interpolation, elementwise, the
+  same floating-point operations in the same order, so the same numbers), the prefill workers'
+  queue and prefill from `prefill_times`;
+- `Columnar` answers the questions `prune.Pruned` answers (best pair, best local run, counts)
+  by the same search: the same orders (numpy's lexsort on the same keys; worker ids compared
+  by their rank in id order), the same walks, over Python lists of the numbers; only the
+  options it walks are priced, by the policy's own estimate functions.
+
+One difference in the search: a prefill worker's bound. Pruned's, the fastest link class when
+idle plus the smallest admit of all, is below the best pair of nearly every idle prefill worker
+when link times differ by less than admit times (1,000 workers: about 100 of 250 visited a
+request). Here each is bounded by the exact link time (`NodeLinks`, following the view's link
+states change by change) to each node its node reaches by an explicit link or its own, plus
+that node's smallest admit, and by the idle remote default plus the smallest admit of all for
+the rest; flows and measured rates only slow a link, so it is a lower bound as Pruned's is, and
+the search visits one or two prefill workers. A prefill worker with the node, queue, prefill
+and load of one visited before it is skipped (it would lose every tie on its id). Bounds and
+skips decide only what is visited, never the order of options, so the choice is the same.
+
+`NetworkAware` takes this path for a request that the shared rules send to `decide` on a
+disaggregated cluster of prefill and decode workers with more pairs than its exhaustive limit;
+everything else (mixed workers, colocated, resumed or short prompts, no decode worker up)
+keeps the general path. `NetworkAware(columnar=False)` keeps the general path everywhere: the
+reference that tests/router/test_columnar.py, tests/sim/test_sim_columnar.py (sim.check),
+benchmarks/bench_placement.py and `bench_sim.py --check-decisions` compare with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
+
+import numpy as np
+
+from router.congestion import IDLE, CongestionView, LinkState, available_gbps, transfer_seconds
+from router.placement import ClusterSnapshot, RequestInfo, WorkerSnapshot
+from router.policies.cost import Estimate
+from router.policies.prune import _link, _topology_cache, link_classes, order
+from router.profiles import Profile
+from router.topology import Link, Topology
+
+_NUMBERS = ("healthy", "num_waiting", "num_running", "num_free_blocks", "num_blocks", "block_size", "num_inflight",
+            "max_model_len", "num_inflight_tokens")
+(HEALTHY, WAITING, RUNNING, FREE, BLOCKS, BLOCK_SIZE, INFLIGHT, MAX_LEN, TOKENS) = range(len(_NUMBERS))
+_numbers = attrgetter(*_NUMBERS)
+ROLE_PREFILL, ROLE_DECODE, ROLE_MIXED = 0, 1, 2
+_ROLE = {"prefill": ROLE_PREFILL, "decode": ROLE_DECODE, "mixed": ROLE_MIXED}
+
+
+# ---------------------------------------------------------------- profile queries on arrays
+
+
+def interpolate(xs: Sequence[int], ys_at: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarray:
+    """router.profiles._interpolate elementwise: `xs` the axis, `ys_at(j)` the values at axis
+    index j for each element, `x` an integer array. The same operations in the same order (at
+    or below the first point the segment is the first one, where ys_at(0) is the answer)."""
+    if len(xs) == 1:
+        first = ys_at(np.zeros(x.shape, dtype=np.intp))
+        return np.where(x <= xs[0], first, first * x / xs[0])
+    axis = _axis(xs)
+    i = np.searchsorted(axis, x, side="right")
+    lo = np.clip(i - 1, 0, len(xs) - 2)
+    y_lo, y_hi = ys_at(lo), ys_at(lo + 1)
+    slope = (y_hi - y_lo) / (axis[lo + 1] - axis[lo])
+    if i.max(initial=0) >= len(xs):
+        slope = np.where(i >= len(xs), np.maximum(slope, 0.0), slope)
+    value = np.maximum(y_lo + slope * (x - axis[lo]), 0.0)
+    return np.where(x <= xs[0], y_lo, value)
+
+
+_AXES: dict[tuple[int, ...], np.ndarray] = {}
+
+
+def _axis(xs: Sequence[int]) -> np.ndarray:
+    key = tuple(xs)
+    found = _AXES.get(key)
+    if found is None:
+        if len(_AXES) >= 64:
+            _AXES.clear()
+        found = _AXES[key] = np.asarray(key, dtype=np.int64)
+    return found
+
+
+def decode_steps(profile: Profile, batch: np.ndarray, context: np.ndarray,
+                 *more: np.ndarray) -> np.ndarray | tuple[np.ndarray, ...]:
+    """`profile.decode_step_seconds(b, c)` for each (b, c); with `more` batch arrays, a tuple:
+    the step times at `batch`, then at each of `more`, all at `context` (one interpolation of
+    every batch row along the context serves them all)."""
+    times = _decode_table(profile)
+    rows = interpolate(profile.decode_contexts, lambda k: times[:, k], np.maximum(context, 1))  # [row, element]
+    column = np.arange(len(context))
+    found = []
+    for b in (batch, *more):
+        value = interpolate(profile.decode_batch_sizes, lambda j: rows[j, column], b)
+        found.append(np.where(b <= 0, 0.0, value))
+    return tuple(found) if more else found[0]
+
+
+def prefill_times(profile: Profile, tokens: np.ndarray) -> np.ndarray:
+    """`profile.prefill_seconds(n)` for each n."""
+    times = np.asarray(profile.prefill_times, dtype=np.float64)
+    value = interpolate(profile.prefill_tokens, lambda k: times[k], tokens)
+    return np.where(tokens <= 0, 0.0, value)
+
+
+def _decode_table(profile: Profile) -> np.ndarray:
+    table = profile.__dict__.get("_decode_table")
+    if table is None:
+        table = np.asarray(profile.decode_times, dtype=np.float64)
+        object.__setattr__(profile, "_decode_table", table)
+    return table
+
+
+# ---------------------------------------------------------------- the workers as arrays
+
+
+class Columns:
+    """The workers of the snapshots one policy sees, as arrays kept across placements (module
+    docstring). `update` returns False when the snapshot holds something the arrays cannot
+    (a number that is not an int): the caller takes the general path."""
+
+    def __init__(self) -> None:
+        self.workers: tuple[WorkerSnapshot, ...] = ()  # held: their ids stay distinct from new objects'
+        self._ident = np.zeros(0, dtype=np.uintp)
+        self.topology: Topology | None = None
+        self.ids: list[str] = []
+        self.index: dict[str, int] = {}
+        self.numbers = np.zeros((0, len(_NUMBERS)), dtype=np.int64)
+        self.role = np.zeros(0, dtype=np.int8)
+        self.node = np.zeros(0, dtype=np.intp)  # index into node_names
+        self.node_names: list[str] = []
+        self.by_id = np.zeros(0, dtype=np.intp)  # rows in worker-id order
+        self.has_mixed = False
+        self._links: NodeLinks | None = None
+
+    def update(self, snapshot: ClusterSnapshot) -> bool:
+        workers = tuple(snapshot.workers)
+        n = len(workers)
+        if snapshot.topology is not self.topology or n != len(self.workers):
+            return self._rebuild(snapshot)
+        ident = np.fromiter(map(id, workers), dtype=np.uintp, count=n)
+        changed = np.flatnonzero(ident != self._ident).tolist()
+        if len(changed) > n // 4:
+            return self._rebuild(snapshot)
+        node_of = snapshot.topology.node_of
+        names = self.node_names
+        for i in changed:
+            w = workers[i]
+            if (w.worker_id != self.ids[i] or _ROLE.get(w.role) != self.role[i]
+                    or node_of(w.worker_id, w.node) != names[self.node[i]]):
+                return self._rebuild(snapshot)
+            row = _numbers(w)
+            if not all(type(v) is int or type(v) is bool for v in row):
+                self.workers = ()
+                return False
+            self.numbers[i] = row
+        self.workers, self._ident = workers, ident
+        return True
+
+    def _rebuild(self, snapshot: ClusterSnapshot) -> bool:
+        workers = tuple(snapshot.workers)
+        self.workers, self.topology = (), None
+        rows = list(map(_numbers, workers))
+        numbers = np.array(rows, dtype=object).reshape(len(workers), len(_NUMBERS))
+        if not all(type(v) is int or type(v) is bool for v in numbers.flat):
+            return False
+        self.numbers = numbers.astype(np.int64)
+        self.ids = [w.worker_id for w in workers]
+        self.index = {wid: i for i, wid in enumerate(self.ids)}
+        self.role = np.array([_ROLE[w.role] for w in workers], dtype=np.int8)
+        self.has_mixed = bool((self.role == ROLE_MIXED).any())
+        node_of = snapshot.topology.node_of
+        names: dict[str, int] = {}
+        self.node = np.array([names.setdefault(node_of(w.worker_id, w.node), len(names)) for w in workers],
+                             dtype=np.intp)
+        self.node_names = list(names)
+        self.by_id = np.array(sorted(range(len(workers)), key=self.ids.__getitem__), dtype=np.intp)
+        self._ident = np.fromiter(map(id, workers), dtype=np.uintp, count=len(workers))
+        self.workers, self.topology = workers, snapshot.topology
+        self._links = None
+        return True
+
+    def links(self) -> NodeLinks:
+        if self._links is None:
+            self._links = NodeLinks(self.topology, self.node_names)  # type: ignore[arg-type]
+        return self._links
+
+    # ---------------------------------------------------------------- derived per placement
+
+    def healthy(self) -> np.ndarray:
+        """A new boolean array: WorkerSnapshot.healthy of every row."""
+        return self.numbers[:, HEALTHY] != 0
+
+    def load(self) -> np.ndarray:
+        """WorkerSnapshot.load of every row."""
+        num = self.numbers
+        return np.maximum(num[:, WAITING] + num[:, RUNNING], num[:, INFLIGHT])
+
+    def fits(self, num_tokens: int) -> np.ndarray:
+        """WorkerSnapshot.fits(num_tokens) of every row."""
+        num = self.numbers
+        max_len, blocks, size = num[:, MAX_LEN], num[:, BLOCKS], num[:, BLOCK_SIZE]
+        ok = ~((max_len != 0) & (num_tokens > max_len))
+        sized = (blocks != 0) & (size != 0)
+        need = -(-num_tokens // np.where(sized, size, 1))
+        return ok & (~sized | (need <= blocks))
+
+    def has_room(self, rows: np.ndarray, num_tokens: int) -> np.ndarray:
+        """cost.has_room(worker, num_tokens) of `rows`."""
+        num = self.numbers[rows]
+        blocks, size = num[:, BLOCKS], num[:, BLOCK_SIZE]
+        sized = (blocks != 0) & (size != 0)
+        need = -(-num_tokens // np.where(sized, size, 1))
+        return ~sized | (need <= num[:, FREE])
+
+
+class NodeLinks:
+    """The links of a topology between the nodes of the workers, by node index: for each node,
+    the nodes it reaches by an explicit link or its own local one (`reach_node`, padded with
+    len(node_names)), and `kv(view, num_bytes)`: the transfer time of `num_bytes` over each of
+    those links as router.congestion.transfer_seconds prices it with the view's state (the same
+    operations, so the same numbers); `remote_kv`: over the idle remote default."""
+
+    def __init__(self, topology: Topology, node_names: list[str]) -> None:
+        index = {name: k for k, name in enumerate(node_names)}
+        self.remote = Link("", "", topology.remote_gbps, topology.remote_latency_ms)
+        reached: list[list[Link]] = []
+        for name in node_names:
+            reached.append([topology.link(name, name)])
+        for link in topology.links:
+            if link.src in index and link.dst in index and link.src != link.dst:
+                reached[index[link.src]].append(link)
+        width = max(map(len, reached), default=1)
+        nodes = len(node_names)
+        self.reach_node = np.full((nodes, width), nodes, dtype=np.intp)
+        self._latency_s = np.zeros((nodes, width))
+        self._idle_gbps = np.ones((nodes, width))
+        self._position: dict[str, tuple[int, int, Link]] = {}  # link key -> (node, column, link)
+        for k, row in enumerate(reached):
+            for j, link in enumerate(row):
+                self.reach_node[k, j] = index[link.dst]
+                self._latency_s[k, j] = link.latency_ms / 1e3
+                self._idle_gbps[k, j] = available_gbps(link, IDLE)
+                self._position[link.key] = (k, j, link)
+        self._gbps = self._idle_gbps.copy()  # the fair share a new flow gets on each, by the view
+        self._remote_gbps = topology.remote_gbps
+        # by source node: the nodes whose link from it has flows or a measured rate below the remote
+        # default's capacity (prune._Generic's test), over every link of the view
+        self.busy: dict[str, set[str]] = {}
+        self.arrow = np.array(["->" in name for name in node_names] + [False], dtype=bool)
+        self._keys: list[str] = []
+        self._states: list[LinkState] = []  # held: their ids stay distinct from new objects'
+        self._ident = np.zeros(0, dtype=np.uintp)
+
+    def kv(self, view: CongestionView, num_bytes: int) -> np.ndarray:
+        self._follow(view)
+        if num_bytes <= 0:
+            return np.zeros(self._gbps.shape)
+        return self._latency_s + num_bytes * 8 / (self._gbps * 1e9)
+
+    def remote_kv(self, num_bytes: int) -> float:
+        return transfer_seconds(self.remote, IDLE, num_bytes)
+
+    def _follow(self, view: CongestionView) -> None:
+        """The fair shares of the links whose state changed since the last view (a monitor
+        keeps an unchanged link's LinkState object and its links in order)."""
+        keys, states = list(view.links), list(view.links.values())
+        ident = np.fromiter(map(id, states), dtype=np.uintp, count=len(states))
+        m = len(self._keys)
+        if len(keys) >= m and keys[:m] == self._keys:
+            changed = np.flatnonzero(ident[:m] != self._ident).tolist() + list(range(m, len(keys)))
+        else:
+            self._gbps = self._idle_gbps.copy()
+            self.busy = {}
+            changed = range(len(keys))
+        position, busy, remote_gbps = self._position, self.busy, self._remote_gbps
+        for i in changed:
+            key, state = keys[i], states[i]
+            found = position.get(key)
+            if found is not None:
+                k, j, link = found
+                self._gbps[k, j] = available_gbps(link, state)
+            src, _, dst = key.partition("->")
+            if state.active_flows == 0 and (state.measured_gbps is None or state.measured_gbps >= remote_gbps):
+                if src in busy:
+                    busy[src].discard(dst)
+            else:
+                busy.setdefault(src, set()).add(dst)
+        self._keys, self._states, self._ident = keys, states, ident
+
+
+class LoadMap(Mapping):
+    """worker id -> load of the candidates, read on demand (the policy's `load` dict)."""
+
+    def __init__(self, columns: Columns, load: np.ndarray, rows: np.ndarray) -> None:
+        self._columns, self._load = columns, load
+        self._member = np.zeros(len(load), dtype=bool)
+        self._member[rows] = True
+
+    def _row(self, key: object) -> int | None:
+        row = self._columns.index.get(key)  # type: ignore[arg-type]
+        return row if row is not None and self._member[row] else None
+
+    def __getitem__(self, key: str) -> int:
+        row = self._row(key)
+        if row is None:
+            raise KeyError(key)
+        return int(self._load[row])
+
+    def __contains__(self, key: object) -> bool:
+        return self._row(key) is not None
+
+    def __iter__(self):
+        return (self._columns.ids[i] for i in np.flatnonzero(self._member).tolist())
+
+    def __len__(self) -> int:
+        return int(self._member.sum())
+
+
+# ---------------------------------------------------------------- the search
+
+
+class Columnar:
+    """prune.Pruned's answers from arrays (module docstring). `prefill_rows` and `decode_rows`:
+    rows of `columns`, each in worker-id order, disjoint (no mixed workers). `feasible` given to
+    `best_pair`/`best_local` must be the policy's feasibility, whose vector form is
+    `room and tpot x tpot_factor <= tpot_limit` (no limit: room alone); the chosen pair is
+    checked with the callable itself."""
+
+    def __init__(self, profile: Profile, request: RequestInfo, columns: Columns, prefill_rows: np.ndarray,
+                 decode_rows: np.ndarray, snapshot: ClusterSnapshot, load: np.ndarray,
+                 pair: Callable[[WorkerSnapshot, WorkerSnapshot], Estimate],
+                 local: Callable[[WorkerSnapshot], Estimate], cached_blocks: Mapping[str, int], block_size: int,
+                 *, tpot_limit: float | None, tpot_factor: float) -> None:
+        self.profile, self.request, self.snapshot, self.columns = profile, request, snapshot, columns
+        self._pair, self._local = pair, local
+        self._workers = columns.workers
+        self._p_rows, self._d_rows = prefill_rows.tolist(), decode_rows.tolist()
+        n = request.num_prompt_tokens
+        self.num_bytes = n * (snapshot.kv_bytes_per_token or profile.kv_bytes_per_token)
+        self._c = (profile.num_layers - 1) / profile.num_layers
+        self._kv_memo: dict[tuple[str, str], float] = {}
+        self._links = _topology_cache(snapshot.topology)[1]
+        self.fallbacks = 0
+        self.load_map = LoadMap(columns, load, np.concatenate((prefill_rows, decode_rows)))
+        num = columns.numbers
+
+        # decode side: cost.decode_context, the admit and TPOT steps, the free-block check
+        d = decode_rows
+        batch = load[d]
+        inflight, tokens = num[d, INFLIGHT], num[d, TOKENS]
+        known = np.where(inflight != 0, tokens / np.where(inflight != 0, inflight, 1), float(n))
+        context = np.maximum(np.rint((known * batch + request.num_tokens) / (batch + 1)).astype(np.int64), 1)
+        self._admit, self._tpot = decode_steps(profile, batch, context, batch + 1)
+        self._room = columns.has_room(d, n)
+        ok = self._room if tpot_limit is None else self._room & (self._tpot * tpot_factor <= tpot_limit)
+        self._feasible = ok
+        self._d_load = batch
+        self._d_node = columns.node[d]
+        self._d_batch, self._d_context = batch, context
+        # (admit, load, id) order of all decode workers (their rank in id order is their index)
+        self._order = np.lexsort((np.arange(len(d)), batch, self._admit))
+
+        # prefill side: the queue and the prefill of the uncached prompt at each, by the pair profile
+        p = prefill_rows
+        self._p_load = load[p]
+        unknown = np.maximum(0, num[p, WAITING] + num[p, RUNNING] - num[p, INFLIGHT])
+        self._queue = prefill_times(profile, num[p, TOKENS] + unknown * n)
+        self._prefill = np.full(len(p), profile.prefill_seconds(max(1, n)))
+        self._cached_d: list[int] = []
+        if cached_blocks:
+            where_p = {row: i for i, row in enumerate(self._p_rows)}
+            where_d = {row: i for i, row in enumerate(self._d_rows)}
+            for wid, blocks in cached_blocks.items():
+                row = columns.index.get(wid)
+                if row is None or not blocks:
+                    continue
+                if row in where_p:
+                    self._prefill[where_p[row]] = profile.prefill_seconds(max(1, n - blocks * block_size))
+                if row in where_d:
+                    self._cached_d.append(where_d[row])
+            self._cached_d.sort()
+
+    # ---------------------------------------------------------------- Pruned's interface
+
+    @property
+    def num_pairs(self) -> int:
+        return len(self._p_rows) * len(self._d_rows)
+
+    def count_over_tpot(self, limit: float, factor: float) -> int:
+        """Pairs whose TPOT x `factor` exceeds `limit` (TPOT is D's alone)."""
+        return len(self._p_rows) * int(np.count_nonzero(self._tpot * factor > limit))
+
+    def count_without_room(self) -> int:
+        return len(self._p_rows) * int(np.count_nonzero(~self._room))
+
+    def _decode(self, i: int) -> WorkerSnapshot:
+        return self._workers[self._d_rows[i]]
+
+    def _prefill_worker(self, i: int) -> WorkerSnapshot:
+        return self._workers[self._p_rows[i]]
+
+    def best_local(self, feasible: Callable[[Estimate], bool] | None = None) -> Estimate | None:
+        """Pruned.best_local: the workers with a cached prefix priced one by one, the others
+        walked in (admit, load, id) order until past the best, one per (batch, context, room)."""
+        best: Estimate | None = None
+        best_key = None
+        load = self.load_map
+
+        def consider(e: Estimate) -> None:
+            nonlocal best, best_key
+            if feasible is not None and not feasible(e):
+                return
+            k = order(e, load)
+            if best_key is None or k < best_key:
+                best, best_key = e, k
+
+        for i in self._cached_d:
+            consider(self._local(self._decode(i)))
+        cached = set(self._cached_d)
+        batch, context, room = self._d_batch.tolist(), self._d_context.tolist(), self._room.tolist()
+        seen: set[tuple[int, int, bool]] = set()
+        for i in self._order.tolist():
+            if i in cached:
+                continue
+            same = (batch[i], context[i], room[i])
+            if same in seen:
+                continue
+            seen.add(same)
+            e = self._local(self._decode(i))
+            if best_key is not None and e.ttft_s > best_key[0]:
+                break
+            consider(e)
+        return best
+
+    def best_pair(self, feasible: Callable[[Estimate], bool] | None = None) -> Estimate | None:
+        if not self._p_rows:
+            return None
+        entries = self._order if feasible is None else self._order[self._feasible[self._order]]
+        chosen = self._search(entries)
+        if chosen is None:
+            return None
+        (p, d), ttft = chosen
+        e = self._pair(self._prefill_worker(p), self._decode(d))
+        if e.ttft_s != ttft or (feasible is not None and not feasible(e)):
+            return self._exhaustive(feasible)
+        return e
+
+    # ---------------------------------------------------------------- the search (Pruned._search)
+
+    def _search(self, entries: np.ndarray):
+        if len(entries) == 0:
+            return None
+        admit_of, load_of = self._admit.tolist(), self._d_load.tolist()
+        node_of = self._d_node.tolist()
+        names = self.columns.node_names
+        # by node, each node's workers in (admit, load, id) order; nodes by (smallest admit, load, id, name)
+        nodes_sorted = entries[np.argsort(self._d_node[entries], kind="stable")]
+        node_col = self._d_node[nodes_sorted]
+        starts = np.flatnonzero(np.r_[True, node_col[1:] != node_col[:-1]])
+        load_min = np.minimum.reduceat(self._d_load[nodes_sorted], starts)
+        id_min = np.minimum.reduceat(nodes_sorted, starts)
+        admit_min = self._admit[nodes_sorted[starts]]
+        # (a node's smallest id is its own: no two nodes tie on the first three, so names never decide)
+        node_order = np.lexsort((id_min, load_min, admit_min)).tolist()
+        ends = np.r_[starts[1:], len(nodes_sorted)].tolist()
+        members = nodes_sorted.tolist()
+        admit_l, load_min_l, id_min_l = admit_min.tolist(), load_min.tolist(), id_min.tolist()
+        node_l, starts_l = node_col[starts].tolist(), starts.tolist()
+        nodes = [(admit_l[k], load_min_l[k], id_min_l[k], names[node_l[k]], starts_l[k], ends[k]) for k in node_order]
+        overall_admit = nodes[0][0]
+        d_load_min = int(load_min.min())
+        d_id_min = int(id_min.min())
+        floor = self._kv_floor()
+        generic = _Generic(self, entries, {t[3] for t in nodes}, node_col[starts])
+
+        # prefill workers by a lower bound of their pairs' TTFT: over the nodes their node reaches
+        # by an explicit link (its own node included), that link's idle time + the node's smallest
+        # admit; over every other node, the idle remote default + the smallest admit of all.
+        # Flows and measured rates only slow a link, so each term bounds what it stands for.
+        q, s = self._queue, self._prefill
+        c = self._c
+        a_floor = q + s + floor - c * np.minimum(floor, s)
+        links = self.columns.links()
+        node_min = np.full(len(names) + 1, np.inf)  # by node index; the last: no node (padding)
+        node_min[node_col[starts]] = admit_min
+        p_node_idx = self.columns.node[self._p_rows]
+        remote = links.remote_kv(self.num_bytes)
+        bound = q + s + remote - c * np.minimum(remote, s) + overall_admit
+        kv = links.kv(self.snapshot.links, self.num_bytes)[p_node_idx]  # [P, reached nodes]
+        reach = (q[:, None] + s[:, None] + kv - c * np.minimum(kv, s[:, None])
+                 + node_min[links.reach_node[p_node_idx]])
+        bound = np.minimum(bound, reach.min(axis=1))
+        visit = np.lexsort((np.arange(len(q)), self._p_load, bound)).tolist()
+        bound_l, p_load_l, q_l, s_l, af_l = bound.tolist(), self._p_load.tolist(), q.tolist(), s.tolist(), a_floor.tolist()
+        p_nodes = p_node_idx.tolist()
+        position = {t[3]: k for k, t in enumerate(nodes)}
+
+        best_key: tuple[float, int, int, int, int] | None = None
+        best = None
+        # a prefill worker with the node, queue, prefill and load of one visited before it (a lower
+        # id, as visits go) prices every pair the same and loses each tie on its id: skipped
+        seen: set[tuple[int, float, float, int]] = set()
+        reached: dict[str, tuple[set[str] | None, list]] = {}  # by node: its special nodes, in visit order
+        for p_id in visit:
+            p_load = p_load_l[p_id]
+            if best_key is not None:
+                b = bound_l[p_id]
+                if b > best_key[0]:
+                    break
+                if b == best_key[0] and (p_load, d_load_min, p_id, d_id_min) > best_key[1:]:
+                    continue
+            qp, sp, afp = q_l[p_id], s_l[p_id], af_l[p_id]
+            same = (p_nodes[p_id], qp, sp, p_load)
+            if same in seen:
+                continue
+            seen.add(same)
+            p_node = names[p_nodes[p_id]]
+            found = reached.get(p_node)
+            if found is None:
+                special = generic.special(p_node)
+                found = reached[p_node] = (special, nodes if special is None else
+                                           [nodes[k] for k in sorted(position[name] for name in special)])
+            special, own = found
+            for node_admit, node_load, node_id, name, start, end in own:
+                if best_key is not None:
+                    node_bound = afp + node_admit
+                    if node_bound > best_key[0]:
+                        break
+                    if node_bound == best_key[0] and (p_load, node_load, p_id, node_id) > best_key[1:]:
+                        continue
+                a = self._a(qp, sp, self._kv(p_node, name))
+                for k in range(start, end):
+                    d = members[k]
+                    ttft = a + admit_of[d]
+                    if best_key is not None and ttft > best_key[0]:
+                        break
+                    key = (ttft, p_load, load_of[d], p_id, d)
+                    if best_key is None or key < best_key:
+                        best_key, best = key, (p_id, d)
+            if special is None:
+                continue
+            a = self._a(qp, sp, generic.kv)
+            walk, next_admit = generic.walk, generic.next_admit
+            k = 0
+            while k < len(walk):
+                d = walk[k]
+                if names[node_of[d]] in special:
+                    k += 1
+                    continue
+                ttft = a + admit_of[d]
+                if best_key is not None and ttft > best_key[0]:
+                    break
+                key = (ttft, p_load, load_of[d], p_id, d)
+                if best_key is None or key < best_key:
+                    best_key, best = key, (p_id, d)
+                    k += 1
+                else:
+                    k = next_admit(k)
+        return None if best is None else (best, best_key[0])
+
+    def _a(self, queue_s: float, prefill_s: float, kv_s: float) -> float:
+        return queue_s + prefill_s + kv_s - self._c * min(kv_s, prefill_s)
+
+    def _kv(self, src: str, dst: str) -> float:
+        found = self._kv_memo.get((src, dst))
+        if found is None:
+            link, key = self._links.get((src, dst)) or _link(self.snapshot.topology, self._links, src, dst)
+            found = self._kv_memo[(src, dst)] = transfer_seconds(link, self.snapshot.links.state(key),
+                                                                 self.num_bytes)
+        return found
+
+    def _kv_floor(self) -> float:
+        return min(transfer_seconds(Link("", "", gbps, latency_ms), IDLE, self.num_bytes)
+                   for gbps, latency_ms in link_classes(self.snapshot.topology))
+
+    def _exhaustive(self, feasible: Callable[[Estimate], bool] | None) -> Estimate | None:
+        self.fallbacks += 1
+        load = self.load_map
+        pairs = [self._pair(self._prefill_worker(p), self._decode(d))
+                 for d in range(len(self._d_rows)) for p in range(len(self._p_rows))]
+        if feasible is not None:
+            pairs = [e for e in pairs if feasible(e)]
+        return min(pairs, key=lambda e: order(e, load), default=None)
+
+
+class _Generic:
+    """prune._Generic over index arrays: the nodes reached over the idle remote default link
+    (the links with something on them are followed by NodeLinks, change by change)."""
+
+    def __init__(self, search: Columnar, entries: np.ndarray, d_nodes: set[str], d_node_idx: np.ndarray) -> None:
+        columns = search.columns
+        links = columns.links()
+        self.kv = links.remote_kv(search.num_bytes)
+        self.d_nodes = d_nodes
+        self.walk = entries.tolist()  # already in (admit, load, id) order
+        self._admit = search._admit.tolist()
+        self._out = _topology_cache(search.snapshot.topology)[2]
+        links.kv(search.snapshot.links, 0)  # follows the view
+        self._busy = links.busy
+        arrow = links.arrow
+        self.ambiguous = bool(arrow[d_node_idx].any() or arrow[columns.node[search._p_rows]].any())
+        self._memo: dict[str, set[str] | None] = {}
+
+    def next_admit(self, k: int) -> int:
+        """The first place in the walk after `k` with another admit (the end when none)."""
+        walk, admit = self.walk, self._admit
+        here, k = admit[walk[k]], k + 1
+        while k < len(walk) and admit[walk[k]] == here:
+            k += 1
+        return k
+
+    def special(self, node: str) -> set[str] | None:
+        if self.ambiguous:
+            return None
+        if node in self._memo:
+            return self._memo[node]
+        special = ({node} | self._out.get(node, set()) | self._busy.get(node, set())) & self.d_nodes
+        found = self._memo[node] = None if 2 * len(special) > len(self.d_nodes) else special
+        return found
