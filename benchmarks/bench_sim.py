@@ -12,6 +12,11 @@
 3. Prints (and writes as JSON with `--out`): load time, simulation wall time, events,
    events/s, peak RSS, requests/s simulated, TTFT/TPOT percentiles.
 
+`--policy network-aware` places with its columnar path (router.policies.columnar);
+`--general-path` keeps its general path (the code before it, for before/after timing);
+`--check-decisions` runs both on every placement and stops at the first decision that differs
+(sim.check), reporting how many were compared.
+
 Requests are not kept (each is folded into the percentiles' arrays as it ends), token times
 are not recorded, so memory grows with the requests in flight, not with the trace.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import dataclasses
 import datetime as dt
 import json
 import resource
@@ -30,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from router.topology import Link, Topology
+from sim.check import CheckedNetworkAware, checked_policy
 from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
 from sim.profiles import llama8b_h100
 from sim.run import simulate
@@ -86,8 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="least-loaded")
     p.add_argument("--trace", help="an Azure/Mooncake/BurstGPT trace to replay instead of the generated one")
     p.add_argument("--trace-dir", default="results/sim-traces", help="where the generated trace is kept")
+    p.add_argument("--general-path", action="store_true",
+                   help="network-aware: its general path, not the columnar one (same decisions, slower)")
+    p.add_argument("--check-decisions", action="store_true",
+                   help="network-aware: place with both paths and fail at the first decision that differs")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
+    if (args.general_path or args.check_decisions) and args.policy != "network-aware":
+        p.error("--general-path and --check-decisions are for --policy network-aware")
     if args.workers < 2 or args.requests < 1:
         p.error("--workers must be >= 2 and --requests >= 1")
 
@@ -104,6 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - t
 
     config = two_tier_cluster(args.workers)
+    policy: str | CheckedNetworkAware = args.policy
+    if args.general_path:
+        config = dataclasses.replace(config, router=dataclasses.replace(
+            config.router, policy_options={args.policy: {"columnar": False}}))
+    elif args.check_decisions:
+        policy = checked_policy(config)
     ttft = array.array("d")
     tpot = array.array("d")
     errors = [0]
@@ -116,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         if r.num_output_tokens > 1:
             tpot.append((r.last_token_time - r.first_token_time) / (r.num_output_tokens - 1))
 
-    run = simulate(config, args.policy, arrivals, record_tokens=False, keep=False, on_complete=done)
+    run = simulate(config, policy, arrivals, record_tokens=False, keep=False, on_complete=done)
     del arrivals
     usage = resource.getrusage(resource.RUSAGE_SELF)
     peak_mib = usage.ru_maxrss / 1024
@@ -130,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         "tpot_p50_s": float(np.percentile(tpot, 50)), "tpot_p90_s": float(np.percentile(tpot, 90)),
         "preemptions": run.num_preemptions,
     }
+    if args.policy == "network-aware":
+        figures["path"] = "general" if args.general_path else "columnar"
+    if args.check_decisions:
+        figures["decisions_checked"] = policy.checked  # type: ignore[union-attr]
     print(json.dumps(figures, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=2) + "\n")

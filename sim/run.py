@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from loadgen.records import RequestRecord
+from router.placement import PlacementPolicy
 from sim.cluster import SimCluster, build_sim_policy
 from sim.config import ClusterConfig
 from sim.events import EventLoop
@@ -39,11 +40,12 @@ class SimRun:
     free_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # worker -> (free, total) at the end
 
 
-def simulate(config: ClusterConfig, policy: str, arrivals: Iterable[Arrival], *, seed: int = 0,
+def simulate(config: ClusterConfig, policy: str | PlacementPolicy, arrivals: Iterable[Arrival], *, seed: int = 0,
              record_tokens: bool = True, max_run_time_s: float | None = None, keep: bool = True,
              on_complete=None) -> SimRun:
-    """Runs `arrivals` through a cluster placed by `policy`. With `max_run_time_s`, requests
-    unfinished then are recorded as cancelled (as loadgen's run bound does)."""
+    """Runs `arrivals` through a cluster placed by `policy` (a registered name, or a policy
+    object). With `max_run_time_s`, requests unfinished then are recorded as cancelled (as
+    loadgen's run bound does)."""
     loop = EventLoop()
     done: list[SimRequest] = []
 
@@ -53,7 +55,8 @@ def simulate(config: ClusterConfig, policy: str, arrivals: Iterable[Arrival], *,
         if on_complete is not None:
             on_complete(request)
 
-    cluster = SimCluster(loop, config, build_sim_policy(policy, config, seed=seed), complete)
+    placement = policy if isinstance(policy, PlacementPolicy) else build_sim_policy(policy, config, seed=seed)
+    cluster = SimCluster(loop, config, placement, complete)
     submitted: list[SimRequest] = []
     source = iter(enumerate(arrivals))
 
