@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=16.0)
     p.add_argument("--input-len", type=int, default=2048)
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="each worker's (cuda)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="each worker's token budget (cuda)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"])
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--max-run-time", type=float, default=300.0)
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
            "--model", args.model, "--device", args.device, "--port", str(port), "--host", "127.0.0.1",
            "--kv-cache-dtype", args.kv_cache_dtype, "--startup-timeout-s", str(args.startup_timeout)]
     if args.device == "cuda":
-        cmd += ["--max-num-seqs", "256", "--max-num-batched-tokens", "8192", "--worker-gpus", "1"]
+        cmd += ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                "--worker-gpus", "1"]
     else:
         cmd += ["--worker-gpus", "0"]
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -53,3 +53,15 @@ def test_bench_kv_fp8_cpu_path(tmp_path):
     r = json.loads(out.read_text())
     assert r["runs"]["fp8"]["kv_cache_dtype"] == "float8_e4m3fn" and len(r["greedy_agreement"]) == 8
     assert r["runs"]["fp8"]["kv_bytes_per_token"] < r["runs"]["bf16"]["kv_bytes_per_token"] / 3  # vs fp32 on cpu
+
+
+@pytest.mark.timeout(120)
+def test_bench_engine_replay_cpu_path(tmp_path):
+    out = tmp_path / "r.json"
+    rc = load("bench_engine_replay").main(["--device", "cpu", "--requests", "6", "--rate", "50", "--input-len", "20",
+                                           "--output-len", "4", "--max-num-batched-tokens", "32", "--runs", "1",
+                                           "--json", str(out)])
+    assert rc == 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["completed"] == 6 and run["tpot_p50_ms"] > 0 and run["ttft_p50_ms"] > 0
+    assert run["steps"] == run["decode_only_steps"] + run["prefill_steps"] and run["prefill_steps"] >= 4

@@ -1,0 +1,146 @@
+"""The serving workload run on the bare engine, in this process: what serving adds on top.
+
+    python3 benchmarks/bench_engine_replay.py [--requests 200] [--rate 8] [--input-len 2048] [--output-len 256]
+
+Poisson arrivals at --rate (seeded), --input-len random prompt tokens, --output-len tokens each
+(ignore_eos), fed to an `LLMEngine` with a `pdserve up` worker's settings (--max-num-seqs,
+--max-num-batched-tokens, warm-up first) by a loop that admits each request at its arrival time
+and steps the engine. Prints TTFT and TPOT p50/p90 and the achieved rate, measured at the engine
+(token timestamps taken after each step), and the engine's step count and step-time split
+(decode-only vs steps with prefill work).
+
+Run `benchmarks/bench_warm_start.py --replicas 1` with the same --requests/--rate/--input-len/
+--output-len in the same session for the served figures (router, gRPC worker, HTTP client): the
+difference is the serving path (HTTP, tokenising, router, RPC, streaming, the engine thread
+sharing the worker process with the gRPC server). `--device cpu` with a tiny model is a smoke
+test of this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_engine_gpu import StepTimer, prompts  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def replay(engine, reqs: list[list[int]], arrivals: list[float], output_len: int, max_s: float) -> dict:
+    from pdserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    n = len(reqs)
+    sent = [0.0] * n
+    first = [None] * n
+    last = [0.0] * n
+    count = [0] * n
+    ids = {f"replay-{i}": i for i in range(n)}
+    t0 = time.perf_counter()
+    i = 0
+    while i < n or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        if now > max_s:
+            break
+        while i < n and arrivals[i] <= now:
+            engine.add_request(f"replay-{i}", reqs[i], params)
+            sent[i] = now
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, min(arrivals[i] - now, 0.002)) if i < n else 0.0)
+            continue
+        outs = engine.step()
+        t = time.perf_counter() - t0
+        for out in outs:
+            j = ids[out.request_id]
+            if out.new_token_ids:
+                if first[j] is None:
+                    first[j] = t
+                last[j] = t
+                count[j] += len(out.new_token_ids)
+    duration = time.perf_counter() - t0
+    done = [j for j in range(n) if count[j] >= output_len]
+    ttft = [first[j] - sent[j] for j in done]
+    tpot = [(last[j] - first[j]) / (count[j] - 1) for j in done if count[j] > 1]
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    return {"requests": n, "completed": len(done), "duration_s": duration,
+            "achieved_rate": len(done) / max(max(last) if done else duration, 1e-9),
+            "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p90_ms": percentile(ttft, 90) * 1e3,
+            "tpot_p50_ms": percentile(tpot, 50) * 1e3, "tpot_p90_ms": percentile(tpot, 90) * 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default random:llama-3.1-8b (cpu: random:tiny-llama)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--rate", type=float, default=8.0)
+    p.add_argument("--input-len", type=int, default=2048)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--runs", type=int, default=2, help="back-to-back runs of the same workload (new prompts each)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-run-time", type=float, default=300.0)
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench_engine_replay: needs a CUDA GPU (none found); --device cpu runs a smoke test", file=sys.stderr)
+        return 2
+    from pdserve.llm import LLM
+    from pdserve.warmup import warm_up
+
+    cuda = args.device == "cuda"
+    model = args.model or ("random:llama-3.1-8b" if cuda else "random:tiny-llama")
+    llm = LLM(model, dtype="bfloat16" if cuda else "float32", device=args.device, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_fraction=0.85,
+              **({} if cuda else {"num_blocks": 4096, "block_size": 16}))
+    engine = llm.engine
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"{gpu}: {model}; {warm_up(engine).describe()}", flush=True)
+    vocab = engine.model_config.vocab_size
+    results = {"gpu": gpu, "model": model, "args": vars(args), "runs": []}
+    for run in range(args.runs):
+        rng = random.Random(args.seed + run)
+        arrivals, t = [], 0.0
+        for _ in range(args.requests):
+            t += rng.expovariate(args.rate)
+            arrivals.append(t)
+        reqs = prompts(args.requests, args.input_len, vocab, seed=args.seed + 100 + run)
+        with StepTimer(engine) as timer:
+            r = replay(engine, reqs, arrivals, args.output_len, args.max_run_time)
+        decode = [s for s in timer.records if s[1]]
+        other = [s for s in timer.records if not s[1]]
+        r.update(steps=len(timer.records), decode_only_steps=len(decode),
+                 decode_only_ms=sum(s[0] for s in decode) / max(len(decode), 1) * 1e3,
+                 prefill_steps=len(other), prefill_step_ms=sum(s[0] for s in other) / max(len(other), 1) * 1e3,
+                 mean_decode_batch=sum(s[2] for s in decode) / max(len(decode), 1))
+        results["runs"].append(r)
+        print(f"run {run + 1}: TTFT p50 {r['ttft_p50_ms']:.0f} ms (p90 {r['ttft_p90_ms']:.0f}), TPOT p50 "
+              f"{r['tpot_p50_ms']:.1f} ms (p90 {r['tpot_p90_ms']:.1f}), {r['achieved_rate']:.2f} req/s achieved, "
+              f"{r['completed']}/{r['requests']} completed; {r['steps']} steps: {r['decode_only_steps']} decode-only "
+              f"({r['decode_only_ms']:.1f} ms each, mean batch {r['mean_decode_batch']:.1f}), {r['prefill_steps']} "
+              f"with prefill work ({r['prefill_step_ms']:.1f} ms each)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
