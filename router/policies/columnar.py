@@ -144,23 +144,22 @@ class Columns:
         self.by_id = np.zeros(0, dtype=np.intp)  # rows in worker-id order
         self.has_mixed = False
         self._links: NodeLinks | None = None
+        self._roles: list[str] = []
+        self._reported: list[str] = []  # WorkerSnapshot.node as reported (the topology may place it)
 
     def update(self, snapshot: ClusterSnapshot) -> bool:
         workers = tuple(snapshot.workers)
         n = len(workers)
         if snapshot.topology is not self.topology or n != len(self.workers):
-            return self._rebuild(snapshot)
+            return self._rebuild(snapshot, workers)
         ident = np.fromiter(map(id, workers), dtype=np.uintp, count=n)
         changed = np.flatnonzero(ident != self._ident).tolist()
         if len(changed) > n // 4:
-            return self._rebuild(snapshot)
-        node_of = snapshot.topology.node_of
-        names = self.node_names
+            return self._rebuild(snapshot, workers)
         for i in changed:
             w = workers[i]
-            if (w.worker_id != self.ids[i] or _ROLE.get(w.role) != self.role[i]
-                    or node_of(w.worker_id, w.node) != names[self.node[i]]):
-                return self._rebuild(snapshot)
+            if w.worker_id != self.ids[i] or w.role != self._roles[i] or w.node != self._reported[i]:
+                return self._rebuild(snapshot, workers)
             row = _numbers(w)
             if not all(type(v) is int or type(v) is bool for v in row):
                 self.workers = ()
@@ -169,27 +168,31 @@ class Columns:
         self.workers, self._ident = workers, ident
         return True
 
-    def _rebuild(self, snapshot: ClusterSnapshot) -> bool:
-        workers = tuple(snapshot.workers)
-        self.workers, self.topology = (), None
-        rows = list(map(_numbers, workers))
-        numbers = np.array(rows, dtype=object).reshape(len(workers), len(_NUMBERS))
-        if not all(type(v) is int or type(v) is bool for v in numbers.flat):
-            return False
+    def _rebuild(self, snapshot: ClusterSnapshot, workers: tuple[WorkerSnapshot, ...]) -> bool:
+        """Every row read again; the ids, roles and nodes (and what follows from them) only when
+        they differ from the arrays'."""
+        self.workers = ()
+        numbers = np.array(list(map(_numbers, workers)))
+        if numbers.dtype.kind not in "iub" or numbers.shape != (len(workers), len(_NUMBERS)):
+            return False  # a number that is not an int (or not one int64 holds)
+        ids, roles, reported = (list(map(attrgetter(name), workers)) for name in ("worker_id", "role", "node"))
+        if snapshot.topology is not self.topology or ids != self.ids or roles != self._roles \
+                or reported != self._reported:
+            self.ids, self._roles, self._reported = ids, roles, reported
+            self.index = {wid: i for i, wid in enumerate(ids)}
+            self.role = np.array([_ROLE[r] for r in roles], dtype=np.int8)
+            self.has_mixed = bool((self.role == ROLE_MIXED).any())
+            node_of = snapshot.topology.node_of
+            names: dict[str, int] = {}
+            self.node = np.array([names.setdefault(node_of(wid, node), len(names)) for wid, node in zip(ids, reported)],
+                                 dtype=np.intp)
+            self.node_names = list(names)
+            self.by_id = np.array(sorted(range(len(workers)), key=ids.__getitem__), dtype=np.intp)
+            self.topology = snapshot.topology
+            self._links = None
         self.numbers = numbers.astype(np.int64)
-        self.ids = [w.worker_id for w in workers]
-        self.index = {wid: i for i, wid in enumerate(self.ids)}
-        self.role = np.array([_ROLE[w.role] for w in workers], dtype=np.int8)
-        self.has_mixed = bool((self.role == ROLE_MIXED).any())
-        node_of = snapshot.topology.node_of
-        names: dict[str, int] = {}
-        self.node = np.array([names.setdefault(node_of(w.worker_id, w.node), len(names)) for w in workers],
-                             dtype=np.intp)
-        self.node_names = list(names)
-        self.by_id = np.array(sorted(range(len(workers)), key=self.ids.__getitem__), dtype=np.intp)
         self._ident = np.fromiter(map(id, workers), dtype=np.uintp, count=len(workers))
-        self.workers, self.topology = workers, snapshot.topology
-        self._links = None
+        self.workers = workers
         return True
 
     def links(self) -> NodeLinks:

@@ -119,6 +119,14 @@ def test_random_large_clusters_same_decisions(seed):
             n = rng.choice([0, 1, 2, 5])
             workers[k] = dataclasses.replace(workers[k], num_running=n, num_inflight=n,
                                              num_inflight_tokens=rng.choice([0, 700]) * n)
+        if rng.random() < 0.1:  # a worker moves to another node, or is replaced by a new one
+            k = rng.randrange(len(workers))
+            workers[k] = dataclasses.replace(workers[k], node=rng.choice(sorted({w.node for w in workers})))
+        if rng.random() < 0.1:
+            k = rng.randrange(len(workers))
+            workers[k] = dataclasses.replace(workers[k], worker_id=f"x{i:02d}", role=rng.choice(["prefill", "decode"]))
+        if rng.random() < 0.1:  # a snapshot of new objects throughout
+            workers = [dataclasses.replace(w) for w in workers]
         if rng.random() < 0.3 and states:
             key = rng.choice(sorted(states))
             states[key] = LinkState(active_flows=rng.choice([0, 1, 3]), measured_gbps=rng.choice([None, 8.0]))
@@ -154,6 +162,10 @@ def test_the_columnar_path_is_taken_where_it_applies():
     assert policy._place_columnar(dataclasses.replace(request, num_resumed_tokens=5), snap) is None
     short = NetworkAware(profile=PROFILE, local_prefill_max_tokens=2000)
     assert short._place_columnar(request, snap) is None
+    # a number the arrays cannot hold: the general path, for this snapshot only
+    odd = ClusterSnapshot((dataclasses.replace(workers[0], num_free_blocks=1.5), *workers[1:]), topology=topo)
+    assert policy._place_columnar(request, odd) is None
+    assert policy._place_columnar(request, snap) is not None
     # small clusters price every pair
     small = ClusterSnapshot(tuple(w for w in workers[:20]), topology=topo)
     assert policy._place_columnar(request, small) is None
