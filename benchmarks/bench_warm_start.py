@@ -33,6 +33,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def engine_counters(url: str) -> dict[str, float]:
+    """The workers' engine-step counters summed over workers, from the router's /metrics
+    ({} when the router does not export them)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("pdserve:engine_") and "_total{" in line:
+            name = line.split("{", 1)[0].removeprefix("pdserve:engine_").removesuffix("_total")
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def engine_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    if not before or not after:
+        return {}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    steps, dsteps = d.get("steps", 0.0), d.get("decode_only_steps", 0.0)
+    other = steps - dsteps
+    return {"steps": steps, "decode_only_steps": dsteps, "other_steps": other, "idle_s": d.get("idle_seconds", 0.0),
+            "decode_only_ms": d.get("decode_only_step_seconds", 0.0) / max(dsteps, 1) * 1e3,
+            "other_ms": (d.get("step_seconds", 0.0) - d.get("decode_only_step_seconds", 0.0)) / max(other, 1) * 1e3}
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < timeout_s:
@@ -95,10 +122,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ready after {results['startup_s']:.1f}s", flush=True)
         runs = []
         for i in range(2):
+            before = engine_counters(url)
             summary = loadgen(url, args, seed=i)
+            summary["engine"] = steps = engine_delta(before, engine_counters(url))
             runs.append(summary)
             print(f"run {i + 1}: TTFT p50 {summary['ttft_p50'] * 1e3:.0f} ms, TPOT p50 {summary['tpot_p50'] * 1e3:.1f} ms, "
                   f"{summary['request_throughput']:.2f} req/s achieved, {summary['num_errors']} errors", flush=True)
+            if steps:
+                print(f"  engine steps (all workers, from the router's /metrics): {steps['steps']:.0f}: "
+                      f"{steps['decode_only_steps']:.0f} decode-only, {steps['decode_only_ms']:.1f} ms each; "
+                      f"{steps['other_steps']:.0f} with prefill work, {steps['other_ms']:.1f} ms each; "
+                      f"idle {steps['idle_s']:.1f} s", flush=True)
         results["runs"] = runs
         for key in ("ttft_p50", "tpot_p50"):
             results[f"{key}_first_over_second"] = runs[0][key] / runs[1][key]

@@ -156,6 +156,14 @@ _WORKER_SERIES = (
      lambda s: s.kv_transfer_bytes * 8 / s.kv_transfer_seconds / 1e9 if s.kv_transfer_seconds else 0.0, "gauge"),
     ("pdserve:num_preemptions", "Requests the worker preempted for lack of KV blocks.", "num_preemptions",
      "counter"),
+    ("pdserve:engine_steps", "Engine steps the worker ran.", "engine_steps", "counter"),
+    ("pdserve:engine_step_seconds", "Wall time of the worker's engine steps.", "engine_step_seconds", "counter"),
+    ("pdserve:engine_decode_only_steps", "Engine steps with decodes only (CUDA graphs on a GPU).",
+     "engine_decode_only_steps", "counter"),
+    ("pdserve:engine_decode_only_step_seconds", "Wall time of the worker's decode-only engine steps.",
+     "engine_decode_only_seconds", "counter"),
+    ("pdserve:engine_idle_seconds", "Time the worker's engine thread waited with no work.", "engine_idle_seconds",
+     "counter"),
 )
 
 

@@ -32,6 +32,13 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.num_generated_tokens = 0
+        # steps and their wall time (decode-only ones apart), and time waiting for work:
+        # set against a bare engine's step times, they show what the serving process adds
+        self.num_steps = 0
+        self.step_seconds = 0.0
+        self.num_decode_only_steps = 0
+        self.decode_only_seconds = 0.0
+        self.idle_seconds = 0.0
         self.started_at = time.monotonic()
         self.last_error: BaseException | None = None
 
@@ -102,12 +109,18 @@ class EngineLoop:
             import torch
 
             torch.cuda.set_device(device)
+        runner = getattr(engine, "runner", None)
+        clock = time.perf_counter
         while not self._stop.is_set():
             self._drain()
             if not engine.has_unfinished_requests():
+                t = clock()
                 self._wake.wait(0.05)
                 self._wake.clear()
+                self.idle_seconds += clock() - t
                 continue
+            decode_only = getattr(runner, "num_decode_only_steps", 0)
+            t = clock()
             try:
                 outputs = engine.step()
             except Exception as exc:  # a failed step fails its requests, not the worker
@@ -115,9 +128,17 @@ class EngineLoop:
                 self.last_error = exc
                 self._fail_all(exc)
                 continue
+            seconds = clock() - t
+            self.num_steps += 1
+            self.step_seconds += seconds
+            if getattr(runner, "num_decode_only_steps", 0) > decode_only:
+                self.num_decode_only_steps += 1
+                self.decode_only_seconds += seconds
             if not outputs and not engine.scheduler.running:
+                t = clock()
                 self._wake.wait(0.005)  # waiting requests that can't be admitted yet
                 self._wake.clear()
+                self.idle_seconds += clock() - t
             for out in outputs:
                 self.num_generated_tokens += len(out.new_token_ids)
                 self.deliver(out)

@@ -450,7 +450,10 @@ class WorkerServer:
             kv_transfer_bytes=self.kv_bytes, kv_transfer_seconds=self.kv_seconds, kv_address=self.kv_address,
             model=self.config.engine.model, max_model_len=self.engine.max_model_len,
             num_preemptions=s["num_preemptions"],
-            tokens_per_second=self.loop.num_generated_tokens / elapsed)
+            tokens_per_second=self.loop.num_generated_tokens / elapsed,
+            engine_steps=self.loop.num_steps, engine_step_seconds=self.loop.step_seconds,
+            engine_decode_only_steps=self.loop.num_decode_only_steps,
+            engine_decode_only_seconds=self.loop.decode_only_seconds, engine_idle_seconds=self.loop.idle_seconds)
 
     def stop(self, grace: float = 5.0) -> None:
         if self._stopped.is_set():

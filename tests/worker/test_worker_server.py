@@ -86,6 +86,12 @@ def test_disaggregated_equals_single_engine_and_colocated(workers, reference):
             for t in c.token_ids]
         assert colocated == expected[i]
     assert_idle(servers)
+    # the engine thread's step counters: every step counted once, decode-only ones among them
+    stats = stubs["mixed"].Stats(pb.StatsRequest(), timeout=5)
+    assert stats.engine_steps >= len(batch) * GREEDY.max_tokens
+    assert 0 < stats.engine_decode_only_steps < stats.engine_steps
+    assert 0 < stats.engine_decode_only_seconds < stats.engine_step_seconds
+    assert stats.engine_idle_seconds > 0
 
 
 def test_migration_resumes_without_duplicates(workers, reference):
