@@ -92,6 +92,8 @@ def test_prefill_attention(paged_kv, seq_lens, q_lens, hq, hk, d, bs):
     ([3000, 2500], 32, 8, 128, 32, 7),
     ([129] * 40, 9, 3, 64, 32, None),
     ([5000], 64, 8, 128, 16, None),
+    ([1100, 3, 700, 64] * 20, 32, 8, 128, 16, None),  # 80 x 8 programs: one split, the direct store
+    ([900, 17], 32, 8, 128, 16, 1),
 ])
 def test_decode_attention(paged_kv, seq_lens, hq, hk, d, bs, num_splits):
     kv = paged_kv(seq_lens, hk, d, bs, BF16, device=DEV)
