@@ -14,15 +14,29 @@ profile of sim/profiles.py. Each cluster is timed in two states:
   third of the in-rack links and on cross-rack links, measured rates below capacity.
 
 Requests have lognormal prompt lengths (mean about 1,024 tokens) and 128 new tokens; a TPOT
-SLO of 20 ms makes some decode workers infeasible. "exhaustive" prices every (P, D) pair (the
-policy's code before the pruned search; still its path for small clusters); "pruned" is the
-policy as it runs now. Every exhaustive decision is compared with the pruned one on the same
-snapshot and request: the script fails if any differs.
+SLO of 20 ms makes some decode workers infeasible. Three code paths of the policy:
+"exhaustive" prices every (P, D) pair (the policy's code before the pruned search; still its
+path for small clusters); "pruned" is the pruned search over `WorkerSnapshot` objects (the
+policy's general path, `columnar=False`); "columnar" is the policy as it runs now (the pruned
+search in vector form, router.policies.columnar; the same as "pruned" where it does not
+apply, e.g. 16 workers). Every decision of each path is compared with the pruned one on the
+same snapshot and request: the script fails if any differs.
+
+Two more states at the sizes of `--sim-workers` (default 1,000), closer to a router's work:
+
+- loaded-new: the loaded state with every `WorkerSnapshot` a new object at each request (a
+  router that rebuilds its snapshot from scratch: the columnar path reads every worker again);
+- sim: `--sim-requests` placements recorded from a simulated run (benchmarks/bench_sim.py's
+  cluster and trace, 4,000 req/s) after `--sim-warmup` requests, with the policy's state
+  (calibration, prefix index) as it was there: consecutive snapshots share the workers that
+  did not change, as the simulator's (and a router's cached) snapshots do. No exhaustive run.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import sys
 import time
@@ -94,17 +108,59 @@ def requests(count: int, seed: int) -> list[RequestInfo]:
     return [RequestInfo(request_id=f"r{i}", num_prompt_tokens=int(n), max_tokens=128) for i, n in enumerate(lengths)]
 
 
-def policy(exhaustive: bool) -> NetworkAware:
-    p = NetworkAware(profile=llama8b_h100(), slo_tpot=0.02)
-    if exhaustive:
+def policy(path: str) -> NetworkAware:
+    p = NetworkAware(profile=llama8b_h100(), slo_tpot=0.02, columnar=path == "columnar")
+    if path == "exhaustive":
         p.exhaustive_max_pairs = 1 << 62
     return p
 
 
-def timed(p: NetworkAware, snap: ClusterSnapshot, reqs: list[RequestInfo], budget_s: float):
+def renewed(snap: ClusterSnapshot) -> ClusterSnapshot:
+    """The same snapshot with every worker a new object."""
+    return dataclasses.replace(snap, workers=tuple(dataclasses.replace(w) for w in snap.workers))
+
+
+def clone(p: NetworkAware) -> NetworkAware:
+    """A copy of the policy's state; the immutable topology and profile shared."""
+    return copy.deepcopy(p, {id(p.topology): p.topology, id(p.profile): p.profile})
+
+
+def recorded(num_workers: int, warmup: int, count: int):
+    """(policy as it was, [(request, snapshot)]) from a simulated run (module docstring)."""
+    from benchmarks.bench_sim import two_tier_cluster, write_azure_trace
+    from pathlib import Path
+    from sim.run import simulate
+    from sim.workload import trace_arrivals
+
+    total = warmup + count
+    trace = Path("results/sim-traces") / f"azure-synthetic-{total}-4000.csv"
+    if not trace.exists():
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        write_azure_trace(trace, total, 4000.0)
+    config = two_tier_cluster(num_workers)
+    saved: list = []
+    calls: list = []
+
+    class Recording(NetworkAware):
+        def place(self, request, snapshot):
+            if len(calls) == warmup:
+                saved.append(clone(self))
+                saved[0].__class__ = NetworkAware  # replays place as the policy itself
+            if warmup <= len(calls) < total:
+                calls.append((request, snapshot))
+            else:
+                calls.append(None)
+            return super().place(request, snapshot)
+
+    simulate(config, Recording(profile=config.profile, topology=config.topology),
+             trace_arrivals(str(trace), max_requests=total), record_tokens=False, keep=False)
+    return saved[0], [c for c in calls if c is not None]
+
+
+def replay(p: NetworkAware, pairs, budget_s: float):
     decisions, start = [], time.perf_counter()
-    for r in reqs:
-        decisions.append(p.place(r, snap))
+    for request, snap in pairs:
+        decisions.append(p.place(request, snap))
         if time.perf_counter() - start > budget_s:
             break
     elapsed = time.perf_counter() - start
@@ -114,32 +170,61 @@ def timed(p: NetworkAware, snap: ClusterSnapshot, reqs: list[RequestInfo], budge
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[16, 256, 1000])
-    ap.add_argument("--requests", type=int, default=200, help="requests per state (the pruned search places all)")
+    ap.add_argument("--requests", type=int, default=200, help="requests per state (the pruned searches place all)")
     ap.add_argument("--exhaustive-budget-s", type=float, default=30.0,
-                    help="seconds of exhaustive placements per state (at least one is made)")
+                    help="seconds of exhaustive placements per state (at least one is made; 0: none)")
+    ap.add_argument("--sim-workers", type=int, nargs="*", default=[1000],
+                    help="sizes for the loaded-new and sim states (none: skip them)")
+    ap.add_argument("--sim-warmup", type=int, default=3000)
+    ap.add_argument("--sim-requests", type=int, default=1000)
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args(argv)
     rows = []
+
+    def report(n: int, state: str, pairs: int, results: dict[str, tuple[list, float]]) -> None:
+        reference = results["pruned"][0]
+        identical = {path: all(a == b for a, b in zip(found, reference)) and len(found) <= len(reference)
+                     for path, (found, _) in results.items()}
+        row = {"workers": n, "state": state, "pairs": pairs,
+               **{f"{path}_placements_per_s": round(rate, 2) for path, (_, rate) in results.items()},
+               **{f"{path}_compared": len(found) for path, (found, _) in results.items()},
+               "identical": all(identical.values()),
+               "kinds": {k: sum(d.kind == k for d in results["columnar"][0]) for k in ("disaggregated", "local")}}
+        rows.append(row)
+        rates = ", ".join(f"{path} {rate:9.1f}/s ({len(found)} placed)" for path, (found, rate) in results.items())
+        print(f"{n:5d} workers {state:10s}: {rates}; columnar {results['columnar'][1] / results['pruned'][1]:.1f}x "
+              f"pruned; identical: {row['identical']}", flush=True)
+        for path, same in identical.items():
+            if not same:
+                found = results[path][0]
+                bad = next(i for i, (a, b) in enumerate(zip(found, reference)) if a != b)
+                print(f"  first difference, request {bad}:\n  {path} {found[bad]}\n  pruned {reference[bad]}")
+
     for n in args.workers:
         workers, topology = layout(n)
-        for state in ("idle", "loaded"):
-            snap = snapshot(workers, topology, state == "loaded", seed=n)
+        pairs = sum(r == "prefill" for _, r, _ in workers) * sum(r == "decode" for _, r, _ in workers)
+        states = ["idle", "loaded"] + (["loaded-new"] if n in args.sim_workers else [])
+        for state in states:
+            snap = snapshot(workers, topology, state != "idle", seed=n)
             reqs = requests(args.requests, seed=n + 1)
-            # the prefix index records each decision: fresh policies, same request order, for both
-            old, old_rate = timed(policy(True), snap, reqs, args.exhaustive_budget_s)
-            new, new_rate = timed(policy(False), snap, reqs, float("inf"))
-            same = all(a == b for a, b in zip(old, new))
-            row = {"workers": n, "state": state, "pairs": sum(r == "prefill" for _, r, _ in workers)
-                   * sum(r == "decode" for _, r, _ in workers), "exhaustive_placements_per_s": round(old_rate, 2),
-                   "pruned_placements_per_s": round(new_rate, 1), "speedup": round(new_rate / old_rate, 1),
-                   "compared": len(old), "identical": same,
-                   "kinds": {k: sum(d.kind == k for d in new) for k in ("disaggregated", "local")}}
-            rows.append(row)
-            print(f"{n:5d} workers {state:6s}: exhaustive {old_rate:9.2f}/s ({len(old)} placed), "
-                  f"pruned {new_rate:9.1f}/s, x{new_rate / old_rate:.1f}, identical on {len(old)}: {same}", flush=True)
-            if not same:
-                bad = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
-                print(f"  first difference, request {bad}:\n  exhaustive {old[bad]}\n  pruned     {new[bad]}")
+            snaps = [renewed(snap) for _ in reqs] if state == "loaded-new" else [snap] * len(reqs)
+            # the prefix index records each decision: fresh policies, same request order, for all
+            results = {}
+            if args.exhaustive_budget_s > 0 and state != "loaded-new":
+                results["exhaustive"] = replay(policy("exhaustive"), zip(reqs, snaps), args.exhaustive_budget_s)
+            results["pruned"] = replay(policy("pruned"), zip(reqs, snaps), float("inf"))
+            results["columnar"] = replay(policy("columnar"), zip(reqs, snaps), float("inf"))
+            report(n, state, pairs, results)
+    for n in args.sim_workers:
+        state, calls = recorded(n, args.sim_warmup, args.sim_requests)
+        workers, _ = layout(n)
+        pairs = sum(r == "prefill" for _, r, _ in workers) * sum(r == "decode" for _, r, _ in workers)
+        results = {}
+        for path in ("pruned", "columnar"):
+            p = clone(state)
+            p.columnar = path == "columnar"
+            results[path] = replay(p, calls, float("inf"))
+        report(n, "sim", pairs, results)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=2)
