@@ -43,8 +43,9 @@ def engine_counters(url: str) -> dict[str, float]:
         return {}
     totals: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("pdserve:engine_") and "_total{" in line:
-            name = line.split("{", 1)[0].removeprefix("pdserve:engine_").removesuffix("_total")
+        if (line.startswith("pdserve:engine_") or line.startswith("pdserve:worker_process_")) and "_total{" in line:
+            name = line.split("{", 1)[0].removeprefix("pdserve:engine_").removeprefix("pdserve:worker_")
+            name = name.removesuffix("_total")
             totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals
 
@@ -56,6 +57,8 @@ def engine_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
     steps, dsteps = d.get("steps", 0.0), d.get("decode_only_steps", 0.0)
     other = steps - dsteps
     return {"steps": steps, "decode_only_steps": dsteps, "other_steps": other, "idle_s": d.get("idle_seconds", 0.0),
+            "step_s": d.get("step_seconds", 0.0), "engine_cpu_s": d.get("cpu_seconds", 0.0),
+            "process_cpu_s": d.get("process_cpu_seconds", 0.0),
             "decode_only_ms": d.get("decode_only_step_seconds", 0.0) / max(dsteps, 1) * 1e3,
             "other_ms": (d.get("step_seconds", 0.0) - d.get("decode_only_step_seconds", 0.0)) / max(other, 1) * 1e3}
 
@@ -132,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  engine steps (all workers, from the router's /metrics): {steps['steps']:.0f}: "
                       f"{steps['decode_only_steps']:.0f} decode-only, {steps['decode_only_ms']:.1f} ms each; "
                       f"{steps['other_steps']:.0f} with prefill work, {steps['other_ms']:.1f} ms each; "
-                      f"idle {steps['idle_s']:.1f} s", flush=True)
+                      f"idle {steps['idle_s']:.1f} s; CPU: engine thread {steps['engine_cpu_s']:.1f} s in "
+                      f"{steps['step_s']:.1f} s of steps, the worker process {steps['process_cpu_s']:.1f} s", flush=True)
         results["runs"] = runs
         for key in ("ttft_p50", "tpot_p50"):
             results[f"{key}_first_over_second"] = runs[0][key] / runs[1][key]

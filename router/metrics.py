@@ -164,6 +164,10 @@ _WORKER_SERIES = (
      "engine_decode_only_seconds", "counter"),
     ("pdserve:engine_idle_seconds", "Time the worker's engine thread waited with no work.", "engine_idle_seconds",
      "counter"),
+    ("pdserve:engine_cpu_seconds", "CPU time of the worker's engine thread in its steps.", "engine_cpu_seconds",
+     "counter"),
+    ("pdserve:worker_process_cpu_seconds", "CPU time of the worker process, every thread.", "process_cpu_seconds",
+     "counter"),
 )
 
 

@@ -22,6 +22,11 @@ logger = logging.getLogger(__name__)
 Subscriber = Callable[[RequestOutput | BaseException], None]
 
 
+def _put_all(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, name: str = "pdserve-engine") -> None:
         self.engine = engine
@@ -39,6 +44,7 @@ class EngineLoop:
         self.num_decode_only_steps = 0
         self.decode_only_seconds = 0.0
         self.idle_seconds = 0.0
+        self.cpu_seconds = 0.0  # the engine thread's CPU time in its steps
         self.started_at = time.monotonic()
         self.last_error: BaseException | None = None
 
@@ -82,6 +88,35 @@ class EngineLoop:
         if callback is not None:
             callback(output)
 
+    def deliver_many(self, outputs: list[RequestOutput]) -> None:
+        """`deliver` for one step's outputs. Subscribers that hand outputs to an asyncio loop
+        (with `loop` and `queue` attributes) get them in one `call_soon_threadsafe` per loop,
+        not one each: the loop thread wakes once a step instead of once per request, and takes
+        the GIL from this thread once."""
+        if not outputs:
+            return
+        by_loop: dict[Any, list] = {}
+        direct = []
+        with self._lock:
+            for out in outputs:
+                callback = self._subscribers.get(out.request_id)
+                if out.finished:
+                    self._subscribers.pop(out.request_id, None)
+                if callback is None:
+                    continue
+                loop, q = getattr(callback, "loop", None), getattr(callback, "queue", None)
+                if loop is not None and q is not None:
+                    by_loop.setdefault(loop, []).append((q, out))
+                else:
+                    direct.append((callback, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the loop is closed: the worker is shutting down
+                pass
+        for callback, out in direct:
+            callback(out)
+
     def end_aborted(self, request_id: str) -> None:
         """Ends an aborted request's stream with a final `abort` output."""
         self.deliver(RequestOutput(request_id, [], "", True, "abort", 0, 0))
@@ -121,6 +156,7 @@ class EngineLoop:
                 continue
             decode_only = getattr(runner, "num_decode_only_steps", 0)
             t = clock()
+            cpu = time.thread_time()
             try:
                 outputs = engine.step()
             except Exception as exc:  # a failed step fails its requests, not the worker
@@ -129,6 +165,7 @@ class EngineLoop:
                 self._fail_all(exc)
                 continue
             seconds = clock() - t
+            self.cpu_seconds += time.thread_time() - cpu
             self.num_steps += 1
             self.step_seconds += seconds
             if getattr(runner, "num_decode_only_steps", 0) > decode_only:
@@ -141,7 +178,7 @@ class EngineLoop:
                 self.idle_seconds += clock() - t
             for out in outputs:
                 self.num_generated_tokens += len(out.new_token_ids)
-                self.deliver(out)
+            self.deliver_many(outputs)
         self._drain()
         self._fail_all(RuntimeError("worker is shutting down"))
 

@@ -453,7 +453,8 @@ class WorkerServer:
             tokens_per_second=self.loop.num_generated_tokens / elapsed,
             engine_steps=self.loop.num_steps, engine_step_seconds=self.loop.step_seconds,
             engine_decode_only_steps=self.loop.num_decode_only_steps,
-            engine_decode_only_seconds=self.loop.decode_only_seconds, engine_idle_seconds=self.loop.idle_seconds)
+            engine_decode_only_seconds=self.loop.decode_only_seconds, engine_idle_seconds=self.loop.idle_seconds,
+            engine_cpu_seconds=self.loop.cpu_seconds, process_cpu_seconds=time.process_time())
 
     def stop(self, grace: float = 5.0) -> None:
         if self._stopped.is_set():

@@ -92,6 +92,7 @@ def test_disaggregated_equals_single_engine_and_colocated(workers, reference):
     assert 0 < stats.engine_decode_only_steps < stats.engine_steps
     assert 0 < stats.engine_decode_only_seconds < stats.engine_step_seconds
     assert stats.engine_idle_seconds > 0
+    assert 0 < stats.engine_cpu_seconds <= stats.process_cpu_seconds
 
 
 def test_migration_resumes_without_duplicates(workers, reference):

@@ -1,0 +1,47 @@
+"""EngineLoop.deliver_many: one loop callback per step for asyncio subscribers, order kept."""
+
+import asyncio
+from types import SimpleNamespace
+
+from pdserve.sampling_params import RequestOutput
+from pdserve.worker.engine_loop import EngineLoop
+
+
+def out(rid: str, token: int, finished: bool = False) -> RequestOutput:
+    return RequestOutput(rid, [token], str(token), finished, "length" if finished else None, 3, token)
+
+
+class CountingLoop:
+    """Stands in for an asyncio loop: records call_soon_threadsafe calls, runs them later."""
+
+    def __init__(self) -> None:
+        self.calls = []
+
+    def call_soon_threadsafe(self, fn, *args):
+        self.calls.append((fn, args))
+
+    def run(self):
+        for fn, args in self.calls:
+            fn(*args)
+        self.calls.clear()
+
+
+def test_one_callback_per_loop_per_step_and_order_kept():
+    loop = EngineLoop(SimpleNamespace())
+    aio = CountingLoop()
+    streams = {rid: SimpleNamespace(loop=aio, queue=asyncio.Queue()) for rid in ("a", "b")}
+    plain = []
+    for rid, s in streams.items():
+        loop.subscribe(rid, s)
+    loop.subscribe("c", plain.append)
+    loop.deliver_many([out("a", 1), out("b", 1), out("c", 1), out("x", 1)])  # x: nobody subscribed
+    loop.deliver_many([out("a", 2, finished=True), out("b", 2)])
+    assert len(aio.calls) == 2  # one per step, not one per request
+    assert [o.new_token_ids for o in plain] == [[1]]  # a plain callback is called directly
+    aio.run()
+    got = {rid: [s.queue.get_nowait().new_token_ids[0] for _ in range(s.queue.qsize())] for rid, s in streams.items()}
+    assert got == {"a": [1, 2], "b": [1, 2]}
+    loop.deliver_many([out("a", 3)])  # a finished: unsubscribed
+    assert not aio.calls
+    loop.deliver_many([])
+    assert not aio.calls
