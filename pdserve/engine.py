@@ -12,12 +12,25 @@ Roles (for prefill/decode disaggregation):
    decode worker that is down).
 2. decode: `reserve` gives blocks for a prompt's KV that arrives from elsewhere, `commit`
    joins the request to the decode batch with its first token; `abort` frees either way.
+
+Overlapped decode steps: a decode-only step that replays a CUDA graph, with tokens the sampler
+draws on the device (greedy or unseeded sampling, no penalties, no logprobs), leaves its tokens
+on the device and starts copying them out. Before waiting for them, `step` schedules the next
+step as if they were known (a placeholder token per request: same requests, one position on)
+and launches it with the tokens read on the device; then it hands the first step's tokens to
+their requests (detokenizing, stop checks) while the GPU runs the second. The next `step` call
+starts from that step. A request that ends with a token (EOS, a stop string) or is aborted while
+the next step is in flight had one extra position computed, whose token is dropped. Anything
+else (a request waiting for admission, one ending by length, a block shortage, a prefill) runs
+the usual synchronous step. PDSERVE_OVERLAP_STEPS=0 turns it off.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -33,6 +46,27 @@ from pdserve.sequence import Sequence, SequenceStatus
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+OVERLAP_ENV = "PDSERVE_OVERLAP_STEPS"
+PLACEHOLDER_TOKEN = -1  # a sampled token still on the device (only inside one `step` call)
+
+
+def overlap_enabled() -> bool:
+    value = os.environ.get(OVERLAP_ENV, "1").strip().lower()
+    if value not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+        raise ValueError(f"{OVERLAP_ENV} must be 0 or 1, got {value!r}")
+    return value in ("1", "true", "yes", "on")
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose tokens are not on the host yet."""
+
+    seqs: list[Sequence]  # row i sampled seqs[i]
+    tokens: torch.Tensor  # on the device
+    handle: tuple  # ModelRunner.sample_async's copy to the host
+    placed: bool = False  # the step after it was launched: each seq holds a placeholder token
 
 
 class NoKVSpaceError(RuntimeError):
@@ -69,6 +103,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.layer_hook: Callable[[int, ScheduledBatch], None] | None = None
         self.num_steps = 0
+        self.overlap_steps = overlap_enabled()
+        self._in_flight: _InFlight | None = None  # a step launched ahead, its tokens not read yet
 
     # ---- requests --------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -117,7 +153,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # ---- disaggregation seams --------------------------------------------------------------
     def held_blocks(self, request_id: str) -> list[int]:
@@ -154,9 +190,89 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Runs one step and returns its outputs. Decode-only CUDA-graph steps overlap the host
+        with the GPU: while a step runs, the next one is scheduled and launched with the tokens
+        still on the device (module docstring: "Overlapped decode steps")."""
+        current, self._in_flight = self._in_flight, None
+        if current is None:
+            batch = self.scheduler.schedule()
+            if not batch.seqs:
+                return []
+            if not self._overlappable(batch):
+                return self._step_sync(batch)
+            current = self._launch(batch)
+        if self._can_launch_ahead(current):
+            self._in_flight = self._launch_ahead(current)
+        return self._consume(current)
+
+    def _overlappable(self, batch: ScheduledBatch) -> bool:
+        """A decode-only graph step whose tokens the sampler draws on the device."""
+        return (self.overlap_steps and self.runner.uses_graph(len(batch)) and self.runner.is_decode_only(batch)
+                and self._overlappable_seqs(batch.seqs))
+
+    def _launch(self, batch: ScheduledBatch, input_tokens: torch.Tensor | None = None) -> _InFlight:
+        logits = self.runner.execute(batch, None, input_tokens)
+        seqs = list(batch.seqs)  # decode-only: row i samples seqs[i]
+        rows = [SamplingRow(s.params, s.output_token_ids, s.generator, self._suppressed(s)) for s in seqs]
+        self.scheduler.postprocess(batch, hash_blocks=input_tokens is None)
+        tokens, handle = self.runner.sample_async(logits, rows)
+        self.num_steps += 1
+        return _InFlight(seqs, tokens, handle)
+
+    def _can_launch_ahead(self, current: _InFlight) -> bool:
+        """Whether the next step is `current`'s requests again, each one token on, whatever
+        tokens `current` samples: nothing waiting to be admitted, no request ending by length
+        with this token, blocks for every next slot without preempting, device-drawn tokens."""
+        sched, bm = self.scheduler, self.block_manager
+        seqs = current.seqs
+        if not self.overlap_steps or sched.waiting or len(sched.running) != len(seqs):
+            return False
+        missing = 0
+        for running, seq in zip(sched.running, seqs):
+            if running is not seq or seq.status is not SequenceStatus.RUNNING:
+                return False
+            if seq.num_output_tokens + 1 >= seq.params.max_tokens or seq.num_tokens + 1 >= self.max_model_len:
+                return False
+            # the next step writes the KV of position num_tokens (this step's token)
+            missing += max(0, bm.blocks_needed(seq.num_tokens + 1) - len(seq.block_ids))
+        return missing <= bm.num_free_blocks and self._overlappable_seqs(seqs)
+
+    @staticmethod
+    def _overlappable_seqs(seqs: list[Sequence]) -> bool:
+        """No hand-off (its layer hook), and tokens the sampler draws on the device."""
+        return all(not s.hand_off and not s.params.has_penalties and s.params.logprobs is None
+                   and (s.params.greedy or s.generator is None) for s in seqs)
+
+    def _launch_ahead(self, current: _InFlight) -> _InFlight:
+        """Schedules and launches the step after `current` before its tokens reach the host:
+        each request gets a placeholder token (replaced in `_consume`), the step reads the real
+        ones on the device."""
+        for seq in current.seqs:
+            seq.output_token_ids.append(PLACEHOLDER_TOKEN)
+        current.placed = True
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
+        if [id(s) for s in batch.seqs] != [id(s) for s in current.seqs] or batch.preempted \
+                or any(n != 1 for n in batch.num_new_tokens):  # _can_launch_ahead rules this out
+            raise AssertionError("a step launched ahead must decode the same requests")
+        return self._launch(batch, current.tokens)
+
+    def _consume(self, current: _InFlight) -> list[RequestOutput]:
+        """Waits for `current`'s tokens and hands them to their requests."""
+        tokens = self.runner.tokens_of(current.handle)
+        outputs = []
+        for seq, token in zip(current.seqs, tokens):
+            if current.placed:
+                seq.output_token_ids.pop()  # the placeholder: the real token goes in its place
+            if seq.status is SequenceStatus.FINISHED:  # aborted while its step ran
+                continue
+            out = self._append_token(seq, token, None)
+            if current.placed and seq.status is not SequenceStatus.FINISHED:
+                self.scheduler.hash_full_blocks(seq)  # deferred at the launch ahead
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _step_sync(self, batch: ScheduledBatch) -> list[RequestOutput]:
         hook = None
         # only a batch with a request to hand off needs the layer hook (a mixed worker's decode
         # steps keep the hook-free paths, CUDA graphs included)

@@ -107,6 +107,10 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_len // self.block_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         self.num_graph_replays = 0
+        # pinned host buffers (and their copy events) for sampled tokens: two, one step in flight
+        self._token_bufs: list[torch.Tensor] | None = None
+        self._token_events: list | None = None
+        self._token_turn = 0
         self.num_decode_only_steps = 0
         # Decode-only steps on the torch path run `decode_forward_torch`, through torch.compile
         # when CacheConfig.compile_cpu_decode is set.
@@ -161,14 +165,18 @@ class ModelRunner:
         return num
 
     # ---- one step --------------------------------------------------------------------------
-    def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, layer_hook: LayerHook | None = None,
+                input_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Runs `batch`; returns float32 logits for the requests that sample this step, in the
-        order of `order(batch)`."""
+        order of `order(batch)`. `input_tokens` (a graph step only, see `uses_graph`): a device
+        tensor whose row i is the input token of batch.seqs[i], read on the device instead of
+        from the sequence (the previous step's sampled tokens, not yet on the host)."""
         decode_only = self.is_decode_only(batch)
         self.num_decode_only_steps += decode_only
-        if (layer_hook is None and self.use_cuda_graphs and self.graph_batch_sizes
-                and len(batch) <= self.graph_batch_sizes[-1] and decode_only):
-            return self._execute_graph(batch)
+        if layer_hook is None and decode_only and self.uses_graph(len(batch)):
+            return self._execute_graph(batch, input_tokens)
+        if input_tokens is not None:
+            raise AssertionError("input_tokens needs a CUDA-graph decode step")
         input_ids, meta = self.prepare(batch)
         if layer_hook is None and meta.decode_plan is not None:
             return self._execute_decode_torch(input_ids, meta)
@@ -190,6 +198,39 @@ class ModelRunner:
                 if arg is not None and arg.shape[-1] > 1:
                     torch._dynamo.maybe_mark_dynamic(arg, arg.dim() - 1)
         return self._decode_torch(*args)
+
+    def uses_graph(self, batch_size: int) -> bool:
+        """Whether a decode-only step of `batch_size` requests (no layer hook) replays a CUDA
+        graph (off CUDA, with graphs forced on in tests: the same static inputs, eagerly)."""
+        return bool(self.use_cuda_graphs and self.graph_batch_sizes and batch_size <= self.graph_batch_sizes[-1])
+
+    def sample_async(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple:
+        """Samples `rows` on the device (`Sampler.device_only` rows) and starts copying the tokens
+        to the host; `tokens_of` waits for them. Returns (device tokens, handle)."""
+        tokens = self.sampler.sample_device(logits, rows)
+        n = tokens.shape[0]
+        if self.device.type != "cuda":
+            return tokens, (tokens.clone(), None, n)
+        if self._token_bufs is None:
+            size = max(self.graph_batch_sizes[-1] if self.graph_batch_sizes else 1, n)
+            self._token_bufs = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+            self._token_events = [torch.cuda.Event() for _ in range(2)]
+        i = self._token_turn = 1 - self._token_turn
+        buf, event = self._token_bufs[i], self._token_events[i]
+        if n > buf.shape[0]:
+            buf = torch.empty(n, dtype=torch.int64, pin_memory=True)
+        event.synchronize()  # the copy that last used this buffer was read (at most two in flight)
+        buf[:n].copy_(tokens, non_blocking=True)
+        event.record()
+        return tokens, (buf, event, n)
+
+    @staticmethod
+    def tokens_of(handle: tuple) -> list[int]:
+        """The host list of a `sample_async` result, once its copy is done."""
+        buf, event, n = handle
+        if event is not None:
+            event.synchronize()
+        return buf[:n].tolist()
 
     @staticmethod
     def _split(batch: ScheduledBatch) -> tuple[list[int], list[int]]:
@@ -349,7 +390,7 @@ class ModelRunner:
         return width
 
     @torch.inference_mode()
-    def _execute_graph(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _execute_graph(self, batch: ScheduledBatch, input_tokens: torch.Tensor | None = None) -> torch.Tensor:
         if not self._graphs:
             self.capture_cuda_graphs()
         n = len(batch)
@@ -374,6 +415,8 @@ class ModelRunner:
         self._d_lens.copy_(self._h_lens, non_blocking=True)
         self._d_tables[:size, :width].copy_(self._h_tables[:size * width].view(size, width),
                                             non_blocking=True)
+        if input_tokens is not None:  # after the ids' copy on the same stream: these win
+            self._d_i64[0, :n].copy_(input_tokens[:n])
         captured = self._graphs[size]
         if captured is None:  # off CUDA: the same static inputs, run eagerly
             logits = self.model(*self._graph_inputs(size), self.kv_caches)

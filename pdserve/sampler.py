@@ -34,25 +34,53 @@ class Sampler:
         g.manual_seed(seed)
         return g
 
+    @staticmethod
+    def device_only(rows: list[SamplingRow]) -> bool:
+        """Whether `sample_device` can draw these rows with no host round trip: greedy or
+        unseeded sampling, no penalties (they count the host's token lists), no logprobs."""
+        return all(not r.params.has_penalties and r.params.logprobs is None
+                   and (r.params.greedy or r.generator is None) for r in rows)
+
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits: [N, vocab] float32, one row per request. Returns token ids and logprobs."""
+    def sample_device(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The tokens of `device_only` rows as a device tensor [N] (int64), without waiting
+        for them: the caller copies them out when it needs them."""
         if logits.shape[0] != len(rows):
             raise AssertionError("one sampling row per logits row")
+        if not self.device_only(rows):
+            raise AssertionError("sample_device: a row needs the host (penalties, seed or logprobs)")
+        self._suppress(logits, rows)
+        tokens = logits.argmax(dim=-1)
+        shared = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if shared:
+            tokens[torch.tensor(shared, device=logits.device)] = self._sample_rows(
+                logits, shared, [rows[i].params for i in shared])
+        return tokens
+
+    @staticmethod
+    def _suppress(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         suppress_rows: list[int] = []
         suppress_cols: list[int] = []
         for i, row in enumerate(rows):
-            p = row.params
-            if p.has_penalties and row.output_token_ids:
-                ids = torch.tensor(row.output_token_ids, device=logits.device)
-                counts = torch.bincount(ids, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
             if row.suppress_token_ids:
                 suppress_rows.extend([i] * len(row.suppress_token_ids))
                 suppress_cols.extend(row.suppress_token_ids)
         if suppress_rows:  # one scatter for the whole batch
             logits[torch.tensor(suppress_rows, device=logits.device),
                    torch.tensor(suppress_cols, device=logits.device)] = float("-inf")
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits: [N, vocab] float32, one row per request. Returns token ids and logprobs."""
+        if logits.shape[0] != len(rows):
+            raise AssertionError("one sampling row per logits row")
+        for i, row in enumerate(rows):
+            p = row.params
+            if p.has_penalties and row.output_token_ids:
+                ids = torch.tensor(row.output_token_ids, device=logits.device)
+                counts = torch.bincount(ids, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        self._suppress(logits, rows)
 
         tokens = logits.argmax(dim=-1)  # greedy rows, on the GPU for the whole batch at once
         if not all(r.params.greedy for r in rows):

@@ -159,12 +159,19 @@ class Scheduler:
             del batch.seqs[i]
             del batch.num_new_tokens[i]
 
-    def postprocess(self, batch: ScheduledBatch) -> None:
-        """Advances the computed counters after the model ran `batch`."""
-        bm = self.block_manager
-        caching, bs = bm.enable_prefix_caching, bm.block_size
+    def postprocess(self, batch: ScheduledBatch, hash_blocks: bool = True) -> None:
+        """Advances the computed counters after the model ran `batch`. `hash_blocks=False`
+        when a token of the batch is not on the host yet (a step launched ahead of the
+        previous step's tokens): `hash_full_blocks` then runs once it is."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
-            # only when a block became full: building all_token_ids costs ~1k list items a step
-            if caching and len(seq.table.block_hashes) < min(seq.num_computed_tokens // bs, len(seq.block_ids)):
-                bm.mark_computed(seq.table, seq.all_token_ids, seq.num_computed_tokens)
+            if hash_blocks:
+                self.hash_full_blocks(seq)
+
+    def hash_full_blocks(self, seq: Sequence) -> None:
+        """Registers the prefix-cache hashes of `seq`'s computed full blocks."""
+        bm = self.block_manager
+        # only when a block became full: building all_token_ids costs ~1k list items a step
+        if bm.enable_prefix_caching and len(seq.table.block_hashes) < min(
+                seq.num_computed_tokens // bm.block_size, len(seq.block_ids)):
+            bm.mark_computed(seq.table, seq.all_token_ids, seq.num_computed_tokens)
