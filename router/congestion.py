@@ -31,6 +31,7 @@ slowly than the link carries it, every link converged to that rate.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -58,6 +59,27 @@ class CongestionView:
 
     def state(self, key: str) -> LinkState:
         return self.links.get(key, IDLE)
+
+    @classmethod
+    def following(cls, links: dict[str, LinkState], previous: CongestionView | None,
+                  changed: tuple[str, ...]) -> CongestionView:
+        """A view that takes `links` as it is (no copy: the caller gives it up) and records that
+        it is `previous` with the links `changed` in another state (LinkMonitor.view), so that a
+        reader that followed `previous` reads only those (`changes_since`)."""
+        view = cls.__new__(cls)
+        object.__setattr__(view, "links", MappingProxyType(links))
+        object.__setattr__(view, "_previous", None if previous is None else weakref.ref(previous))
+        object.__setattr__(view, "_changed", changed)
+        return view
+
+    def changes_since(self, view: CongestionView | None) -> tuple[str, ...] | None:
+        """The links whose state may differ from `view`'s, when this view knows; None otherwise."""
+        if view is self:
+            return ()
+        previous = self.__dict__.get("_previous")
+        if previous is not None and view is not None and previous() is view:
+            return self.__dict__["_changed"]
+        return None
 
 
 def usable_gbps(link: Link, state: LinkState) -> float:
@@ -108,11 +130,13 @@ class LinkMonitor:
         self.compute_slack = float(compute_slack)
         self._links: dict[str, _Link] = {}
         self._states: dict[str, LinkState] = {}  # state() of each link, until it changes
-        self._view: CongestionView | None = None  # view() until any link changes
+        self._current: dict[str, LinkState] = {}  # every link's state as of the last view
+        self._dirty: dict[str, None] = {}  # links changed since the last view, in order
+        self._view: CongestionView | None = None  # the last view
 
     def _changed(self, key: str) -> None:
         self._states.pop(key, None)
-        self._view = None
+        self._dirty[key] = None
 
     def start(self, key: str, num_bytes: int) -> Flow:
         self._changed(key)
@@ -174,8 +198,13 @@ class LinkMonitor:
         return tuple(self._links)
 
     def view(self) -> CongestionView:
-        """Every link's state now; an unchanged link keeps its LinkState object, an unchanged
-        monitor its view (a router builds one a request, over every link it has used)."""
-        if self._view is None:
-            self._view = CongestionView({key: self.state(key) for key in self._links})
+        """Every link's state now. A router builds one a request, over every link it has used,
+        so only the links changed since the last view are read again: an unchanged link keeps
+        its LinkState object, an unchanged monitor its view, and each view records the last one
+        and what changed since (CongestionView.changes_since)."""
+        if self._dirty or self._view is None:
+            for key in self._dirty:
+                self._current[key] = self.state(key)
+            changed, self._dirty = tuple(self._dirty), {}
+            self._view = CongestionView.following(dict(self._current), self._view, changed)
         return self._view

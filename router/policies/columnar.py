@@ -44,7 +44,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from router.congestion import IDLE, CongestionView, LinkState, available_gbps, transfer_seconds
+from router.congestion import IDLE, CongestionView, available_gbps, transfer_seconds
 from router.placement import ClusterSnapshot, RequestInfo, WorkerSnapshot
 from router.policies.cost import Estimate
 from router.policies.prune import _link, _topology_cache, link_classes, order
@@ -263,9 +263,7 @@ class NodeLinks:
         # default's capacity (prune._Generic's test), over every link of the view
         self.busy: dict[str, set[str]] = {}
         self.arrow = np.array(["->" in name for name in node_names] + [False], dtype=bool)
-        self._keys: list[str] = []
-        self._states: list[LinkState] = []  # held: their ids stay distinct from new objects'
-        self._ident = np.zeros(0, dtype=np.uintp)
+        self._view: CongestionView | None = None
 
     def kv(self, view: CongestionView, num_bytes: int) -> np.ndarray:
         self._follow(view)
@@ -277,20 +275,18 @@ class NodeLinks:
         return transfer_seconds(self.remote, IDLE, num_bytes)
 
     def _follow(self, view: CongestionView) -> None:
-        """The fair shares of the links whose state changed since the last view (a monitor
-        keeps an unchanged link's LinkState object and its links in order)."""
-        keys, states = list(view.links), list(view.links.values())
-        ident = np.fromiter(map(id, states), dtype=np.uintp, count=len(states))
-        m = len(self._keys)
-        if len(keys) >= m and keys[:m] == self._keys:
-            changed = np.flatnonzero(ident[:m] != self._ident).tolist() + list(range(m, len(keys)))
-        else:
+        """The fair shares, and the busy links, as of `view`: from the changes it records since
+        the view followed last (LinkMonitor's views: the links changed between two requests),
+        else from every link in it."""
+        changed = view.changes_since(self._view)
+        if changed is None:
             self._gbps = self._idle_gbps.copy()
             self.busy = {}
-            changed = range(len(keys))
+            changed = tuple(view.links)
+        states = view.links
         position, busy, remote_gbps = self._position, self.busy, self._remote_gbps
-        for i in changed:
-            key, state = keys[i], states[i]
+        for key in changed:
+            state = states.get(key, IDLE)
             found = position.get(key)
             if found is not None:
                 k, j, link = found
@@ -301,7 +297,7 @@ class NodeLinks:
                     busy[src].discard(dst)
             else:
                 busy.setdefault(src, set()).add(dst)
-        self._keys, self._states, self._ident = keys, states, ident
+        self._view = view  # held: the next view's record of what changed refers to it
 
 
 class LoadMap(Mapping):

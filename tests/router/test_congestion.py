@@ -87,3 +87,10 @@ def test_link_monitor_views_reuse_unchanged_states():
     assert second is not first and second.links["y->z"] is first.links["y->z"]
     assert second.links["x->y"] == LinkState(bytes_in_flight=0, active_flows=0, measured_gbps=0.8, num_samples=1)
     assert first.links["x->y"] == LinkState(bytes_in_flight=100, active_flows=1)
+    # each view records what changed since the one before it
+    assert second.changes_since(first) == ("x->y",) and second.changes_since(second) == ()
+    monitor.start("z->x", 10)
+    third = monitor.view()
+    assert third.changes_since(second) == ("z->x",) and third.changes_since(first) is None
+    assert list(third.links) == ["x->y", "y->z", "z->x"]
+    assert CongestionView(third.links).changes_since(third) is None
