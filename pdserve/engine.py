@@ -104,6 +104,7 @@ class LLMEngine:
         self.layer_hook: Callable[[int, ScheduledBatch], None] | None = None
         self.num_steps = 0
         self.overlap_steps = overlap_enabled()
+        self.num_steps_ahead = 0  # steps launched before the previous step's tokens reached the host
         self._in_flight: _InFlight | None = None  # a step launched ahead, its tokens not read yet
 
     # ---- requests --------------------------------------------------------------------------
@@ -250,6 +251,7 @@ class LLMEngine:
         for seq in current.seqs:
             seq.output_token_ids.append(PLACEHOLDER_TOKEN)
         current.placed = True
+        self.num_steps_ahead += 1
         batch = self.scheduler.schedule()
         if [id(s) for s in batch.seqs] != [id(s) for s in current.seqs] or batch.preempted \
                 or any(n != 1 for n in batch.num_new_tokens):  # _can_launch_ahead rules this out

@@ -26,12 +26,16 @@ def engine_config(chunk: int = 16) -> EngineConfig:
                         scheduler=SchedulerConfig(max_num_batched_tokens=chunk))
 
 
-@pytest.fixture(scope="module")
-def workers():
+@pytest.fixture(scope="module", params=["sync", "overlap"])
+def workers(request):
+    """The three roles; "overlap": the decode-graph path forced on off CUDA (static buffers,
+    eager replay), so decode steps take the overlapped path (pdserve/engine.py) under the
+    worker's engine thread, with commits, aborts and hand-offs between steps."""
     started = []
     stubs = {}
     for role in ("prefill", "decode", "mixed"):
         server = WorkerServer(WorkerConfig(f"{role}-0", role, engine_config(chunk=7), kv_backend="fake"))
+        server.engine.runner.use_cuda_graphs = request.param == "overlap"
         address = server.start()
         started.append(server)
         stubs[role] = pb_grpc.WorkerStub(grpc.insecure_channel(address))
@@ -86,6 +90,9 @@ def test_disaggregated_equals_single_engine_and_colocated(workers, reference):
             for t in c.token_ids]
         assert colocated == expected[i]
     assert_idle(servers)
+    for role in ("decode", "mixed"):  # the overlapped path ran where it was forced on
+        engine = servers[role].engine
+        assert (engine.num_steps_ahead > 0) == engine.runner.use_cuda_graphs, role
     # the engine thread's step counters: every step counted once, decode-only ones among them
     stats = stubs["mixed"].Stats(pb.StatsRequest(), timeout=5)
     assert stats.engine_steps >= len(batch) * GREEDY.max_tokens
