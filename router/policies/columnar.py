@@ -503,7 +503,8 @@ class Columnar:
                  + node_min[links.reach_node[p_node_idx]])
         bound = np.minimum(bound, reach.min(axis=1))
         visit = np.lexsort((np.arange(len(q)), self._p_load, bound)).tolist()
-        bound_l, p_load_l, q_l, s_l, af_l = bound.tolist(), self._p_load.tolist(), q.tolist(), s.tolist(), a_floor.tolist()
+        bound_l, p_load_l = bound.tolist(), self._p_load.tolist()
+        q_l, s_l, af_l = q.tolist(), s.tolist(), a_floor.tolist()
         p_nodes = p_node_idx.tolist()
         position = {t[3]: k for k, t in enumerate(nodes)}
 

@@ -30,7 +30,8 @@ def random_profile(rng: random.Random) -> Profile:
     def axis(n: int, top: int) -> tuple[int, ...]:
         return tuple(sorted(rng.sample(range(1, top), n)))
 
-    batches, contexts, tokens = axis(rng.randint(1, 5), 300), axis(rng.randint(1, 5), 20000), axis(rng.randint(1, 4), 9000)
+    batches, contexts = axis(rng.randint(1, 5), 300), axis(rng.randint(1, 5), 20000)
+    tokens = axis(rng.randint(1, 4), 9000)
     return Profile(
         hardware="test", device="cpu", model="m", dtype="bfloat16", num_layers=rng.choice([2, 32, 80]),
         kv_bytes_per_token=rng.choice([65536, 131072]), block_size=16, max_num_batched_tokens=rng.choice([512, 8192]),
@@ -67,7 +68,8 @@ def large_cluster(rng: random.Random) -> tuple[list[WorkerSnapshot], Topology, d
              if a != b and rack[a] == rack[b]]
     if rng.random() < 0.3:
         links.append(Link(nodes[0], nodes[0], 400.0, 0.0))
-    topo = Topology(links=tuple(links), local_gbps=rng.choice([100.0, 200.0]), local_latency_ms=rng.choice([0.0, 0.005]),
+    topo = Topology(links=tuple(links), local_gbps=rng.choice([100.0, 200.0]),
+                    local_latency_ms=rng.choice([0.0, 0.005]),
                     remote_gbps=rng.choice([10.0, 25.0]), remote_latency_ms=rng.choice([0.0, 0.01]))
     workers = []
     for i in range(rng.randint(90, 140)):
@@ -78,12 +80,14 @@ def large_cluster(rng: random.Random) -> tuple[list[WorkerSnapshot], Topology, d
             kw = dict(num_running=n, num_inflight=rng.choice([0, n, n + 1]),
                       num_inflight_tokens=rng.choice([0, 300, 512, 4096]) * n, num_waiting=rng.choice([0, 0, 1]))
         if rng.random() < 0.5:
-            kw.update(num_blocks=rng.choice([64, 512, 512, 512]), block_size=16, num_free_blocks=rng.choice([0, 8, 64, 300, 512]))
+            kw.update(num_blocks=rng.choice([64, 512, 512, 512]), block_size=16,
+                      num_free_blocks=rng.choice([0, 8, 64, 300, 512]))
         if rng.random() < 0.05:
             kw["healthy"] = False
         if rng.random() < 0.05:
             kw["max_model_len"] = 2048
-        workers.append(WorkerSnapshot(worker_id=f"{role[0]}{rng.randrange(10**6):06d}", role=role,  # type: ignore[arg-type]
+        worker_id = f"{role[0]}{rng.randrange(10**6):06d}"
+        workers.append(WorkerSnapshot(worker_id=worker_id, role=role,  # type: ignore[arg-type]
                                       node=rng.choice(nodes), **kw))
     states = {}
     for _ in range(rng.randint(0, 12)):

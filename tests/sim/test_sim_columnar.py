@@ -19,7 +19,8 @@ def cluster(options: dict) -> ClusterConfig:
     nodes = [f"n{i:02d}" for i in range(16)]
     workers = tuple(WorkerConfig(f"{'p' if i % 4 == 0 else 'd'}{i:03d}", "prefill" if i % 4 == 0 else "decode",
                                  nodes[i // 8]) for i in range(128))
-    links = tuple(Link(a, b, 100.0, 0.005) for a in nodes for b in nodes if a != b and int(a[1:]) // 4 == int(b[1:]) // 4)
+    links = tuple(Link(a, b, 100.0, 0.005) for a in nodes for b in nodes
+                  if a != b and int(a[1:]) // 4 == int(b[1:]) // 4)
     return ClusterConfig(profile=llama8b_h100(), workers=workers,
                          topology=Topology(links=links, remote_gbps=25.0, remote_latency_ms=0.01),
                          engine=EngineLimits(num_blocks=2048, block_size=16, max_num_batched_tokens=8192,
