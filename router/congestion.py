@@ -60,6 +60,9 @@ class CongestionView:
     def state(self, key: str) -> LinkState:
         return self.links.get(key, IDLE)
 
+    def __deepcopy__(self, memo: dict) -> CongestionView:
+        return self  # immutable (a copy would lose what it records it follows)
+
     @classmethod
     def following(cls, links: dict[str, LinkState], previous: CongestionView | None,
                   changed: tuple[str, ...]) -> CongestionView:
