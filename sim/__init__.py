@@ -9,6 +9,7 @@ Modules, bottom up:
 - `cluster`: the router (real `router.placement` policies fed `ClusterSnapshot`s, the real
   `router.congestion.LinkMonitor`), KV transfers, the request lifecycle, records;
 - `config`: the cluster file (workers, topology, profile, engine limits, policy options);
+- `check`: network-aware's columnar and general paths side by side, every decision compared;
 - `experiment`, `cli`: a loadgen experiment spec in, loadgen's records, summaries, plots and
   report out (`pdserve-sim experiment SPEC --cluster FILE`).
 
