@@ -7,8 +7,9 @@
 2. `requests`: a few throw-away requests through the real scheduler, so that the first real
    ones find every kernel compiled: a prompt as long as the step's token budget (the tile
    configuration of large prefills), a short one joining while the first decodes (a mixed
-   step, small-prefill tiles), decode steps at batch 2 and 1, and the sampler's paths
-   (greedy; temperature with top-k/top-p, penalties and logprobs).
+   step, small-prefill tiles), decode steps at batch 2 and 1 (the last ones overlapped on a
+   GPU), and the sampler's paths (greedy; temperature with top-k/top-p, penalties and
+   logprobs).
 
 The requests run as role "mixed" with no layer hook (a prefill worker's hook would push their
 KV), then are aborted; the prefix cache forgets their blocks. On the CPU the prompts are short
@@ -28,7 +29,7 @@ from pdserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 WARMUP_ENV = "PDSERVE_WARMUP"
-MAX_WARMUP_STEPS = 64  # the requests below finish in about 10 steps; a bound, not a target
+MAX_WARMUP_STEPS = 64  # the requests below finish in about 12 steps; a bound, not a target
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,9 @@ def warm_up(engine) -> WarmupReport:
     vocab = engine.model_config.vocab_size
     prompts = [[(7919 * seed + 31 * i) % (vocab - 2) + 1 for i in range(n)]
                for seed, n in ((1, long_len), (2, short_len))]
-    params = [SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
+    # the first outlives the second by a few greedy decode steps: the overlapped decode path
+    # (device sampling, pinned token buffers, a step launched ahead) runs before serving does
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=6, temperature=0.7, top_k=20, top_p=0.9, logprobs=2,
                              frequency_penalty=0.1, ignore_eos=True)]
     role, hook = engine.role, engine.layer_hook

@@ -74,3 +74,17 @@ def test_layer_hook_runs_only_for_batches_with_a_hand_off():
     assert len(seen) == count
     engine.release("handoff")
     assert not engine.requests
+
+
+def test_warm_up_runs_the_overlapped_decode_path():
+    """With the decode-graph path on (forced here off CUDA), the warm-up's last decode steps
+    take the overlapped path, launch ahead included, and leave nothing in flight."""
+    from pdserve.llm import LLM
+    from pdserve.warmup import warm_up
+
+    llm = LLM("random:tiny-llama", device="cpu", dtype="float32", num_blocks=64, block_size=16)
+    engine = llm.engine
+    engine.runner.use_cuda_graphs = True
+    warm_up(engine)
+    assert engine.num_steps_ahead >= 1 and engine._in_flight is None
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
