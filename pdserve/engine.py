@@ -39,7 +39,7 @@ from pdserve.block_manager import BlockManager
 from pdserve.config import EngineConfig, ModelConfig
 from pdserve.loaders import ModelSource, load_model_source
 from pdserve.model_runner import ModelRunner, resolve_device, resolve_dtype
-from pdserve.sampler import SamplingRow
+from pdserve.sampler import Sampler, SamplingRow
 from pdserve.sampling_params import RequestOutput, SamplingParams
 from pdserve.scheduler import ScheduledBatch, Scheduler
 from pdserve.sequence import Sequence, SequenceStatus
@@ -236,13 +236,12 @@ class LLMEngine:
                 return False
             # the next step writes the KV of position num_tokens (this step's token)
             missing += max(0, bm.blocks_needed(seq.num_tokens + 1) - len(seq.block_ids))
-        return missing <= bm.num_free_blocks and self._overlappable_seqs(seqs)
+        return missing <= bm.num_free_blocks  # the rows drew on the device at launch and still do
 
     @staticmethod
     def _overlappable_seqs(seqs: list[Sequence]) -> bool:
         """No hand-off (its layer hook), and tokens the sampler draws on the device."""
-        return all(not s.hand_off and not s.params.has_penalties and s.params.logprobs is None
-                   and (s.params.greedy or s.generator is None) for s in seqs)
+        return all(not s.hand_off and Sampler.draws_on_device(s.params, s.generator) for s in seqs)
 
     def _launch_ahead(self, current: _InFlight) -> _InFlight:
         """Schedules and launches the step after `current` before its tokens reach the host:

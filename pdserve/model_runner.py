@@ -211,14 +211,12 @@ class ModelRunner:
         n = tokens.shape[0]
         if self.device.type != "cuda":
             return tokens, (tokens.clone(), None, n)
-        if self._token_bufs is None:
-            size = max(self.graph_batch_sizes[-1] if self.graph_batch_sizes else 1, n)
+        if self._token_bufs is None:  # graph steps only: at most the largest graph's batch
+            size = self.graph_batch_sizes[-1]
             self._token_bufs = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in range(2)]
             self._token_events = [torch.cuda.Event() for _ in range(2)]
         i = self._token_turn = 1 - self._token_turn
         buf, event = self._token_bufs[i], self._token_events[i]
-        if n > buf.shape[0]:
-            buf = torch.empty(n, dtype=torch.int64, pin_memory=True)
         event.synchronize()  # the copy that last used this buffer was read (at most two in flight)
         buf[:n].copy_(tokens, non_blocking=True)
         event.record()

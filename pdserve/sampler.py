@@ -35,11 +35,14 @@ class Sampler:
         return g
 
     @staticmethod
-    def device_only(rows: list[SamplingRow]) -> bool:
-        """Whether `sample_device` can draw these rows with no host round trip: greedy or
-        unseeded sampling, no penalties (they count the host's token lists), no logprobs."""
-        return all(not r.params.has_penalties and r.params.logprobs is None
-                   and (r.params.greedy or r.generator is None) for r in rows)
+    def draws_on_device(params: SamplingParams, generator: torch.Generator | None) -> bool:
+        """Whether `sample_device` can draw a row with no host round trip: greedy or unseeded
+        sampling, no penalties (they count the host's token lists), no logprobs."""
+        return not params.has_penalties and params.logprobs is None and (params.greedy or generator is None)
+
+    @classmethod
+    def device_only(cls, rows: list[SamplingRow]) -> bool:
+        return all(cls.draws_on_device(r.params, r.generator) for r in rows)
 
     @torch.inference_mode()
     def sample_device(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

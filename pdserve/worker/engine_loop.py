@@ -81,15 +81,11 @@ class EngineLoop:
             self._subscribers.pop(request_id, None)
 
     def deliver(self, output: RequestOutput) -> None:
-        with self._lock:
-            callback = self._subscribers.get(output.request_id)
-            if output.finished:
-                self._subscribers.pop(output.request_id, None)
-        if callback is not None:
-            callback(output)
+        self.deliver_many([output])
 
     def deliver_many(self, outputs: list[RequestOutput]) -> None:
-        """`deliver` for one step's outputs. Subscribers that hand outputs to an asyncio loop
+        """Hands outputs to their subscribers (a finished one ends its subscription).
+        Subscribers that hand outputs to an asyncio loop
         (with `loop` and `queue` attributes) get them in one `call_soon_threadsafe` per loop,
         not one each: the loop thread wakes once a step instead of once per request, and takes
         the GIL from this thread once."""
@@ -110,10 +106,7 @@ class EngineLoop:
                 else:
                     direct.append((callback, out))
         for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the loop is closed: the worker is shutting down
-                pass
+            loop.call_soon_threadsafe(_put_all, items)
         for callback, out in direct:
             callback(out)
 
