@@ -5,7 +5,8 @@
 1. Prefill: for each prompt length, the time from `add_request` to the first token on an idle
    engine (chunked as the engine flags say), the median of `repeats` runs after one warm-up.
 2. Decode: for each (batch, context), `batch` requests of `context` prompt tokens are
-   prefilled, then `decode_steps` pure decode steps are timed; the median step.
+   prefilled, then `decode_steps` pure decode steps run back to back; the median time between
+   the returns of consecutive steps (with overlapped decode steps, the period of the overlap).
 3. Mixed (`mixed=True`, `pdserve profile --mixed`): for each (batch B, chunk T), B requests of
    `mixed_context` prompt tokens are prefilled until all decode (one decode-only step follows,
    which on a GPU replays a CUDA graph, captured at the first one), then a fresh prompt of
@@ -230,13 +231,19 @@ class Profiler:
                 raise RuntimeError(f"decode batch {batch} x {context} tokens: a request finished before the "
                                    "batch was formed (raise --max-num-batched-tokens or lower the batch)")
             e.step()  # warm-up: the first step of the pure decode batch
+            # the time between the returns of consecutive steps, with no sync between them: where
+            # the engine overlaps decode steps (a CUDA-graph step launched before the previous
+            # one's tokens are read), that is the period a serving worker steps at, where a sync
+            # around each step would add the host work the overlap hides
             times = []
+            self._sync()
+            last = time.perf_counter()
             for _ in range(self.decode_steps):
-                self._sync()
-                t0 = time.perf_counter()
                 e.step()
-                self._sync()
-                times.append(time.perf_counter() - t0)
+                now = time.perf_counter()
+                times.append(now - last)
+                last = now
+            self._sync()
         finally:
             for r in rids:
                 e.abort_request(r)

@@ -5,6 +5,7 @@
 #   run.sh profile-mixed  the same plus the mixed-step table (--mixed; ~3 min on one H200)
 #                    -> profile-mixed.json (sim_fidelity_two_gpu's chained-mixed model)
 #   run.sh CONFIG..  the sweep of those configurations: pd colocated hybrid-loose hybrid-tight
+#                    (single: one mixed worker, for one-gpu.yaml on a one-GPU machine)
 #   run.sh analyze   tables and plots (needs matplotlib)          -> table.md, plots/
 #   run.sh all       kv, profile, the four configurations and analyze, in this order
 # Results: experiments/results/two-gpu/ (RESULTS to change). Run from anywhere.
@@ -17,7 +18,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export TWO_GPU_PROFILE=${TWO_GPU_PROFILE:-$results/profile.json}
 mkdir -p "$results"
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || { sed -n '2,11p' "$0"; exit 2; }
+[ ${#steps[@]} -gt 0 ] || { sed -n '2,12p' "$0"; exit 2; }
 [ "${steps[0]}" = all ] && steps=(kv profile pd colocated hybrid-loose hybrid-tight analyze)
 for step in "${steps[@]}"; do
   echo "== $step ($(date -u +%H:%M:%S))"
@@ -31,7 +32,7 @@ for step in "${steps[@]}"; do
           --prefill-tokens 128,512,1024,2048,4096 --decode-batches 1,8,32,64 --decode-contexts 512,2048 \
           --repeats 2 --decode-steps 8 --mixed --mixed-batches 1,4,16,32,64 --mixed-chunks 64,128,256,512 \
           --mixed-context 2048 2>&1 | tee "$results/profile-mixed.txt" ;;
-    pd|colocated|hybrid-loose|hybrid-tight)
+    pd|colocated|hybrid-loose|hybrid-tight|single)
       "$py" -m loadgen.cli experiment "${SPEC:-experiments/two-gpu/spec.yaml}" --policy "$step" \
           --output-dir "$results/$step" --no-progress ;;
     analyze) "$py" experiments/two-gpu/analyze.py --results "$results" ;;

@@ -1,0 +1,181 @@
+"""Simulated vs real on one H200: the one-GPU runs (experiments/two-gpu/one-gpu.yaml).
+
+    PYTHONPATH=. python -m experiments.sim_fidelity_one_gpu        # seconds, CPU only
+
+Real: the committed runs of `experiments/two-gpu/one-gpu.yaml` (one mixed worker, `pdserve up
+--mode colocated --replicas 1`, 64 Poisson requests a point at 1.5, 3, 4.5 and 6.5 req/s, 2048/256
+and 512/1024 tokens: one GPU's share of the two-GPU colocated sweep), made with
+`experiments/two-gpu/run.sh profile single` (RESULTS=experiments/results/one-gpu), so the profile
+(`profile.json` there) was measured by the same engine on the same machine in the same call.
+Simulated: each record's send time, server-counted prompt tokens and `max_tokens` on one mixed
+worker with that profile and the server's engine limits (512-token budget, 64 sequences).
+
+Models:
+
+- `chained`: the server's 8 runs one after the other on one simulated worker, at the offsets
+  they started at (a run that outlasts its successor's start carries over, as on the server);
+- `fresh`: each run alone;
+- `chained-old-profile`: `chained` with the two-GPU study's profile
+  (experiments/results/two-gpu/profile.json, an older engine: no overlapped decode steps), to
+  show what the current profile changes.
+
+Saturation: a point is "below saturation" when the real server kept up with the offered rate
+(real TTFT p90 under the 1 s TTFT SLO: no queue that grows for the length of the run). The
+issue's target (TTFT, TPOT p50/p90 and goodput within 10%) is counted over those points.
+
+Writes experiments/results/sim-fidelity/one_gpu.md and one_gpu.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+from experiments.sim_fidelity_two_gpu import ENGINE, METRICS, SLOS, _prompt, _summary, metrics
+from loadgen.records import read_jsonl
+from router.profiles import load_profile
+from sim.config import ClusterConfig, RouterConfig, WorkerConfig
+from sim.run import Arrival, simulate, to_record
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results" / "one-gpu"
+OLD_PROFILE = ROOT / "results" / "two-gpu" / "profile.json"
+OUT = ROOT / "results" / "sim-fidelity"
+CONFIG = "single"
+MODELS = {"chained": (True, "current"), "fresh": (False, "current"), "chained-old-profile": (True, "old")}
+WITHIN = 0.10
+
+
+def cluster(profile_path: Path) -> ClusterConfig:
+    """One mixed worker, as `serve.sh single` starts it (colocated mode, least-loaded)."""
+    return ClusterConfig(profile=load_profile(str(profile_path)), workers=(WorkerConfig("w0", "mixed", "gpu0"),),
+                         mode="colocated", engine=ENGINE, router=RouterConfig())
+
+
+def runs(results: Path) -> list[tuple[str, float, float, Path]]:
+    """(dataset, rate, start s after the server's first run, records file), in the order they ran."""
+    rows = [r for r in _summary(results / CONFIG) if r.get("start_time_unix") and r.get("records_file")]
+    rows.sort(key=lambda r: float(r["start_time_unix"]))
+    if not rows:
+        return []
+    first = float(rows[0]["start_time_unix"])
+    return [(r["dataset"], float(r["rate"]), float(r["start_time_unix"]) - first, results / CONFIG / r["records_file"])
+            for r in rows]
+
+
+def simulate_runs(cfg: ClusterConfig, items: list[tuple], chained: bool) -> list[list]:
+    """Simulated records of each run, paired with the real ones by index."""
+    if not chained:
+        out = []
+        for *_, path in items:
+            real = sorted(read_jsonl(path), key=lambda r: r.sent_s)
+            run = simulate(cfg, "least-loaded", [Arrival(r.sent_s, _prompt(r), int(r.max_tokens)) for r in real])
+            records = [to_record(q) for q in run.requests]
+            for record, r in zip(records, real):
+                record.index = r.index
+            out.append(records)
+        return out
+    tagged = []
+    for j, (_, _, offset, path) in enumerate(items):
+        for r in read_jsonl(path):
+            tagged.append((offset + r.sent_s, j, r.index, Arrival(offset + r.sent_s, _prompt(r), int(r.max_tokens))))
+    tagged.sort(key=lambda t: t[0])
+    run = simulate(cfg, "least-loaded", [t[3] for t in tagged])
+    out = [[] for _ in items]
+    for (_, j, index, _), request in zip(tagged, run.requests):
+        record = to_record(request)
+        record.index = index
+        out[j].append(record)
+    return out
+
+
+def points(results: Path, profile: Path, old_profile: Path) -> list[dict]:
+    items = runs(results)
+    profiles = {"current": profile, "old": old_profile}
+    found = []
+    for model, (chained, which) in MODELS.items():
+        if not profiles[which].exists():
+            continue
+        for (dataset, rate, _, path), sim_records in zip(items, simulate_runs(cluster(profiles[which]), items, chained)):
+            real_records = read_jsonl(path)
+            real, sim = metrics(real_records), metrics(sim_records)
+            point = {"model": model, "dataset": dataset, "rate": rate, "requests": len(real_records),
+                     "real_ok": real["num_ok"], "sim_ok": sim["num_ok"],
+                     "below_saturation": float(real["ttft_p90"] or 0.0) < SLOS["tight"].ttft_s}
+            for m in METRICS:
+                rv, sv = float(real[m] or 0.0), float(sim[m] or 0.0)
+                point[f"real_{m}"], point[f"sim_{m}"] = rv, sv
+                point[f"err_{m}"] = (sv - rv) / rv if rv else float("nan")
+            found.append(point)
+    return found
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(ROOT.parent))
+    except ValueError:
+        return str(path)
+
+
+def _fmt(m: str, v: float) -> str:
+    return f"{v:.2f}" if m.startswith("goodput") else f"{v * 1000:.1f}"
+
+
+def report(found: list[dict], profile: Path, results: Path = RESULTS) -> list[str]:
+    lines = ["# Simulated vs real on one H200 (experiments/sim_fidelity_one_gpu.py)", "",
+             f"Real: `{_rel(results)}/{CONFIG}/` (one mixed worker). Profile: "
+             f"`{_rel(profile)}`. Error = (sim - real) / real; TTFT and TPOT in ms, "
+             "goodput in req/s (loose: TTFT <= 1 s, TPOT <= 50 ms; tight: TPOT <= 10 ms).", ""]
+    lines += ["| model | figures within 10% (all points) | below saturation | worst figure below saturation |",
+              "|---|---|---|---|"]
+    for model in MODELS:
+        mine = [p for p in found if p["model"] == model]
+        if not mine:
+            continue
+        figs = [(abs(p[f"err_{m}"]), p, m) for p in mine for m in METRICS if p[f"err_{m}"] == p[f"err_{m}"]]
+        below = [f for f in figs if f[1]["below_saturation"]]
+        worst = max(below, key=lambda f: f[0]) if below else None
+        worst_text = (f"{worst[2]}, {worst[1]['dataset']} at {worst[1]['rate']:g} req/s: "
+                      f"{worst[1][f'err_{worst[2]}']:+.0%}") if worst else "-"
+        lines.append(f"| `{model}` | {sum(f[0] <= WITHIN for f in figs)} of {len(figs)} | "
+                     f"{sum(f[0] <= WITHIN for f in below)} of {len(below)} | {worst_text} |")
+    for model in MODELS:
+        mine = [p for p in found if p["model"] == model]
+        if not mine:
+            continue
+        lines += ["", f"## `{model}`", "",
+                  "| dataset | rate | below sat. | " + " | ".join(f"{m} real / sim (err)" for m in METRICS) + " |",
+                  "|---|---|---|" + "---|" * len(METRICS)]
+        for p in mine:
+            cells = [f"{_fmt(m, p[f'real_{m}'])} / {_fmt(m, p[f'sim_{m}'])} ({p[f'err_{m}']:+.0%})" for m in METRICS]
+            lines.append(f"| {p['dataset']} | {p['rate']:g} | {'yes' if p['below_saturation'] else 'no'} | "
+                         + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Simulated vs real on one H200 (module docstring).")
+    parser.add_argument("--results", type=Path, default=RESULTS, help=f"the runs' results folder (default {RESULTS})")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"where one_gpu.md / .csv go (default {OUT})")
+    args = parser.parse_args(argv)
+    profile = args.results / "profile.json"
+    if not runs(args.results) or not profile.exists():
+        print(f"sim_fidelity_one_gpu: no runs or no profile.json under {args.results} "
+              "(experiments/two-gpu/run.sh profile single, with RESULTS set to it)", file=sys.stderr)
+        return 2
+    found = points(args.results, profile, OLD_PROFILE)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with open(args.out / "one_gpu.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(found[0]))
+        writer.writeheader()
+        writer.writerows(found)
+    lines = report(found, profile, args.results)
+    (args.out / "one_gpu.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
