@@ -78,7 +78,8 @@ def distribution(values: Sequence[float], prefix: str) -> dict[str, float | None
 
 
 # The server's per-request timing (RequestRecord.server_timing) that summaries break TTFT into.
-BREAKDOWN_KEYS = ("place", "reserve", "queue", "prefill", "kv", "kv_wire", "kv_wait", "kv_tail", "first_decode")
+BREAKDOWN_KEYS = ("place", "reserve", "queue", "prefill", "kv", "kv_wire", "kv_wait", "kv_tail", "first_decode",
+                  "worker_handoff", "first_token", "first_text")
 
 
 def server_breakdown(records: Sequence[RequestRecord]) -> dict[str, float | int | None]:

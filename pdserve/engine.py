@@ -341,6 +341,9 @@ class LLMEngine:
         new_text = seq.output_text[seq.num_emitted_chars:end]
         seq.num_emitted_chars = end
         new_tokens = seq.output_token_ids[seq.num_emitted_tokens:]
+        first_token_times = None
+        if seq.num_emitted_tokens == 0 and new_tokens and seq.first_scheduled_time is not None:
+            first_token_times = (seq.first_scheduled_time, time.monotonic())
         seq.num_emitted_tokens = seq.num_output_tokens
         lps = None
         if p.logprobs is not None:
@@ -355,6 +358,7 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             logprobs=lps,
+            first_token_times=first_token_times,
         )
 
     # ---- stats -----------------------------------------------------------------------------

@@ -13,6 +13,8 @@ already in reserved blocks (`reserve` then `commit`).
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -138,6 +140,8 @@ class Scheduler:
             if seq.num_preemptions == 0 and not seq.output_token_ids:
                 seq.num_cached_tokens = cached
             seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             num_new = min(seq.num_uncomputed_tokens, budget)
             batch.seqs.append(seq)

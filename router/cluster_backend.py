@@ -96,11 +96,16 @@ WAIT_POLL_S = 0.1  # while a request waits for a worker, placement is retried th
 # call returned: the transfer ran over [kv_done_at - kv, kv_done_at]), `kv_link` and `kv_link_bytes`
 # (paced links: the link's time on the messages it held back, those queued behind earlier bytes, and
 # their bytes; kv_link_bytes / kv_link is the rate the link delivered while it was the bottleneck;
-# None from a worker that does not report them); both kinds: `placement` (disaggregated | local),
-# `prefill_worker` / `decode_worker` (ids), `attempts`.
+# None from a worker that does not report them); local: `queue` (the worker's Generate call in to
+# the first engine step that took the prompt), `prefill` (that step to the first token, chunks
+# included), `worker_handoff` (the token ready on the engine thread to its chunk handed to gRPC);
+# both kinds: `first_token` (arrival at the backend to the first token out of the workers) and
+# `first_text` (to the first delta with text: later when the first tokens decode to no text yet,
+# e.g. part of a UTF-8 character, which a streaming client sees nothing of), `placement`
+# (disaggregated | local), `prefill_worker` / `decode_worker` (ids), `attempts`.
 TIMING_KEYS = ("place", "reserve", "queue", "prefill", "kv", "kv_wire", "kv_wait", "kv_tail", "prefill_rpc",
-               "first_decode", "kv_bytes", "kv_gbps", "kv_done_at", "kv_link", "kv_link_bytes", "placement",
-               "prefill_worker", "decode_worker", "attempts")
+               "first_decode", "kv_bytes", "kv_gbps", "kv_done_at", "kv_link", "kv_link_bytes", "worker_handoff",
+               "first_token", "first_text", "placement", "prefill_worker", "decode_worker", "attempts")
 
 
 # (client, worker-side request id) of one worker's part in a request
@@ -267,8 +272,12 @@ class ClusterBackend:
             async for output in self._serve(flight, list(prompt_token_ids), params):
                 if output.new_token_ids:
                     now = time.monotonic()
-                    first_token = now if first_token is None else first_token
+                    if first_token is None:
+                        first_token = now
+                        flight.timing["first_token"] = now - arrival
                     num_tokens += len(output.new_token_ids)
+                if output.new_text and "first_text" not in flight.timing:
+                    flight.timing["first_text"] = time.monotonic() - arrival
                 if "place" not in flight.timing and "placed_at" in flight.timing:
                     flight.timing["place"] = flight.timing.pop("placed_at") - arrival
                 if output.finished and flight.timing:
@@ -511,6 +520,11 @@ class ClusterBackend:
         worker.num_inflight_tokens += n
         try:
             async for output in worker.client.generate(wire_id, prompt, params, flight.sent_token_ids):
+                if output.timing is not None:  # the worker's part of the first token
+                    if "first_token" not in flight.timing and output.new_token_ids:
+                        flight.timing |= {k: output.timing[k] for k in ("queue", "prefill") if k in output.timing}
+                        flight.timing["worker_handoff"] = output.timing.get("handoff")
+                    output.timing = None
                 if self._worker_aborted(flight, output):
                     if output.new_token_ids:
                         yield replace(output, finished=False, finish_reason=None)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\x11pdserve.worker.v1\"\x9a\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\rB\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"]\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12*\n\x03top\x18\x03 \x03(\x0b\x32\x1d.pdserve.worker.v1.TopLogprob\"\xee\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x31\n\x08logprobs\x18\t \x03(\x0b\x32\x1f.pdserve.worker.v1.TokenLogprob\"\x8d\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x06params\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.SamplingParams\x12\x19\n\x11resumed_token_ids\x18\x04 \x03(\r\"\x85\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x06params\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.SamplingParams\x12\x12\n\ndeadline_s\x18\x04 \x01(\x01\"s\n\x0fReserveResponse\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x14\n\x0cwire_version\x18\x04 \x01(\r\x12\x0e\n\x06layout\x18\x05 \x01(\t\"\xeb\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x06params\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.SamplingParams\x12\x12\n\nkv_address\x18\x04 \x01(\t\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\x12\x15\n\rdst_block_ids\x18\x06 \x03(\r\x12\x14\n\x0cwire_version\x18\x07 \x01(\r\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x12\n\ndeadline_s\x18\t \x01(\x01\"\xa2\x02\n\x0fPrefillResponse\x12,\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x1d.pdserve.worker.v1.TokenChunk\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x12\n\nkv_seconds\x18\x03 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\x12\x43\n\tkv_phases\x18\x06 \x03(\x0b\x32\x30.pdserve.worker.v1.PrefillResponse.KvPhasesEntry\x12\x15\n\rkv_link_bytes\x18\x07 \x01(\x04\x1a/\n\rKvPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"Q\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05\x66irst\x18\x02 \x01(\x0b\x32\x1d.pdserve.worker.v1.TokenChunk\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xf4\x04\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x10\n\x08num_held\x18\x05 \x01(\r\x12\x17\n\x0fnum_awaiting_kv\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\x0c \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\r \x01(\x01\x12\x12\n\nkv_address\x18\x0e \x01(\t\x12\r\n\x05model\x18\x0f \x01(\t\x12\x15\n\rmax_model_len\x18\x10 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x11 \x01(\r\x12\x19\n\x11tokens_per_second\x18\x12 \x01(\x01\x12\x14\n\x0c\x65ngine_steps\x18\x13 \x01(\x04\x12\x1b\n\x13\x65ngine_step_seconds\x18\x14 \x01(\x01\x12 \n\x18\x65ngine_decode_only_steps\x18\x15 \x01(\x04\x12\"\n\x1a\x65ngine_decode_only_seconds\x18\x16 \x01(\x01\x12\x1b\n\x13\x65ngine_idle_seconds\x18\x17 \x01(\x01\x12\x1a\n\x12\x65ngine_cpu_seconds\x18\x18 \x01(\x01\x12\x1b\n\x13process_cpu_seconds\x18\x19 \x01(\x01\"\x0f\n\rHealthRequest\"R\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t2\xb1\x04\n\x06Worker\x12O\n\x08Generate\x12\".pdserve.worker.v1.GenerateRequest\x1a\x1d.pdserve.worker.v1.TokenChunk0\x01\x12P\n\x07Reserve\x12!.pdserve.worker.v1.ReserveRequest\x1a\".pdserve.worker.v1.ReserveResponse\x12P\n\x07Prefill\x12!.pdserve.worker.v1.PrefillRequest\x1a\".pdserve.worker.v1.PrefillResponse\x12K\n\x06\x44\x65\x63ode\x12 .pdserve.worker.v1.DecodeRequest\x1a\x1d.pdserve.worker.v1.TokenChunk0\x01\x12J\n\x05\x41\x62ort\x12\x1f.pdserve.worker.v1.AbortRequest\x1a .pdserve.worker.v1.AbortResponse\x12J\n\x05Stats\x12\x1f.pdserve.worker.v1.StatsRequest\x1a .pdserve.worker.v1.StatsResponse\x12M\n\x06Health\x12 .pdserve.worker.v1.HealthRequest\x1a!.pdserve.worker.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0cworker.proto\x12\x11pdserve.worker.v1\"\x9a\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x01\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\rB\x07\n\x05_seedB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"]\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12*\n\x03top\x18\x03 \x03(\x0b\x32\x1d.pdserve.worker.v1.TopLogprob\"\xb7\x02\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x31\n\x08logprobs\x18\t \x03(\x0b\x32\x1f.pdserve.worker.v1.TokenLogprob\x12\x15\n\rqueue_seconds\x18\n \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x0b \x01(\x01\x12\x17\n\x0fhandoff_seconds\x18\x0c \x01(\x01\"\x8d\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x06params\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.SamplingParams\x12\x19\n\x11resumed_token_ids\x18\x04 \x03(\r\"\x85\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x06params\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.SamplingParams\x12\x12\n\ndeadline_s\x18\x04 \x01(\x01\"s\n\x0fReserveResponse\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x14\n\x0cwire_version\x18\x04 \x01(\r\x12\x0e\n\x06layout\x18\x05 \x01(\t\"\xeb\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x06params\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.SamplingParams\x12\x12\n\nkv_address\x18\x04 \x01(\t\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\x12\x15\n\rdst_block_ids\x18\x06 \x03(\r\x12\x14\n\x0cwire_version\x18\x07 \x01(\r\x12\x0e\n\x06layout\x18\x08 \x01(\t\x12\x12\n\ndeadline_s\x18\t \x01(\x01\"\xa2\x02\n\x0fPrefillResponse\x12,\n\x05\x66irst\x18\x01 \x01(\x0b\x32\x1d.pdserve.worker.v1.TokenChunk\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\x12\x12\n\nkv_seconds\x18\x03 \x01(\x01\x12\x15\n\rqueue_seconds\x18\x04 \x01(\x01\x12\x17\n\x0fprefill_seconds\x18\x05 \x01(\x01\x12\x43\n\tkv_phases\x18\x06 \x03(\x0b\x32\x30.pdserve.worker.v1.PrefillResponse.KvPhasesEntry\x12\x15\n\rkv_link_bytes\x18\x07 \x01(\x04\x1a/\n\rKvPhasesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"Q\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x05\x66irst\x18\x02 \x01(\x0b\x32\x1d.pdserve.worker.v1.TokenChunk\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xf4\x04\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x10\n\x08num_held\x18\x05 \x01(\r\x12\x17\n\x0fnum_awaiting_kv\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x04\x12\x19\n\x11kv_transfer_bytes\x18\x0c \x01(\x04\x12\x1b\n\x13kv_transfer_seconds\x18\r \x01(\x01\x12\x12\n\nkv_address\x18\x0e \x01(\t\x12\r\n\x05model\x18\x0f \x01(\t\x12\x15\n\rmax_model_len\x18\x10 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x11 \x01(\r\x12\x19\n\x11tokens_per_second\x18\x12 \x01(\x01\x12\x14\n\x0c\x65ngine_steps\x18\x13 \x01(\x04\x12\x1b\n\x13\x65ngine_step_seconds\x18\x14 \x01(\x01\x12 \n\x18\x65ngine_decode_only_steps\x18\x15 \x01(\x04\x12\"\n\x1a\x65ngine_decode_only_seconds\x18\x16 \x01(\x01\x12\x1b\n\x13\x65ngine_idle_seconds\x18\x17 \x01(\x01\x12\x1a\n\x12\x65ngine_cpu_seconds\x18\x18 \x01(\x01\x12\x1b\n\x13process_cpu_seconds\x18\x19 \x01(\x01\"\x0f\n\rHealthRequest\"R\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t2\xb1\x04\n\x06Worker\x12O\n\x08Generate\x12\".pdserve.worker.v1.GenerateRequest\x1a\x1d.pdserve.worker.v1.TokenChunk0\x01\x12P\n\x07Reserve\x12!.pdserve.worker.v1.ReserveRequest\x1a\".pdserve.worker.v1.ReserveResponse\x12P\n\x07Prefill\x12!.pdserve.worker.v1.PrefillRequest\x1a\".pdserve.worker.v1.PrefillResponse\x12K\n\x06\x44\x65\x63ode\x12 .pdserve.worker.v1.DecodeRequest\x1a\x1d.pdserve.worker.v1.TokenChunk0\x01\x12J\n\x05\x41\x62ort\x12\x1f.pdserve.worker.v1.AbortRequest\x1a .pdserve.worker.v1.AbortResponse\x12J\n\x05Stats\x12\x1f.pdserve.worker.v1.StatsRequest\x1a .pdserve.worker.v1.StatsResponse\x12M\n\x06Health\x12 .pdserve.worker.v1.HealthRequest\x1a!.pdserve.worker.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,33 +40,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROB']._serialized_start=369
   _globals['_TOKENLOGPROB']._serialized_end=462
   _globals['_TOKENCHUNK']._serialized_start=465
-  _globals['_TOKENCHUNK']._serialized_end=703
-  _globals['_GENERATEREQUEST']._serialized_start=706
-  _globals['_GENERATEREQUEST']._serialized_end=847
-  _globals['_RESERVEREQUEST']._serialized_start=850
-  _globals['_RESERVEREQUEST']._serialized_end=983
-  _globals['_RESERVERESPONSE']._serialized_start=985
-  _globals['_RESERVERESPONSE']._serialized_end=1100
-  _globals['_PREFILLREQUEST']._serialized_start=1103
-  _globals['_PREFILLREQUEST']._serialized_end=1338
-  _globals['_PREFILLRESPONSE']._serialized_start=1341
-  _globals['_PREFILLRESPONSE']._serialized_end=1631
-  _globals['_PREFILLRESPONSE_KVPHASESENTRY']._serialized_start=1584
-  _globals['_PREFILLRESPONSE_KVPHASESENTRY']._serialized_end=1631
-  _globals['_DECODEREQUEST']._serialized_start=1633
-  _globals['_DECODEREQUEST']._serialized_end=1714
-  _globals['_ABORTREQUEST']._serialized_start=1716
-  _globals['_ABORTREQUEST']._serialized_end=1750
-  _globals['_ABORTRESPONSE']._serialized_start=1752
-  _globals['_ABORTRESPONSE']._serialized_end=1782
-  _globals['_STATSREQUEST']._serialized_start=1784
-  _globals['_STATSREQUEST']._serialized_end=1798
-  _globals['_STATSRESPONSE']._serialized_start=1801
-  _globals['_STATSRESPONSE']._serialized_end=2429
-  _globals['_HEALTHREQUEST']._serialized_start=2431
-  _globals['_HEALTHREQUEST']._serialized_end=2446
-  _globals['_HEALTHRESPONSE']._serialized_start=2448
-  _globals['_HEALTHRESPONSE']._serialized_end=2530
-  _globals['_WORKER']._serialized_start=2533
-  _globals['_WORKER']._serialized_end=3094
+  _globals['_TOKENCHUNK']._serialized_end=776
+  _globals['_GENERATEREQUEST']._serialized_start=779
+  _globals['_GENERATEREQUEST']._serialized_end=920
+  _globals['_RESERVEREQUEST']._serialized_start=923
+  _globals['_RESERVEREQUEST']._serialized_end=1056
+  _globals['_RESERVERESPONSE']._serialized_start=1058
+  _globals['_RESERVERESPONSE']._serialized_end=1173
+  _globals['_PREFILLREQUEST']._serialized_start=1176
+  _globals['_PREFILLREQUEST']._serialized_end=1411
+  _globals['_PREFILLRESPONSE']._serialized_start=1414
+  _globals['_PREFILLRESPONSE']._serialized_end=1704
+  _globals['_PREFILLRESPONSE_KVPHASESENTRY']._serialized_start=1657
+  _globals['_PREFILLRESPONSE_KVPHASESENTRY']._serialized_end=1704
+  _globals['_DECODEREQUEST']._serialized_start=1706
+  _globals['_DECODEREQUEST']._serialized_end=1787
+  _globals['_ABORTREQUEST']._serialized_start=1789
+  _globals['_ABORTREQUEST']._serialized_end=1823
+  _globals['_ABORTRESPONSE']._serialized_start=1825
+  _globals['_ABORTRESPONSE']._serialized_end=1855
+  _globals['_STATSREQUEST']._serialized_start=1857
+  _globals['_STATSREQUEST']._serialized_end=1871
+  _globals['_STATSRESPONSE']._serialized_start=1874
+  _globals['_STATSRESPONSE']._serialized_end=2502
+  _globals['_HEALTHREQUEST']._serialized_start=2504
+  _globals['_HEALTHREQUEST']._serialized_end=2519
+  _globals['_HEALTHRESPONSE']._serialized_start=2521
+  _globals['_HEALTHRESPONSE']._serialized_end=2603
+  _globals['_WORKER']._serialized_start=2606
+  _globals['_WORKER']._serialized_end=3167
 # @@protoc_insertion_point(module_scope)

@@ -118,6 +118,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         a cancelled stream aborts the request."""
         stream = _Stream(asyncio.get_running_loop())
         self.w.loop.subscribe(request_id, stream)
+        called_at = time.monotonic()
         finished = False
         try:
             try:
@@ -129,12 +130,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if first is not None:  # the request finished at once
                 self.w.loop.unsubscribe(request_id)
                 finished = True
-                yield self._shift(first, offset)
+                yield self._shift(first, offset, called_at)
                 return
             while True:
                 out = await stream.next()
                 finished = out.finished
-                yield self._shift(out, offset)
+                yield self._shift(out, offset, called_at)
                 if finished:
                     return
         except RuntimeError as exc:
@@ -145,10 +146,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 self.w.loop.submit(lambda e: e.abort_request(request_id))
 
     @staticmethod
-    def _shift(out: RequestOutput, offset: tuple[int, int]) -> pb.TokenChunk:
+    def _shift(out: RequestOutput, offset: tuple[int, int], called_at: float | None = None) -> pb.TokenChunk:
         chunk = output_to_chunk(out)
         chunk.num_prompt_tokens -= offset[0]
         chunk.num_output_tokens += offset[1]
+        if called_at is not None and out.first_token_times is not None:
+            # where the call's time to its first token went (worker.proto, TokenChunk)
+            scheduled, ready = out.first_token_times
+            chunk.queue_seconds = max(0.0, scheduled - called_at)
+            chunk.prefill_seconds = max(0.0, ready - max(scheduled, called_at))
+            chunk.handoff_seconds = max(0.0, time.monotonic() - ready)
         return chunk
 
     # ---- RPCs ------------------------------------------------------------------------------

@@ -25,6 +25,10 @@ from router.directory import WorkerEndpoint
 PREFILL_KV_BYTES_PER_TOKEN = 1000
 
 
+# what the fake's Generate reports for the worker's part of a first token: queue, prefill, hand-off
+FIRST_TOKEN_TIMING = (0.003, 0.004, 0.0005)
+
+
 def token_at(prompt: list[int], j: int, seed: int | None = None) -> int:
     return ord("a") + (sum(prompt) + (seed or 0) + j) % 26
 
@@ -107,7 +111,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
             await context.abort(self.script.generate_error, f"scripted {self.script.generate_error.name}")
         prompt, resumed = list(request.prompt_token_ids), list(request.resumed_token_ids)
         params = params_from_proto(request.params)
-        async for chunk in self._stream(request.request_id, prompt, params, start=len(resumed)):
+        async for chunk in self._stream(request.request_id, prompt, params, start=len(resumed), first_timing=True):
             yield chunk
 
     async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
@@ -192,8 +196,11 @@ class FakeWorker(pb_grpc.WorkerServicer):
 
     # ---------------------------------------------------------------- token streams
 
-    async def _stream(self, request_id: str, prompt: list[int], params: SamplingParams, *, start: int):
-        """Tokens at positions start.. max_tokens-1, one per step; "abort" once Abort arrives."""
+    async def _stream(self, request_id: str, prompt: list[int], params: SamplingParams, *, start: int,
+                      first_timing: bool = False):
+        """Tokens at positions start.. max_tokens-1, one per step; "abort" once Abort arrives.
+        `first_timing` (Generate): the first chunk reports the worker's part of its first token
+        as FIRST_TOKEN_TIMING, as a real worker does."""
         self.live.add(request_id)
         aborts_before = self.aborts.count(request_id)
         streamed = 0
@@ -211,10 +218,14 @@ class FakeWorker(pb_grpc.WorkerServicer):
                 token = token_at(prompt, j, params.seed)
                 finished = j == params.max_tokens - 1
                 streamed += 1
-                yield pb.TokenChunk(
+                chunk = pb.TokenChunk(
                     request_id=request_id, token_ids=[token], text=chr(token), finished=finished,
                     finish_reason="length" if finished else "", num_prompt_tokens=len(prompt), num_output_tokens=j + 1,
                 )
+                if first_timing and streamed == 1:
+                    queue, prefill, handoff = FIRST_TOKEN_TIMING
+                    chunk.queue_seconds, chunk.prefill_seconds, chunk.handoff_seconds = queue, prefill, handoff
+                yield chunk
         finally:
             self.live.discard(request_id)
 

@@ -13,7 +13,7 @@ from router.metrics import RouterMetrics
 from router.placement import make_policy
 from router.server import create_app
 from tests.router.conftest import MODEL, CharTokenizer, ServerThread
-from tests.router.fake_workers import PREFILL_KV_BYTES_PER_TOKEN, Cluster, FakeWorker
+from tests.router.fake_workers import FIRST_TOKEN_TIMING, PREFILL_KV_BYTES_PER_TOKEN, Cluster, FakeWorker
 from tests.router.test_cluster_openai import LoopThread
 
 TOK = CharTokenizer()
@@ -92,3 +92,34 @@ def test_timing_from_a_worker_without_link_figures():
     paced = PrefillResult(None, 1000, 0.5, 0.0, 0.1, {"link": 0.3}, 800)  # type: ignore[arg-type]
     timing = ClusterBackend._timing(Decision(), 0.01, 0.6, paced)  # type: ignore[arg-type]
     assert (timing["kv_link"], timing["kv_link_bytes"]) == (0.3, 800)
+
+
+@pytest.fixture
+def mixed_url():
+    loop = LoopThread()
+    worker = FakeWorker("m0", "mixed", Cluster())
+    try:
+        loop.call(worker.start())
+        backend = ClusterBackend(StaticDirectory([worker.endpoint]), make_policy("round-robin"), TOK, MODEL, 128,
+                                 stats_interval_s=0.05, health_timeout_s=0.5, rpc_timeout_s=1.0, kv_deadline_s=1.0)
+        with ServerThread(create_app(backend)) as server:
+            yield server.url
+    finally:
+        loop.call(worker.stop())
+        loop.stop()
+
+
+def test_local_timing_has_the_workers_part_and_the_first_token(mixed_url):
+    """A request run whole on one worker: the worker's queue / prefill / hand-off of its first
+    token (from the first chunk of its Generate stream), and the router's time to the first
+    token and to the first text."""
+    client = openai.OpenAI(base_url=mixed_url + "/v1", api_key="unused", max_retries=0, timeout=10)
+    stream = client.completions.create(model=MODEL, prompt="hello", max_tokens=3, stream=True,
+                                       stream_options={"include_usage": True})
+    entry = list(stream)[-1].usage.model_extra["pdserve_timing"][0]
+    assert set(entry) <= set(TIMING_KEYS) | {"index"}
+    assert (entry["placement"], entry["decode_worker"], entry["attempts"]) == ("local", "m0", 1)
+    queue, prefill, handoff = FIRST_TOKEN_TIMING
+    assert (entry["queue"], entry["prefill"], entry["worker_handoff"]) == (queue, prefill, handoff)
+    assert 0 <= entry["place"] <= entry["first_token"] <= entry["first_text"] < 2.0
+    assert "kv" not in entry and "reserve" not in entry

@@ -235,3 +235,23 @@ def test_hybrid_mixed_workers_hand_kv_both_ways_beside_local_runs(reference):
             s.stop()
     with pytest.raises(ValueError, match="moves_kv applies to mixed"):
         WorkerConfig("p", "prefill", moves_kv=True)
+
+
+def test_generate_reports_the_workers_part_of_the_first_token(workers):
+    """The chunk with a Generate call's first token says where the worker's time to it went
+    (queue, prefill, hand-off); no other chunk does, nor any chunk of a Decode stream."""
+    stubs, servers = workers
+    prompt = prompts(1, seed=7)[0] + [5] * 20  # several 7-token chunks: a prefill over steps
+    chunks = list(stubs["mixed"].Generate(pb.GenerateRequest(
+        request_id="timed", prompt_token_ids=prompt, params=params_to_proto(GREEDY)), timeout=20))
+    first = chunks[0]
+    assert first.token_ids and first.prefill_seconds > 0
+    assert first.queue_seconds >= 0 and first.handoff_seconds >= 0
+    assert first.queue_seconds + first.prefill_seconds < 20
+    for c in chunks[1:]:
+        assert (c.queue_seconds, c.prefill_seconds, c.handoff_seconds) == (0, 0, 0)
+    _, prefill, decode_chunks = disaggregated(stubs, "timed-pd", prompt)
+    assert prefill.first.prefill_seconds == 0
+    for c in decode_chunks:
+        assert (c.queue_seconds, c.prefill_seconds, c.handoff_seconds) == (0, 0, 0)
+    assert_idle(servers)
