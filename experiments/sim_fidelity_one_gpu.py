@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
+import statistics
 import sys
 from pathlib import Path
 
@@ -44,14 +46,18 @@ RESULTS = ROOT / "results" / "one-gpu"
 OLD_PROFILE = ROOT / "results" / "two-gpu" / "profile.json"
 OUT = ROOT / "results" / "sim-fidelity"
 CONFIG = "single"
-MODELS = {"chained": (True, "current"), "fresh": (False, "current"), "chained-old-profile": (True, "old")}
+# model -> (chained, profile, overlapped decode steps)
+MODELS = {"chained": (True, "current", True), "fresh": (False, "current", True),
+          "chained-no-overlap": (True, "current", False), "chained-old-profile": (True, "old", True)}
 WITHIN = 0.10
 
 
-def cluster(profile_path: Path) -> ClusterConfig:
-    """One mixed worker, as `serve.sh single` starts it (colocated mode, least-loaded)."""
+def cluster(profile_path: Path, overlap: bool = True) -> ClusterConfig:
+    """One mixed worker, as `serve.sh single` starts it (colocated mode, least-loaded); `overlap`:
+    the engine's overlapped decode steps (on, as on the GPU that ran it)."""
     return ClusterConfig(profile=load_profile(str(profile_path)), workers=(WorkerConfig("w0", "mixed", "gpu0"),),
-                         mode="colocated", engine=ENGINE, router=RouterConfig())
+                         mode="colocated", engine=dataclasses.replace(ENGINE, overlap_steps=overlap),
+                         router=RouterConfig())
 
 
 def runs(results: Path) -> list[tuple[str, float, float, Path]]:
@@ -95,21 +101,52 @@ def points(results: Path, profile: Path, old_profile: Path) -> list[dict]:
     items = runs(results)
     profiles = {"current": profile, "old": old_profile}
     found = []
-    for model, (chained, which) in MODELS.items():
+    for model, (chained, which, overlap) in MODELS.items():
         if not profiles[which].exists():
             continue
-        for (dataset, rate, _, path), sim_records in zip(items, simulate_runs(cluster(profiles[which]), items, chained)):
+        for (dataset, rate, _, path), sim_records in zip(items, simulate_runs(cluster(profiles[which], overlap),
+                                                                              items, chained)):
             real_records = read_jsonl(path)
             real, sim = metrics(real_records), metrics(sim_records)
             point = {"model": model, "dataset": dataset, "rate": rate, "requests": len(real_records),
                      "real_ok": real["num_ok"], "sim_ok": sim["num_ok"],
                      "below_saturation": float(real["ttft_p90"] or 0.0) < SLOS["tight"].ttft_s}
+            point.update(served_path(real_records))
+            point["sim_engine_p50"] = _p50([r.ttft_s for r in sim_records if r.ok])
+            point["err_engine_p50"] = _err(point["sim_engine_p50"], point["real_engine_p50"])
             for m in METRICS:
                 rv, sv = float(real[m] or 0.0), float(sim[m] or 0.0)
                 point[f"real_{m}"], point[f"sim_{m}"] = rv, sv
                 point[f"err_{m}"] = (sv - rv) / rv if rv else float("nan")
             found.append(point)
     return found
+
+
+def _p50(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _err(sim: float, real: float) -> float:
+    return (sim - real) / real if real else float("nan")
+
+
+def served_path(records) -> dict[str, float]:
+    """Where the real TTFT went, p50 over the records, from each one's server timing (seconds):
+    `engine` = the worker's queue + prefill (its Generate call in to the first token ready: what
+    the simulated TTFT is, with no front path), `legs` = the router's time to the first token
+    less that and the placement (gRPC both ways, the worker's hand-off to its asyncio thread),
+    `text` = the first token to the first delta with text (tokens that decode to no text yet:
+    frequent with random weights), `http` = the client's TTFT less the router's time to the first
+    text (HTTP both ways, tokenising, the client)."""
+    timed = [(r, r.server_timing) for r in records if r.ok and r.server_timing and "prefill" in r.server_timing
+             and "first_token" in r.server_timing and "first_text" in r.server_timing]
+    return {
+        "real_engine_p50": _p50([t["queue"] + t["prefill"] for _, t in timed]),
+        "real_queue_p50": _p50([t["queue"] for _, t in timed]),
+        "real_legs_p50": _p50([t["first_token"] - t["queue"] - t["prefill"] - t.get("place", 0.0) for _, t in timed]),
+        "real_text_p50": _p50([t["first_text"] - t["first_token"] for _, t in timed]),
+        "real_http_p50": _p50([r.ttft_s - t["first_text"] for r, t in timed]),
+    }
 
 
 def _rel(path: Path) -> str:
@@ -141,6 +178,20 @@ def report(found: list[dict], profile: Path, results: Path = RESULTS) -> list[st
                       f"{worst[1][f'err_{worst[2]}']:+.0%}") if worst else "-"
         lines.append(f"| `{model}` | {sum(f[0] <= WITHIN for f in figs)} of {len(figs)} | "
                      f"{sum(f[0] <= WITHIN for f in below)} of {len(below)} | {worst_text} |")
+    lines += ["", "## Where the real TTFT went, and the simulated engine part", "",
+              "p50 over each run's records, ms, from the server's timing (`usage.pdserve_timing`): `engine` = the "
+              "worker's queue + prefill (its Generate call in to the first token ready), which is what the "
+              "simulated TTFT is (no front path is simulated); `legs` = the router's time to the first token less "
+              "that and the placement (gRPC both ways, the worker's hand-off); `text` = first token to first text "
+              "(tokens that decode to no text yet, frequent with random weights); `http` = the client's TTFT less "
+              "the router's time to the first text.", "",
+              "| dataset | rate | client TTFT | engine (queue) | legs | text | http | sim `chained` | sim vs engine |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for p in [p for p in found if p["model"] == "chained"]:
+        lines.append(f"| {p['dataset']} | {p['rate']:g} | {p['real_ttft_p50'] * 1000:.1f} | "
+                     f"{p['real_engine_p50'] * 1000:.1f} ({p['real_queue_p50'] * 1000:.1f}) | "
+                     f"{p['real_legs_p50'] * 1000:.1f} | {p['real_text_p50'] * 1000:.1f} | "
+                     f"{p['real_http_p50'] * 1000:.1f} | {p['sim_engine_p50'] * 1000:.1f} | {p['err_engine_p50']:+.0%} |")
     for model in MODELS:
         mine = [p for p in found if p["model"] == model]
         if not mine:

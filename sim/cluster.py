@@ -91,7 +91,7 @@ class SimCluster:
                 loop, w.worker_id, w.role, node=self.topology.node_of(w.worker_id, w.node),
                 num_blocks=limits.num_blocks, block_size=limits.block_size,
                 max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
-                costs=prefill_costs if w.role == "prefill" else decode_costs,
+                overlap_steps=limits.overlap_steps, costs=prefill_costs if w.role == "prefill" else decode_costs,
                 host=self.hosts[w.host] if w.host else None,
             )
             worker.on_token = self._on_token

@@ -5,6 +5,7 @@
     topology: topology.yaml         # router topology file (router.topology), or inline mapping
     mode: disaggregated             # or colocated
     engine: {num_blocks: 728, block_size: 16, max_num_batched_tokens: 512, max_num_seqs: 64}
+                                    # (+ overlap_steps: true for a GPU engine's overlapped decode steps)
     workers:                        # or `cluster: 2P2D` (prefill-0.., decode-0.., one node each)
       - {id: p0, role: prefill, node: node0, host: box}
     hosts: {box: 2}                 # optional: workers sharing this many CPU cores
@@ -33,7 +34,7 @@ from router.profiles import Profile, load_profile
 from router.topology import Topology, load_topology, parse_topology
 
 _TOP = ("profile", "decode_profile", "topology", "mode", "engine", "workers", "cluster", "hosts", "router")
-_ENGINE = ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs")
+_ENGINE = ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "overlap_steps")
 _ROUTER = ("stats_interval_s", "rpc_s", "front_s", "max_retries", "policy_options")
 _WORKER = ("id", "role", "node", "host")
 _SHAPE = re.compile(r"^\s*(\d+)\s*P\s*(\d+)\s*D\s*$", re.IGNORECASE)
@@ -53,6 +54,10 @@ class EngineLimits:
     block_size: int = 16
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    # the engine's overlapped decode steps (pdserve/engine.py; on by default on a GPU, where
+    # decode-only steps replay CUDA graphs): a decode-only step started while nothing waits has
+    # the next decode-only step launched behind it, so a request arriving meanwhile waits for both
+    overlap_steps: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,7 +161,11 @@ def load_cluster(path: str | Path) -> ClusterConfig:
         raise _fail(path, "topology", "must be a file name or a mapping")
 
     engine_data = _check_keys(path, "engine", data.get("engine") or {}, _ENGINE)
-    engine = EngineLimits(**{k: _positive_int(path, f"engine.{k}", v) for k, v in engine_data.items()})
+    for k, v in engine_data.items():
+        if k == "overlap_steps" and not isinstance(v, bool):
+            raise _fail(path, "engine.overlap_steps", f"must be true or false, got {v!r}")
+    engine = EngineLimits(**{k: v if k == "overlap_steps" else _positive_int(path, f"engine.{k}", v)
+                             for k, v in engine_data.items()})
 
     hosts = _check_keys(path, "hosts", data.get("hosts") or {}, tuple(data.get("hosts") or {}))
     if "workers" in data and "cluster" in data:

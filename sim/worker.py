@@ -48,6 +48,13 @@ decodes or only chunks, and every step of a profile without the table, cost as a
 (`host`), the step is `step` core-seconds of work on the host's cores (one core at most per
 worker), so a busy host stretches every step on it (the KV a prefill step streams is still
 paced by the step's unstretched time: a simplification).
+
+Overlapped decode steps (`overlap_steps`, the engine's default on a GPU): a decode-only step
+that starts while nothing waits, of the whole running list, none of it ending by length at this
+step (nor handed off) and with blocks free for the next token of each, has the next step (the
+same requests, one token on) launched behind it, as `pdserve/engine.py` does; a request that
+arrives during the first waits for both, and is admitted in the step after them. The profile's
+decode steps are then the period of back-to-back overlapped steps (`pdserve profile`).
 """
 
 from __future__ import annotations
@@ -187,13 +194,13 @@ class SimWorker:
         "max_num_seqs", "costs", "host", "waiting", "running", "num_free_blocks", "busy",
         "on_token", "on_finished", "on_prefilled", "on_chunk", "num_preemptions", "num_steps",
         "busy_seconds", "_batch", "_step_started", "num_held", "num_awaiting", "healthy", "_kick_pending",
-        "prefix_cache", "num_cached_blocks", "num_prefix_hit_tokens",
+        "prefix_cache", "num_cached_blocks", "num_prefix_hit_tokens", "overlap_steps", "_ahead",
     )
 
     def __init__(
         self, loop: EventLoop, worker_id: str, role: str, *, num_blocks: int, block_size: int,
         max_num_batched_tokens: int, max_num_seqs: int, costs: StepCosts, node: str = "",
-        host: FluidResource | None = None,
+        host: FluidResource | None = None, overlap_steps: bool = False,
     ) -> None:
         if role not in ("prefill", "decode", "mixed"):
             raise ValueError(f"worker {worker_id!r}: role must be prefill, decode or mixed, got {role!r}")
@@ -231,6 +238,8 @@ class SimWorker:
         self.prefix_cache: OrderedDict[object, int] = OrderedDict()  # key -> cached tokens, LRU first
         self.num_cached_blocks = 0
         self.num_prefix_hit_tokens = 0
+        self.overlap_steps = overlap_steps
+        self._ahead = 0  # overlap: the next step is the decode-only step of the first _ahead running
 
     # ---------------------------------------------------------------- queue management
 
@@ -320,15 +329,18 @@ class SimWorker:
         if not self.busy and (self.running or self.waiting):
             self._start_step()
 
-    def schedule(self) -> tuple[list[tuple[SimRequest, int]], list[SimRequest]]:
-        """One step's batch [(request, new tokens)] and the requests it preempted (the rules above)."""
+    def schedule(self, ahead: int = 0) -> tuple[list[tuple[SimRequest, int]], list[SimRequest]]:
+        """One step's batch [(request, new tokens)] and the requests it preempted (the rules above);
+        `ahead` > 0: the step launched ahead of the last one (overlap), of the first `ahead`
+        running requests only, no admission."""
         batch: list[tuple[SimRequest, int]] = []
         preempted: list[SimRequest] = []
         budget = self.max_num_batched_tokens
         running = self.running
         bs = self.block_size
         index = 0
-        while index < len(running) and budget > 0:
+        limit = min(ahead, len(running)) if ahead else None
+        while index < (len(running) if limit is None else limit) and budget > 0:
             seq = running[index]
             left = seq.num_prompt_tokens + seq.num_output_tokens - seq.num_computed_tokens
             num_new = left if left < budget else budget
@@ -349,7 +361,7 @@ class SimWorker:
             index += 1
 
         waiting = self.waiting
-        while waiting and budget > 0 and len(running) < self.max_num_seqs and not preempted:
+        while limit is None and waiting and budget > 0 and len(running) < self.max_num_seqs and not preempted:
             seq = waiting[0]
             total = seq.num_prompt_tokens + seq.num_output_tokens
             need = -(-total // bs)
@@ -421,9 +433,12 @@ class SimWorker:
         return seconds
 
     def _start_step(self) -> None:
-        batch, _ = self.schedule()
+        ahead, self._ahead = self._ahead, 0
+        batch, _ = self.schedule(ahead)
         if not batch:
             return
+        if self.overlap_steps and not self.waiting and self._launches_ahead(batch):
+            self._ahead = len(batch)
         seconds = self.step_seconds(batch)
         self.busy = True
         self._batch = batch
@@ -436,6 +451,21 @@ class SimWorker:
             self.loop.after(seconds, self._end_step)
         else:
             self.host.add(Flow(seconds, self._end_step, cap=1.0, owner=self))
+
+    def _launches_ahead(self, batch: list[tuple[SimRequest, int]]) -> bool:
+        """The engine's rule for launching the next step behind this one (pdserve/engine.py,
+        `_can_launch_ahead`): a decode-only step of the whole running list on a worker that keeps
+        what it decodes, none of it ending by length at this step, a block free for each."""
+        if self.role == "prefill" or len(batch) != len(self.running):
+            return False
+        bs = self.block_size
+        missing = 0
+        for seq, num_new in batch:
+            if num_new != 1 or seq.num_output_tokens + 1 >= seq.max_tokens or self._hands_off(seq):
+                return False
+            # the next step writes the KV of the token this one samples
+            missing += max(0, -(-(seq.num_prompt_tokens + seq.num_output_tokens + 1) // bs) - seq.num_blocks)
+        return missing <= self.num_free_blocks
 
     def _end_step(self, _arg=None) -> None:
         now = self.loop.now

@@ -132,8 +132,8 @@ def test_chunked_prefill_respects_the_token_budget():
     batches = []
 
     class Spy(SimWorker):
-        def schedule(self):
-            batch, preempted = super().schedule()
+        def schedule(self, ahead=0):
+            batch, preempted = super().schedule(ahead)
             batches.append([(n, round(self.step_seconds(batch), 9)) for _, n in batch])
             return batch, preempted
 

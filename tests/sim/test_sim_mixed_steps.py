@@ -29,8 +29,8 @@ def run_two(profile: Profile) -> tuple[list[tuple[list[int], float]], dict[str, 
     steps = []
 
     class Spy(SimWorker):
-        def schedule(self):
-            batch, preempted = super().schedule()
+        def schedule(self, ahead=0):
+            batch, preempted = super().schedule(ahead)
             steps.append(([n for _, n in batch], round(self.step_seconds(batch), 9)))
             return batch, preempted
 
