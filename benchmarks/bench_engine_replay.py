@@ -14,6 +14,15 @@ Run `benchmarks/bench_warm_start.py --replicas 1` with the same --requests/--rat
 difference is the serving path (HTTP, tokenising, router, RPC, streaming, the engine thread
 sharing the worker process with the gRPC server). `--device cpu` with a tiny model is a smoke
 test of this script.
+
+Several workloads on one engine, one after the other, with loadgen records for the simulator:
+
+    python3 benchmarks/bench_engine_replay.py --point 2048:256@1.5 --point 512:1024@3 --requests 64 \
+        --max-num-batched-tokens 512 --max-num-seqs 64 --records DIR
+
+writes DIR/summary.csv and DIR/runs/*.jsonl as `pdserve-loadgen experiment` does (one record per
+request: its arrival as `sent_s`, first token and last token times at the engine), so that
+experiments/sim_fidelity_one_gpu.py --bare DIR sets the simulator against the bare engine.
 """
 
 from __future__ import annotations
@@ -37,7 +46,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[k]
 
 
-def replay(engine, reqs: list[list[int]], arrivals: list[float], output_len: int, max_s: float) -> dict:
+def replay(engine, reqs: list[list[int]], arrivals: list[float], output_len: int, max_s: float,
+           records: list | None = None) -> dict:
+    """Admits each request at its arrival, steps the engine; TTFT/TPOT at the engine. `records`:
+    appends a loadgen RequestRecord per request (times relative to its arrival)."""
     from pdserve.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
@@ -75,10 +87,57 @@ def replay(engine, reqs: list[list[int]], arrivals: list[float], output_len: int
     tpot = [(last[j] - first[j]) / (count[j] - 1) for j in done if count[j] > 1]
     for rid in list(engine.requests):
         engine.abort_request(rid)
+    if records is not None:
+        from loadgen.records import RequestRecord
+
+        for j in range(n):
+            ok = count[j] >= output_len
+            records.append(RequestRecord(
+                index=j, request_id=f"replay-{j}", scheduled_s=arrivals[j], sent_s=sent[j],
+                ttft_s=first[j] - sent[j] if first[j] is not None else None,
+                e2e_s=last[j] - sent[j] if ok else None, token_times_s=[], prompt_tokens=len(reqs[j]),
+                completion_tokens=count[j] if ok else None, token_count_source="usage" if ok else None,
+                prompt_tokens_est=len(reqs[j]), max_tokens=output_len, status=200 if ok else None,
+                error=None if ok else "did not finish within --max-run-time"))
     return {"requests": n, "completed": len(done), "duration_s": duration,
             "achieved_rate": len(done) / max(max(last) if done else duration, 1e-9),
             "ttft_p50_ms": percentile(ttft, 50) * 1e3, "ttft_p90_ms": percentile(ttft, 90) * 1e3,
             "tpot_p50_ms": percentile(tpot, 50) * 1e3, "tpot_p90_ms": percentile(tpot, 90) * 1e3}
+
+
+def parse_point(text: str) -> tuple[int, int, float]:
+    """"IN:OUT@RATE" -> (prompt tokens, output tokens, req/s); ValueError naming --point."""
+    try:
+        lengths, rate = text.split("@")
+        input_len, output_len = (int(x) for x in lengths.split(":"))
+        value = float(rate)
+    except ValueError:
+        raise ValueError(f"--point: expected IN:OUT@RATE (e.g. 2048:256@1.5), got {text!r}") from None
+    if input_len < 1 or output_len < 1 or not value > 0:
+        raise ValueError(f"--point {text!r}: lengths must be >= 1 and the rate > 0")
+    return input_len, output_len, value
+
+
+def write_run(out_dir: str, input_len: int, output_len: int, rate: float, run: int, started: float,
+              records: list) -> dict:
+    """One point's records as loadgen writes them; the summary.csv row that names them."""
+    from loadgen.records import write_jsonl
+
+    dataset = f"in{input_len}-out{output_len}"
+    name = f"bare_{dataset}_rate{rate:g}" + (f"_run{run + 1}" if run else "") + ".jsonl"
+    os.makedirs(os.path.join(out_dir, "runs"), exist_ok=True)
+    write_jsonl(os.path.join(out_dir, "runs", name), records)
+    return {"dataset": dataset, "rate": rate, "records_file": f"runs/{name}", "start_time_unix": started,
+            "num_requests": len(records), "num_ok": sum(r.error is None for r in records)}
+
+
+def write_summary(out_dir: str, rows: list[dict]) -> None:
+    import csv
+
+    with open(os.path.join(out_dir, "summary.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-run-time", type=float, default=300.0)
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--point", action="append", default=[], metavar="IN:OUT@RATE",
+                   help="a workload (prompt tokens, output tokens, Poisson rate); repeat for several, run in "
+                        "order on one engine, --runs times each (default: --input-len:--output-len@--rate)")
+    p.add_argument("--records", metavar="DIR", help="write loadgen records and a summary.csv here (module docstring)")
     args = p.parse_args(argv)
+    try:
+        points = [parse_point(text) for text in args.point] or [(args.input_len, args.output_len, args.rate)]
+    except ValueError as exc:
+        p.error(str(exc))
 
     import torch
 
@@ -115,27 +182,37 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{gpu}: {model}; {warm_up(engine).describe()}", flush=True)
     vocab = engine.model_config.vocab_size
     results = {"gpu": gpu, "model": model, "args": vars(args), "runs": []}
-    for run in range(args.runs):
-        rng = random.Random(args.seed + run)
-        arrivals, t = [], 0.0
-        for _ in range(args.requests):
-            t += rng.expovariate(args.rate)
-            arrivals.append(t)
-        reqs = prompts(args.requests, args.input_len, vocab, seed=args.seed + 100 + run)
-        with StepTimer(engine) as timer:
-            r = replay(engine, reqs, arrivals, args.output_len, args.max_run_time)
-        decode = [s for s in timer.records if s[1]]
-        other = [s for s in timer.records if not s[1]]
-        r.update(steps=len(timer.records), decode_only_steps=len(decode),
-                 decode_only_ms=sum(s[0] for s in decode) / max(len(decode), 1) * 1e3,
-                 prefill_steps=len(other), prefill_step_ms=sum(s[0] for s in other) / max(len(other), 1) * 1e3,
-                 mean_decode_batch=sum(s[2] for s in decode) / max(len(decode), 1))
-        results["runs"].append(r)
-        print(f"run {run + 1}: TTFT p50 {r['ttft_p50_ms']:.0f} ms (p90 {r['ttft_p90_ms']:.0f}), TPOT p50 "
-              f"{r['tpot_p50_ms']:.1f} ms (p90 {r['tpot_p90_ms']:.1f}), {r['achieved_rate']:.2f} req/s achieved, "
-              f"{r['completed']}/{r['requests']} completed; {r['steps']} steps: {r['decode_only_steps']} decode-only "
-              f"({r['decode_only_ms']:.1f} ms each, mean batch {r['mean_decode_batch']:.1f}), {r['prefill_steps']} "
-              f"with prefill work ({r['prefill_step_ms']:.1f} ms each)", flush=True)
+    rows = []
+    for input_len, output_len, rate in points:
+        for run in range(args.runs):
+            rng = random.Random(args.seed + run)
+            arrivals, t = [], 0.0
+            for _ in range(args.requests):
+                t += rng.expovariate(rate)
+                arrivals.append(t)
+            reqs = prompts(args.requests, input_len, vocab, seed=args.seed + 100 + run)
+            records: list | None = [] if args.records else None
+            started = time.time()
+            with StepTimer(engine) as timer:
+                r = replay(engine, reqs, arrivals, output_len, args.max_run_time, records)
+            decode = [s for s in timer.records if s[1]]
+            other = [s for s in timer.records if not s[1]]
+            r.update(input_len=input_len, output_len=output_len, rate=rate, steps=len(timer.records),
+                     decode_only_steps=len(decode),
+                     decode_only_ms=sum(s[0] for s in decode) / max(len(decode), 1) * 1e3,
+                     prefill_steps=len(other), prefill_step_ms=sum(s[0] for s in other) / max(len(other), 1) * 1e3,
+                     mean_decode_batch=sum(s[2] for s in decode) / max(len(decode), 1))
+            results["runs"].append(r)
+            label = f"{input_len}:{output_len}@{rate:g}" + (f" run {run + 1}" if args.runs > 1 else "")
+            print(f"{label}: TTFT p50 {r['ttft_p50_ms']:.0f} ms (p90 {r['ttft_p90_ms']:.0f}), TPOT p50 "
+                  f"{r['tpot_p50_ms']:.1f} ms (p90 {r['tpot_p90_ms']:.1f}), {r['achieved_rate']:.2f} req/s achieved, "
+                  f"{r['completed']}/{r['requests']} completed; {r['steps']} steps: {r['decode_only_steps']} "
+                  f"decode-only ({r['decode_only_ms']:.1f} ms each, mean batch {r['mean_decode_batch']:.1f}), "
+                  f"{r['prefill_steps']} with prefill work ({r['prefill_step_ms']:.1f} ms each)", flush=True)
+            if records is not None:
+                rows.append(write_run(args.records, input_len, output_len, rate, run, started, records))
+    if args.records:
+        write_summary(args.records, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

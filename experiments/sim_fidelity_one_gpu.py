@@ -43,6 +43,7 @@ from sim.run import Arrival, simulate, to_record
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results" / "one-gpu"
+BARE = ROOT / "results" / "one-gpu-bare"  # benchmarks/bench_engine_replay.py --records BARE/single
 OLD_PROFILE = ROOT / "results" / "two-gpu" / "profile.json"
 OUT = ROOT / "results" / "sim-fidelity"
 CONFIG = "single"
@@ -160,8 +161,10 @@ def _fmt(m: str, v: float) -> str:
     return f"{v:.2f}" if m.startswith("goodput") else f"{v * 1000:.1f}"
 
 
-def report(found: list[dict], profile: Path, results: Path = RESULTS) -> list[str]:
-    lines = ["# Simulated vs real on one H200 (experiments/sim_fidelity_one_gpu.py)", "",
+def report(found: list[dict], profile: Path, results: Path = RESULTS,
+           title: str = "# Simulated vs real on one H200 (experiments/sim_fidelity_one_gpu.py)") -> list[str]:
+    served = any(p["real_engine_p50"] == p["real_engine_p50"] for p in found)  # not NaN: the server timed them
+    lines = [title, "",
              f"Real: `{_rel(results)}/{CONFIG}/` (one mixed worker). Profile: "
              f"`{_rel(profile)}`. Error = (sim - real) / real; TTFT and TPOT in ms, "
              "goodput in req/s (loose: TTFT <= 1 s, TPOT <= 50 ms; tight: TPOT <= 10 ms).", ""]
@@ -178,7 +181,7 @@ def report(found: list[dict], profile: Path, results: Path = RESULTS) -> list[st
                       f"{worst[1][f'err_{worst[2]}']:+.0%}") if worst else "-"
         lines.append(f"| `{model}` | {sum(f[0] <= WITHIN for f in figs)} of {len(figs)} | "
                      f"{sum(f[0] <= WITHIN for f in below)} of {len(below)} | {worst_text} |")
-    lines += ["", "## Where the real TTFT went, and the simulated engine part", "",
+    lines += [] if not served else ["", "## Where the real TTFT went, and the simulated engine part", "",
               "p50 over each run's records, ms, from the server's timing (`usage.pdserve_timing`): `engine` = the "
               "worker's queue + prefill (its Generate call in to the first token ready), which is what the "
               "simulated TTFT is (no front path is simulated); `legs` = the router's time to the first token less "
@@ -187,7 +190,7 @@ def report(found: list[dict], profile: Path, results: Path = RESULTS) -> list[st
               "the router's time to the first text.", "",
               "| dataset | rate | client TTFT | engine (queue) | legs | text | http | sim `chained` | sim vs engine |",
               "|---|---|---|---|---|---|---|---|---|"]
-    for p in [p for p in found if p["model"] == "chained"]:
+    for p in [p for p in found if p["model"] == "chained" and served]:
         lines.append(f"| {p['dataset']} | {p['rate']:g} | {p['real_ttft_p50'] * 1000:.1f} | "
                      f"{p['real_engine_p50'] * 1000:.1f} ({p['real_queue_p50'] * 1000:.1f}) | "
                      f"{p['real_legs_p50'] * 1000:.1f} | {p['real_text_p50'] * 1000:.1f} | "
@@ -210,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Simulated vs real on one H200 (module docstring).")
     parser.add_argument("--results", type=Path, default=RESULTS, help=f"the runs' results folder (default {RESULTS})")
     parser.add_argument("--out", type=Path, default=OUT, help=f"where one_gpu.md / .csv go (default {OUT})")
+    parser.add_argument("--bare", type=Path, default=BARE if (BARE / CONFIG / "summary.csv").exists() else None,
+                        help="also set the simulator against the bare engine's records of the same workloads "
+                             "(benchmarks/bench_engine_replay.py --records DIR/single; profile DIR/profile.json) "
+                             f"(default {BARE} when it has them)")
     args = parser.parse_args(argv)
     profile = args.results / "profile.json"
     if not runs(args.results) or not profile.exists():
@@ -223,6 +230,18 @@ def main(argv: list[str] | None = None) -> int:
         writer.writeheader()
         writer.writerows(found)
     lines = report(found, profile, args.results)
+    if args.bare is not None:
+        bare_profile = args.bare / "profile.json"
+        if not runs(args.bare) or not bare_profile.exists():
+            print(f"sim_fidelity_one_gpu: --bare {args.bare}: needs single/summary.csv and profile.json", file=sys.stderr)
+            return 2
+        bare = points(args.bare, bare_profile, OLD_PROFILE)
+        with open(args.out / "one_gpu_bare.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(bare[0]))
+            writer.writeheader()
+            writer.writerows(bare)
+        lines += [""] + report(bare, bare_profile, args.bare, title="# Simulated vs the bare engine (the same "
+                               "workloads in-process: no HTTP, router, gRPC or streaming)")
     (args.out / "one_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

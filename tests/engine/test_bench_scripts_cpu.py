@@ -65,3 +65,22 @@ def test_bench_engine_replay_cpu_path(tmp_path):
     run = json.loads(out.read_text())["runs"][0]
     assert run["completed"] == 6 and run["tpot_p50_ms"] > 0 and run["ttft_p50_ms"] > 0
     assert run["steps"] == run["decode_only_steps"] + run["prefill_steps"] and run["prefill_steps"] >= 4
+
+
+@pytest.mark.timeout(120)
+def test_bench_engine_replay_points_write_records_the_simulator_reads(tmp_path):
+    from experiments.sim_fidelity_one_gpu import runs
+    from loadgen.records import read_jsonl
+
+    bench = load("bench_engine_replay")
+    rc = bench.main(["--device", "cpu", "--requests", "5", "--point", "20:4@50", "--point", "12:6@80",
+                     "--max-num-batched-tokens", "32", "--runs", "1", "--records", str(tmp_path / "single")])
+    assert rc == 0
+    found = runs(tmp_path)  # the fidelity script's reader: summary.csv, in the order they ran
+    assert [(d, r) for d, r, _, _ in found] == [("in20-out4", 50.0), ("in12-out6", 80.0)]
+    assert found[0][2] == 0.0 and found[1][2] > 0
+    records = read_jsonl(found[1][3])
+    assert len(records) == 5 and all(r.ok and r.completion_tokens == 6 and r.prompt_tokens == 12 for r in records)
+    assert all(0 < r.ttft_s <= r.e2e_s for r in records)
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--point", "20:4"])
