@@ -109,12 +109,14 @@ class StepTimer:
 
         def step():
             running = engine.scheduler.running
-            before = runner.num_decode_only_steps
+            before, steps = runner.num_decode_only_steps, engine.num_steps
             kv = sum(s.num_tokens for s in running)
             t = time.perf_counter()
             out = self._step()
             seconds = time.perf_counter() - t
-            decode_only = runner.num_decode_only_steps > before
+            # a call that launched nothing only waited for the decode-only step launched ahead by
+            # the call before it (overlapped decode steps): it is that step's tail, not prefill work
+            decode_only = runner.num_decode_only_steps > before or engine.num_steps == steps
             self.records.append((seconds, decode_only, len(out), kv))
             return out
 

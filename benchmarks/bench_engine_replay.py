@@ -183,14 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     vocab = engine.model_config.vocab_size
     results = {"gpu": gpu, "model": model, "args": vars(args), "runs": []}
     rows = []
-    for input_len, output_len, rate in points:
+    for k, (input_len, output_len, rate) in enumerate(points):
         for run in range(args.runs):
             rng = random.Random(args.seed + run)
             arrivals, t = [], 0.0
             for _ in range(args.requests):
                 t += rng.expovariate(rate)
                 arrivals.append(t)
-            reqs = prompts(args.requests, input_len, vocab, seed=args.seed + 100 + run)
+            # every point draws its own prompts: prefix caching (on, as on a worker) would serve a
+            # point's prompts from an earlier one's KV
+            reqs = prompts(args.requests, input_len, vocab, seed=args.seed + 100 + run + 1000 * k)
             records: list | None = [] if args.records else None
             started = time.time()
             with StepTimer(engine) as timer:
