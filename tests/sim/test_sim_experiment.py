@@ -215,3 +215,15 @@ def test_per_run_adjusts_each_runs_cluster(files, tmp_path):
     # and below it in the other (at most 6 requests of ~200 tokens in a batch: < 0.0207 s)
     one = _profile().decode_step_seconds(1, 200)
     assert float(rows["round-robin_fixed_rate2"]["tpot_p50"]) >= 2 * one > float(rows["round-robin_fixed_rate4"]["tpot_p50"])
+
+
+def test_the_cluster_file_takes_overlap_steps(files, tmp_path):
+    _, cluster = files
+    assert load_cluster(cluster).engine.overlap_steps is False
+    text = cluster.read_text().replace("max_num_seqs: 8}", "max_num_seqs: 8, overlap_steps: true}")
+    path = tmp_path / "overlap.yaml"
+    path.write_text(text)
+    assert load_cluster(path).engine.overlap_steps is True
+    path.write_text(text.replace("overlap_steps: true", "overlap_steps: 1"))
+    with pytest.raises(ValueError, match="engine.overlap_steps"):
+        load_cluster(path)
