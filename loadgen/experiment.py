@@ -8,7 +8,8 @@ Lifecycle of `run_experiment(spec)`:
 3. On that server, for each dataset x rate: one load run; its records stream to
    `runs/<run_id>.jsonl`, and `summary.csv` is rewritten after every run.
 4. Stop the server (SIGTERM, then SIGKILL), always: on success, failure and Ctrl-C.
-5. Draw the plots and write `report.md` from whatever runs completed.
+5. Draw the plots and write `report.md` from whatever runs completed (with a table of where
+   TTFT went when the server timed its requests: `usage.pdserve_timing`).
 
 A server that fails to start marks its runs failed and the sweep goes on. Ctrl-C stops the
 sweep; results so far are kept and `interrupted` is returned.

@@ -209,6 +209,34 @@ def _fmt(value, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if number is None else f"{number * scale:.{digits}f}"
 
 
+# (summary column, header) of the server-timing table: p50 over the requests the server timed, ms
+BREAKDOWN_COLUMNS = (("srv_place_p50", "place"), ("srv_reserve_p50", "reserve"), ("srv_queue_p50", "queue"),
+                     ("srv_prefill_p50", "prefill"), ("srv_kv_p50", "KV"), ("srv_kv_tail_p50", "KV tail"),
+                     ("srv_first_decode_p50", "first decode"), ("srv_first_token_p50", "first token"),
+                     ("srv_first_text_p50", "first text"), ("ttft_p50", "client TTFT"))
+
+
+def _breakdown(rows: list[dict]) -> list[str]:
+    """Where TTFT went, from the server's per-request timing (`usage.pdserve_timing`; loadgen.metrics
+    server_breakdown): none when no run has it. Columns no run has are left out."""
+    timed = [r for r in rows if _float(r.get("srv_timed"))]
+    if not timed:
+        return []
+    columns = [(key, head) for key, head in BREAKDOWN_COLUMNS if any(_float(r.get(key)) is not None for r in timed)]
+    lines = ["", "## Where TTFT went (server timing, p50 ms)", "",
+             "queue / prefill: the prefill worker's (local: the worker's) wait for a step and its prefill; first "
+             "token / first text: the router's arrival to the first token and to the first text (later when the "
+             "first tokens decode to no text yet); client TTFT: as measured here. p50s of different requests do "
+             "not add up exactly.", "",
+             "| policy | dataset | rate | timed (local) | " + " | ".join(head for _, head in columns) + " |",
+             "|---|---|---|---|" + "---|" * len(columns)]
+    for r in timed:
+        lines.append(f"| {_label(r.get('policy'))} | {r.get('dataset')} | {_label(r.get('rate'))} "
+                     f"| {r.get('srv_timed')} ({r.get('srv_local')}) | "
+                     + " | ".join(_fmt(r.get(key), 1000) for key, _ in columns) + " |")
+    return lines
+
+
 def write_report(
     path: str | Path,
     *,
@@ -233,7 +261,10 @@ def write_report(
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        note = r.get("error") or ("interrupted" if r.get("interrupted") else "")
+        interrupted = r.get("interrupted")
+        if isinstance(interrupted, str):  # a row read back from summary.csv
+            interrupted = interrupted.strip().lower() in ("true", "1")
+        note = r.get("error") or ("interrupted" if interrupted else "")
         lines.append(
             f"| {_label(r.get('cluster'))} | {_label(r.get('policy'))} | {_label(r.get('bandwidth_gbps'))} "
             f"| {r.get('dataset')} | {_label(r.get('rate'))} | {r.get('num_ok', 0)}/{r.get('num_requests', 0)} "
@@ -243,6 +274,7 @@ def write_report(
             f"| {_fmt(r.get('slo_attainment'), 100)}% | {_fmt(r.get('goodput'), digits=2)} "
             f"| {_fmt(r.get('kv_transfer_gbps'), digits=2)} | {str(note).replace('|', '/')[:120]} |"
         )
+    lines += _breakdown(rows)
     if plots:
         lines += ["", "## Plots", ""]
         lines += [f"![{p.stem}]({p.as_posix()})" for p in plots]
