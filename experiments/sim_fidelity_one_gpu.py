@@ -38,7 +38,7 @@ from pathlib import Path
 from experiments.sim_fidelity_two_gpu import ENGINE, METRICS, SLOS, _prompt, _summary, metrics
 from loadgen.records import read_jsonl
 from router.profiles import load_profile
-from sim.config import ClusterConfig, RouterConfig, WorkerConfig
+from sim.config import ClusterConfig, RouterConfig, WorkerConfig, scale_profile
 from sim.run import Arrival, simulate, to_record
 
 ROOT = Path(__file__).resolve().parent
@@ -47,18 +47,67 @@ BARE = ROOT / "results" / "one-gpu-bare"  # benchmarks/bench_engine_replay.py --
 OLD_PROFILE = ROOT / "results" / "two-gpu" / "profile.json"
 OUT = ROOT / "results" / "sim-fidelity"
 CONFIG = "single"
-# model -> (chained, profile, overlapped decode steps)
-MODELS = {"chained": (True, "current", True), "fresh": (False, "current", True),
-          "chained-no-overlap": (True, "current", False), "chained-old-profile": (True, "old", True)}
+# model -> (chained, profile, overlapped decode steps, calibrated serving costs)
+MODELS = {"chained": (True, "current", True, False), "fresh": (False, "current", True, False),
+          "chained-no-overlap": (True, "current", False, False), "chained-old-profile": (True, "old", True, False),
+          "chained-served": (True, "current", True, True)}
+CALIBRATED = "chained-served"
 WITHIN = 0.10
 
 
-def cluster(profile_path: Path, overlap: bool = True) -> ClusterConfig:
+def cluster(profile_path: Path, overlap: bool = True, served: dict[str, float] | None = None) -> ClusterConfig:
     """One mixed worker, as `serve.sh single` starts it (colocated mode, least-loaded); `overlap`:
-    the engine's overlapped decode steps (on, as on the GPU that ran it)."""
-    return ClusterConfig(profile=load_profile(str(profile_path)), workers=(WorkerConfig("w0", "mixed", "gpu0"),),
-                         mode="colocated", engine=dataclasses.replace(ENGINE, overlap_steps=overlap),
-                         router=RouterConfig())
+    the engine's overlapped decode steps (on, as on the GPU that ran it); `served`: a
+    `served_calibration` (steps scaled by its factors, its front path before placement)."""
+    profile = load_profile(str(profile_path))
+    router = RouterConfig()
+    if served is not None:
+        profile = scale_profile(profile, prefill_factor=served["prefill_factor"],
+                                decode_factor=served["decode_factor"], label="served, calibrated")
+        router = RouterConfig(front_s=served["front_s"])
+    return ClusterConfig(profile=profile, workers=(WorkerConfig("w0", "mixed", "gpu0"),), mode="colocated",
+                         engine=dataclasses.replace(ENGINE, overlap_steps=overlap), router=router)
+
+
+def served_calibration(items: list[tuple], profile_path: Path) -> dict[str, float] | None:
+    """The serving costs the profile does not hold, from each dataset's lowest-rate run (the
+    calibration points: fitted, not predicted), medians over their requests' server timing:
+
+    - front_s: the client's TTFT less the worker's queue + prefill (HTTP, tokenising, router,
+      gRPC legs, text held back), put before placement on every request;
+    - prefill_factor: the worker's served prefill (first step with the prompt to its first token,
+      decodes of the steps included) / the profile's P(prompt);
+    - decode_factor: each request's time per output token, real / simulated (`chained`, the same
+      request), at those runs.
+    None when the runs carry no server timing."""
+    profile = load_profile(str(profile_path))
+    lowest: dict[str, tuple] = {}
+    for item in items:
+        if item[0] not in lowest or item[1] < lowest[item[0]][1]:
+            lowest[item[0]] = item
+    calib = [it for it in items if it in lowest.values()]
+    sims = simulate_runs(cluster(profile_path), items, chained=True)
+    front, prefill, decode = [], [], []
+    for item, sim_records in zip(items, sims):
+        if item not in calib:
+            continue
+        by_index = {r.index: r for r in sim_records}
+        for r in read_jsonl(item[3]):
+            t = r.server_timing or {}
+            if not r.ok or "prefill" not in t or "queue" not in t:
+                continue
+            front.append(r.ttft_s - t["queue"] - t["prefill"])
+            prefill.append(t["prefill"] / profile.prefill_seconds(_prompt(r)))
+            sim = by_index.get(r.index)
+            if sim is not None and sim.ok and (r.completion_tokens or 0) > 1:
+                real_tpot = (r.e2e_s - r.ttft_s) / (r.completion_tokens - 1)
+                sim_tpot = (sim.e2e_s - sim.ttft_s) / (sim.completion_tokens - 1)
+                decode.append(real_tpot / sim_tpot)
+    if not front:
+        return None
+    return {"front_s": statistics.median(front), "prefill_factor": statistics.median(prefill),
+            "decode_factor": statistics.median(decode) if decode else 1.0,
+            "calibration_runs": ", ".join(f"{d} at {r:g} req/s" for d, r, *_ in calib)}
 
 
 def runs(results: Path) -> list[tuple[str, float, float, Path]]:
@@ -98,20 +147,24 @@ def simulate_runs(cfg: ClusterConfig, items: list[tuple], chained: bool) -> list
     return out
 
 
-def points(results: Path, profile: Path, old_profile: Path) -> list[dict]:
+def points(results: Path, profile: Path, old_profile: Path) -> tuple[list[dict], dict[str, float] | None]:
+    """Every run under every model, and the serving calibration (None: the runs have no server timing)."""
     items = runs(results)
     profiles = {"current": profile, "old": old_profile}
+    served = served_calibration(items, profile)
     found = []
-    for model, (chained, which, overlap) in MODELS.items():
-        if not profiles[which].exists():
+    for model, (chained, which, overlap, calibrated) in MODELS.items():
+        if not profiles[which].exists() or (calibrated and served is None):
             continue
-        for (dataset, rate, _, path), sim_records in zip(items, simulate_runs(cluster(profiles[which], overlap),
-                                                                              items, chained)):
+        cfg = cluster(profiles[which], overlap, served if calibrated else None)
+        for (dataset, rate, _, path), sim_records in zip(items, simulate_runs(cfg, items, chained)):
             real_records = read_jsonl(path)
             real, sim = metrics(real_records), metrics(sim_records)
             point = {"model": model, "dataset": dataset, "rate": rate, "requests": len(real_records),
                      "real_ok": real["num_ok"], "sim_ok": sim["num_ok"],
                      "below_saturation": float(real["ttft_p90"] or 0.0) < SLOS["tight"].ttft_s}
+            point["calibration_point"] = bool(calibrated and served and f"{dataset} at {rate:g} req/s"
+                                              in served["calibration_runs"].split(", "))
             point.update(served_path(real_records))
             point["sim_engine_p50"] = _p50([r.ttft_s for r in sim_records if r.ok])
             point["err_engine_p50"] = _err(point["sim_engine_p50"], point["real_engine_p50"])
@@ -120,7 +173,7 @@ def points(results: Path, profile: Path, old_profile: Path) -> list[dict]:
                 point[f"real_{m}"], point[f"sim_{m}"] = rv, sv
                 point[f"err_{m}"] = (sv - rv) / rv if rv else float("nan")
             found.append(point)
-    return found
+    return found, served
 
 
 def _p50(values: list[float]) -> float:
@@ -162,16 +215,23 @@ def _fmt(m: str, v: float) -> str:
 
 
 def report(found: list[dict], profile: Path, results: Path = RESULTS,
-           title: str = "# Simulated vs real on one H200 (experiments/sim_fidelity_one_gpu.py)") -> list[str]:
-    served = any(p["real_engine_p50"] == p["real_engine_p50"] for p in found)  # not NaN: the server timed them
+           title: str = "# Simulated vs real on one H200 (experiments/sim_fidelity_one_gpu.py)",
+           served: dict[str, float] | None = None) -> list[str]:
+    timed = any(p["real_engine_p50"] == p["real_engine_p50"] for p in found)  # not NaN: the server timed them
     lines = [title, "",
              f"Real: `{_rel(results)}/{CONFIG}/` (one mixed worker). Profile: "
              f"`{_rel(profile)}`. Error = (sim - real) / real; TTFT and TPOT in ms, "
              "goodput in req/s (loose: TTFT <= 1 s, TPOT <= 50 ms; tight: TPOT <= 10 ms).", ""]
+    if served is not None:
+        lines += [f"`{CALIBRATED}` is CALIBRATED on {served['calibration_runs']} (those points are fitted, not "
+                  f"predicted; the table's counts leave them out): front path {served['front_s'] * 1000:.1f} ms "
+                  f"before placement (client TTFT less the worker's queue + prefill), prefill steps x "
+                  f"{served['prefill_factor']:.2f} (the worker's served prefill / P(prompt)), decode steps x "
+                  f"{served['decode_factor']:.2f} (real / simulated time per token).", ""]
     lines += ["| model | figures within 10% (all points) | below saturation | worst figure below saturation |",
               "|---|---|---|---|"]
     for model in MODELS:
-        mine = [p for p in found if p["model"] == model]
+        mine = [p for p in found if p["model"] == model and not p["calibration_point"]]
         if not mine:
             continue
         figs = [(abs(p[f"err_{m}"]), p, m) for p in mine for m in METRICS if p[f"err_{m}"] == p[f"err_{m}"]]
@@ -181,7 +241,7 @@ def report(found: list[dict], profile: Path, results: Path = RESULTS,
                       f"{worst[1][f'err_{worst[2]}']:+.0%}") if worst else "-"
         lines.append(f"| `{model}` | {sum(f[0] <= WITHIN for f in figs)} of {len(figs)} | "
                      f"{sum(f[0] <= WITHIN for f in below)} of {len(below)} | {worst_text} |")
-    lines += [] if not served else ["", "## Where the real TTFT went, and the simulated engine part", "",
+    lines += [] if not timed else ["", "## Where the real TTFT went, and the simulated engine part", "",
               "p50 over each run's records, ms, from the server's timing (`usage.pdserve_timing`): `engine` = the "
               "worker's queue + prefill (its Generate call in to the first token ready), which is what the "
               "simulated TTFT is (no front path is simulated); `legs` = the router's time to the first token less "
@@ -190,7 +250,7 @@ def report(found: list[dict], profile: Path, results: Path = RESULTS,
               "the router's time to the first text.", "",
               "| dataset | rate | client TTFT | engine (queue) | legs | text | http | sim `chained` | sim vs engine |",
               "|---|---|---|---|---|---|---|---|---|"]
-    for p in [p for p in found if p["model"] == "chained" and served]:
+    for p in [p for p in found if p["model"] == "chained" and timed]:
         lines.append(f"| {p['dataset']} | {p['rate']:g} | {p['real_ttft_p50'] * 1000:.1f} | "
                      f"{p['real_engine_p50'] * 1000:.1f} ({p['real_queue_p50'] * 1000:.1f}) | "
                      f"{p['real_legs_p50'] * 1000:.1f} | {p['real_text_p50'] * 1000:.1f} | "
@@ -223,19 +283,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sim_fidelity_one_gpu: no runs or no profile.json under {args.results} "
               "(experiments/two-gpu/run.sh profile single, with RESULTS set to it)", file=sys.stderr)
         return 2
-    found = points(args.results, profile, OLD_PROFILE)
+    found, served = points(args.results, profile, OLD_PROFILE)
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "one_gpu.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(found[0]))
         writer.writeheader()
         writer.writerows(found)
-    lines = report(found, profile, args.results)
+    lines = report(found, profile, args.results, served=served)
     if args.bare is not None:
         bare_profile = args.bare / "profile.json"
         if not runs(args.bare) or not bare_profile.exists():
             print(f"sim_fidelity_one_gpu: --bare {args.bare}: needs single/summary.csv and profile.json", file=sys.stderr)
             return 2
-        bare = points(args.bare, bare_profile, OLD_PROFILE)
+        bare, _ = points(args.bare, bare_profile, OLD_PROFILE)
         with open(args.out / "one_gpu_bare.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(bare[0]))
             writer.writeheader()
