@@ -88,3 +88,20 @@ class RequestOutput:
     # engine side, on the delta with the request's first output token: (time.monotonic() when a
     # step first took the prompt, when the token was ready); None on every other delta
     first_token_times: tuple[float, float] | None = None
+
+    @staticmethod
+    def merge(outputs: "list[RequestOutput]") -> "RequestOutput":
+        """Consecutive deltas of one request as one: tokens, text and logprobs in order, the
+        counters and the finish of the last, the first token's times of the first that has them."""
+        if len(outputs) == 1:
+            return outputs[0]
+        last = outputs[-1]
+        logprobs = [lp for o in outputs for lp in o.logprobs or ()]
+        return RequestOutput(
+            request_id=last.request_id, new_token_ids=[t for o in outputs for t in o.new_token_ids],
+            new_text="".join(o.new_text for o in outputs), finished=last.finished, finish_reason=last.finish_reason,
+            num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
+            num_cached_tokens=last.num_cached_tokens,
+            logprobs=logprobs if any(o.logprobs is not None for o in outputs) else None,
+            first_token_times=next((o.first_token_times for o in outputs if o.first_token_times), None),
+        )

@@ -19,6 +19,7 @@ with DEADLINE_EXCEEDED.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import secrets
 import threading
@@ -78,20 +79,50 @@ class WorkerConfig:
 
 
 class _Stream:
-    """Outputs of one request, from the engine thread to an asyncio consumer."""
+    """Outputs of one request, from the engine thread to an asyncio consumer.
+
+    `next()` returns every output that arrived since the last call as one delta
+    (`RequestOutput.merge`): when the consumer falls behind the engine (many streams, fast
+    steps), it sends one gRPC message for several steps' tokens instead of one per token, so the
+    worker's streaming cost per token falls as its load rises. An error is raised after the
+    outputs before it; nothing is merged past a finished one."""
+
+    __slots__ = ("loop", "_items", "_waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    @property
+    def queue(self) -> "_Stream":
+        """What EngineLoop.deliver_many hands a step's outputs to (put_nowait, on the loop)."""
+        return self
+
+    def put_nowait(self, item: RequestOutput | BaseException) -> None:  # on the loop's thread
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def __call__(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self.put_nowait, item)
 
     async def next(self) -> RequestOutput:
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        items = self._items
+        while not items:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        first = items.popleft()
+        if isinstance(first, BaseException):
+            raise first
+        batch = [first]
+        while items and not batch[-1].finished and not isinstance(items[0], BaseException):
+            batch.append(items.popleft())
+        return RequestOutput.merge(batch)
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
