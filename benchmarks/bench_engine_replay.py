@@ -131,15 +131,6 @@ def write_run(out_dir: str, input_len: int, output_len: int, rate: float, run: i
             "num_requests": len(records), "num_ok": sum(r.error is None for r in records)}
 
 
-def write_summary(out_dir: str, rows: list[dict]) -> None:
-    import csv
-
-    with open(os.path.join(out_dir, "summary.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default random:llama-3.1-8b (cpu: random:tiny-llama)")
@@ -214,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
             if records is not None:
                 rows.append(write_run(args.records, input_len, output_len, rate, run, started, records))
     if args.records:
-        write_summary(args.records, rows)
+        from loadgen.runner import write_summary_csv
+
+        write_summary_csv(os.path.join(args.records, "summary.csv"), rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -29,7 +29,6 @@ Writes experiments/results/sim-fidelity/one_gpu.md and one_gpu.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import statistics
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 
 from experiments.sim_fidelity_two_gpu import ENGINE, METRICS, SLOS, _prompt, _summary, metrics
 from loadgen.records import read_jsonl
+from loadgen.runner import write_summary_csv
 from router.profiles import load_profile
 from sim.config import ClusterConfig, RouterConfig, WorkerConfig, scale_profile
 from sim.run import Arrival, simulate, to_record
@@ -69,7 +69,7 @@ def cluster(profile_path: Path, overlap: bool = True, served: dict[str, float] |
                          engine=dataclasses.replace(ENGINE, overlap_steps=overlap), router=router)
 
 
-def served_calibration(items: list[tuple], profile_path: Path) -> dict[str, float] | None:
+def served_calibration(items: list[tuple], profile_path: Path, sims: list[list]) -> dict[str, float] | None:
     """The serving costs the profile does not hold, from each dataset's lowest-rate run (the
     calibration points: fitted, not predicted), medians over their requests' server timing:
 
@@ -78,7 +78,7 @@ def served_calibration(items: list[tuple], profile_path: Path) -> dict[str, floa
     - prefill_factor: the worker's served prefill (first step with the prompt to its first token,
       decodes of the steps included) / the profile's P(prompt);
     - decode_factor: each request's time per output token, real / simulated (`chained`, the same
-      request), at those runs.
+      request), at those runs (`sims`: each run's records under `chained`).
     None when the runs carry no server timing."""
     profile = load_profile(str(profile_path))
     lowest: dict[str, tuple] = {}
@@ -86,7 +86,6 @@ def served_calibration(items: list[tuple], profile_path: Path) -> dict[str, floa
         if item[0] not in lowest or item[1] < lowest[item[0]][1]:
             lowest[item[0]] = item
     calib = [it for it in items if it in lowest.values()]
-    sims = simulate_runs(cluster(profile_path), items, chained=True)
     front, prefill, decode = [], [], []
     for item, sim_records in zip(items, sims):
         if item not in calib:
@@ -151,13 +150,15 @@ def points(results: Path, profile: Path, old_profile: Path) -> tuple[list[dict],
     """Every run under every model, and the serving calibration (None: the runs have no server timing)."""
     items = runs(results)
     profiles = {"current": profile, "old": old_profile}
-    served = served_calibration(items, profile)
+    chained_sims = simulate_runs(cluster(profile), items, chained=True)  # the `chained` model's, once
+    served = served_calibration(items, profile, chained_sims)
     found = []
     for model, (chained, which, overlap, calibrated) in MODELS.items():
         if not profiles[which].exists() or (calibrated and served is None):
             continue
         cfg = cluster(profiles[which], overlap, served if calibrated else None)
-        for (dataset, rate, _, path), sim_records in zip(items, simulate_runs(cfg, items, chained)):
+        sims = chained_sims if model == "chained" else simulate_runs(cfg, items, chained)
+        for (dataset, rate, _, path), sim_records in zip(items, sims):
             real_records = read_jsonl(path)
             real, sim = metrics(real_records), metrics(sim_records)
             point = {"model": model, "dataset": dataset, "rate": rate, "requests": len(real_records),
@@ -250,7 +251,7 @@ def report(found: list[dict], profile: Path, results: Path = RESULTS,
               "the router's time to the first text.", "",
               "| dataset | rate | client TTFT | engine (queue) | legs | text | http | sim `chained` | sim vs engine |",
               "|---|---|---|---|---|---|---|---|---|"]
-    for p in [p for p in found if p["model"] == "chained" and timed]:
+    for p in [p for p in found if p["model"] == "chained"] if timed else []:
         lines.append(f"| {p['dataset']} | {p['rate']:g} | {p['real_ttft_p50'] * 1000:.1f} | "
                      f"{p['real_engine_p50'] * 1000:.1f} ({p['real_queue_p50'] * 1000:.1f}) | "
                      f"{p['real_legs_p50'] * 1000:.1f} | {p['real_text_p50'] * 1000:.1f} | "
@@ -285,10 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     found, served = points(args.results, profile, OLD_PROFILE)
     args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "one_gpu.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(found[0]))
-        writer.writeheader()
-        writer.writerows(found)
+    write_summary_csv(args.out / "one_gpu.csv", found)
     lines = report(found, profile, args.results, served=served)
     if args.bare is not None:
         bare_profile = args.bare / "profile.json"
@@ -296,10 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sim_fidelity_one_gpu: --bare {args.bare}: needs single/summary.csv and profile.json", file=sys.stderr)
             return 2
         bare, _ = points(args.bare, bare_profile, OLD_PROFILE)
-        with open(args.out / "one_gpu_bare.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(bare[0]))
-            writer.writeheader()
-            writer.writerows(bare)
+        write_summary_csv(args.out / "one_gpu_bare.csv", bare)
         lines += [""] + report(bare, bare_profile, args.bare, title="# Simulated vs the bare engine (the same "
                                "workloads in-process: no HTTP, router, gRPC or streaming)")
     (args.out / "one_gpu.md").write_text("\n".join(lines) + "\n")

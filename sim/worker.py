@@ -455,7 +455,7 @@ class SimWorker:
     def _launches_ahead(self, batch: list[tuple[SimRequest, int]]) -> bool:
         """The engine's rule for launching the next step behind this one (pdserve/engine.py,
         `_can_launch_ahead`): a decode-only step of the whole running list on a worker that keeps
-        what it decodes, none of it ending by length at this step, a block free for each."""
+        what it decodes, none of it ending by length at this step, free blocks for every next token."""
         if self.role == "prefill" or len(batch) != len(self.running):
             return False
         bs = self.block_size

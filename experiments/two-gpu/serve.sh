@@ -20,8 +20,8 @@ case "$config" in
   colocated)    exec "${up[@]}" --mode colocated --replicas 2 --policy least-loaded ;;
   hybrid-loose) exec "${up[@]}" --mode hybrid --replicas 2 --policy network-aware --profile "$profile" \
                   --slo-ttft 1 --slo-tpot 0.05 ;;
-  single)       exec "${up[@]}" --mode colocated --replicas 1 --policy least-loaded ;;
   hybrid-tight) exec "${up[@]}" --mode hybrid --replicas 2 --policy network-aware --profile "$profile" \
                   --slo-ttft 1 --slo-tpot 0.01 ;;
+  single)       exec "${up[@]}" --mode colocated --replicas 1 --policy least-loaded ;;
   *) echo "serve.sh: unknown CONFIG '$config' (pd, colocated, hybrid-loose, hybrid-tight, single)" >&2; exit 2 ;;
 esac
