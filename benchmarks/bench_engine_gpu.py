@@ -250,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"decode batch {batch}: no decode-only step at that batch size")
             continue
         measured = sum(r[0] for r in steps)
-        bound = sum(weight_bytes + r[3] * kv_per_token for r in steps) / bw
+        # Both bounds sum the same per-step terms (weights / bw + KV / bw), so the one with the
+        # FLOPs is >= this one exactly: rounded addition is monotone.
+        bound = sum(weight_bytes / bw + r[3] * kv_per_token / bw for r in steps)
         # With the matmul FLOPs too: a step's projections take at least the longer of their
         # weight read and their FLOPs at the matmul rate (compute-bound from batch ~150 on an
         # H200), then the attention reads the live KV.
