@@ -163,8 +163,51 @@ def prepare_completion(req: CompletionRequest, backend: GenerationBackend, reque
     )
 
 
+def _unsupported(param: str, message: str) -> InvalidRequest:
+    return InvalidRequest(message, param=param, code="unsupported_parameter")
+
+
+def _check_choice(value: str | dict | None, param: str, tools_param: str) -> None:
+    """tool_choice / function_call: with no tools, only 'none' and 'auto' (both: no calls) mean anything."""
+    if value is None or value in ("none", "auto"):
+        return
+    if value == "required" or isinstance(value, dict):
+        raise _unsupported(param, f"{param} {value!r} needs {tools_param}, and function calling is not supported.")
+    raise InvalidRequest(f"Invalid value for '{param}': expected 'none', 'auto', 'required' or an object, got {value!r}.",
+                         param=param, code="invalid_value")
+
+
+def _check_chat_options(req: ChatCompletionRequest) -> None:
+    """The OpenAI chat fields pdserve has no feature behind: their no-op values pass, the rest are a
+    400 `unsupported_parameter` naming the field (not `unknown_parameter`: the name is right)."""
+    if req.response_format is not None:
+        kind = req.response_format.get("type")
+        if kind in ("json_object", "json_schema"):
+            raise _unsupported("response_format", f"response_format of type '{kind}' is not supported: pdserve has "
+                                                  "no structured-output (constrained) decoding.")
+        if kind != "text" or set(req.response_format) != {"type"}:
+            raise InvalidRequest("Invalid value for 'response_format': expected {\"type\": \"text\"}, "
+                                 "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", ...}.",
+                                 param="response_format", code="invalid_value")
+    for name in ("tools", "functions"):
+        if getattr(req, name):
+            raise _unsupported(name, f"{name} is not supported: pdserve has no function calling.")
+    _check_choice(req.tool_choice, "tool_choice", "tools")
+    _check_choice(req.function_call, "function_call", "functions")
+    if req.modalities is not None and req.modalities != ["text"]:
+        raise _unsupported("modalities", f"modalities {req.modalities!r} is not supported: only [\"text\"].")
+    for i, message in enumerate(req.messages):
+        for name in ("tool_calls", "function_call", "audio"):
+            if getattr(message, name):
+                raise _unsupported(f"messages[{i}].{name}", f"messages[{i}].{name} is not supported: pdserve has no "
+                                                           "function calling or audio.")
+    if req.reasoning_effort is not None:
+        raise _unsupported("reasoning_effort", f"reasoning_effort is not supported with the model `{req.model}`.")
+
+
 def prepare_chat(req: ChatCompletionRequest, backend: GenerationBackend, request_id: str) -> Prepared:
     _check_common(req, backend)
+    _check_chat_options(req)
     if not req.messages:
         raise InvalidRequest("messages must hold at least one message.", param="messages", code="invalid_value")
     if req.top_logprobs is not None and not req.logprobs:

@@ -27,11 +27,26 @@ _TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 _TokenIds = Annotated[list[_TokenId], Field(min_length=1)]
 
 
-def _doc(description: str, default: Any = ..., *, ge: int | None = None, le: int | None = None, **schema: Any) -> Any:
+def _doc(description: str, default: Any = ..., *, ge: int | None = None, le: int | None = None,
+         accepts: dict[str, Any] | None = None, **schema: Any) -> Any:
     """A field with a description. `ge`/`le` are enforced by pydantic; the other JSON-schema bounds
     are documented only: the server checks them itself (SamplingParams, preparation) with messages
-    that name the field."""
-    return Field(default, description=description, ge=ge, le=le, json_schema_extra=schema or None)
+    that name the field. `accepts` publishes the schema of the values that succeed in place of the
+    field's type (which also lets the others through, to be refused with a message of our own)."""
+    if accepts is None:
+        return Field(default, description=description, ge=ge, le=le, json_schema_extra=schema or None)
+
+    def publish(field_schema: dict[str, Any]) -> None:
+        kept = {k: field_schema[k] for k in ("title", "description", "default") if k in field_schema}
+        field_schema.clear()
+        field_schema.update(accepts, **kept)
+
+    return Field(default, description=description, ge=ge, le=le, json_schema_extra=publish)
+
+
+_NULL = {"type": "null"}
+_NO_OP_CHOICE = {"anyOf": [{"enum": ["none", "auto"]}, _NULL]}
+_EMPTY_LIST = {"anyOf": [{"type": "array", "items": {"type": "object"}, "maxItems": 0}, _NULL]}
 
 
 class _Request(BaseModel):
@@ -40,6 +55,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = _doc("Send a last chunk with the usage of the whole request (empty choices).", False)
+    include_obfuscation: bool | None = _doc("Accepted and ignored: chunks carry no obfuscation padding.", None)
 
 
 def _validate_stop(value: Any) -> list[str]:
@@ -130,6 +146,13 @@ class ChatMessage(_Request):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    # What a client's dump of an earlier answer carries (openai's ChatCompletionMessage.model_dump()):
+    # refusal and annotations are ignored; tool calls, a function call or audio, only when empty.
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
 
     @field_validator("content", mode="plain", json_schema_input_type=str | list[TextContentPart] | None)
     @classmethod
@@ -163,6 +186,30 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = _doc("Tokens to generate per choice. Default: the room left in the context.", None, minimum=1)
     logprobs: bool = _doc("Return the log-probability of each generated token.", False)
     top_logprobs: int | None = _doc("Alternatives per token (needs logprobs=true).", None, minimum=0, maximum=MAX_LOGPROBS)
+    # OpenAI fields that clients send with their defaults: their no-op values are accepted, the rest
+    # get an `unsupported_parameter` 400 that names them (router.preparation._check_chat_options).
+    response_format: dict[str, Any] | None = _doc(
+        "Only null or {\"type\": \"text\"}: no structured-output (json_object, json_schema) decoding.", None,
+        accepts={"anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
+                            "additionalProperties": False}, _NULL]})
+    tools: list[dict[str, Any]] | None = _doc("Not supported (no function calling): only null or [] is accepted.", None,
+                                              accepts=_EMPTY_LIST)
+    tool_choice: str | dict[str, Any] | None = _doc("Only null, \"none\" or \"auto\" (no tools: no tool calls).", None,
+                                                    accepts=_NO_OP_CHOICE)
+    parallel_tool_calls: bool | None = _doc("Accepted and ignored (no tools).", None)
+    functions: list[dict[str, Any]] | None = _doc("Deprecated form of tools; only null or [] is accepted.", None,
+                                                  accepts=_EMPTY_LIST)
+    function_call: str | dict[str, Any] | None = _doc("Deprecated form of tool_choice; only null, \"none\" or \"auto\".",
+                                                      None, accepts=_NO_OP_CHOICE)
+    modalities: list[str] | None = _doc("Only null or [\"text\"].", None,
+                                        accepts={"anyOf": [{"type": "array", "items": {"const": "text"},
+                                                            "minItems": 1, "maxItems": 1}, _NULL]})
+    reasoning_effort: str | None = _doc("Not supported by the served model: only null is accepted.", None, accepts=_NULL)
+    store: bool | None = _doc("Accepted and ignored: nothing is stored.", None)
+    metadata: dict[str, str] | None = _doc("Accepted and ignored.", None)
+    service_tier: str | None = _doc("Accepted and ignored: one tier.", None)
+    prompt_cache_key: str | None = _doc("Accepted and ignored (prefix caching needs no key).", None)
+    safety_identifier: str | None = _doc("Accepted and ignored.", None)
 
 
 # ---------------------------------------------------------------- responses

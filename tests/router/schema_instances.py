@@ -13,7 +13,8 @@ import random
 import string
 from typing import Any
 
-_INHERITED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "maxProperties")
+_INHERITED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "maxProperties",
+              "minItems", "maxItems")
 
 
 class SchemaInstances:

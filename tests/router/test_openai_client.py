@@ -51,6 +51,57 @@ def test_chat_params_reach_backend(client, backend):
     assert params.stop == ("x", "y") and params.ignore_eos and params.min_tokens == 1 and params.logprobs is None
 
 
+def test_chat_accepts_the_no_op_values_clients_send(client, backend):
+    """Frameworks send OpenAI fields with their default values; those must not fail the request."""
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        response_format={"type": "text"}, tools=[], tool_choice="none", parallel_tool_calls=False,
+        store=False, metadata={"run": "a"}, service_tier="auto", modalities=["text"],
+        prompt_cache_key="k", safety_identifier="s",
+        extra_body={"functions": [], "function_call": "auto"},
+    )
+    assert r.choices[0].message.content == expected_text(chat_prompt("hi"), 4)
+    (_, prompt, params), = backend.requests
+    assert prompt == chat_prompt("hi") and params.max_tokens == 4
+
+
+def test_chat_takes_a_dumped_answer_back_as_history(client, backend):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    dumped = r.choices[0].message.model_dump()  # refusal, annotations, audio, function_call, tool_calls: None
+    assert {"refusal", "tool_calls", "annotations"} <= set(dumped)
+    messages = [{"role": "user", "content": "hi"}, dumped, {"role": "user", "content": "yo"}]
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+    history = TOK.decode(backend.requests[1][1])
+    assert history == f"<user>hi\n<assistant>{r.choices[0].message.content}\n<user>yo\n<assistant>"
+    dumped["tool_calls"] = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
+    assert (e.value.body["param"], e.value.body["code"]) == ("messages[1].tool_calls", "unsupported_parameter")
+
+
+def test_chat_unsupported_features_name_the_field(client, backend):
+    fn = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    cases = [
+        (dict(response_format={"type": "json_object"}), "response_format", "unsupported_parameter", "json_object"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+         "response_format", "unsupported_parameter", "json_schema"),
+        (dict(response_format={"type": "yaml"}), "response_format", "invalid_value", "response_format"),
+        (dict(tools=[fn]), "tools", "unsupported_parameter", "function calling"),
+        (dict(tool_choice="required"), "tool_choice", "unsupported_parameter", "tools"),
+        (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "unsupported_parameter", "tools"),
+        (dict(tool_choice="sometimes"), "tool_choice", "invalid_value", "sometimes"),
+        (dict(modalities=["text", "audio"]), "modalities", "unsupported_parameter", "audio"),
+        (dict(reasoning_effort="high"), "reasoning_effort", "unsupported_parameter", MODEL),
+    ]
+    for fields, param, code, word in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], **fields)
+        err = e.value.body
+        assert (e.value.status_code, err["param"], err["code"]) == (400, param, code), fields
+        assert word in err["message"], err["message"]
+    assert backend.requests == []
+
+
 def test_chat_default_max_tokens_is_the_room_left(client, backend):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     prompt = chat_prompt("hi")
