@@ -228,23 +228,16 @@ def _cmd_search(parser, args) -> int:
 
 
 def _cmd_experiment(parser, args) -> int:
-    from loadgen.experiment import run_experiment, run_id, _labels
+    from loadgen.experiment import only_policies, run_experiment, run_ids
     from loadgen.spec import load_spec
 
     spec = load_spec(args.spec)
-    if args.policy:
-        unknown = [p for p in args.policy if p not in spec.policies]
-        if unknown:
-            parser.error(f"argument --policy: {unknown[0]!r} is not in the spec's grid.policy "
-                         f"({', '.join(str(p) for p in spec.policies)})")
-        spec = dataclasses.replace(spec, policies=tuple(p for p in spec.policies if p in args.policy))
+    try:
+        spec = only_policies(spec, args.policy)
+    except ValueError as e:
+        parser.error(f"argument --policy: {e}")
     if args.dry_run:
-        for cluster in spec.clusters:
-            for policy in spec.policies:
-                for bandwidth in spec.bandwidths:
-                    for dataset in spec.datasets:
-                        for rate in spec.rates_for(bandwidth):
-                            print(run_id(_labels(cluster, policy, bandwidth, dataset.name, rate)))
+        print("\n".join(run_ids(spec)))
         return 0
     result = run_experiment(spec, output_dir=args.output_dir, progress=_progress(args))
     failed = sum(1 for r in result.rows if r.get("error"))

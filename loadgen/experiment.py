@@ -18,6 +18,7 @@ sweep; results so far are kept and `interrupted` is returned.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -65,6 +66,24 @@ def run_id(labels: dict) -> str:
     cluster = ClusterShape(labels["prefill"], labels["decode"]) if labels["cluster"] else None
     tag = server_tag(cluster, labels["policy"], labels["bandwidth_gbps"])
     return f"{tag}_{labels['dataset']}_rate{labels['rate']:g}".replace("/", "-").replace(" ", "-")
+
+
+def only_policies(spec: ExperimentSpec, names: list[str] | None) -> ExperimentSpec:
+    """`spec` with grid.policy cut to `names` (in the spec's order); ValueError naming the first name
+    the spec does not have. None or [] keeps every policy."""
+    if not names:
+        return spec
+    unknown = [p for p in names if p not in spec.policies]
+    if unknown:
+        raise ValueError(f"{unknown[0]!r} is not in the spec's grid.policy ({', '.join(str(p) for p in spec.policies)})")
+    return dataclasses.replace(spec, policies=tuple(p for p in spec.policies if p in names))
+
+
+def run_ids(spec: ExperimentSpec) -> list[str]:
+    """The ids of the runs `spec` makes, in the order they run (what --dry-run lists)."""
+    return [run_id(_labels(cluster, policy, bandwidth, dataset.name, rate))
+            for cluster in spec.clusters for policy in spec.policies for bandwidth in spec.bandwidths
+            for dataset in spec.datasets for rate in spec.rates_for(bandwidth)]
 
 
 def _load_config(spec: ExperimentSpec, url: str, dataset, rate: float, seed: int | None = None) -> LoadConfig:

@@ -1,6 +1,7 @@
 """`pdserve-sim`: simulate a loadgen experiment spec on a described cluster.
 
     pdserve-sim experiment SPEC --cluster CLUSTER.yaml [--output-dir DIR] [--replay REAL_DIR]
+                           [--policy NAME ...] [--dry-run] [--no-progress]
 
 Writes what `pdserve-loadgen experiment SPEC` writes (records, summary.csv, plots, report.md)
 for a simulated cluster. Exit codes: 0 success; 2 bad input (a flag, a spec, a cluster,
@@ -32,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--cluster", required=True, help="cluster file (workers, topology, profile; sim/config.py)")
     exp.add_argument("--output-dir", help="default: the spec's output_dir with a -sim suffix")
     exp.add_argument("--replay", help="a real run's output dir: replay its records instead of drawing the workload")
+    # the flags of `pdserve-loadgen experiment`, so that one command line serves both
+    exp.add_argument("--policy", action="append", metavar="NAME",
+                     help="simulate only this value of grid.policy (repeatable)")
+    exp.add_argument("--dry-run", action="store_true", help="validate the spec and the cluster file and list the runs")
+    exp.add_argument("--no-progress", action="store_true", help="accepted for `pdserve-loadgen experiment` "
+                     "parity: the simulator draws no progress bar")
     return parser
 
 
@@ -40,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2), stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
+    from loadgen.experiment import only_policies, run_ids
     from loadgen.spec import load_spec
     from sim.config import load_cluster
     from sim.experiment import run_sim_experiment
@@ -47,9 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = load_spec(args.spec)
         try:
+            spec = only_policies(spec, args.policy)
+        except ValueError as e:
+            raise ValueError(f"--policy: {e}") from None
+        try:
             cluster = load_cluster(args.cluster)
         except ValueError as e:
             raise ValueError(f"--cluster: {e}") from None
+        if args.dry_run:
+            print("\n".join(run_ids(spec)))
+            return 0
         out = args.output_dir or f"{spec.output_dir.rstrip('/')}-sim"
         rows = run_sim_experiment(spec, cluster, cluster_path=args.cluster, output_dir=out, replay_dir=args.replay)
     except (LoadgenError, ValueError, FileNotFoundError) as e:

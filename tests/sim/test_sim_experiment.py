@@ -115,6 +115,27 @@ def test_a_bad_cluster_file_is_one_line_naming_the_key(files, tmp_path, capsys, 
     assert err.startswith("pdserve-sim: error: --cluster:") and message in err and "\n" not in err
 
 
+def test_the_loadgen_experiment_flags_select_and_list_runs(files, tmp_path, capsys):
+    """--policy, --dry-run and --no-progress work as in `pdserve-loadgen experiment`, with the same run ids."""
+    from loadgen.cli import main as loadgen_main
+
+    spec, cluster = files
+    out = tmp_path / "out"
+    assert main(["experiment", str(spec), "--cluster", str(cluster), "--dry-run", "--output-dir", str(out)]) == 0
+    listed = capsys.readouterr().out.split()
+    assert loadgen_main(["experiment", str(spec), "--dry-run"]) == 0
+    assert capsys.readouterr().out.split() == listed
+    assert listed == [f"{p}_fixed_rate{r:g}" for p in ("round-robin", "least-loaded", "network-aware") for r in (2.0, 4.0)]
+    assert not out.exists()  # a dry run writes nothing
+    assert main(["experiment", str(spec), "--cluster", str(cluster), "--output-dir", str(out), "--no-progress",
+                 "--policy", "network-aware", "--policy", "round-robin"]) == 0
+    rows = list(csv.DictReader(open(out / "summary.csv")))
+    assert [r["policy"] for r in rows] == ["round-robin", "round-robin", "network-aware", "network-aware"]
+    assert main(["experiment", str(spec), "--cluster", str(cluster), "--policy", "nope", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pdserve-sim: error: --policy: 'nope' is not in the spec's grid.policy") and "\n" not in err
+
+
 def test_a_missing_replay_run_is_a_clear_error(files, tmp_path, capsys):
     spec, cluster = files
     assert main(["experiment", str(spec), "--cluster", str(cluster), "--output-dir", str(tmp_path / "o"),
