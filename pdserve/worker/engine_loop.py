@@ -23,8 +23,8 @@ Subscriber = Callable[[RequestOutput | BaseException], None]
 
 
 def _put_all(items: list) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+    for put, item in items:
+        put(item)
 
 
 class EngineLoop:
@@ -85,8 +85,8 @@ class EngineLoop:
 
     def deliver_many(self, outputs: list[RequestOutput]) -> None:
         """Hands outputs to their subscribers (a finished one ends its subscription).
-        Subscribers that hand outputs to an asyncio loop
-        (with `loop` and `queue` attributes) get them in one `call_soon_threadsafe` per loop,
+        Subscribers that hand outputs to an asyncio loop (with a `loop` attribute and a
+        `put_nowait` method to call on it) get them in one `call_soon_threadsafe` per loop,
         not one each: the loop thread wakes once a step instead of once per request, and takes
         the GIL from this thread once."""
         if not outputs:
@@ -100,9 +100,9 @@ class EngineLoop:
                     self._subscribers.pop(out.request_id, None)
                 if callback is None:
                     continue
-                loop, q = getattr(callback, "loop", None), getattr(callback, "queue", None)
-                if loop is not None and q is not None:
-                    by_loop.setdefault(loop, []).append((q, out))
+                loop, put = getattr(callback, "loop", None), getattr(callback, "put_nowait", None)
+                if loop is not None and put is not None:
+                    by_loop.setdefault(loop, []).append((put, out))
                 else:
                     direct.append((callback, out))
         for loop, items in by_loop.items():

@@ -94,12 +94,8 @@ class _Stream:
         self._items: collections.deque = collections.deque()
         self._waiter: asyncio.Future | None = None
 
-    @property
-    def queue(self) -> "_Stream":
-        """What EngineLoop.deliver_many hands a step's outputs to (put_nowait, on the loop)."""
-        return self
-
-    def put_nowait(self, item: RequestOutput | BaseException) -> None:  # on the loop's thread
+    def put_nowait(self, item: RequestOutput | BaseException) -> None:
+        """On the loop's thread (EngineLoop.deliver_many hands a step's outputs here)."""
         self._items.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():

@@ -32,7 +32,7 @@ def test_one_callback_per_loop_per_step_and_order_kept():
     streams = {rid: SimpleNamespace(loop=aio, queue=asyncio.Queue()) for rid in ("a", "b")}
     plain = []
     for rid, s in streams.items():
-        loop.subscribe(rid, s)
+        loop.subscribe(rid, SimpleNamespace(loop=aio, put_nowait=s.queue.put_nowait))
     loop.subscribe("c", plain.append)
     loop.deliver_many([out("a", 1), out("b", 1), out("c", 1), out("x", 1)])  # x: nobody subscribed
     loop.deliver_many([out("a", 2, finished=True), out("b", 2)])

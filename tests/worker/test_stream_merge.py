@@ -32,17 +32,17 @@ def test_a_lagging_reader_gets_one_delta_and_an_error_after_the_outputs_before_i
     async def main():
         stream = _Stream(asyncio.get_running_loop())
         for t in (1, 2, 3):
-            stream.queue.put_nowait(out(t))
+            stream.put_nowait(out(t))
         first = await stream.next()
         assert first.new_token_ids == [1, 2, 3]
-        stream.queue.put_nowait(out(4))
-        stream.queue.put_nowait(RuntimeError("worker is shutting down"))
+        stream.put_nowait(out(4))
+        stream.put_nowait(RuntimeError("worker is shutting down"))
         assert (await stream.next()).new_token_ids == [4]
         with pytest.raises(RuntimeError, match="shutting down"):
             await stream.next()
         # nothing is merged past a finished delta; a waiting reader wakes on the next output
-        stream.queue.put_nowait(out(5, finished=True))
-        stream.queue.put_nowait(out(6))
+        stream.put_nowait(out(5, finished=True))
+        stream.put_nowait(out(6))
         assert (await stream.next()).new_token_ids == [5]
         assert (await stream.next()).new_token_ids == [6]
         reader = asyncio.ensure_future(stream.next())
