@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.placement import (
-    POLICIES,
+from router.placement.registry import POLICIES, make_policy
+from router.placement.base import (
     ClusterSnapshot,
     Decision,
     LeastLoaded,
@@ -13,7 +13,6 @@ from router.placement import (
     RequestInfo,
     RoundRobin,
     WorkerSnapshot,
-    make_policy,
 )
 
 

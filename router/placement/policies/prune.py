@@ -5,7 +5,7 @@ Both answer the same questions for `NetworkAware.decide`: the best pair and the 
 (optionally among the feasible ones) in the policy's order, (TTFT, load P, load D, id P, id D),
 and how many pairs satisfy a predicate (for the decision's reason).
 
-Why the pruned search finds the exhaustive one's choice. The cost model (router.policies.cost)
+Why the pruned search finds the exhaustive one's choice. The cost model (router.placement.policies.cost)
 prices a pair as
 
     TTFT(P, D) = a(P, kv) + admit(D),   a(P, kv) = queue(P) + prefill(P) + kv - (L-1)/L x min(kv, prefill(P))
@@ -50,11 +50,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from router.congestion import IDLE, transfer_seconds
-from router.placement import ClusterSnapshot, RequestInfo, WorkerSnapshot
-from router.policies.cost import Estimate, decode_context, has_room, queued_tokens
-from router.profiles import Profile
-from router.topology import Link, Topology
+from router.placement.congestion import IDLE, transfer_seconds
+from router.placement.base import ClusterSnapshot, RequestInfo, WorkerSnapshot
+from router.placement.policies.cost import Estimate, decode_context, has_room, queued_tokens
+from router.placement.profiles import Profile
+from router.placement.topology import Link, Topology
 
 PairFn = Callable[[WorkerSnapshot, WorkerSnapshot], Estimate]
 LocalFn = Callable[[WorkerSnapshot], Estimate]
