@@ -40,6 +40,15 @@ def test_registry_and_make_policy():
         make_policy("round-robin", local_prefill_max_tokens=-1)
 
 
+def test_every_registry_entry_names_a_policy_class_of_that_name():
+    from router.placement.base import PlacementPolicy
+    from router.placement.registry import policy_class
+
+    for name in POLICIES:
+        cls = policy_class(name)
+        assert issubclass(cls, PlacementPolicy) and cls.name == name
+
+
 def test_round_robin_disaggregated_cycles_both_pools():
     policy = RoundRobin()
     got = [policy.place(req(), PD) for _ in range(3)]

@@ -47,7 +47,7 @@ import numpy as np
 from router.placement.congestion import IDLE, CongestionView, available_gbps, transfer_seconds
 from router.placement.base import ClusterSnapshot, RequestInfo, WorkerSnapshot
 from router.placement.policies.cost import Estimate
-from router.placement.policies.prune import _link, _topology_cache, link_classes, order
+from router.placement.policies.prune import cached_link, link_classes, order, topology_cache
 from router.placement.profiles import Profile
 from router.placement.topology import Link, Topology
 
@@ -351,7 +351,7 @@ class Columnar:
         self.num_bytes = n * (snapshot.kv_bytes_per_token or profile.kv_bytes_per_token)
         self._c = (profile.num_layers - 1) / profile.num_layers
         self._kv_memo: dict[tuple[str, str], float] = {}
-        self._links = _topology_cache(snapshot.topology)[1]
+        self._links = topology_cache(snapshot.topology)[1]
         self.fallbacks = 0
         self.load_map = LoadMap(columns, load, np.concatenate((prefill_rows, decode_rows)))
         num = columns.numbers
@@ -577,7 +577,7 @@ class Columnar:
     def _kv(self, src: str, dst: str) -> float:
         found = self._kv_memo.get((src, dst))
         if found is None:
-            link, key = self._links.get((src, dst)) or _link(self.snapshot.topology, self._links, src, dst)
+            link, key = self._links.get((src, dst)) or cached_link(self.snapshot.topology, self._links, src, dst)
             found = self._kv_memo[(src, dst)] = transfer_seconds(link, self.snapshot.links.state(key),
                                                                  self.num_bytes)
         return found
@@ -607,7 +607,7 @@ class _Generic:
         self.d_nodes = d_nodes
         self.walk = entries.tolist()  # already in (admit, load, id) order
         self._admit = search._admit.tolist()
-        self._out = _topology_cache(search.snapshot.topology)[2]
+        self._out = topology_cache(search.snapshot.topology)[2]
         links.kv(search.snapshot.links, 0)  # follows the view
         self._busy = links.busy
         arrow = links.arrow
