@@ -18,7 +18,7 @@ SLO of 20 ms makes some decode workers infeasible. Three code paths of the polic
 "exhaustive" prices every (P, D) pair (the policy's code before the pruned search; still its
 path for small clusters); "pruned" is the pruned search over `WorkerSnapshot` objects (the
 policy's general path, `columnar=False`); "columnar" is the policy as it runs now (the pruned
-search in vector form, router.policies.columnar; the same as "pruned" where it does not
+search in vector form, router.placement.policies.columnar; the same as "pruned" where it does not
 apply, e.g. 16 workers). Every decision of each path is compared with the pruned one on the
 same snapshot and request: the script fails if any differs.
 
@@ -43,10 +43,10 @@ import time
 
 import numpy as np
 
-from router.congestion import CongestionView, LinkState
-from router.placement import ClusterSnapshot, RequestInfo, WorkerSnapshot
-from router.policies import NetworkAware
-from router.topology import Link, Topology, link_key
+from router.placement.congestion import CongestionView, LinkState
+from router.placement.base import ClusterSnapshot, RequestInfo, WorkerSnapshot
+from router.placement.policies.network_aware import NetworkAware
+from router.placement.topology import Link, Topology, link_key
 from sim.profiles import llama8b_h100
 
 PER_NODE = 8

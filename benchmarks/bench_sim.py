@@ -12,7 +12,7 @@
 3. Prints (and writes as JSON with `--out`): load time, simulation wall time, events,
    events/s, peak RSS, requests/s simulated, TTFT/TPOT percentiles.
 
-`--policy network-aware` places with its columnar path (router.policies.columnar);
+`--policy network-aware` places with its columnar path (router.placement.policies.columnar);
 `--general-path` keeps its general path (the code before it, for before/after timing);
 `--check-decisions` runs both on every placement and stops at the first decision that differs
 (sim.check), reporting how many were compared.
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from router.topology import Link, Topology
+from router.placement.topology import Link, Topology
 from sim.check import CheckedNetworkAware, checked_policy
 from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
 from sim.profiles import llama8b_h100

@@ -33,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from loadgen.spec import load_spec
-from router.profiles import load_profile
+from router.placement.profiles import load_profile
 from sim.calibrate import host_factor
 from sim.config import load_cluster, scale_profile
 from sim.experiment import run_sim_experiment

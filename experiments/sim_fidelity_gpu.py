@@ -18,8 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from router.profiles import Profile
-from router.topology import Link, Topology
+from router.placement.profiles import Profile
+from router.placement.topology import Link, Topology
 from sim.config import ClusterConfig, EngineLimits, WorkerConfig
 from sim.run import Arrival, simulate, to_record
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from experiments.sim_fidelity_two_gpu import ENGINE, METRICS, SLOS, _prompt, _summary, metrics
 from loadgen.records import read_jsonl
 from loadgen.runner import write_summary_csv
-from router.profiles import load_profile
+from router.placement.profiles import load_profile
 from sim.config import ClusterConfig, RouterConfig, WorkerConfig, scale_profile
 from sim.run import Arrival, simulate, to_record
 

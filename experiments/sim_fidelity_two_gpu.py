@@ -65,8 +65,8 @@ from pathlib import Path
 
 from loadgen.metrics import SLO, summarize
 from loadgen.records import read_jsonl
-from router.profiles import Profile, load_profile
-from router.topology import Link, Topology
+from router.placement.profiles import Profile, load_profile
+from router.placement.topology import Link, Topology
 from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig, scale_profile
 from sim.run import Arrival, simulate, to_record
 

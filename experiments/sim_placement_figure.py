@@ -4,7 +4,7 @@
 
 32 GPUs (workers), 4 to a node, 4 nodes to a rack, 2 racks: 200 Gbit/s within a node (the
 topology's local default), 100 Gbit/s between nodes of a rack, 25 Gbit/s across racks (each
-node pair its own link, as router.topology models it: no shared rack uplink). Axes:
+node pair its own link, as router.placement.topology models it: no shared rack uplink). Axes:
 - prefill:decode ratio: 4:28, 8:24, 16:16;
 - layout: the share of prefill workers packed into rack 0 (0: spread evenly over the
   racks; 1: all packed), reported as the cross-rack share of P->D pairs (what a placement
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from loadgen.metrics import SLO, summarize
-from router.topology import Link, Topology
+from router.placement.topology import Link, Topology
 from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
 from sim.profiles import llama8b_h100, llama70b_h100_tp4
 from sim.run import Arrival, simulate, to_record

@@ -145,7 +145,7 @@ def _int_list(flag: str):
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from launcher.profile import profile_engine
-    from router.profiles import save_profile
+    from router.placement.profiles import save_profile
 
     if args.repeats < 1:
         raise CliError(f"--repeats must be >= 1, got {args.repeats}")

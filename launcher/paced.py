@@ -91,7 +91,7 @@ def pacing_text(cluster: dict, prefill_id: str, rates: dict[str, float], burst: 
 
 
 def topology_document(cluster: dict, rates: dict[str, float]) -> dict:
-    """router/topology.py's YAML: a node per worker, a directional link per pair at its SET rate."""
+    """router/placement/topology.py's YAML: a node per worker, a directional link per pair at its SET rate."""
     links = []
     for key, gbps in rates.items():
         src, dst = key.split("->")

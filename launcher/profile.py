@@ -21,7 +21,7 @@
    as on a serving worker: the per-step block hashing is part of the step). Chunks run from 2
    tokens to max_num_batched_tokens; B at most max_num_seqs - 1 (the prompt needs a slot; larger
    B are measured at max_num_seqs - 1, the largest batch a step with a chunk can have).
-4. The result is a router.profiles.Profile (the schema lives there), with the hardware named.
+4. The result is a router.placement.profiles.Profile (the schema lives there), with the hardware named.
 
 Prefix caching is off while measuring prefill and decode, and every prompt is fresh random
 tokens, so no run reuses another's KV. Grid points that do not fit the model's context or the
@@ -45,7 +45,7 @@ from tqdm import tqdm
 from pdserve.config import EngineConfig
 from pdserve.engine import LLMEngine
 from pdserve.sampling_params import SamplingParams
-from router.profiles import Profile
+from router.placement.profiles import Profile
 
 logger = logging.getLogger(__name__)
 

@@ -82,7 +82,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     # where the request's time went, set by the router's cluster backend on the finished delta
-    # (router.cluster_backend.TIMING_KEYS); from a worker's client, the worker's own part of the
+    # (router.cluster.backend.TIMING_KEYS); from a worker's client, the worker's own part of the
     # first token (`queue`, `prefill`, `handoff`) on the delta that carries it; None elsewhere
     timing: dict | None = None
     # engine side, on the delta with the request's first output token: (time.monotonic() when a

@@ -3,8 +3,8 @@
 Latencies are observed per backend request (one per choice), request counts per HTTP request.
 `placement_decisions`, `kv_transfer_*`, `request_recoveries` and the per-link gauges `link_*`
 (label `link` = "src_node->dst_node") and `policy_calibration_factor` (a learning policy's
-factors, router.policies.calibration) are declared here and updated by the cluster backend
-(router.cluster_backend), which also sets its label sets to 0 at start, so that every series a
+factors, router.placement.policies.calibration) are declared here and updated by the cluster backend
+(router.cluster.backend), which also sets its label sets to 0 at start, so that every series a
 dashboard queries (deploy/grafana) exists before its first event.
 """
 

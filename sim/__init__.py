@@ -6,8 +6,8 @@ Modules, bottom up:
 - `fluid`: resources shared fairly by flows with rate caps (KV links, a host's CPU cores);
 - `worker`: one engine worker, the scheduler's rules on counters (token budget, chunked
   prefill, max running, preemption by recompute), step times from a `pdserve profile`;
-- `cluster`: the router (real `router.placement` policies fed `ClusterSnapshot`s, the real
-  `router.congestion.LinkMonitor`), KV transfers, the request lifecycle, records;
+- `cluster`: the router (real `router.placement.base` policies fed `ClusterSnapshot`s, the real
+  `router.placement.congestion.LinkMonitor`), KV transfers, the request lifecycle, records;
 - `config`: the cluster file (workers, topology, profile, engine limits, policy options);
 - `check`: network-aware's columnar and general paths side by side, every decision compared;
 - `experiment`, `cli`: a loadgen experiment spec in, loadgen's records, summaries, plots and

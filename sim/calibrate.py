@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from router.profiles import Profile
+from router.placement.profiles import Profile
 
 
 def isolated_gaps(records: Iterable[Mapping]) -> list[tuple[float, int]]:

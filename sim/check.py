@@ -1,6 +1,6 @@
 """Network-aware's two code paths side by side in one simulation: every decision compared.
 
-`CheckedNetworkAware` places each request with the columnar path (router.policies.columnar)
+`CheckedNetworkAware` places each request with the columnar path (router.placement.policies.columnar)
 and, on the same snapshot, with a second policy object on the general path (`columnar=False`,
 the pruned or exhaustive search over `WorkerSnapshot` objects); both see every outcome, so
 their calibration stays in step. The first decision (kind, workers, reason with its predicted
@@ -14,8 +14,8 @@ makes the same events as one without it.
 
 from __future__ import annotations
 
-from router.placement import ClusterSnapshot, Decision, NoWorkersAvailable, Outcome, RequestInfo, SLOUnattainable
-from router.policies import NetworkAware
+from router.placement.base import ClusterSnapshot, Decision, NoWorkersAvailable, Outcome, RequestInfo, SLOUnattainable
+from router.placement.policies.network_aware import NetworkAware
 from sim.config import ClusterConfig
 
 

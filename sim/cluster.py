@@ -1,9 +1,9 @@
 """The simulated router and the request lifecycle, over simulated workers and links.
 
-Lifecycle of a request (as `router/cluster_backend.py` drives it in a real cluster):
+Lifecycle of a request (as `router/cluster/backend.py` drives it in a real cluster):
 
 1. Arrival: the router builds a `ClusterSnapshot` (each worker's last polled stats, its own
-   in-flight counts, the link states of the real `router.congestion.LinkMonitor`) and asks
+   in-flight counts, the link states of the real `router.placement.congestion.LinkMonitor`) and asks
    the real placement policy. NoWorkersAvailable is a 503, SLOUnattainable a 429.
 2. Disaggregated (P, D; in a hybrid cluster both are mixed workers, router mode disaggregated):
    the in-flight counts of P and D and the P->D flow count from the decision. D reserves
@@ -34,8 +34,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from router.congestion import CongestionView, LinkMonitor
-from router.placement import (
+from router.placement.congestion import CongestionView, LinkMonitor
+from router.placement.base import (
     ClusterSnapshot,
     NoWorkersAvailable,
     Outcome,
@@ -43,9 +43,9 @@ from router.placement import (
     RequestInfo,
     SLOUnattainable,
     WorkerSnapshot,
-    make_policy,
 )
-from router.policies import NetworkAware
+from router.placement.registry import make_policy
+from router.placement.policies.network_aware import NetworkAware
 from sim.config import ClusterConfig
 from sim.events import EventLoop
 from sim.fluid import Flow, FluidResource

@@ -2,7 +2,7 @@
 
     profile: profile.json           # `pdserve profile` output; paths are relative to this file
     decode_profile: other.json      # optional: decode and mixed workers step by this one
-    topology: topology.yaml         # router topology file (router.topology), or inline mapping
+    topology: topology.yaml         # router topology file (router.placement.topology), or inline mapping
     mode: disaggregated             # or colocated
     engine: {num_blocks: 728, block_size: 16, max_num_batched_tokens: 512, max_num_seqs: 64}
                                     # (+ overlap_steps: true for a GPU engine's overlapped decode steps)
@@ -30,8 +30,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from router.profiles import Profile, load_profile
-from router.topology import Topology, load_topology, parse_topology
+from router.placement.profiles import Profile, load_profile
+from router.placement.topology import Topology, load_topology, parse_topology
 
 _TOP = ("profile", "decode_profile", "topology", "mode", "engine", "workers", "cluster", "hosts", "router")
 _ENGINE = ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "overlap_steps")

@@ -30,7 +30,7 @@ from loadgen.metrics import summarize
 from loadgen.report import PlottingUnavailable, make_plots, write_environment, write_report
 from loadgen.runner import write_summary_csv
 from loadgen.spec import ExperimentSpec
-from router.topology import Link
+from router.placement.topology import Link
 from sim.config import ClusterConfig
 from sim.run import simulate, to_record
 from sim.workload import replay_arrivals, spec_arrivals

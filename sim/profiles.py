@@ -15,7 +15,7 @@ price the KV a decode step reads. A 1-token prefill is taken as one decode step.
 
 from __future__ import annotations
 
-from router.profiles import Profile
+from router.placement.profiles import Profile
 
 H100_TTFT = ((2048, 0.0535067980000008), (8192, 0.24465083200000493))
 H100_DECODE_STEP_S = 1 / 152.54223174141433

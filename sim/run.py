@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from loadgen.records import RequestRecord
-from router.placement import PlacementPolicy
+from router.placement.base import PlacementPolicy
 from sim.cluster import SimCluster, build_sim_policy
 from sim.config import ClusterConfig
 from sim.events import EventLoop

@@ -62,7 +62,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from typing import Callable
 
-from router.profiles import Profile
+from router.placement.profiles import Profile
 from sim.events import EventLoop
 from sim.fluid import Flow, FluidResource
 

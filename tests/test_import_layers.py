@@ -2,14 +2,18 @@
 
     1. the composition root: launcher/ (CLI, `pdserve up`, `pdserve profile`), pdserve.cli (its
        old path, an alias), and the emulation modules that launch workers and clusters
-    2. router/
-    3. pdserve.worker, kvtransfer/, and the KV pacing spec and probe of the emulation
-    4. the engine and everything else in pdserve/ (protocol, shared request types, loaders, ...)
-    5. kernels/
+    2. router/: its HTTP side (router.http) and cluster side (router.cluster), which import
+       each other not at all, and what they share (router.backend, router.errors, router.metrics)
+    3. router.placement: pure placement, below the rest of the router and used by sim/ as well
+    4. pdserve.worker, kvtransfer/, and the KV pacing spec and probe of the emulation
+    5. the engine and everything else in pdserve/ (protocol, shared request types, loaders, ...)
+    6. kernels/
 
 Every `import` and `from ... import` is read with `ast`, wherever it stands (module level, in a
 function, under TYPE_CHECKING); importing `a.b.c` also runs the packages `a` and `a.b`, so
-those count too. loadgen/ imports none of these packages (it measures any OpenAI server).
+those count too. loadgen/ imports none of these packages (it measures any OpenAI server); sim/
+imports router.placement and nothing else of the router. No file of these packages (sim/ too)
+is in an import circle.
 """
 
 from __future__ import annotations
@@ -31,15 +35,18 @@ LAYERS: dict[str, int] = {
     "pdserve.emulation.cluster": 1,
     "pdserve.emulation.__main__": 1,
     "router": 2,
-    "pdserve.worker": 3,
-    "kvtransfer": 3,
-    "pdserve.emulation.pacing_spec": 3,
-    "pdserve.emulation.kvprobe": 3,
-    "pdserve": 4,
-    "kernels": 5,
+    "router.http": 2,
+    "router.cluster": 2,
+    "router.placement": 3,
+    "pdserve.worker": 4,
+    "kvtransfer": 4,
+    "pdserve.emulation.pacing_spec": 4,
+    "pdserve.emulation.kvprobe": 4,
+    "pdserve": 5,
+    "kernels": 6,
 }
 PACKAGES = ("launcher", "pdserve", "router", "kvtransfer", "kernels")
-LAYER_NAMES = {1: "composition root", 2: "router", 3: "worker/kvtransfer", 4: "engine", 5: "kernels"}
+LAYER_NAMES = {1: "composition root", 2: "router", 3: "placement", 4: "worker/kvtransfer", 5: "engine", 6: "kernels"}
 
 
 def layer_of(module: str) -> int | None:
@@ -95,6 +102,10 @@ def all_modules() -> dict[str, str]:
     return out
 
 
+def _imports_any_package(module: str, path: str) -> bool:
+    return any(target.split(".")[0] in PACKAGES for target, _ in imported_modules(module, path))
+
+
 def test_every_module_has_a_layer():
     unassigned = [m for m in all_modules() if layer_of(m) is None]
     assert not unassigned
@@ -110,6 +121,8 @@ def test_no_module_imports_from_a_layer_above_it():
                 continue
             if target not in known and target.rsplit(".", 1)[0] in known and target.rsplit(".", 1)[0] != target:
                 continue  # `from pkg import name` where name is not a module: the package counts already
+            if module.startswith(target + ".") and not _imports_any_package(target, known[target]):
+                continue  # an enclosing package that imports nothing (router/ for router.placement)
             layer = layer_of(target)
             if layer is not None and layer < own:
                 violations.append(f"{os.path.relpath(path, REPO)}:{line}: {module} ({LAYER_NAMES[own]}) imports "
@@ -127,13 +140,100 @@ def test_loadgen_imports_none_of_the_server_packages():
     assert not violations
 
 
+def _imports_of(package: str) -> list[tuple[str, str, str, int]]:
+    """(module, path, imported module, line) for every import of a package's files."""
+    return [(module, path, target, line) for module, path in sorted(modules(package).items())
+            for target, line in imported_modules(module, path)]
+
+
+def test_router_http_and_cluster_sides_do_not_import_each_other():
+    violations = [
+        f"{os.path.relpath(path, REPO)}:{line}: {module} imports {target}"
+        for module, path, target, line in _imports_of("router")
+        for side, other in (("router.http", "router.cluster"), ("router.cluster", "router.http"))
+        if (module == side or module.startswith(side + ".")) and (target == other or target.startswith(other + "."))
+    ]
+    assert not violations, "\n".join(violations)
+
+
+def test_sim_imports_only_placement_of_the_router():
+    """The simulator runs the router's placement and nothing else of it (`router` itself is the
+    parent package of router.placement, and holds no code)."""
+    violations = [
+        f"{os.path.relpath(path, REPO)}:{line}: {module} imports {target}"
+        for module, path, target, line in _imports_of("sim")
+        if target.split(".")[0] == "router" and target != "router"
+        and not (target == "router.placement" or target.startswith("router.placement."))
+    ]
+    assert not violations, "\n".join(violations)
+    with open(os.path.join(REPO, "router", "__init__.py"), encoding="utf-8") as f:
+        assert not [node for node in ast.parse(f.read()).body if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def import_graph(packages) -> dict[str, set[str]]:
+    """module -> the modules (files of `packages`) it imports, parent packages included."""
+    known: dict[str, str] = {}
+    for package in packages:
+        known.update(modules(package))
+    return {module: {t for t, _ in imported_modules(module, path) if t in known and t != module}
+            for module, path in known.items()}
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+@pytest.mark.parametrize("package", ["router", "sim"])
+def test_no_import_circle_between_files(package):
+    """No file imports, through any chain, a file that imports it back: the placement registry
+    (router.placement.registry) imports policies only by name, when it builds one."""
+    circles = import_circles(import_graph([package, "router"] if package != "router" else ["router"]))
+    assert not circles, "\n".join(" <-> ".join(c) for c in circles)
+
+
+def test_the_circle_check_finds_a_circle():
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_circles({"a": {"b"}, "b": set()}) == []
+
+
 def test_the_check_catches_an_upward_import(tmp_path):
     """The checker itself: an engine module importing the router is reported."""
     path = tmp_path / "engine_mod.py"
-    path.write_text("def f():\n    from router.server import create_app\n")
+    path.write_text("def f():\n    from router.http.server import create_app\n")
     targets = [t for t, _ in imported_modules("pdserve.engine_mod", str(path))]
-    assert "router.server" in targets and "router" in targets
-    assert layer_of("pdserve.engine_mod") == 4 and layer_of("router.server") == 2
+    assert "router.http.server" in targets and "router" in targets
+    assert layer_of("pdserve.engine_mod") == 5 and layer_of("router.http.server") == 2
     rel = tmp_path / "__init__.py"
     rel.write_text("from .sub import x\nfrom . import other\n")
     assert {"pdserve.worker.sub", "pdserve.worker.other"} <= {t for t, _ in imported_modules("pdserve.worker", str(rel))}

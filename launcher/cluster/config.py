@@ -165,7 +165,7 @@ _OPTIONAL = {"tokenizer", "dtype", "device", "max_model_len", "replicas", "worke
 
 def check_policy(name: str) -> None:
     """ValueError naming --policy unless `name` is in the router's placement registry."""
-    from router.placement import POLICIES
+    from router.placement.registry import POLICIES
 
     if name not in POLICIES:
         raise ValueError(f"--policy: unknown placement policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")

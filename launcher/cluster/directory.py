@@ -1,4 +1,4 @@
-"""`RayDirectory`: the router's view of the named worker actors (`router.directory.WorkerDirectory`).
+"""`RayDirectory`: the router's view of the named worker actors (`router.cluster.directory.WorkerDirectory`).
 
 Each refresh resolves the actors by name and asks each for `info()` with a bounded timeout.
 An actor that is dead, restarting or slow is left out of that answer (the router routes
@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from router.directory import WorkerEndpoint
+from router.cluster.directory import WorkerEndpoint
 
 from launcher.cluster.pools import parse_actor_name
 

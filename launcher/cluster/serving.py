@@ -34,7 +34,7 @@ class RouterSettings:
     cluster_token: str | None = field(default=None, repr=False)  # sent with every call to a worker
     log_level: str = "warning"
     graceful_shutdown_s: float = 10.0
-    # placement options (see router.policies.build_policy)
+    # placement options (see router.placement.policies.build_policy)
     topology: str | None = None
     profile: str | None = None
     slo_ttft: float | None = None
@@ -70,7 +70,7 @@ def load_router_model(model: str, max_model_len: int | None = None, served_model
 def make_router_policy(settings: RouterSettings) -> Any:
     """The placement policy, built before anything starts so that a policy that cannot be built
     (unknown, or missing what it needs) fails at once; ValueError naming --policy."""
-    from router.policies import build_policy
+    from router.placement.registry import build_policy
 
     try:
         return build_policy(settings.policy, topology_path=settings.topology, profile_path=settings.profile,
@@ -83,9 +83,9 @@ def make_router_policy(settings: RouterSettings) -> Any:
 
 def build_app(directory: Any, settings: RouterSettings, model: RouterModel, policy: Any):
     """(app, backend) for `directory`."""
-    from router.cluster_backend import ClusterBackend
+    from router.cluster.backend import ClusterBackend
     from router.metrics import RouterMetrics
-    from router.server import create_app
+    from router.http.server import create_app
 
     metrics = RouterMetrics()
     backend = ClusterBackend(directory, policy, model.tokenizer, model.name,

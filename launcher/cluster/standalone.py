@@ -47,7 +47,7 @@ def default_worker_id(role: str, port: int) -> str:
 
 
 def run_router(entries: list[str], settings) -> int:
-    from router.directory import StaticDirectory, parse_endpoint
+    from router.cluster.directory import StaticDirectory, parse_endpoint
 
     from launcher.cluster.serving import (
         build_app,

@@ -86,7 +86,7 @@ def test_bad_values_name_the_flag(kwargs, message):
 
 
 def test_policy_choices_come_from_the_routers_registry():
-    from router.placement import POLICIES
+    from router.placement.registry import POLICIES
 
     with pytest.raises(ValueError) as info:
         UpConfig(policy="fastest")

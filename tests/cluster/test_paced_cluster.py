@@ -19,7 +19,7 @@ from launcher.paced import (
     worker_argv,
 )
 from pdserve.emulation.pacing_spec import read_pacing_file
-from router.topology import load_topology
+from router.placement.topology import load_topology
 
 CLUSTER = {"model": "random:tiny-llama", "token_file": "token", "workers": [
     {"id": "p0", "role": "prefill", "grpc": "127.0.0.1:5001", "pacing_file": "pacing-p0.txt"},

@@ -40,7 +40,7 @@ def test_good_spec(tmp_path):
 def test_topology_for_the_router_loads_with_its_loader(tmp_path):
     import yaml
 
-    topology = pytest.importorskip("router.topology")
+    topology = pytest.importorskip("router.placement.topology")
     spec = load_topology(_write(tmp_path, GOOD))
     out = tmp_path / "router-topology.yaml"
     out.write_text(yaml.safe_dump(topology_document(spec)))

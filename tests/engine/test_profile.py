@@ -1,4 +1,4 @@
-"""`pdserve profile` on a tiny random model (CPU): a real measurement that router.profiles loads."""
+"""`pdserve profile` on a tiny random model (CPU): a real measurement that router.placement.profiles loads."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from launcher.cli import main
-from router.profiles import load_profile
+from router.placement.profiles import load_profile
 
 
 def test_profile_cli_writes_a_profile_that_loads(tmp_path, capsys):

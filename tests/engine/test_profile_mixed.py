@@ -1,5 +1,5 @@
 """`pdserve profile --mixed` on a tiny random model (CPU): the engine's own scheduler and runner
-time steps of a decode batch plus a prefill chunk, into a mixed table that router.profiles loads."""
+time steps of a decode batch plus a prefill chunk, into a mixed table that router.placement.profiles loads."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from launcher.cli import main
 from launcher.profile import Profiler
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from router.profiles import load_profile
+from router.placement.profiles import load_profile
 
 TINY = ["--model", "random:tiny-llama", "--device", "cpu", "--kv-cache-gib", "0.01", "--quiet",
         "--prefill-tokens", "16,64", "--decode-batches", "1,2", "--decode-contexts", "16,64",

@@ -1,4 +1,4 @@
-"""Network-aware's online calibration (router.policies.calibration): the factors, the split
+"""Network-aware's online calibration (router.placement.policies.calibration): the factors, the split
 model with them, the policy learning them from outcomes, with hand-checked numbers."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ import math
 
 import pytest
 
-from router.placement import Outcome, RequestInfo, make_policy
-from router.policies.calibration import NEUTRAL, Calibration, Factors, Prediction, Ratio
-from router.policies.split import Load, SplitChooser, predict
+from router.placement.base import Outcome, RequestInfo
+from router.placement.registry import make_policy
+from router.placement.policies.calibration import NEUTRAL, Calibration, Factors, Prediction, Ratio
+from router.placement.policies.split import Load, SplitChooser, predict
 from tests.router.network_fixtures import snapshot, topology, w
 from tests.router.test_split import FLAT
 
@@ -253,8 +254,8 @@ def test_calibrated_pruned_search_chooses_what_pricing_every_pair_chooses(seed):
     after it: on random large clusters both searches still decide alike."""
     import random
 
-    from router.placement import SLOUnattainable
-    from router.policies import NetworkAware
+    from router.placement.base import SLOUnattainable
+    from router.placement.policies.network_aware import NetworkAware
     from tests.router.network_fixtures import PROFILE
     from tests.router.test_prune import random_cluster
 
@@ -290,8 +291,8 @@ def test_calibrate_false_keeps_the_offline_model():
 
 
 def test_build_policy_passes_calibrate(tmp_path):
-    from router.policies import build_policy
-    from router.profiles import save_profile
+    from router.placement.registry import build_policy
+    from router.placement.profiles import save_profile
 
     path = tmp_path / "profile.json"
     save_profile(FLAT, str(path))

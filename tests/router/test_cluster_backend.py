@@ -16,10 +16,10 @@ import grpc
 import pytest
 
 from pdserve.sampling_params import RequestOutput, SamplingParams
-from router.cluster_backend import ClusterBackend
+from router.cluster.backend import ClusterBackend
 from router.errors import InvalidRequest, Overloaded, ServiceUnavailable
 from router.metrics import RouterMetrics
-from router.placement import make_policy
+from router.placement.registry import make_policy
 from tests.router.conftest import CharTokenizer
 from tests.router.fake_workers import Cluster, FakeWorker, MutableDirectory, Script, expected_tokens
 

@@ -15,11 +15,11 @@ import httpx
 import openai
 import pytest
 
-from router.cluster_backend import ClusterBackend
-from router.directory import StaticDirectory
+from router.cluster.backend import ClusterBackend
+from router.cluster.directory import StaticDirectory
 from router.metrics import RouterMetrics
-from router.placement import make_policy
-from router.server import create_app
+from router.placement.registry import make_policy
+from router.http.server import create_app
 from tests.router.conftest import MODEL, CharTokenizer, ServerThread
 from tests.router.fake_workers import Cluster, FakeWorker, Script, expected_tokens
 

@@ -1,4 +1,4 @@
-"""Network-aware's columnar path decides exactly as its general path (router.policies.columnar).
+"""Network-aware's columnar path decides exactly as its general path (router.placement.policies.columnar).
 
 The profile queries on arrays against the scalar ones (bit for bit), then seeded random clusters
 with more pairs than the exhaustive limit: sequences of requests (shared prefixes, excluded
@@ -15,13 +15,13 @@ import random
 import numpy as np
 import pytest
 
-from router.congestion import CongestionView, LinkState
-from router.placement import ClusterSnapshot, NoWorkersAvailable, RequestInfo, SLOUnattainable, WorkerSnapshot
-from router.policies import NetworkAware
-from router.policies.calibration import Factors
-from router.policies.columnar import decode_steps, prefill_times
-from router.profiles import Profile
-from router.topology import Link, Topology
+from router.placement.congestion import CongestionView, LinkState
+from router.placement.base import ClusterSnapshot, NoWorkersAvailable, RequestInfo, SLOUnattainable, WorkerSnapshot
+from router.placement.policies.network_aware import NetworkAware
+from router.placement.policies.calibration import Factors
+from router.placement.policies.columnar import decode_steps, prefill_times
+from router.placement.profiles import Profile
+from router.placement.topology import Link, Topology
 from sim.profiles import llama8b_h100, llama70b_h100_tp4
 from tests.router.network_fixtures import PROFILE
 

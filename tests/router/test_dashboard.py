@@ -14,11 +14,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.cluster_backend import ClusterBackend
-from router.directory import StaticDirectory
+from router.cluster.backend import ClusterBackend
+from router.cluster.directory import StaticDirectory
 from router.metrics import RouterMetrics
-from router.placement import make_policy
-from router.server import create_app
+from router.placement.registry import make_policy
+from router.http.server import create_app
 from tests.router.conftest import MODEL, CharTokenizer, ServerThread, wait_until
 from tests.router.fake_workers import PREFILL_KV_BYTES_PER_TOKEN, Cluster, FakeWorker
 from tests.router.test_cluster_openai import LoopThread

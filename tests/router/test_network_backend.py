@@ -9,14 +9,15 @@ from collections.abc import AsyncIterator
 import pytest
 
 from pdserve.sampling_params import SamplingParams
-from router.cluster_backend import ClusterBackend
+from router.cluster.backend import ClusterBackend
 from router.errors import Overloaded
 from router.metrics import RouterMetrics
-from router.network import NetworkOptions
-from router.placement import PlacementPolicy, make_policy
-from router.policies import NetworkAware
-from router.probes import ProbeSettings
-from router.topology import Link, Topology
+from router.cluster.network import NetworkOptions
+from router.placement.base import PlacementPolicy
+from router.placement.registry import make_policy
+from router.placement.policies.network_aware import NetworkAware
+from router.cluster.probes import ProbeSettings
+from router.placement.topology import Link, Topology
 from tests.router.conftest import CharTokenizer
 from tests.router.fake_workers import PREFILL_KV_BYTES_PER_TOKEN, Cluster, FakeWorker, MutableDirectory, Script
 from tests.router.network_fixtures import PROFILE

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.placement import (
-    POLICIES,
+from router.placement.registry import POLICIES, make_policy
+from router.placement.base import (
     ClusterSnapshot,
     Decision,
     LeastLoaded,
@@ -13,7 +13,6 @@ from router.placement import (
     RequestInfo,
     RoundRobin,
     WorkerSnapshot,
-    make_policy,
 )
 
 
@@ -39,6 +38,15 @@ def test_registry_and_make_policy():
         make_policy("round-robin", colour="red")
     with pytest.raises(ValueError, match="local_prefill_max_tokens"):
         make_policy("round-robin", local_prefill_max_tokens=-1)
+
+
+def test_every_registry_entry_names_a_policy_class_of_that_name():
+    from router.placement.base import PlacementPolicy
+    from router.placement.registry import policy_class
+
+    for name in POLICIES:
+        cls = policy_class(name)
+        assert issubclass(cls, PlacementPolicy) and cls.name == name
 
 
 def test_round_robin_disaggregated_cycles_both_pools():

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from router.placement import POLICIES, ClusterSnapshot, Decision, RequestInfo, WorkerSnapshot
-from router.policies import NetworkAware, PowerOfTwo, PrefixAware, PrefixIndex, RandomChoice, build_policy
-from router.profiles import save_profile
+from router.placement.registry import POLICIES
+from router.placement.base import ClusterSnapshot, Decision, RequestInfo, WorkerSnapshot
+from router.placement.policies.network_aware import NetworkAware
+from router.placement.policies.baselines import PowerOfTwo, PrefixAware, PrefixIndex, RandomChoice
+from router.placement.registry import build_policy
+from router.placement.profiles import save_profile
 from tests.router.network_fixtures import PROFILE
 
 

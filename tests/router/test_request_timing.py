@@ -6,12 +6,12 @@ from __future__ import annotations
 import openai
 import pytest
 
-from router.cluster_backend import TIMING_KEYS, ClusterBackend
-from router.directory import StaticDirectory
-from router.formatting import CompletionFormatter
+from router.cluster.backend import TIMING_KEYS, ClusterBackend
+from router.cluster.directory import StaticDirectory
+from router.http.formatting import CompletionFormatter
 from router.metrics import RouterMetrics
-from router.placement import make_policy
-from router.server import create_app
+from router.placement.registry import make_policy
+from router.http.server import create_app
 from tests.router.conftest import MODEL, CharTokenizer, ServerThread
 from tests.router.fake_workers import FIRST_TOKEN_TIMING, PREFILL_KV_BYTES_PER_TOKEN, Cluster, FakeWorker
 from tests.router.test_cluster_openai import LoopThread
@@ -67,7 +67,7 @@ def test_timing_in_usage_streamed_and_not(url):
 
 
 def test_usage_without_timing_has_no_extension():
-    class P:  # the part of router.preparation.Prepared that usage() reads
+    class P:  # the part of router.http.preparation.Prepared that usage() reads
         num_prompt_tokens = 5
         echo = {}
         jobs = []
@@ -80,7 +80,7 @@ def test_usage_without_timing_has_no_extension():
 def test_timing_from_a_worker_without_link_figures():
     """A worker that reports no "link" phase (older, or the fake transport): kv_link and
     kv_link_bytes are None (not recorded), not zero."""
-    from router.worker_client import PrefillResult
+    from router.cluster.worker_client import PrefillResult
 
     class Decision:
         prefill, decode = "p0", "d0"

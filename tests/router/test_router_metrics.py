@@ -6,7 +6,7 @@ import httpx
 from prometheus_client import REGISTRY
 
 from router.metrics import RouterMetrics
-from router.server import create_app, get_metrics, metrics_registry
+from router.http.server import create_app, get_metrics, metrics_registry
 from tests.router.conftest import MODEL, FakeBackend
 
 

@@ -1,4 +1,4 @@
-"""The hybrid cluster's split model (router.policies.split) and network-aware placement on
+"""The hybrid cluster's split model (router.placement.policies.split) and network-aware placement on
 mixed workers that move KV, with hand-checked numbers."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from router.placement import make_policy
-from router.policies.calibration import Factors
-from router.policies.split import ArrivalWindow, Load, SplitChooser, decode_tpot, predict, slo_rate
-from router.profiles import Profile
+from router.placement.registry import make_policy
+from router.placement.policies.calibration import Factors
+from router.placement.policies.split import ArrivalWindow, Load, SplitChooser, decode_tpot, predict, slo_rate
+from router.placement.profiles import Profile
 from tests.router.network_fixtures import PROFILE, req, snapshot, topology, w
 
 # prefill 0.1 ms per token; a decode step 10 ms at any batch and context

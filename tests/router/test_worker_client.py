@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.sampling_params import SamplingParams
 from router.errors import KVTransferDeadline, WorkerFailed, WorkerOverloaded, WorkerRejected
-from router.worker_client import Reservation, WorkerClient
+from router.cluster.worker_client import Reservation, WorkerClient
 from tests.router.fake_workers import Cluster, FakeWorker, Script, expected_tokens
 
 PARAMS = SamplingParams(max_tokens=50)

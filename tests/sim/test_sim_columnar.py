@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from router.topology import Link, Topology
+from router.placement.topology import Link, Topology
 from sim.check import CheckedNetworkAware, checked_policy
 from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
 from sim.profiles import llama8b_h100

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from router.profiles import Profile
-from router.topology import Link, Topology
+from router.placement.profiles import Profile
+from router.placement.topology import Link, Topology
 from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
 from sim.events import EventLoop
 from sim.fluid import Flow, FluidResource
@@ -249,7 +249,7 @@ def test_a_bounded_run_records_unfinished_requests_as_cancelled():
 
 
 def test_no_decode_worker_runs_degraded_on_the_prefill_worker():
-    """As the real router does (router.placement rule 4): with no decode-capable worker up, a
+    """As the real router does (router.placement.base rule 4): with no decode-capable worker up, a
     prefill worker runs the whole request; its tokens are all generated there."""
     config = ClusterConfig(profile=flat_profile(), workers=(WorkerConfig("p0", "prefill"),))
     result = simulate(config, "least-loaded", [Arrival(0.0, 10, 2)])
@@ -312,7 +312,7 @@ def test_a_mixed_worker_prefilling_for_another_hands_the_kv_off():
 
 
 def test_network_aware_in_a_hybrid_cluster_models_the_load_from_the_simulated_clock():
-    # The hybrid model (router.policies.split) estimates the arrival rate from the snapshots'
+    # The hybrid model (router.placement.policies.split) estimates the arrival rate from the snapshots'
     # `now`: 20 requests 2 s apart are 0.5 req/s on the simulated clock (0.58 as its window
     # estimates it). The first 7 arrivals give no estimate (local). Then, at 0.5 req/s: all local, each worker prefills 1.0 s at
     # 0.25 req/s (duty 0.25), TPOT 0.1 / 0.75 = 0.133 s against the SLO's 0.15 (score 0.89);

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from loadgen.records import read_jsonl
-from router.profiles import Profile, save_profile
+from router.placement.profiles import Profile, save_profile
 from sim.cli import main
 from sim.config import load_cluster, scale_profile
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from router.profiles import Profile
+from router.placement.profiles import Profile
 from sim.config import scale_profile
 from sim.events import EventLoop
 from sim.worker import SimRequest, SimWorker, StepCosts

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.profiles import Profile
+from router.placement.profiles import Profile
 from sim.events import EventLoop
 from sim.worker import SimRequest, SimWorker, StepCosts
 

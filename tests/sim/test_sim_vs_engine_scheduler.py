@@ -17,7 +17,7 @@ from pdserve.config import SchedulerConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import Scheduler
 from pdserve.sequence import Sequence
-from router.profiles import Profile
+from router.placement.profiles import Profile
 from sim.events import EventLoop
 from sim.worker import SimRequest, SimWorker, StepCosts
 

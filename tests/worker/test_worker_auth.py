@@ -18,7 +18,7 @@ from pdserve.proto.convert import params_to_proto
 from pdserve.sampling_params import SamplingParams
 from pdserve.worker.server import WorkerConfig, WorkerServer
 from router.errors import WorkerFailed
-from router.worker_client import WorkerClient
+from router.cluster.worker_client import WorkerClient
 
 TOKEN = new_token()
 PARAMS = params_to_proto(SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))

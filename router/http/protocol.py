@@ -187,7 +187,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = _doc("Return the log-probability of each generated token.", False)
     top_logprobs: int | None = _doc("Alternatives per token (needs logprobs=true).", None, minimum=0, maximum=MAX_LOGPROBS)
     # OpenAI fields that clients send with their defaults: their no-op values are accepted, the rest
-    # get an `unsupported_parameter` 400 that names them (router.preparation._check_chat_options).
+    # get an `unsupported_parameter` 400 that names them (router.http.preparation._check_chat_options).
     response_format: dict[str, Any] | None = _doc(
         "Only null or {\"type\": \"text\"}: no structured-output (json_object, json_schema) decoding.", None,
         accepts={"anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
@@ -217,7 +217,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class Usage(BaseModel):
     """OpenAI's usage; a pdserve cluster adds `pdserve_timing` (one entry per choice: where the
-    request's time went, router.cluster_backend.TIMING_KEYS), absent when the backend has none."""
+    request's time went, router.cluster.backend.TIMING_KEYS), absent when the backend has none."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -5,7 +5,7 @@ Both answer the same questions for `NetworkAware.decide`: the best pair and the 
 (optionally among the feasible ones) in the policy's order, (TTFT, load P, load D, id P, id D),
 and how many pairs satisfy a predicate (for the decision's reason).
 
-Why the pruned search finds the exhaustive one's choice. The cost model (router.policies.cost)
+Why the pruned search finds the exhaustive one's choice. The cost model (router.placement.policies.cost)
 prices a pair as
 
     TTFT(P, D) = a(P, kv) + admit(D),   a(P, kv) = queue(P) + prefill(P) + kv - (L-1)/L x min(kv, prefill(P))
@@ -50,11 +50,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from router.congestion import IDLE, transfer_seconds
-from router.placement import ClusterSnapshot, RequestInfo, WorkerSnapshot
-from router.policies.cost import Estimate, decode_context, has_room, queued_tokens
-from router.profiles import Profile
-from router.topology import Link, Topology
+from router.placement.congestion import IDLE, transfer_seconds
+from router.placement.base import ClusterSnapshot, RequestInfo, WorkerSnapshot
+from router.placement.policies.cost import Estimate, decode_context, has_room, queued_tokens
+from router.placement.profiles import Profile
+from router.placement.topology import Link, Topology
 
 PairFn = Callable[[WorkerSnapshot, WorkerSnapshot], Estimate]
 LocalFn = Callable[[WorkerSnapshot], Estimate]
@@ -111,7 +111,7 @@ class Pruned:
         self._c = (profile.num_layers - 1) / profile.num_layers
         self._prefill_memo: dict[int, float] = {}
         self._kv_memo: dict[tuple[str, str], float] = {}
-        self._links = _topology_cache(snapshot.topology)[1]
+        self._links = topology_cache(snapshot.topology)[1]
         self._prefill_ids = {p.worker_id for p in self.prefills}
         # decode side: (admit, TPOT, room) of a pair, and a pair-shaped probe for feasibility
         probe_prefill = self.prefills[0].worker_id if self.prefills else ""
@@ -270,7 +270,7 @@ class Pruned:
     def _kv(self, src: str, dst: str) -> float:
         found = self._kv_memo.get((src, dst))
         if found is None:
-            link, key = self._links.get((src, dst)) or _link(self.snapshot.topology, self._links, src, dst)
+            link, key = self._links.get((src, dst)) or cached_link(self.snapshot.topology, self._links, src, dst)
             found = self._kv_memo[(src, dst)] = transfer_seconds(link, self.snapshot.links.state(key),
                                                                  self.num_bytes)
         return found
@@ -320,7 +320,7 @@ class _Generic:
             if k + 1 < len(self.order) and self.order[k + 1][0] != self.order[k][0]:
                 following = k + 1
             self.next_admit[k] = following
-        self._out = _topology_cache(topology)[2]
+        self._out = topology_cache(topology)[2]
         self._busy: dict[str, set[str]] = {}
         self.ambiguous = any("->" in n for n in self.d_nodes) or any(
             "->" in snapshot.node_of(p) for p in search.prefills)
@@ -350,7 +350,9 @@ _TOPOLOGIES: dict[int, tuple] = {}
 _MAX_LINKS = 1 << 20
 
 
-def _topology_cache(topology: Topology):
+def topology_cache(topology: Topology):
+    """(link classes, the links asked for by node pair, the nodes each node has explicit links to)
+    of `topology`, kept by identity; shared by the pruned search and its vector form."""
     found = _TOPOLOGIES.get(id(topology))
     if found is None or found[0] is not topology:
         classes = tuple(sorted({(topology.local_gbps, topology.local_latency_ms),
@@ -365,7 +367,8 @@ def _topology_cache(topology: Topology):
     return found[1], found[2], found[3]
 
 
-def _link(topology: Topology, links: dict[tuple[str, str], tuple[Link, str]], src: str, dst: str) -> tuple[Link, str]:
+def cached_link(topology: Topology, links: dict[tuple[str, str], tuple[Link, str]], src: str,
+                dst: str) -> tuple[Link, str]:
     if len(links) >= _MAX_LINKS:
         links.clear()
     link = topology.link(src, dst)
@@ -375,7 +378,7 @@ def _link(topology: Topology, links: dict[tuple[str, str], tuple[Link, str]], sr
 
 def link_classes(topology: Topology) -> tuple[tuple[float, float], ...]:
     """The distinct (capacity Gbit/s, latency ms) of a topology's links and its two defaults."""
-    return _topology_cache(topology)[0]
+    return topology_cache(topology)[0]
 
 
 def options(profile: Profile, request: RequestInfo, prefills: Sequence[WorkerSnapshot],

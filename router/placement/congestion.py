@@ -2,7 +2,7 @@
 
 Two halves:
 - `CongestionView` / `LinkState` (frozen): what a placement snapshot carries, per link key
-  ("src->dst", see router.topology): bytes in flight, active flows, and the measured estimate.
+  ("src->dst", see router.placement.topology): bytes in flight, active flows, and the measured estimate.
 - `LinkMonitor` (mutable, router-side, no clock): the router calls `start` when it sends a
   Prefill for a P->D pair (bytes = prompt tokens x KV bytes per token) and `finish` when the
   Prefill returns, with the kv_bytes / kv_seconds / prefill_seconds the prefill worker reports.
@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from router.topology import Link
+from router.placement.topology import Link
 
 
 @dataclass(frozen=True)

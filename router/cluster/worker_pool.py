@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.proto import worker_pb2 as pb
-from router.directory import WorkerDirectory, WorkerEndpoint
+from router.cluster.directory import WorkerDirectory, WorkerEndpoint
 from router.errors import WorkerError
-from router.placement import WorkerSnapshot
-from router.worker_client import WorkerClient
+from router.placement.base import WorkerSnapshot
+from router.cluster.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
 

@@ -6,14 +6,14 @@ decode on another). Which is better depends on the load, not on the request alon
 prefill stalls every decode running on that worker (chunked prefill shares its steps), which
 a tight TPOT SLO cannot absorb; a split keeps decode batches clean but leaves fewer workers
 to decode and pays the KV transfer. So the choice is made for the cluster, from a model of
-the steady state, and each request follows it (router.policies.network_aware):
+the steady state, and each request follows it (router.placement.policies.network_aware):
 
 - k = 0 ("local"): every worker prefills and decodes its own requests; arrivals split evenly.
 - k >= 1 ("split k"): k workers prefill, N - k decode; KV crosses the link for every request.
 
 For each k, with the recent arrival rate lam, mean prompt P and output O (ArrivalWindow: quick
 to see a rise, slow to believe a fall),
-a profile of the engine (router.profiles) and the KV link's rate:
+a profile of the engine (router.placement.profiles) and the KV link's rate:
 
 - prefill duty u = lam_w * prefill(P) on a worker that prefills (lam_w its share of arrivals);
 - TPOT t solves t = step(B, C) / (1 - u_d), with B = lam_d * O * t requests decoding there
@@ -35,7 +35,7 @@ H200s: 6.1 vs 1.8 req/s of goodput at 13 req/s). Without SLOs, or when no k meet
 rate, the lowest score wins. Hysteresis keeps the current k unless another has a higher SLO
 rate by `switch_margin`, or (at equal SLO rates) scores better by it.
 
-Calibration (router.policies.calibration): each k may come with `Factors` learned from the
+Calibration (router.placement.policies.calibration): each k may come with `Factors` learned from the
 router's outcomes. `prefill` multiplies the prefill service time of a split (the profile
 misses the serving path: RPCs, KV gather and send), so with the served prefill 1.6x the
 profile's, u, the M/D/1 wait and the feasibility of a split all use 1.6 x prefill(P): a split
@@ -51,8 +51,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from router.policies.calibration import NEUTRAL, Factors
-from router.profiles import Profile
+from router.placement.policies.calibration import NEUTRAL, Factors
+from router.placement.profiles import Profile
 
 _ITERATIONS = 60
 

@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.sampling_params import SamplingParams
-from router.worker_client import PrefillResult
-from router.worker_pool import PooledWorker
+from router.cluster.worker_client import PrefillResult
+from router.cluster.worker_pool import PooledWorker
 
 PROBE_TOKEN_ID = 0
 

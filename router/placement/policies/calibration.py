@@ -1,6 +1,6 @@
 """Online calibration of network-aware's model from what the router observes. Pure.
 
-The cost model (router.policies.cost) and the split model (router.policies.split) predict from
+The cost model (router.placement.policies.cost) and the split model (router.placement.policies.split) predict from
 an offline profile of the engine, which misses the serving path: HTTP/gRPC, KV gather and
 send, Python between steps. Measured on two H200s a served prefill took far longer than the
 profile's, so a split the model called feasible built an unbounded TTFT queue. Like a serving
@@ -23,7 +23,7 @@ the policy that the engine is 100x slower). The quantities:
   average, so its prediction is (n/B + 1) x prefill(B) (for n = 1000, B = 512: 1.51x prefill(n)
   on a linear profile), not prefill(n), which would read the sharing as a slower engine.
 - ``ttft.local``, ``ttft.disaggregated``, ``tpot.local``, ``tpot.disaggregated``: the residual
-  of the per-request estimates (router.policies.cost) for the kind of run the request had,
+  of the per-request estimates (router.placement.policies.cost) for the kind of run the request had,
   observed over the estimate *with* the prefill correction and *without* the residual itself,
   so that the residual does not feed on itself and does not count the prefill twice (early
   on, before the prefill factor is in use, the queue a too-fast profile builds at P is the
@@ -56,7 +56,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from router.placement import Outcome
+from router.placement.base import Outcome
 
 QUANTITIES = ("prefill", "ttft.local", "ttft.disaggregated", "tpot.local", "tpot.disaggregated",
               "split.ttft.local", "split.ttft.split", "split.tpot.local", "split.tpot.split")

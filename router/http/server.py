@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}] (these need
 `Authorization: Bearer <api_key>` when an api_key is set), GET /health, GET /metrics, and the
-API's description at GET /openapi.json and /docs (router.openapi).
+API's description at GET /openapi.json and /docs (router.http.openapi).
 Every response carries `x-request-id`; every error has OpenAI's error body.
 """
 
@@ -35,9 +35,9 @@ from router.errors import (
     error_response,
 )
 from router.metrics import METRICS_CONTENT_TYPE, RouterMetrics
-from router.openapi import install_openapi
-from router.protocol import ModelCard, ModelList
-from router.serving import OpenAIServing
+from router.http.openapi import install_openapi
+from router.http.protocol import ModelCard, ModelList
+from router.http.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 

@@ -9,18 +9,9 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from router.placement import (
-    ClusterSnapshot,
-    PoolPolicy,
-    Purpose,
-    RequestInfo,
-    WorkerSnapshot,
-    least_loaded_key,
-    register_policy,
-)
+from router.placement.base import ClusterSnapshot, PoolPolicy, Purpose, RequestInfo, WorkerSnapshot, least_loaded_key
 
 
-@register_policy
 class RandomChoice(PoolPolicy):
     """A uniformly random worker of each pool, from a generator seeded with `seed`."""
 
@@ -38,7 +29,6 @@ class RandomChoice(PoolPolicy):
         return candidates[self._rng.randrange(len(candidates))]
 
 
-@register_policy
 class PowerOfTwo(PoolPolicy):
     """Two distinct random workers of the pool (seeded); the less loaded of them
     (least-loaded's order: load, then free KV fraction, then worker id)."""
@@ -116,7 +106,6 @@ class PrefixIndex:
             self._owner.popitem(last=False)
 
 
-@register_policy
 class PrefixAware(PoolPolicy):
     """Requests that share a prompt prefix go to the prefill worker that took it last (its
     prefix cache holds the KV), unless that worker has `max_imbalance` more requests than the

@@ -23,24 +23,23 @@ that needs the whole picture (network-aware) overrides `place`.
 Feedback: when a request finishes, the router (and the simulator) hands the policy an
 `Outcome` (where it ran, its measured TTFT and TPOT, the prefill its prefill worker reported)
 through `observe_outcome`; the default ignores it. A policy that learns from outcomes
-(network-aware calibrates its model, router.policies.calibration) keeps that cheap; the
+(network-aware calibrates its model, router.placement.policies.calibration) keeps that cheap; the
 router logs, and never fails a request on, an exception raised there.
 
-The registry holds the baselines here (round-robin, least-loaded) and those of
-`router.policies` (random, power-of-two, prefix-aware, network-aware), which register when this
-module is imported.
+Two baselines live here (round-robin, least-loaded), the others in `router.placement.policies`
+(random, power-of-two, prefix-aware, network-aware). `router.placement.registry` maps policy
+names to their classes; nothing here imports it or the policies.
 """
 
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from router.congestion import CongestionView, LinkState
-from router.topology import Link, Topology
+from router.placement.congestion import CongestionView, LinkState
+from router.placement.topology import Link, Topology
 
 Role = Literal["prefill", "decode", "mixed"]
 Mode = Literal["disaggregated", "colocated"]
@@ -317,32 +316,6 @@ def _none_left(what: str, snapshot: ClusterSnapshot, request: RequestInfo) -> st
 
 # ---------------------------------------------------------------- policies
 
-POLICIES: dict[str, type[PlacementPolicy]] = {}
-
-
-def register_policy(cls: type[PlacementPolicy]) -> type[PlacementPolicy]:
-    if cls.name in POLICIES:
-        raise ValueError(f"placement policy {cls.name!r} is already registered")
-    POLICIES[cls.name] = cls
-    return cls
-
-
-def make_policy(name: str, **options: object) -> PlacementPolicy:
-    """Builds the policy registered as `name`; unknown names and options raise ValueError."""
-    cls = POLICIES.get(name)
-    if cls is None:
-        raise ValueError(f"unknown placement policy {name!r}; choose one of {sorted(POLICIES)}")
-    accepted = {
-        p.name for p in inspect.signature(cls.__init__).parameters.values()
-        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
-    }
-    unknown = sorted(set(options) - accepted)
-    if unknown:
-        raise ValueError(f"unknown option(s) {unknown} for placement policy {name!r}; accepted: {sorted(accepted)}")
-    return cls(**options)
-
-
-@register_policy
 class RoundRobin(PoolPolicy):
     """Cycles through each pool in worker-id order, one counter per purpose."""
 
@@ -361,7 +334,6 @@ class RoundRobin(PoolPolicy):
         return candidates[turn % len(candidates)]
 
 
-@register_policy
 class LeastLoaded(PoolPolicy):
     """The worker with the fewest queued and running requests; ties go to the one with the
     larger free KV fraction, then to the smaller worker id."""
@@ -376,8 +348,3 @@ class LeastLoaded(PoolPolicy):
 
 def least_loaded_key(w: WorkerSnapshot) -> tuple[int, float, str]:
     return (w.load, -w.free_fraction, w.worker_id)
-
-
-
-# The other policies register themselves; imported last, once everything above exists.
-import router.policies  # noqa: E402,F401

@@ -1,13 +1,13 @@
 """The cluster backend's view of the network: topology, link flows and measurements, probes.
 
-`NetworkTracker` is what `ClusterBackend` keeps (router.cluster_backend):
+`NetworkTracker` is what `ClusterBackend` keeps (router.cluster.backend):
 1. `start_flow` as a Prefill begins: a flow of prompt tokens x KV bytes per token on the link
-   from P's node to D's node (router.topology names it "src->dst");
+   from P's node to D's node (router.placement.topology names it "src->dst");
 2. `finish_flow` when the Prefill returns or fails: the flow ends; a finished transfer's
-   kv_bytes / kv_seconds is a throughput sample for the link (router.congestion) and
+   kv_bytes / kv_seconds is a throughput sample for the link (router.placement.congestion) and
    kv_bytes / prompt tokens is the KV bytes per token from then on;
 3. per-link gauges (`pdserve:link_*`) follow every change;
-4. probes (router.probes), when `ProbeSettings.interval_s` is set: one round at `start` and one
+4. probes (router.cluster.probes), when `ProbeSettings.interval_s` is set: one round at `start` and one
    every interval, one pair per link, one probe at a time.
 """
 
@@ -18,14 +18,14 @@ import contextlib
 import logging
 from dataclasses import dataclass, field, replace
 
-from router.congestion import Flow, LinkMonitor, usable_gbps
+from router.placement.congestion import Flow, LinkMonitor, usable_gbps
 from router.errors import WorkerError
 from router.metrics import RouterMetrics
-from router.placement import PlacementPolicy
-from router.probes import ProbeSettings, pairs_per_link, probe_pair
-from router.topology import Topology, link_key
-from router.worker_client import PrefillResult
-from router.worker_pool import PooledWorker, WorkerPool
+from router.placement.base import PlacementPolicy
+from router.cluster.probes import ProbeSettings, pairs_per_link, probe_pair
+from router.placement.topology import Topology, link_key
+from router.cluster.worker_client import PrefillResult
+from router.cluster.worker_pool import PooledWorker, WorkerPool
 
 logger = logging.getLogger(__name__)
 

@@ -22,19 +22,19 @@ A request goes through:
 4. the end: a finished request frees itself on the workers; any other exit (error, client
    abort, cancellation) sends Abort to every worker that holds a part of it, bounded in time.
 
-The `WorkerPool` (router.worker_pool) keeps the view of the workers: it re-reads the directory
+The `WorkerPool` (router.cluster.worker_pool) keeps the view of the workers: it re-reads the directory
 and polls Health/Stats each `stats_interval_s`, cancelling the live streams of a worker that
 stops answering, so that its requests migrate at once.
 Worker-side request ids are "<request_id>" for the first attempt and "<request_id>.<n>" after.
 
-Network view (router.network): each Prefill is a KV flow on the link from P's node to D's
-node (router.topology); the `LinkMonitor` (router.congestion) counts it while it runs and takes
+Network view (router.cluster.network): each Prefill is a KV flow on the link from P's node to D's
+node (router.placement.topology); the `LinkMonitor` (router.placement.congestion) counts it while it runs and takes
 the throughput it reports as a sample; KV bytes per token are learned from those reports.
-Snapshots carry the topology, the links and that number; optional probes (router.probes)
+Snapshots carry the topology, the links and that number; optional probes (router.cluster.probes)
 measure links between requests.
 
 Feedback to the policy: a request that finishes (not aborted, not failed) is reported to
-`policy.observe_outcome` as a `router.placement.Outcome`: where its first token came from
+`policy.observe_outcome` as a `router.placement.base.Outcome`: where its first token came from
 (`RequestOutput.timing`), TTFT from the backend's receipt of the request to its first token,
 TPOT over the later tokens, the prefill its prefill worker reported (P's queue excluded); the
 policy's current `calibration_factors()` go to the gauge `pdserve:policy_calibration_factor`.
@@ -54,7 +54,7 @@ from typing import Any, get_args
 
 from pdserve.sampling_params import RequestOutput, SamplingParams
 from router.backend import Tokenizer
-from router.directory import WorkerDirectory
+from router.cluster.directory import WorkerDirectory
 from router.errors import (
     KVPushFailed,
     KVTransferDeadline,
@@ -65,7 +65,7 @@ from router.errors import (
     WorkerOverloaded,
 )
 from router.metrics import RouterMetrics
-from router.placement import (
+from router.placement.base import (
     DecisionKind,
     MODES,
     ClusterSnapshot,
@@ -76,9 +76,9 @@ from router.placement import (
     RequestInfo,
     SLOUnattainable,
 )
-from router.network import NetworkOptions, NetworkTracker
-from router.worker_client import PrefillResult, WorkerClient
-from router.worker_pool import WorkerPool
+from router.cluster.network import NetworkOptions, NetworkTracker
+from router.cluster.worker_client import PrefillResult, WorkerClient
+from router.cluster.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
 

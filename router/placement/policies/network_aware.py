@@ -1,10 +1,10 @@
 """Network-aware placement: the option with the lowest predicted TTFT that meets the SLOs.
 
-For a request that may be disaggregated (router.placement's shared rules decide that):
-1. every (P, D) pair with P != D and every local run on D is estimated (router.policies.cost;
-   above 1,024 pairs router.policies.prune finds the same best options without pricing them all,
+For a request that may be disaggregated (router.placement.base's shared rules decide that):
+1. every (P, D) pair with P != D and every local run on D is estimated (router.placement.policies.cost;
+   above 1,024 pairs router.placement.policies.prune finds the same best options without pricing them all,
    in vector form over arrays kept across placements on clusters of prefill and decode workers,
-   router.policies.columnar; `columnar=False` keeps the general path, the same decisions);
+   router.placement.policies.columnar; `columnar=False` keeps the general path, the same decisions);
 2. an option is feasible when D has free KV blocks for the prompt (when it reports them) and,
    with `slo_tpot`, its predicted TPOT at D is within it;
 3. the best feasible pair and the best feasible local run (lowest TTFT; ties to the less loaded
@@ -21,13 +21,13 @@ The `Decision.reason` carries the predicted numbers.
 
 Hybrid clusters (every candidate a mixed worker that also moves KV, `pdserve up --mode
 hybrid`): how many workers prefill for the others is chosen for the cluster from the recent
-load, the profile, the measured link and the SLOs (router.policies.split); with k = 0 the
+load, the profile, the measured link and the SLOs (router.placement.policies.split); with k = 0 the
 request runs locally on the worker with the lowest predicted TTFT, otherwise it is prefilled
 on one of the k prefilling workers and decoded on one of the others (the pair with the lowest
 predicted TTFT, as above). The prefilling workers stay the same while k does; when k changes,
 the least loaded become them.
 
-Calibration (router.policies.calibration): at each placement the policy remembers what its
+Calibration (router.placement.policies.calibration): at each placement the policy remembers what its
 model predicted for the chosen option (and, on a hybrid cluster, the split model's prediction
 for the configuration in use); `observe_outcome` compares the request's measured TTFT, TPOT
 and reported prefill with it and keeps exponentially weighted observed/predicted factors,
@@ -47,7 +47,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
-from router.placement import (
+from router.placement.base import (
     ClusterSnapshot,
     Decision,
     Outcome,
@@ -56,24 +56,22 @@ from router.placement import (
     RequestInfo,
     SLOUnattainable,
     WorkerSnapshot,
-    register_policy,
 )
-from router.policies import prune
-from router.policies.baselines import PrefixIndex
-from router.policies.calibration import Calibration, Prediction
-from router.policies.columnar import ROLE_DECODE, ROLE_PREFILL, Columnar, Columns
-from router.congestion import transfer_seconds
-from router.policies.cost import Estimate, estimate_local, estimate_pair
-from router.policies.split import SplitChooser, SplitPrediction
-from router.profiles import Profile
-from router.topology import Topology
+from router.placement.policies import prune
+from router.placement.policies.baselines import PrefixIndex
+from router.placement.policies.calibration import Calibration, Prediction
+from router.placement.policies.columnar import ROLE_DECODE, ROLE_PREFILL, Columnar, Columns
+from router.placement.congestion import transfer_seconds
+from router.placement.policies.cost import Estimate, estimate_local, estimate_pair
+from router.placement.policies.split import SplitChooser, SplitPrediction
+from router.placement.profiles import Profile
+from router.placement.topology import Topology
 
 
-@register_policy
 class NetworkAware(PoolPolicy):
     name = "network-aware"
-    exhaustive_max_pairs = prune.EXHAUSTIVE_MAX_PAIRS  # more pairs than this: the pruned search (router.policies.prune)
-    columnar = True  # the pruned search in vector form where it applies (router.policies.columnar); same decisions
+    exhaustive_max_pairs = prune.EXHAUSTIVE_MAX_PAIRS  # more pairs than this: the pruned search (router.placement.policies.prune)
+    columnar = True  # the pruned search in vector form where it applies (router.placement.policies.columnar); same decisions
 
     def __init__(
         self, *, profile: Profile | None = None, topology: Topology | None = None,
@@ -214,7 +212,7 @@ class NetworkAware(PoolPolicy):
 
     def _place_columnar(self, request: RequestInfo, snapshot: ClusterSnapshot) -> Decision | None:
         """PoolPolicy.place + decide for a request that the shared rules send to `decide` on a
-        large disaggregated cluster of prefill and decode workers, from arrays (router.policies.
+        large disaggregated cluster of prefill and decode workers, from arrays (router.placement.policies.
         columnar): the same decision. None, with nothing changed, where it does not apply."""
         n = len(snapshot.workers)
         if (snapshot.mode != "disaggregated" or request.num_resumed_tokens

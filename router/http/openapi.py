@@ -1,6 +1,6 @@
 """The published description of the router's HTTP API (`/openapi.json`, `/docs`).
 
-The generation endpoints read their bodies themselves (router.protocol parses them strictly, so
+The generation endpoints read their bodies themselves (router.http.protocol parses them strictly, so
 that errors name the field as OpenAI's do), so FastAPI cannot see their models: this module
 writes them into the document. Every operation gets its request body, its answers (JSON, and
 for the generation endpoints `text/event-stream`, whose events' schema is in the media type's
@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from router.protocol import (
+from router.http.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,

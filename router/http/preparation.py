@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pdserve.sampling_params import SamplingParams
 from router.backend import GenerationBackend
 from router.errors import InvalidRequest, ModelNotFound
-from router.fanout import Job
-from router.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
+from router.http.fanout import Job
+from router.http.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 

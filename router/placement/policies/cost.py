@@ -10,7 +10,7 @@ Disaggregated (P, D)::
 - prefill(uncached) = profile.prefill_seconds(prompt - cached), cached = the prefix the
   policy last sent to P (an estimate: P may have evicted it).
 - kv = link latency + prompt x kv_bytes_per_token at the fair share of the P->D link
-  (router.congestion.available_gbps). The whole prompt's KV moves, cached or not.
+  (router.placement.congestion.available_gbps). The whole prompt's KV moves, cached or not.
 - hidden = (L-1)/L x min(kv, prefill): P pushes layer l while layers l+1.. compute, so when
   the link keeps up only the last layer's share is exposed; when it does not, the compute
   hides what it overlaps and the rest of the transfer is exposed.
@@ -27,7 +27,7 @@ TPOT at D = decode_step(batch + 1, context): the batch after this request joins,
 context of D's requests with this one. A local run also prefills inside D's steps: its TPOT
 adds the prefill of one chunk to that step when D has other requests.
 
-Calibration (router.policies.calibration): the policy prices pairs with a profile whose
+Calibration (router.placement.policies.calibration): the policy prices pairs with a profile whose
 prefill times are scaled by the learned prefill factor (queue(P) and prefill(uncached) then
 use the served prefill time), and an estimate may carry residual factors: TTFT = ttft_factor x
 (the sum above), TPOT = tpot_factor x the model's (`tpot_s` holds the corrected value).
@@ -38,9 +38,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from router.congestion import transfer_seconds
-from router.placement import ClusterSnapshot, RequestInfo, WorkerSnapshot
-from router.profiles import Profile
+from router.placement.congestion import transfer_seconds
+from router.placement.base import ClusterSnapshot, RequestInfo, WorkerSnapshot
+from router.placement.profiles import Profile
 
 
 @dataclass(frozen=True)

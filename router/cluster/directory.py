@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from router.placement import ROLES, Role
+from router.placement.base import ROLES, Role
 
 _ENTRY = re.compile(
     r"^(?P<role>[a-z]+)(?:#(?P<id>[A-Za-z0-9_.:-]+))?(?:@(?P<node>[A-Za-z0-9_.-]+))?=(?P<address>\S+)$"

@@ -1,23 +1,57 @@
-"""Placement policies beyond the two in router.placement, and `build_policy` for the CLI.
+"""The placement policies by name, and `build_policy` for the CLI.
 
+    policy = make_policy("least-loaded", local_prefill_max_tokens=32)
     policy = build_policy("network-aware", topology_path="topo.yaml", profile_path="profile.json",
                           slo_ttft=1.0, slo_tpot=0.1)
 
-Every policy lives in router.placement's registry (`POLICIES`, `make_policy`):
-round-robin, least-loaded, random, power-of-two, prefix-aware, network-aware.
+`POLICIES` maps each name to "module:Class"; a policy's module is imported only when the
+policy is built, so no policy imports this module and this module imports no policy at its
+top: the registry closes no import circle. tests/router/test_placement.py checks that every
+entry names a class whose `name` is the entry's.
 """
 
 from __future__ import annotations
 
-from router.placement import POLICIES, PlacementPolicy, make_policy
-from router.policies.baselines import PowerOfTwo, PrefixAware, PrefixIndex, RandomChoice
-from router.policies.network_aware import NetworkAware
-from router.profiles import load_profile
-from router.topology import load_topology
+import importlib
+import inspect
 
-__all__ = ["NetworkAware", "PowerOfTwo", "PrefixAware", "PrefixIndex", "RandomChoice", "build_policy"]
+from router.placement.base import PlacementPolicy
+from router.placement.profiles import load_profile
+from router.placement.topology import load_topology
+
+POLICIES: dict[str, str] = {
+    "round-robin": "router.placement.base:RoundRobin",
+    "least-loaded": "router.placement.base:LeastLoaded",
+    "random": "router.placement.policies.baselines:RandomChoice",
+    "power-of-two": "router.placement.policies.baselines:PowerOfTwo",
+    "prefix-aware": "router.placement.policies.baselines:PrefixAware",
+    "network-aware": "router.placement.policies.network_aware:NetworkAware",
+}
 
 _SEEDED = ("random", "power-of-two")
+_PROFILED = "network-aware"
+
+
+def policy_class(name: str) -> type[PlacementPolicy]:
+    """The class registered as `name`; unknown names raise ValueError."""
+    where = POLICIES.get(name)
+    if where is None:
+        raise ValueError(f"unknown placement policy {name!r}; choose one of {sorted(POLICIES)}")
+    module, _, attr = where.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def make_policy(name: str, **options: object) -> PlacementPolicy:
+    """Builds the policy registered as `name`; unknown names and options raise ValueError."""
+    cls = policy_class(name)
+    accepted = {
+        p.name for p in inspect.signature(cls.__init__).parameters.values()
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
+    }
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for placement policy {name!r}; accepted: {sorted(accepted)}")
+    return cls(**options)
 
 
 def build_policy(
@@ -41,13 +75,13 @@ def build_policy(
     - `seed`: random and power-of-two; the deterministic policies do not draw.
     - `max_batch`: the workers' --max-num-seqs, for network-aware's model of hybrid clusters.
     - `calibrate`: network-aware corrects its model from request outcomes
-      (router.policies.calibration); False (--no-calibration) keeps the offline profile alone.
+      (router.placement.policies.calibration); False (--no-calibration) keeps the offline profile alone.
     """
     if name not in POLICIES:
         raise ValueError(f"--policy: unknown placement policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
     topology = load_topology(topology_path) if topology_path is not None else None
     options: dict[str, object] = {}
-    if name == NetworkAware.name:
+    if name == _PROFILED:
         if profile_path is None:
             raise ValueError("--profile: network-aware needs --profile (a file from `pdserve profile`)")
         options.update(profile=load_profile(profile_path), topology=topology, slo_ttft=slo_ttft,

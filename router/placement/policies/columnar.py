@@ -1,5 +1,5 @@
 """Network-aware placement on large clusters in vector form: the pruned search
-(router.policies.prune) with its per-worker work done on arrays. Same answers, bit for bit.
+(router.placement.policies.prune) with its per-worker work done on arrays. Same answers, bit for bit.
 
 At 1,000 workers the pruned search prices few pairs, but its setup touched every worker in
 Python on every request: the snapshot filtered and sorted (`PoolPolicy.place`), each decode
@@ -10,7 +10,7 @@ each prefill worker's queue and bound, then sorts of tuples; about 6 ms a placem
   read again only when its `WorkerSnapshot` object is not the one seen last time (the
   simulator, and a router that reuses unchanged snapshots, change a few rows a request);
 - the candidates, their load and capacity checks are array masks; the decode workers' context,
-  admit and TPOT come from `decode_steps` (router.profiles' interpolation, elementwise, the
+  admit and TPOT come from `decode_steps` (router.placement.profiles' interpolation, elementwise, the
   same floating-point operations in the same order, so the same numbers), the prefill workers'
   queue and prefill from `prefill_times`;
 - `Columnar` answers the questions `prune.Pruned` answers (best pair, best local run, counts)
@@ -44,12 +44,12 @@ from operator import attrgetter
 
 import numpy as np
 
-from router.congestion import IDLE, CongestionView, available_gbps, transfer_seconds
-from router.placement import ClusterSnapshot, RequestInfo, WorkerSnapshot
-from router.policies.cost import Estimate
-from router.policies.prune import _link, _topology_cache, link_classes, order
-from router.profiles import Profile
-from router.topology import Link, Topology
+from router.placement.congestion import IDLE, CongestionView, available_gbps, transfer_seconds
+from router.placement.base import ClusterSnapshot, RequestInfo, WorkerSnapshot
+from router.placement.policies.cost import Estimate
+from router.placement.policies.prune import cached_link, link_classes, order, topology_cache
+from router.placement.profiles import Profile
+from router.placement.topology import Link, Topology
 
 _NUMBERS = ("healthy", "num_waiting", "num_running", "num_free_blocks", "num_blocks", "block_size", "num_inflight",
             "max_model_len", "num_inflight_tokens")
@@ -63,7 +63,7 @@ _ROLE = {"prefill": ROLE_PREFILL, "decode": ROLE_DECODE, "mixed": ROLE_MIXED}
 
 
 def interpolate(xs: Sequence[int], ys_at: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarray:
-    """router.profiles._interpolate elementwise: `xs` the axis, `ys_at(j)` the values at axis
+    """router.placement.profiles._interpolate elementwise: `xs` the axis, `ys_at(j)` the values at axis
     index j for each element, `x` an integer array. The same operations in the same order (at
     or below the first point the segment is the first one, where ys_at(0) is the answer)."""
     if len(xs) == 1:
@@ -233,7 +233,7 @@ class NodeLinks:
     """The links of a topology between the nodes of the workers, by node index: for each node,
     the nodes it reaches by an explicit link or its own local one (`reach_node`, padded with
     len(node_names)), and `kv(view, num_bytes)`: the transfer time of `num_bytes` over each of
-    those links as router.congestion.transfer_seconds prices it with the view's state (the same
+    those links as router.placement.congestion.transfer_seconds prices it with the view's state (the same
     operations, so the same numbers); `remote_kv`: over the idle remote default."""
 
     def __init__(self, topology: Topology, node_names: list[str]) -> None:
@@ -351,7 +351,7 @@ class Columnar:
         self.num_bytes = n * (snapshot.kv_bytes_per_token or profile.kv_bytes_per_token)
         self._c = (profile.num_layers - 1) / profile.num_layers
         self._kv_memo: dict[tuple[str, str], float] = {}
-        self._links = _topology_cache(snapshot.topology)[1]
+        self._links = topology_cache(snapshot.topology)[1]
         self.fallbacks = 0
         self.load_map = LoadMap(columns, load, np.concatenate((prefill_rows, decode_rows)))
         num = columns.numbers
@@ -577,7 +577,7 @@ class Columnar:
     def _kv(self, src: str, dst: str) -> float:
         found = self._kv_memo.get((src, dst))
         if found is None:
-            link, key = self._links.get((src, dst)) or _link(self.snapshot.topology, self._links, src, dst)
+            link, key = self._links.get((src, dst)) or cached_link(self.snapshot.topology, self._links, src, dst)
             found = self._kv_memo[(src, dst)] = transfer_seconds(link, self.snapshot.links.state(key),
                                                                  self.num_bytes)
         return found
@@ -607,7 +607,7 @@ class _Generic:
         self.d_nodes = d_nodes
         self.walk = entries.tolist()  # already in (admit, load, id) order
         self._admit = search._admit.tolist()
-        self._out = _topology_cache(search.snapshot.topology)[2]
+        self._out = topology_cache(search.snapshot.topology)[2]
         links.kv(search.snapshot.links, 0)  # follows the view
         self._busy = links.busy
         arrow = links.arrow

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from pdserve.sampling_params import RequestOutput, TokenLogprob
-from router.preparation import Prepared
-from router.protocol import (
+from router.http.preparation import Prepared
+from router.http.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChoiceLogprobs,

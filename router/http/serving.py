@@ -1,10 +1,10 @@
 """OpenAI completions and chat completions on top of a `GenerationBackend`.
 
 A request goes through:
-1. parse (`router.protocol`), validate and prepare one `Job` per choice (`router.preparation`);
+1. parse (`router.http.protocol`), validate and prepare one `Job` per choice (`router.http.preparation`);
 2. run the jobs on the backend through a `FanOut`;
 3. answer as one JSON body, or as SSE chunks that OpenAI's clients read, ending in [DONE]
-   (`router.formatting` builds the objects).
+   (`router.http.formatting` builds the objects).
 
 The HTTP status of a streamed response is decided by the first backend delta: errors before
 it are ordinary error responses; errors after it become an SSE `{"error": ...}` event.
@@ -30,11 +30,11 @@ from starlette.types import Receive, Scope, Send
 from pdserve.sampling_params import RequestOutput
 from router.backend import GenerationBackend
 from router.errors import APIError, ClientDisconnected, as_api_error
-from router.fanout import FanOut
-from router.formatting import ChatFormatter, ChoiceText, CompletionFormatter, Formatter
+from router.http.fanout import FanOut
+from router.http.formatting import ChatFormatter, ChoiceText, CompletionFormatter, Formatter
 from router.metrics import RequestStatus, RouterMetrics
-from router.preparation import prepare_chat, prepare_completion
-from router.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from router.http.preparation import prepare_chat, prepare_completion
+from router.http.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 logger = logging.getLogger(__name__)
 
