@@ -45,7 +45,7 @@ REAL = (("headline", ROOT / "headline.yaml"), ("headline-sweep", ROOT / "headlin
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "goodput")
 POLICIES = ("round-robin", "least-loaded", "network-aware")
 CURRENT_PROFILE = ROOT / "profile-smollm2-cpu-1thread-2026-12-01.json"
-CALIBRATION = 1.37 / 1.705  # pilot TTFT measured / profiled, one 450-token request alone (experiments/README.md)
+CALIBRATION = 1.37 / 1.705  # pilot TTFT measured / profiled, one 450-token request alone (docs/experiments.md)
 
 
 def _rows(path: Path) -> dict[str, dict]:

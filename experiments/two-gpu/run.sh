@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The two-GPU study (README.md in this folder), in steps that each fit one device call:
+# The two-GPU study (docs/two-gpu.md), in steps that each fit one device call:
 #   run.sh kv        KV GPU0 -> GPU1 against raw ucxx and NCCL   -> kvtransfer.txt
 #   run.sh profile   `pdserve profile` of the model on one GPU    -> profile.json
 #   run.sh profile-mixed  the same plus the mixed-step table (--mixed; ~3 min on one H200)
