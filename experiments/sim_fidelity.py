@@ -8,7 +8,7 @@ times, server-counted prompt tokens, max_tokens: `pdserve-sim experiment --repla
 experiments/sim/headline-cluster.yaml, and the TTFT and TPOT p50/p90 and the goodput are
 compared. Three models: `host` (the four one-thread workers share the VM's 2 cores, as they
 did), `no-host` (every worker has a core of its own), and `host-calibrated` (`host` with the
-profile's times x 0.80: the README's pilot measured 1.37 s TTFT for a 450-token request alone
+profile's times x 0.80: docs/experiments.md's pilot measured 1.37 s TTFT for a 450-token request alone
 on p0->d0, the profile predicts 1.705 s; the profile was measured in another phase of the
 shared host), to show where the error comes from; and `host-phase` (`no-host` with each run's profile
 scaled by that run's own host speed: sim/calibrate.py measures it from the decode steps of
