@@ -1,6 +1,7 @@
 """The link-rate x policy grid's figures, from a finished `experiments/run_gpu_grid.sh` run.
 
-    python3 experiments/analyze_grid.py experiments/results/gpu-grid
+    python3 experiments/analyze_grid.py gpu-grid          # a name: results/gpu-grid, else its archive
+    python3 experiments/analyze_grid.py path/to/a/run     # or any results folder
 
 Reads <exp>/summary.csv and runs/*.jsonl (pdserve-loadgen experiment; records carry the
 router's per-request timing, usage.pdserve_timing) and <exp>/cluster/ (links.jsonl: the SET
@@ -20,7 +21,10 @@ rate of every pair per configuration; gpu_samples.csv; cluster.json). Writes <ex
   Gbit/s over the whole run and the share of the run it was busy (network utilisation);
 - grid.md (all tables) and plots/*.png (when matplotlib is there).
 
-Runs anywhere the results are (no GPU, no pdserve import): copy the directory and rerun it.
+A name is looked up by experiments/records.py: a new run in results/<name>, else the committed
+archive docs/records/<name>.tar.xz, extracted once into results/.records/<name> (the analysis is
+written there). Runs anywhere the results are (no GPU, no pdserve import): copy the directory
+and rerun it.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ import statistics
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.records import resolve  # noqa: E402
 
 POLICIES = ("round-robin", "least-loaded", "network-aware")
 # TTFT = place + reserve + queue + prefill + kv_after + rest, on the router's clocks: kv_after is
@@ -527,8 +535,8 @@ def main(argv: list[str]) -> int:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
     try:
-        path = analyze(Path(argv[0]))
-    except AnalysisError as e:
+        path = analyze(resolve(argv[0]))
+    except (AnalysisError, FileNotFoundError) as e:
         print(f"analyze_grid: error: {e}", file=sys.stderr)
         return 2
     print(path.read_text())

@@ -28,7 +28,7 @@ PY=${PYTHON:-python3}
 case "$MODE" in
   gpu|gpu-smoke)
     NAME=gpu-grid; [ "$MODE" = gpu-smoke ] && NAME=gpu-grid-smoke
-    SPEC=experiments/$NAME.yaml; STATE=results/$NAME-state; OUT=experiments/results/$NAME
+    SPEC=experiments/$NAME.yaml; STATE=results/$NAME-state; OUT=results/$NAME
     MODEL=random:llama-3.1-8b
     NGPU=$(nvidia-smi --list-gpus | wc -l)
     [ "$NGPU" -ge 1 ] || { echo "no GPU: use '$0 cpu'" >&2; exit 2; }
@@ -44,7 +44,7 @@ case "$MODE" in
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
     ;;
   cpu)
-    SPEC=experiments/gpu-grid-cpu.yaml; STATE=results/gpu-grid-cpu-state; OUT=experiments/results/gpu-grid-cpu
+    SPEC=experiments/gpu-grid-cpu.yaml; STATE=results/gpu-grid-cpu-state; OUT=results/gpu-grid-cpu
     MODEL=random:smollm2-135m; GPUS=""
     WORKER_ARGS=(--device cpu --kv-cache-gib 0.2)
     PROFILE_ARGS=(--device cpu --kv-cache-gib 0.2 --prefill-tokens 32,64,128 --decode-batches 1,2,4

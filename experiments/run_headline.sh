@@ -3,7 +3,7 @@
 #   sudo experiments/run_headline.sh
 # 1. pdserve-loadgen runs experiments/headline.yaml: per policy, one emulated 2P2D cluster
 #    (experiments/headline-topology.yaml) and one load run; results in
-#    experiments/results/headline, server logs in results/headline-servers (not committed).
+#    results/headline, server logs in results/headline-servers (not committed).
 # 2. experiments/analyze.py writes headline.csv, placements.csv and plots/headline.png.
 # 3. Whatever happens, the emulation's namespaces (pds-hl-*) are removed and checked.
 set -euo pipefail
@@ -19,6 +19,6 @@ cleanup() {
   [ "$left" = 0 ] || echo "warning: $left pds-hl-* namespaces left" >&2
 }
 trap cleanup EXIT
-rm -rf experiments/results/headline results/headline-servers
+rm -rf results/headline results/headline-servers
 .venv/bin/pdserve-loadgen experiment experiments/headline.yaml
-"$PY" experiments/analyze.py experiments/results/headline results/headline-servers
+"$PY" experiments/analyze.py results/headline results/headline-servers

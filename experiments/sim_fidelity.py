@@ -2,13 +2,13 @@
 
     PYTHONPATH=. .venv/bin/python experiments/sim_fidelity.py        # seconds, no root, no model
 
-For each committed real run (experiments/results/headline: 0.3 req/s; headline-sweep: 0.2
+For each committed real run (docs/records/headline.tar.xz: 0.3 req/s; headline-sweep: 0.2
 and 0.4 req/s; three policies each) the simulator replays the run's own requests (send
 times, server-counted prompt tokens, max_tokens: `pdserve-sim experiment --replay`) on
 experiments/sim/headline-cluster.yaml, and the TTFT and TPOT p50/p90 and the goodput are
 compared. Three models: `host` (the four one-thread workers share the VM's 2 cores, as they
 did), `no-host` (every worker has a core of its own), and `host-calibrated` (`host` with the
-profile's times x 0.80: the README's pilot measured 1.37 s TTFT for a 450-token request alone
+profile's times x 0.80: docs/experiments.md's pilot measured 1.37 s TTFT for a 450-token request alone
 on p0->d0, the profile predicts 1.705 s; the profile was measured in another phase of the
 shared host), to show where the error comes from; and `host-phase` (`no-host` with each run's profile
 scaled by that run's own host speed: sim/calibrate.py measures it from the decode steps of
@@ -20,7 +20,7 @@ runs; the router keeps pricing with the profile it was given in the real runs); 
 of the cores that matches the slowdown the round-robin runs measured with three workers busy:
 2.67 cores rather than 2, see `contention`).
 
-Writes experiments/results/sim-fidelity/: fidelity.csv (every point and metric, with the
+Writes results/sim-fidelity/: fidelity.csv (every point and metric, with the
 relative error), fidelity.md (the tables), and the simulated experiment dirs (records,
 summaries, plots, reports, as a real run writes them).
 """
@@ -32,6 +32,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from experiments.records import records_dir
 from loadgen.spec import load_spec
 from router.placement.profiles import load_profile
 from sim.calibrate import host_factor
@@ -39,13 +40,12 @@ from sim.config import load_cluster, scale_profile
 from sim.experiment import run_sim_experiment
 
 ROOT = Path(__file__).resolve().parent
-OUT = ROOT / "results" / "sim-fidelity"
-REAL = (("headline", ROOT / "headline.yaml", ROOT / "results" / "headline"),
-        ("headline-sweep", ROOT / "headline-sweep.yaml", ROOT / "results" / "headline-sweep"))
+OUT = ROOT.parent / "results" / "sim-fidelity"
+REAL = (("headline", ROOT / "headline.yaml"), ("headline-sweep", ROOT / "headline-sweep.yaml"))
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "goodput")
 POLICIES = ("round-robin", "least-loaded", "network-aware")
 CURRENT_PROFILE = ROOT / "profile-smollm2-cpu-1thread-2026-12-01.json"
-CALIBRATION = 1.37 / 1.705  # pilot TTFT measured / profiled, one 450-token request alone (experiments/README.md)
+CALIBRATION = 1.37 / 1.705  # pilot TTFT measured / profiled, one 450-token request alone (docs/experiments.md)
 
 
 def _rows(path: Path) -> dict[str, dict]:
@@ -87,7 +87,8 @@ def main() -> int:
                                                      label=f"x{factor:.3f}, this run's isolated decode steps"))
 
     points: list[dict] = []
-    for name, spec_path, real_dir in REAL:
+    for name, spec_path in REAL:
+        real_dir = records_dir(name)
         spec = load_spec(spec_path)
         real = _rows(real_dir / "summary.csv")
         for model, config in models.items():
@@ -111,7 +112,7 @@ def main() -> int:
         writer.writeheader()
         writer.writerows(points)
     lines = ["# Simulator fidelity: the committed CPU runs", "",
-             "Real: the committed runs (`experiments/results/headline` and `experiments/results/headline-sweep`, "
+             "Real: the committed runs (`docs/records/headline.tar.xz` and `docs/records/headline-sweep.tar.xz`, "
              "rerun on 2026-12-01 on an idle 2-core VM), 60 requests per policy and rate. Simulated: the same "
              "requests replayed (`experiments/sim_fidelity.py`). Error = (sim - real) / real.", "",
              "The profile the real router priced placements with (`profile-smollm2-cpu-1thread.json`) is older "
@@ -172,7 +173,7 @@ def contention() -> dict[str, dict[int, list[float]]]:
     import json
 
     runs = {}
-    for _, _, real_dir in REAL:
+    for real_dir in (records_dir(name) for name, _ in REAL):
         for path in sorted((real_dir / "runs").glob("round-robin_*.jsonl")):
             spans = []
             for line in open(path):
@@ -216,12 +217,12 @@ def contention_table(runs: dict[str, dict[int, list[float]]], cores: float) -> l
 
 
 def placement_table(points: list[dict]) -> list[str]:
-    """Requests per P->D pair, real (the headline's router logs: results/headline/placements.csv)
+    """Requests per P->D pair, real (the headline's router logs: placements.csv in its records)
     vs simulated (`host` model), at 0.3 req/s."""
     import json
 
     real: dict[str, dict[str, int]] = {}
-    for r in csv.DictReader(open(ROOT / "results" / "headline" / "placements.csv")):
+    for r in csv.DictReader(open(records_dir("headline") / "placements.csv")):
         pair = "local" if r["pair"].startswith("local") else r["pair"]
         real.setdefault(r["policy"], {})[pair] = int(r["requests"])
     pairs = ("p0->d0", "p0->d1", "p1->d0", "p1->d1", "local")

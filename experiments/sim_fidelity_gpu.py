@@ -9,7 +9,7 @@ simulator's profile takes the same run's colocated figures: prefill of 2,048 tok
 colocated TTFT p50 (15.4 ms), decode step = colocated TPOT (1.91 ms); KV = 16 layers x 8 KV
 heads x 64 x 2 x bf16 = 32,768 B/token. Two link models: the set rate, and the rate the
 run's transfers achieved (its `kv_gbps`, what the router's link EWMA would learn).
-Writes experiments/results/sim-fidelity/gpu_pd_ttft.md.
+Writes results/sim-fidelity/gpu_pd_ttft.md.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main() -> int:
         real_ms = row["ttft_p50"] * 1e3
         cells = [f"{s * 1e3:.1f} ({(s * 1e3 - real_ms) / real_ms:+.0%})" for s in sims]
         lines.append(f"| {row['gbps']:g} | {row['kv_gbps']:.1f} | {real_ms:.1f} | {cells[0]} | {cells[1]} |")
-    out = ROOT / "experiments" / "results" / "sim-fidelity" / "gpu_pd_ttft.md"
+    out = ROOT / "results" / "sim-fidelity" / "gpu_pd_ttft.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -5,7 +5,7 @@
 Real: the committed runs of `experiments/two-gpu/one-gpu.yaml` (one mixed worker, `pdserve up
 --mode colocated --replicas 1`, 64 Poisson requests a point at 1.5, 3, 4.5 and 6.5 req/s, 2048/256
 and 512/1024 tokens: one GPU's share of the two-GPU colocated sweep), made with
-`experiments/two-gpu/run.sh profile single` (RESULTS=experiments/results/one-gpu), so the profile
+`experiments/two-gpu/run.sh profile single` (RESULTS=results/one-gpu; committed: docs/records/one-gpu.tar.xz), so the profile
 (`profile.json` there) was measured by the same engine on the same machine in the same call.
 Simulated: each record's send time, server-counted prompt tokens and `max_tokens` on one mixed
 worker with that profile and the server's engine limits (512-token budget, 64 sequences).
@@ -16,14 +16,14 @@ Models:
   they started at (a run that outlasts its successor's start carries over, as on the server);
 - `fresh`: each run alone;
 - `chained-old-profile`: `chained` with the two-GPU study's profile
-  (experiments/results/two-gpu/profile.json, an older engine: no overlapped decode steps), to
+  (experiments/two-gpu/profile.json, an older engine: no overlapped decode steps), to
   show what the current profile changes.
 
 Saturation: a point is "below saturation" when the real server kept up with the offered rate
 (real TTFT p90 under the 1 s TTFT SLO: no queue that grows for the length of the run). The
 issue's target (TTFT, TPOT p50/p90 and goodput within 10%) is counted over those points.
 
-Writes experiments/results/sim-fidelity/one_gpu.md and one_gpu.csv.
+Writes results/sim-fidelity/one_gpu.md and one_gpu.csv.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from experiments.records import label, records_dir
 from experiments.sim_fidelity_two_gpu import ENGINE, METRICS, SLOS, _prompt, _summary, metrics
 from loadgen.records import read_jsonl
 from loadgen.runner import write_summary_csv
@@ -42,10 +43,10 @@ from sim.config import ClusterConfig, RouterConfig, WorkerConfig, scale_profile
 from sim.run import Arrival, simulate, to_record
 
 ROOT = Path(__file__).resolve().parent
-RESULTS = ROOT / "results" / "one-gpu"
-BARE = ROOT / "results" / "one-gpu-bare"  # benchmarks/bench_engine_replay.py --records BARE/single
-OLD_PROFILE = ROOT / "results" / "two-gpu" / "profile.json"
-OUT = ROOT / "results" / "sim-fidelity"
+RESULTS = "one-gpu"  # records_dir: results/one-gpu, else docs/records/one-gpu.tar.xz
+BARE = "one-gpu-bare"  # benchmarks/bench_engine_replay.py --records <dir>/single; the same lookup
+OLD_PROFILE = ROOT / "two-gpu" / "profile.json"
+OUT = ROOT.parent / "results" / "sim-fidelity"
 CONFIG = "single"
 # model -> (chained, profile, overlapped decode steps, calibrated serving costs)
 MODELS = {"chained": (True, "current", True, False), "fresh": (False, "current", True, False),
@@ -205,17 +206,14 @@ def served_path(records) -> dict[str, float]:
 
 
 def _rel(path: Path) -> str:
-    try:
-        return str(path.resolve().relative_to(ROOT.parent))
-    except ValueError:
-        return str(path)
+    return label(path)
 
 
 def _fmt(m: str, v: float) -> str:
     return f"{v:.2f}" if m.startswith("goodput") else f"{v * 1000:.1f}"
 
 
-def report(found: list[dict], profile: Path, results: Path = RESULTS,
+def report(found: list[dict], profile: Path, results: Path,
            title: str = "# Simulated vs real on one H200 (experiments/sim_fidelity_one_gpu.py)",
            served: dict[str, float] | None = None) -> list[str]:
     timed = any(p["real_engine_p50"] == p["real_engine_p50"] for p in found)  # not NaN: the server timed them
@@ -272,13 +270,22 @@ def report(found: list[dict], profile: Path, results: Path = RESULTS,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Simulated vs real on one H200 (module docstring).")
-    parser.add_argument("--results", type=Path, default=RESULTS, help=f"the runs' results folder (default {RESULTS})")
+    parser.add_argument("--results", type=Path, default=None,
+                        help=f"the runs' results folder (default: results/{RESULTS}, else its archive in docs/records)")
     parser.add_argument("--out", type=Path, default=OUT, help=f"where one_gpu.md / .csv go (default {OUT})")
-    parser.add_argument("--bare", type=Path, default=BARE if (BARE / CONFIG / "summary.csv").exists() else None,
+    parser.add_argument("--bare", type=Path, default=None,
                         help="also set the simulator against the bare engine's records of the same workloads "
                              "(benchmarks/bench_engine_replay.py --records DIR/single; profile DIR/profile.json) "
-                             f"(default {BARE} when it has them)")
+                             f"(default: results/{BARE}, else its archive in docs/records, when it has them)")
     args = parser.parse_args(argv)
+    if args.results is None:
+        args.results = records_dir(RESULTS)
+    if args.bare is None:
+        try:
+            bare = records_dir(BARE)
+        except FileNotFoundError:
+            bare = None
+        args.bare = bare if bare is not None and (bare / CONFIG / "summary.csv").exists() else None
     profile = args.results / "profile.json"
     if not runs(args.results) or not profile.exists():
         print(f"sim_fidelity_one_gpu: no runs or no profile.json under {args.results} "

@@ -6,11 +6,11 @@ Real: the committed runs of `experiments/two-gpu/spec.yaml` (the rerun sweep: 64
 requests a point at 3, 6, 9 and 13 req/s, 2005/256 and 501/1024 server-counted tokens, every
 run its own draw of prompts, one fresh server per configuration running its 8 runs in order)
 and of `steady.yaml` (120 requests at 14 req/s, 2048/256, a fresh server each) under
-experiments/results/two-gpu*/<config>/runs/*.jsonl; rates and request counts are read from
+the records of two-gpu* (<config>/runs/*.jsonl; experiments/records.py); rates and request counts are read from
 the summaries and records. Simulated: the same requests (each record's `sent_s`, its
 server-counted prompt tokens and `max_tokens`) on the same cluster shape, with the H200
-profile of the same engine (experiments/results/two-gpu/profile.json) and the measured
-GPU0->GPU1 KV link (experiments/results/two-gpu/kvtransfer.txt), in the models of MODEL_TEXT:
+profile of the same engine (experiments/two-gpu/profile.json) and the measured
+GPU0->GPU1 KV link (kvtransfer.txt in the two-gpu records), in the models of MODEL_TEXT:
 `chained` (a configuration's runs one after the other on one simulated cluster, as on its one
 server: the router's arrival window and link estimates carry from run to run),
 `chained-cluster-link` (the same with a link fitted to the PD runs' transfers, clamped),
@@ -19,13 +19,13 @@ measured from the lowest-rate PD runs' server_timing). The first sweep's prefix-
 model no longer applies: no prompt repeats across runs (seed + k), so no request is cached.
 
 `chained-mixed` (only when a profile with a mixed table exists: `--mixed-profile PATH`, or
-$TWO_GPU_MIXED_PROFILE, default experiments/results/two-gpu/profile-mixed.json, measured by
+$TWO_GPU_MIXED_PROFILE, default experiments/two-gpu/profile-mixed.json, measured by
 `experiments/two-gpu/run.sh profile-mixed`; absent, the model is skipped with a note and the
 outputs are those of the four models above): `chained` with the workers stepping by profile.json
 plus that file's mixed table, so that steps mixing decodes and prefill chunks cost the measured
 mixed step instead of chunk + decode (sim/worker.py), and nothing else differs from `chained`.
 
-    PYTHONPATH=. python -m experiments.sim_fidelity_two_gpu --mixed-profile experiments/results/two-gpu/profile-mixed.json
+    PYTHONPATH=. python -m experiments.sim_fidelity_two_gpu --mixed-profile experiments/two-gpu/profile-mixed.json
 
 Clusters:
 
@@ -48,7 +48,7 @@ Both the real and the simulated figures come from the records by loadgen.metrics
 (goodput = requests meeting the SLO set / first send to last finish), as
 experiments/two-gpu/analyze.py scores the real runs. Error = (sim - real) / real.
 
-Writes experiments/results/sim-fidelity/two_gpu.md and two_gpu.csv.
+Writes results/sim-fidelity/two_gpu.md and two_gpu.csv.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ import os
 import sys
 from pathlib import Path
 
+from experiments.records import records_dir
 from loadgen.metrics import SLO, summarize
 from loadgen.records import read_jsonl
 from router.placement.profiles import Profile, load_profile
@@ -71,11 +72,21 @@ from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig, 
 from sim.run import Arrival, simulate, to_record
 
 ROOT = Path(__file__).resolve().parent
-SWEEP = ROOT / "results" / "two-gpu"
-STEADY = ROOT / "results" / "two-gpu-steady"
-OUT = ROOT / "results" / "sim-fidelity"
-PROFILE = SWEEP / "profile.json"
-MIXED_PROFILE = SWEEP / "profile-mixed.json"  # `run.sh profile-mixed`; the chained-mixed model needs it
+OUT = ROOT.parent / "results" / "sim-fidelity"
+PROFILE = ROOT / "two-gpu" / "profile.json"  # the sweep's profile (also in its records)
+MIXED_PROFILE = ROOT / "two-gpu" / "profile-mixed.json"  # `run.sh profile-mixed`; the chained-mixed model needs it
+
+
+@functools.cache
+def sweep() -> Path:
+    """The rerun sweep's records: results/two-gpu, else docs/records/two-gpu.tar.xz."""
+    return records_dir("two-gpu")
+
+
+@functools.cache
+def steady() -> Path:
+    """The steady runs' records: results/two-gpu-steady, else docs/records/two-gpu-steady.tar.xz."""
+    return records_dir("two-gpu-steady")
 MIXED_PROFILE_ENV = "TWO_GPU_MIXED_PROFILE"
 SLOS = {"loose": SLO(ttft_s=1.0, tpot_s=0.05), "tight": SLO(ttft_s=1.0, tpot_s=0.01)}
 METRICS = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "goodput_loose", "goodput_tight")
@@ -143,7 +154,7 @@ def cluster_link() -> tuple[float, float, str]:
     all PD runs. With uncached prompts each transfer overlaps its prefill, so the fit may come
     out with a negative latency: `fit_link` clamps it."""
     by_dataset: dict[str, list[tuple[float, float]]] = {}
-    for row in _summary(SWEEP / "pd"):
+    for row in _summary(sweep() / "pd"):
         n = float(row["kv_transfer_count"] or 0)
         if n:
             by_dataset.setdefault(row["dataset"], []).append((float(row["kv_transfer_bytes"]) / n,
@@ -181,11 +192,11 @@ def _line(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]
 
 def _lowest_rate_pd() -> list[dict]:
     """The raw records (dicts) of the PD sweep's lowest-rate run of each dataset."""
-    rows = _summary(SWEEP / "pd")
+    rows = _summary(sweep() / "pd")
     out = []
     for dataset in sorted({r["dataset"] for r in rows}):
         low = min((r for r in rows if r["dataset"] == dataset), key=lambda r: float(r["rate"]))
-        out.extend(_raw_records(SWEEP / "pd" / low["records_file"]))
+        out.extend(_raw_records(sweep() / "pd" / low["records_file"]))
     return out
 
 
@@ -316,7 +327,7 @@ def runs() -> list[tuple[str, str, str, float, float, Path]]:
     """(experiment, config, dataset, rate, start s after the config's first run, records file)
     of every committed real run, each configuration's in the order they ran on its server."""
     found = []
-    for experiment, base in (("sweep", SWEEP), ("steady", STEADY)):
+    for experiment, base in (("sweep", sweep()), ("steady", steady())):
         for config in CONFIGS:
             rows = sorted(_summary(base / config), key=lambda r: float(r["start_time_unix"]))
             if not rows:
@@ -496,7 +507,7 @@ def report(points: list[dict], served: dict[str, float], mixed: Profile | None =
     rates = sorted({p["rate"] for p in sweep})
     requests = sorted({p["requests"] for p in sweep})
     lines = ["# Simulator fidelity: the two-H200 runs", "",
-             f"Real: `experiments/results/two-gpu/` (the rerun sweep: {'/'.join(map(str, requests))} requests a "
+             f"Real: `docs/records/two-gpu.tar.xz` (the rerun sweep: {'/'.join(map(str, requests))} requests a "
              f"point at {', '.join(f'{r:g}' for r in rates)} req/s, each run its own draw of prompts, one fresh "
              "server per configuration running its 8 runs one after the other) and `two-gpu-steady/` (120 "
              "requests at 14 req/s, a fresh server each). Simulated: the runs' own requests (send times, "
@@ -583,10 +594,10 @@ def _span(values: list[float]) -> str:
 
 def _split_timing(config: str, dataset: str, rate: float) -> dict[str, float]:
     """Medians of the split requests' server_timing (seconds) in one sweep run; {} if none."""
-    row = next((r for r in _summary(SWEEP / config) if r["dataset"] == dataset and float(r["rate"]) == rate), None)
+    row = next((r for r in _summary(sweep() / config) if r["dataset"] == dataset and float(r["rate"]) == rate), None)
     if row is None:
         return {}
-    split = [t for t in ((r.get("server_timing") or {}) for r in _raw_records(SWEEP / config / row["records_file"]))
+    split = [t for t in ((r.get("server_timing") or {}) for r in _raw_records(sweep() / config / row["records_file"]))
              if t.get("placement") == "disaggregated" and t.get("prefill") is not None]
     if not split:
         return {}
@@ -684,8 +695,8 @@ def evidence() -> list[str]:
              "| config | dataset | rate | splits | served prefill | profile P | served / profile | queue | kv_tail "
              "| TTFT |", "|---|---|---|---|---|---|---|---|---|---|"]
     for config in CONFIGS:
-        for row in sorted(_summary(SWEEP / config), key=lambda r: (r["dataset"], float(r["rate"]))):
-            recs = _raw_records(SWEEP / config / row["records_file"])
+        for row in sorted(_summary(sweep() / config), key=lambda r: (r["dataset"], float(r["rate"]))):
+            recs = _raw_records(sweep() / config / row["records_file"])
             split = [r for r in recs if r.get("status") == 200
                      and (r.get("server_timing") or {}).get("placement") == "disaggregated"
                      and r["server_timing"].get("prefill") is not None]

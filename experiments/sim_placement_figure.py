@@ -19,7 +19,7 @@ Workload: Poisson arrivals, prompts lognormal mean 1,024 (max 8,192), outputs me
 workload (from the profile; above 100% only local prefill on decode workers can keep up); goodput = requests meeting TTFT <= 0.15 s and TPOT <= 0.04 s
 (8B; 70B: 0.5 s and 0.08 s) per second of arrivals (first to last send: a run's output tail
 does not dilute it); the figure takes each policy's best over the three rates.
-Writes experiments/results/sim-placement/: figure.csv (every run), figure.png, figure.md.
+Writes results/sim-placement/: figure.csv (every run), figure.png, figure.md.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
 from sim.profiles import llama8b_h100, llama70b_h100_tp4
 from sim.run import Arrival, simulate, to_record
 
-OUT = Path(__file__).resolve().parent / "results" / "sim-placement"
+OUT = Path(__file__).resolve().parents[1] / "results" / "sim-placement"
 POLICIES = ("round-robin", "least-loaded", "network-aware", "network-aware, pairs only")
 NO_LOCAL = {"network-aware": {"local_margin": 0.99}}  # local prefill on D only when 100x faster: never here
 RATIOS = ((4, 28), (8, 24), (16, 16))

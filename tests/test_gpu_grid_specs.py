@@ -12,7 +12,7 @@ EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 @pytest.mark.parametrize("name, runs", [("gpu-grid", 36), ("gpu-grid-smoke", 2), ("gpu-grid-cpu", 4)])
 def test_grid_spec(name, runs):
     spec = load_spec(EXPERIMENTS / f"{name}.yaml")
-    assert spec.output_dir == f"experiments/results/{name}"
+    assert spec.output_dir == f"results/{name}"
     assert spec.server.launch.vars == {"state": f"results/{name}-state",
                                        "profile": f"results/{name}-state/profile.json"}
     assert "launcher.paced router" in spec.server.launch.command and "--slow p1:d1" in spec.server.launch.command

@@ -1,4 +1,4 @@
-"""Imports run one way (DESIGN.md, Layout): a module imports only from its own layer or below.
+"""Imports run one way (docs/design.md, Layers): a module imports only from its own layer or below.
 
     1. the composition root: launcher/ (CLI, `pdserve up`, `pdserve profile`), pdserve.cli (its
        old path, an alias), and the emulation modules that launch workers and clusters

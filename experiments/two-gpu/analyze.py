@@ -11,7 +11,11 @@ runs/*.jsonl). Both SLO sets are scored from the same records:
 - the light-load check: PD TTFT p50 <= colocated TTFT p50 + KV bytes / link + 5 ms at the
   lowest rate, the link being raw ucxx in one message from `kvtransfer.txt` (2k row).
 
-    python experiments/two-gpu/analyze.py [--results experiments/results/two-gpu]
+    python experiments/two-gpu/analyze.py [--results two-gpu]
+
+--results is a folder, or an experiment's name looked up by experiments/records.py: a new run
+in results/<name>, else the committed archive docs/records/<name>.tar.xz (extracted once into
+results/.records/<name>, where the tables are then written).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from experiments.records import resolve  # noqa: E402
 from loadgen.metrics import SLO, meets_slo, summarize  # noqa: E402
 from loadgen.records import read_jsonl  # noqa: E402
 
@@ -204,11 +209,12 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", default="experiments/results/two-gpu")
+    parser.add_argument("--results", default="two-gpu")
     args = parser.parse_args()
-    results = Path(args.results)
-    if not results.is_dir():
-        parser.error(f"--results: no such directory: {results}")
+    try:
+        results = resolve(args.results)
+    except FileNotFoundError as e:
+        parser.error(f"--results: {e}")
     rows = load_rows(results)
     if not rows:
         parser.error(f"--results: no runs under {results}/<config>/summary.csv ({', '.join(CONFIGS)})")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The two-GPU study (README.md in this folder), in steps that each fit one device call:
+# The two-GPU study (docs/two-gpu.md), in steps that each fit one device call:
 #   run.sh kv        KV GPU0 -> GPU1 against raw ucxx and NCCL   -> kvtransfer.txt
 #   run.sh profile   `pdserve profile` of the model on one GPU    -> profile.json
 #   run.sh profile-mixed  the same plus the mixed-step table (--mixed; ~3 min on one H200)
@@ -8,11 +8,11 @@
 #                    (single: one mixed worker, for one-gpu.yaml on a one-GPU machine)
 #   run.sh analyze   tables and plots (needs matplotlib)          -> table.md, plots/
 #   run.sh all       kv, profile, the four configurations and analyze, in this order
-# Results: experiments/results/two-gpu/ (RESULTS to change). Run from anywhere.
+# Results: results/two-gpu/ (RESULTS to change). Run from anywhere.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 py=${PYTHON:-python3}
-results=${RESULTS:-experiments/results/two-gpu}
+results=${RESULTS:-results/two-gpu}
 model=${TWO_GPU_MODEL:-random:llama-3.1-8b}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TWO_GPU_PROFILE=${TWO_GPU_PROFILE:-$results/profile.json}

@@ -1,6 +1,6 @@
 """Link emulation: hold the KV links of an emulated multi-node cluster at 1-100 Gbit/s.
 
-Two methods (DESIGN.md, "Link emulation"):
+Two methods (docs/design.md, "Link emulation"):
 
 - ``tc`` (real shaping): one network namespace per emulated node, joined by veths to a
   bridge, each node-pair link shaped by HTB (+ netem for latency) on the node's egress.
