@@ -95,7 +95,7 @@ def snapshot(workers: list[tuple[str, str, str]], topology: Topology, loaded: bo
             if rng.random() < 1 / 3:
                 links[link.key] = LinkState(active_flows=int(rng.integers(1, 5)), measured_gbps=float(rng.uniform(60, 100)),
                                             num_samples=3)
-        for _ in range(len(nodes) * 2):
+        for _ in range(len(nodes) * 2 if len(nodes) > 1 else 0):  # cross-node flows need two nodes
             a, b = rng.choice(nodes, 2, replace=False)
             links[link_key(str(a), str(b))] = LinkState(active_flows=int(rng.integers(1, 4)),
                                                         measured_gbps=float(rng.uniform(15, 25)), num_samples=2)
