@@ -1,41 +1,44 @@
-"""Network-aware placement on large clusters in vector form: the pruned search
-(router.placement.policies.prune) with its per-worker work done on arrays. Same answers, bit for bit.
+"""Network-aware's search: the best pair and the best local run without pricing every option,
+from arrays of the workers kept across placements. Pure; the same answers, bit for bit, as
+pricing every option (router.placement.policies.oracle, the reference the tests compare with).
 
-At 1,000 workers the pruned search prices few pairs, but its setup touched every worker in
-Python on every request: the snapshot filtered and sorted (`PoolPolicy.place`), each decode
-worker's batch, context, two step times (admit, TPOT), free-block check and a probe estimate,
-each prefill worker's queue and bound, then sorts of tuples; about 6 ms a placement. Here:
+The cost model (router.placement.policies.cost) prices a pair as
 
-- `Columns` keeps the numbers of the snapshots' workers as arrays across placements: a row is
-  read again only when its `WorkerSnapshot` object is not the one seen last time (the
-  simulator, and a router that reuses unchanged snapshots, change a few rows a request);
-- the candidates, their load and capacity checks are array masks; the decode workers' context,
-  admit and TPOT come from `decode_steps` (router.placement.profiles' interpolation, elementwise, the
-  same floating-point operations in the same order, so the same numbers), the prefill workers'
-  queue and prefill from `prefill_times`;
-- `Columnar` answers the questions `prune.Pruned` answers (best pair, best local run, counts)
-  by the same search: the same orders (numpy's lexsort on the same keys; worker ids compared
-  by their rank in id order), the same walks, over Python lists of the numbers; only the
-  options it walks are priced, by the policy's own estimate functions.
+    TTFT(P, D) = a(P, kv) + admit(D),   a(P, kv) = queue(P) + prefill(P) + kv - (L-1)/L x min(kv, prefill(P))
 
-One difference in the search: a prefill worker's bound. Pruned's, the fastest link class when
-idle plus the smallest admit of all, is below the best pair of nearly every idle prefill worker
-when link times differ by less than admit times (1,000 workers: about 100 of 250 visited a
-request). Here each is bounded by the exact link time (`NodeLinks`, following the view's link
-states change by change) to each node its node reaches by an explicit link or its own, plus
-that node's smallest admit, and by the idle remote default plus the smallest admit of all for
-the rest; flows and measured rates only slow a link, so it is a lower bound as Pruned's is, and
-the search visits one or two prefill workers. A prefill worker with the node, queue, prefill
-and load of one visited before it is skipped (it would lose every tie on its id). Bounds and
-skips decide only what is visited, never the order of options, so the choice is the same.
+where queue and prefill depend on P alone, admit, TPOT and the free-block check on D alone (so
+feasibility is a property of D), and kv on the link from P's node to D's node. `a` grows with
+kv, and flows and measured rates only make a link slower, so a pair costs at least a(P, idle
+link) + admit(D). The search:
 
-`NetworkAware` takes this path for a request that the shared rules send to `decide` on a
-disaggregated cluster of prefill and decode workers with more pairs than its exhaustive limit;
-everything else (mixed workers, colocated, resumed or short prompts, no decode worker up)
-keeps the general path. `NetworkAware(columnar=False)` keeps the general path everywhere: the
-reference that tests/router/test_columnar.py, tests/sim/test_sim_columnar.py (sim.check),
-benchmarks/bench_placement.py and `bench_sim.py --check-decisions` compare with.
-"""
+1. decode workers (the feasible ones, or all) are grouped by node, each node's list ordered by
+   (admit, load, id), the nodes by (smallest admit, smallest load, smallest id);
+2. prefill workers are visited in order of a lower bound of their pairs: to each node their
+   node reaches by an explicit link (or its own), that link's time as the view has it plus
+   the node's smallest admit; to every other node the idle remote default plus the smallest
+   admit of all (`NodeLinks` follows the view's link states change by change);
+3. for one P, the nodes are visited in order; on a node kv is one number, so TTFT grows along
+   its list and the walk stops at the first decode worker past the best found. Nodes that P's
+   node reaches over the idle remote default (no explicit link, no flow, no measured rate
+   below it) share one kv and are walked together, in (admit, load, id) order (`_Generic`);
+4. a prefill worker, or a node, is skipped when its bound key already exceeds the best
+   option's key, and the visit ends when the bound alone exceeds the best TTFT. A prefill
+   worker with the node, queue, prefill and load of one visited before it is skipped (it
+   loses every tie on its id) unless it is a mixed worker (the other may pair with it).
+
+A mixed worker is on both sides and never pairs with itself. A local run's TTFT grows with D's
+step time when D has no cached prefix: those are walked in (admit, load, id) order until past
+the best, the others priced one by one (`best_local`). Only the options walked are priced, by
+the policy's own estimate functions; the chosen pair is priced again and checked against the
+search's numbers (on a disagreement, a cost model of another shape, every pair is priced).
+
+The per-worker work is on arrays: `Columns` keeps the snapshots' workers as arrays across
+placements (a row is read again only when its `WorkerSnapshot` object is not the one seen last
+time); candidates, loads and capacity checks are masks; the decode workers' context, admit and
+TPOT come from `decode_steps` and the prefill workers' queue and prefill from `prefill_times`
+(router.placement.profiles' interpolation elementwise, the same operations in the same order, so
+the same numbers). Orders are numpy's lexsort on the same keys, worker ids compared by their
+rank in id order."""
 
 from __future__ import annotations
 
@@ -304,7 +307,7 @@ class NodeLinks:
         self._gbps = self._idle_gbps.copy()  # the fair share a new flow gets on each, by the view
         self._remote_gbps = topology.remote_gbps
         # by source node: the nodes whose link from it has flows or a measured rate below the remote
-        # default's capacity (prune._Generic's test), over every link of the view
+        # default's capacity (_Generic's test), over every link of the view
         self.busy: dict[str, set[str]] = {}
         self.arrow = np.array(["->" in name for name in node_names] + [False], dtype=bool)
         self._view: CongestionView | None = None
@@ -376,8 +379,8 @@ class LoadMap(Mapping):
 
 
 class Search:
-    """prune.Pruned's answers from arrays (module docstring). `prefill_rows` and `decode_rows`:
-    rows of `columns`, each in worker-id order, disjoint (no mixed workers). `feasible` given to
+    """The options of one request (module docstring). `prefill_rows` and `decode_rows`: rows of
+    `columns`, each in worker-id order (a mixed worker may be in both). `feasible` given to
     `best_pair`/`best_local` must be the policy's feasibility, whose vector form is
     `room and tpot x tpot_factor <= tpot_limit` (no limit: room alone); the chosen pair is
     checked with the callable itself."""
@@ -465,7 +468,7 @@ class Search:
         return self._workers[self._p_rows[i]]
 
     def best_local(self, feasible: Callable[[Estimate], bool] | None = None) -> Estimate | None:
-        """Pruned.best_local: the workers with a cached prefix priced one by one, the others
+        """The best local run: the workers with a cached prefix priced one by one, the others
         walked in (admit, load, id) order until past the best, one per (batch, context, room)."""
         best: Estimate | None = None
         best_key = None
@@ -510,7 +513,7 @@ class Search:
             return self._exhaustive(feasible)
         return e
 
-    # ---------------------------------------------------------------- the search (Pruned._search)
+    # ---------------------------------------------------------------- the search
 
     def _search(self, entries: np.ndarray):
         if len(entries) == 0:
@@ -655,8 +658,11 @@ class Search:
 
 
 class _Generic:
-    """prune._Generic over index arrays: the nodes reached over the idle remote default link
-    (the links with something on them are followed by NodeLinks, change by change)."""
+    """The nodes a prefill worker's node reaches over the idle remote default link: one link time,
+    so the search walks them together (the links with something on them are followed by
+    NodeLinks, change by change). `special(node)`: the decode nodes that are not like that (its
+    own, explicit links from it, links with flows or measured rates), or None when they are most
+    of them, or node names contain "->" (ambiguous link keys): then every node is priced alone."""
 
     def __init__(self, search: Search, entries: np.ndarray, d_nodes: set[str], d_node_idx: np.ndarray) -> None:
         columns = search.columns
