@@ -1,6 +1,6 @@
 """Network-aware placement speed: placements per second at 16, 256 and 1,000 workers.
 
-    PYTHONPATH=. python benchmarks/bench_placement.py [--workers 16 256 1000] [--out FILE]
+    PYTHONPATH=. python benchmarks/bench_placement.py [--workers 4 16 64 256 1000] [--out FILE]
 
 Clusters are laid out as the simulator's scale runs lay them out (benchmarks/bench_sim.py):
 8 workers a node, 4 nodes a rack, a quarter of the workers prefill; 100 Gbit/s links inside a
@@ -14,18 +14,16 @@ profile of sim/profiles.py. Each cluster is timed in two states:
   third of the in-rack links and on cross-rack links, measured rates below capacity.
 
 Requests have lognormal prompt lengths (mean about 1,024 tokens) and 128 new tokens; a TPOT
-SLO of 20 ms makes some decode workers infeasible. Three code paths of the policy:
-"exhaustive" prices every (P, D) pair (the policy's code before the pruned search; still its
-path for small clusters); "pruned" is the pruned search over `WorkerSnapshot` objects (the
-policy's general path, `columnar=False`); "columnar" is the policy as it runs now (the pruned
-search in vector form, router.placement.policies.columnar; the same as "pruned" where it does not
-apply, e.g. 16 workers). Every decision of each path is compared with the pruned one on the
-same snapshot and request: the script fails if any differs.
+SLO of 20 ms makes some decode workers infeasible. Two code paths: "search" is the policy
+(router.placement.policies.search, at every size); "exhaustive" is its oracle, pricing every
+option (router.placement.policies.oracle), within `--exhaustive-budget-s`. Every decision of the
+oracle is compared with the search's on the same snapshot and request: the script fails if
+any differs.
 
 Two more states at the sizes of `--sim-workers` (default 1,000), closer to a router's work:
 
 - loaded-new: the loaded state with every `WorkerSnapshot` a new object at each request (a
-  router that rebuilds its snapshot from scratch: the columnar path reads every worker again);
+  router that rebuilds its snapshot from scratch: the search reads every worker again);
 - sim: `--sim-requests` placements recorded from a simulated run (benchmarks/bench_sim.py's
   cluster and trace, 4,000 req/s) after `--sim-warmup` requests, with the policy's state
   (calibration, prefix index) as it was there: consecutive snapshots share the workers that
@@ -46,6 +44,7 @@ import numpy as np
 from router.placement.congestion import CongestionView, LinkState
 from router.placement.base import ClusterSnapshot, RequestInfo, WorkerSnapshot
 from router.placement.policies.network_aware import NetworkAware
+from router.placement.policies.oracle import OracleNetworkAware
 from router.placement.topology import Link, Topology, link_key
 from sim.profiles import llama8b_h100
 
@@ -95,7 +94,7 @@ def snapshot(workers: list[tuple[str, str, str]], topology: Topology, loaded: bo
             if rng.random() < 1 / 3:
                 links[link.key] = LinkState(active_flows=int(rng.integers(1, 5)), measured_gbps=float(rng.uniform(60, 100)),
                                             num_samples=3)
-        for _ in range(len(nodes) * 2):
+        for _ in range(len(nodes) * 2 if len(nodes) > 1 else 0):  # cross-node flows need two nodes
             a, b = rng.choice(nodes, 2, replace=False)
             links[link_key(str(a), str(b))] = LinkState(active_flows=int(rng.integers(1, 4)),
                                                         measured_gbps=float(rng.uniform(15, 25)), num_samples=2)
@@ -109,10 +108,7 @@ def requests(count: int, seed: int) -> list[RequestInfo]:
 
 
 def policy(path: str) -> NetworkAware:
-    p = NetworkAware(profile=llama8b_h100(), slo_tpot=0.02, columnar=path == "columnar")
-    if path == "exhaustive":
-        p.exhaustive_max_pairs = 1 << 62
-    return p
+    return (OracleNetworkAware if path == "exhaustive" else NetworkAware)(profile=llama8b_h100(), slo_tpot=0.02)
 
 
 def renewed(snap: ClusterSnapshot) -> ClusterSnapshot:
@@ -169,8 +165,8 @@ def replay(p: NetworkAware, pairs, budget_s: float):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=int, nargs="+", default=[16, 256, 1000])
-    ap.add_argument("--requests", type=int, default=200, help="requests per state (the pruned searches place all)")
+    ap.add_argument("--workers", type=int, nargs="+", default=[4, 16, 64, 256, 1000])
+    ap.add_argument("--requests", type=int, default=200, help="requests per state (the search places all)")
     ap.add_argument("--exhaustive-budget-s", type=float, default=30.0,
                     help="seconds of exhaustive placements per state (at least one is made; 0: none)")
     ap.add_argument("--sim-workers", type=int, nargs="*", default=[1000],
@@ -182,23 +178,22 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
 
     def report(n: int, state: str, pairs: int, results: dict[str, tuple[list, float]]) -> None:
-        reference = results["pruned"][0]
+        reference = results["search"][0]
         identical = {path: all(a == b for a, b in zip(found, reference)) and len(found) <= len(reference)
                      for path, (found, _) in results.items()}
         row = {"workers": n, "state": state, "pairs": pairs,
                **{f"{path}_placements_per_s": round(rate, 2) for path, (_, rate) in results.items()},
                **{f"{path}_compared": len(found) for path, (found, _) in results.items()},
                "identical": all(identical.values()),
-               "kinds": {k: sum(d.kind == k for d in results["columnar"][0]) for k in ("disaggregated", "local")}}
+               "kinds": {k: sum(d.kind == k for d in results["search"][0]) for k in ("disaggregated", "local")}}
         rows.append(row)
         rates = ", ".join(f"{path} {rate:9.1f}/s ({len(found)} placed)" for path, (found, rate) in results.items())
-        print(f"{n:5d} workers {state:10s}: {rates}; columnar {results['columnar'][1] / results['pruned'][1]:.1f}x "
-              f"pruned; identical: {row['identical']}", flush=True)
+        print(f"{n:5d} workers {state:10s}: {rates}; identical: {row['identical']}", flush=True)
         for path, same in identical.items():
             if not same:
                 found = results[path][0]
                 bad = next(i for i, (a, b) in enumerate(zip(found, reference)) if a != b)
-                print(f"  first difference, request {bad}:\n  {path} {found[bad]}\n  pruned {reference[bad]}")
+                print(f"  first difference, request {bad}:\n  {path} {found[bad]}\n  search {reference[bad]}")
 
     for n in args.workers:
         workers, topology = layout(n)
@@ -212,18 +207,13 @@ def main(argv: list[str] | None = None) -> int:
             results = {}
             if args.exhaustive_budget_s > 0 and state != "loaded-new":
                 results["exhaustive"] = replay(policy("exhaustive"), zip(reqs, snaps), args.exhaustive_budget_s)
-            results["pruned"] = replay(policy("pruned"), zip(reqs, snaps), float("inf"))
-            results["columnar"] = replay(policy("columnar"), zip(reqs, snaps), float("inf"))
+            results["search"] = replay(policy("search"), zip(reqs, snaps), float("inf"))
             report(n, state, pairs, results)
     for n in args.sim_workers:
         state, calls = recorded(n, args.sim_warmup, args.sim_requests)
         workers, _ = layout(n)
         pairs = sum(r == "prefill" for _, r, _ in workers) * sum(r == "decode" for _, r, _ in workers)
-        results = {}
-        for path in ("pruned", "columnar"):
-            p = clone(state)
-            p.columnar = path == "columnar"
-            results[path] = replay(p, calls, float("inf"))
+        results = {"search": replay(clone(state), calls, float("inf"))}
         report(n, "sim", pairs, results)
     if args.out:
         with open(args.out, "w") as f:

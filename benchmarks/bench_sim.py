@@ -12,10 +12,10 @@
 3. Prints (and writes as JSON with `--out`): load time, simulation wall time, events,
    events/s, peak RSS, requests/s simulated, TTFT/TPOT percentiles.
 
-`--policy network-aware` places with its columnar path (router.placement.policies.columnar);
-`--general-path` keeps its general path (the code before it, for before/after timing);
-`--check-decisions` runs both on every placement and stops at the first decision that differs
-(sim.check), reporting how many were compared.
+`--policy network-aware` places with its search (router.placement.policies.search);
+`--check-decisions` also places every request with its oracle, which prices every option
+(router.placement.policies.oracle; slow beyond a few hundred workers), and stops at the first
+decision that differs (sim.check), reporting how many were compared.
 
 Requests are not kept (each is folded into the percentiles' arrays as it ends), token times
 are not recorded, so memory grows with the requests in flight, not with the trace.
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import array
-import dataclasses
 import datetime as dt
 import json
 import resource
@@ -93,14 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="least-loaded")
     p.add_argument("--trace", help="an Azure/Mooncake/BurstGPT trace to replay instead of the generated one")
     p.add_argument("--trace-dir", default="results/sim-traces", help="where the generated trace is kept")
-    p.add_argument("--general-path", action="store_true",
-                   help="network-aware: its general path, not the columnar one (same decisions, slower)")
     p.add_argument("--check-decisions", action="store_true",
-                   help="network-aware: place with both paths and fail at the first decision that differs")
+                   help="network-aware: place with its oracle too and fail at the first decision that differs")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
-    if (args.general_path or args.check_decisions) and args.policy != "network-aware":
-        p.error("--general-path and --check-decisions are for --policy network-aware")
+    if args.check_decisions and args.policy != "network-aware":
+        p.error("--check-decisions is for --policy network-aware")
     if args.workers < 2 or args.requests < 1:
         p.error("--workers must be >= 2 and --requests >= 1")
 
@@ -118,10 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     config = two_tier_cluster(args.workers)
     policy: str | CheckedNetworkAware = args.policy
-    if args.general_path:
-        config = dataclasses.replace(config, router=dataclasses.replace(
-            config.router, policy_options={args.policy: {"columnar": False}}))
-    elif args.check_decisions:
+    if args.check_decisions:
         policy = checked_policy(config)
     ttft = array.array("d")
     tpot = array.array("d")
@@ -149,8 +143,6 @@ def main(argv: list[str] | None = None) -> int:
         "tpot_p50_s": float(np.percentile(tpot, 50)), "tpot_p90_s": float(np.percentile(tpot, 90)),
         "preemptions": run.num_preemptions,
     }
-    if args.policy == "network-aware":
-        figures["path"] = "general" if args.general_path else "columnar"
     if args.check_decisions:
         figures["decisions_checked"] = policy.checked  # type: ignore[union-attr]
     print(json.dumps(figures, indent=2))

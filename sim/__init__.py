@@ -9,7 +9,7 @@ Modules, bottom up:
 - `cluster`: the router (real `router.placement.base` policies fed `ClusterSnapshot`s, the real
   `router.placement.congestion.LinkMonitor`), KV transfers, the request lifecycle, records;
 - `config`: the cluster file (workers, topology, profile, engine limits, policy options);
-- `check`: network-aware's columnar and general paths side by side, every decision compared;
+- `check`: network-aware's search and its oracle side by side, every decision compared;
 - `experiment`, `cli`: a loadgen experiment spec in, loadgen's records, summaries, plots and
   report out (`pdserve-sim experiment SPEC --cluster FILE`).
 

@@ -1,33 +1,35 @@
-"""Network-aware's two code paths side by side in one simulation: every decision compared.
+"""Network-aware's search and its oracle side by side in one simulation: every decision compared.
 
-`CheckedNetworkAware` places each request with the columnar path (router.placement.policies.columnar)
-and, on the same snapshot, with a second policy object on the general path (`columnar=False`,
-the pruned or exhaustive search over `WorkerSnapshot` objects); both see every outcome, so
-their calibration stays in step. The first decision (kind, workers, reason with its predicted
+`CheckedNetworkAware` places each request with the policy (its search,
+router.placement.policies.search) and, on the same snapshot, with a second policy object that prices
+every option (router.placement.policies.oracle); both see every outcome, so their calibration
+stays in step. The first decision (kind, workers, reason with its predicted
 numbers) or refusal that differs raises `DecisionMismatch`; `checked` counts the placements
-compared. The simulation then runs as on the columnar path alone, so a run with the check
+compared. The simulation then runs as on the policy alone, so a run with the check
 makes the same events as one without it.
 
-    PYTHONPATH=. python benchmarks/bench_sim.py --workers 1000 --requests 20000 \
+    PYTHONPATH=. python benchmarks/bench_sim.py --workers 64 --requests 2000 \
         --policy network-aware --check-decisions
+
+(the oracle prices every pair: at 1,000 workers a few seconds a placement)
 """
 
 from __future__ import annotations
 
 from router.placement.base import ClusterSnapshot, Decision, NoWorkersAvailable, Outcome, RequestInfo, SLOUnattainable
 from router.placement.policies.network_aware import NetworkAware
+from router.placement.policies.oracle import OracleNetworkAware
 from sim.config import ClusterConfig
 
 
 class DecisionMismatch(AssertionError):
-    """The columnar and the general path decided differently."""
+    """The search and its oracle decided differently."""
 
 
 class CheckedNetworkAware(NetworkAware):
     def __init__(self, **options) -> None:
-        options.pop("columnar", None)
-        super().__init__(**options, columnar=True)
-        self.reference = NetworkAware(**options, columnar=False)
+        super().__init__(**options)
+        self.reference = OracleNetworkAware(**options)
         self.checked = 0
 
     def place(self, request: RequestInfo, snapshot: ClusterSnapshot) -> Decision:
@@ -41,8 +43,8 @@ class CheckedNetworkAware(NetworkAware):
         same = (type(mine) is type(reference) and str(mine) == str(reference)) if isinstance(mine, Exception) \
             else mine == reference
         if not same:
-            raise DecisionMismatch(f"request {request.request_id} (placement {self.checked + 1}): columnar "
-                                   f"{mine!r}, general path {reference!r}")
+            raise DecisionMismatch(f"request {request.request_id} (placement {self.checked + 1}): search "
+                                   f"{mine!r}, oracle {reference!r}")
         self.checked += 1
         if isinstance(mine, Exception):
             raise mine

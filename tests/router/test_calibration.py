@@ -249,24 +249,23 @@ def _calibrated(policy, **factors: float):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_calibrated_pruned_search_chooses_what_pricing_every_pair_chooses(seed):
-    """The prefill factor scales the profile the pruned search bounds with; the residuals apply
-    after it: on random large clusters both searches still decide alike."""
+def test_calibrated_search_chooses_what_pricing_every_option_chooses(seed):
+    """The prefill factor scales the profile the search bounds with; the residuals apply after
+    it: on random clusters the search and its oracle still decide alike."""
     import random
 
     from router.placement.base import SLOUnattainable
     from router.placement.policies.network_aware import NetworkAware
     from tests.router.network_fixtures import PROFILE
-    from tests.router.test_prune import random_cluster
+    from router.placement.policies.oracle import OracleNetworkAware
+    from tests.router.test_search import random_cluster
 
     rng = random.Random(5000 + seed)
     snap = random_cluster(rng)
     factors = dict(prefill=rng.choice([0.5, 1.7, 3.0]), ttft_disaggregated=rng.choice([0.8, 1.3]),
                    tpot_disaggregated=rng.choice([1.0, 1.9]), ttft_local=1.2, tpot_local=rng.choice([0.7, 1.5]))
     options = rng.choice([{}, {"slo_tpot": 0.02}, {"slo_ttft": 0.3, "slo_tpot": 0.02, "admission_control": True}])
-    policies = [_calibrated(NetworkAware(profile=PROFILE, **options), **factors) for _ in range(2)]
-    policies[0].exhaustive_max_pairs = 10**9
-    policies[1].exhaustive_max_pairs = -1
+    policies = [_calibrated(cls(profile=PROFILE, **options), **factors) for cls in (NetworkAware, OracleNetworkAware)]
     for i in range(8):
         request = RequestInfo(request_id=f"r{i}", num_prompt_tokens=rng.randint(16, 2000),
                               max_tokens=rng.choice([1, 64]))

@@ -1,10 +1,10 @@
 """Network-aware placement: the option with the lowest predicted TTFT that meets the SLOs.
 
 For a request that may be disaggregated (router.placement.base's shared rules decide that):
-1. every (P, D) pair with P != D and every local run on D is estimated (router.placement.policies.cost;
-   above 1,024 pairs router.placement.policies.prune finds the same best options without pricing them all,
-   in vector form over arrays kept across placements on clusters of prefill and decode workers,
-   router.placement.policies.columnar; `columnar=False` keeps the general path, the same decisions);
+1. every (P, D) pair with P != D and every local run on D is an option, priced by
+   router.placement.policies.cost; router.placement.policies.search finds the best ones without pricing
+   them all, over arrays of the workers kept across placements (pricing every option, the
+   reference it is tested against, is router.placement.policies.oracle);
 2. an option is feasible when D has free KV blocks for the prompt (when it reports them) and,
    with `slo_tpot`, its predicted TPOT at D is within it;
 3. the best feasible pair and the best feasible local run (lowest TTFT; ties to the less loaded
@@ -44,8 +44,11 @@ in use are named at the end of `Decision.reason` ("calibrated: prefill x1.60, ..
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from router.placement.base import (
     ClusterSnapshot,
@@ -57,10 +60,9 @@ from router.placement.base import (
     SLOUnattainable,
     WorkerSnapshot,
 )
-from router.placement.policies import prune
 from router.placement.policies.baselines import PrefixIndex
 from router.placement.policies.calibration import Calibration, Prediction
-from router.placement.policies.columnar import ROLE_DECODE, ROLE_PREFILL, Columnar, Columns
+from router.placement.policies.search import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, Columns, Search
 from router.placement.congestion import transfer_seconds
 from router.placement.policies.cost import Estimate, estimate_local, estimate_pair
 from router.placement.policies.split import SplitChooser, SplitPrediction
@@ -68,10 +70,11 @@ from router.placement.profiles import Profile
 from router.placement.topology import Topology
 
 
+log = logging.getLogger(__name__)
+
+
 class NetworkAware(PoolPolicy):
     name = "network-aware"
-    exhaustive_max_pairs = prune.EXHAUSTIVE_MAX_PAIRS  # more pairs than this: the pruned search (router.placement.policies.prune)
-    columnar = True  # the pruned search in vector form where it applies (router.placement.policies.columnar); same decisions
 
     def __init__(
         self, *, profile: Profile | None = None, topology: Topology | None = None,
@@ -115,11 +118,12 @@ class NetworkAware(PoolPolicy):
         self._residuals = {kind: self.calibration.estimate_factors(kind) for kind in ("local", "disaggregated")}
         self._settle_until = -math.inf  # hybrid: the previous configuration's requests drain until then
         self._now = 0.0
-        if columnar is not None:
+        if columnar is not None:  # it chose between two searches; there is one now
             if not isinstance(columnar, bool):
                 raise ValueError(f"columnar must be true or false, got {columnar!r}")
-            self.columnar = columnar
-        self._columns = Columns()  # the workers as arrays, kept across placements (columnar path)
+            log.warning("network-aware: the option columnar=%s is deprecated and ignored: one search serves "
+                        "every cluster", columnar)
+        self._columns = Columns()  # the workers as arrays, kept across placements
 
     # ---------------------------------------------------------------- calibration
 
@@ -128,7 +132,8 @@ class NetworkAware(PoolPolicy):
         cal = self.calibration  # the residuals of this placement, read once
         self._residuals = {kind: cal.estimate_factors(kind) for kind in ("local", "disaggregated")}
         self._now = snapshot.now
-        decision = self._place_columnar(request, snapshot) if self.columnar else None
+        self._columns.update(snapshot)
+        decision = self._place_disaggregated(request, snapshot)
         if decision is None:
             decision = super().place(request, snapshot)
         try:
@@ -206,48 +211,55 @@ class NetworkAware(PoolPolicy):
         if _hybrid(prefills, decodes):
             return self._decide_hybrid(prefills, decodes, request, snapshot)
         keys = self.prefixes.keys(request.prompt_token_ids)
-        load = {w.worker_id: w.load for w in (*prefills, *decodes)}
-        options = self._options(prefills, decodes, request, snapshot, keys, load)
-        return self._choose(options, request, keys, load, len(decodes))
+        options = self._search(request, snapshot, keys, self._rows(prefills), self._rows(decodes))
+        return self._choose(options, request, keys, options.load_map, len(decodes))
 
-    def _place_columnar(self, request: RequestInfo, snapshot: ClusterSnapshot) -> Decision | None:
-        """PoolPolicy.place + decide for a request that the shared rules send to `decide` on a
-        large disaggregated cluster of prefill and decode workers, from arrays (router.placement.policies.
-        columnar): the same decision. None, with nothing changed, where it does not apply."""
-        n = len(snapshot.workers)
+    def _place_disaggregated(self, request: RequestInfo, snapshot: ClusterSnapshot) -> Decision | None:
+        """PoolPolicy.place + decide, from the arrays, for a request that the shared rules send to
+        `decide` (not a hybrid cluster's): the same decision. None, with nothing changed, for the
+        others (colocated, resumed, short, degraded, no decode worker, hybrid)."""
         if (snapshot.mode != "disaggregated" or request.num_resumed_tokens
-                or request.num_prompt_tokens <= self.local_prefill_max_tokens
-                or (n // 2) * (n - n // 2) <= self.exhaustive_max_pairs):
+                or request.num_prompt_tokens <= self.local_prefill_max_tokens):
             return None
         columns = self._columns
-        if not columns.update(snapshot) or columns.has_mixed:
-            return None
         healthy = columns.healthy()
-        is_decode = columns.role == ROLE_DECODE
-        if not (healthy & is_decode).any():
+        can_decode, can_prefill = columns.role != ROLE_PREFILL, columns.role != ROLE_DECODE
+        if not (healthy & can_decode).any():
             return None  # degraded: the shared rules' stand-in
         usable = healthy
         for worker_id in request.excluded:
             row = columns.index.get(worker_id)
             if row is not None:
                 usable[row] = False
+        decode_ok = usable & can_decode & columns.fits(request.num_tokens)
+        prefill_ok = usable & can_prefill & columns.fits(request.num_prompt_tokens)
+        candidates = decode_ok | prefill_ok
+        if not decode_ok.any() or (columns.has_mixed and (prefill_ok == decode_ok).all()
+                                   and (columns.role[candidates] == ROLE_MIXED).all() and candidates.sum() >= 2):
+            return None  # the shared rules say none is left; or a hybrid cluster (_decide_hybrid)
         by_id = columns.by_id
-        decode_ok = usable & is_decode & columns.fits(request.num_tokens)
-        prefill_ok = usable & (columns.role == ROLE_PREFILL) & columns.fits(request.num_prompt_tokens)
-        decode_rows, prefill_rows = by_id[decode_ok[by_id]], by_id[prefill_ok[by_id]]
-        if len(prefill_rows) * len(decode_rows) <= self.exhaustive_max_pairs:
-            return None
         keys = self.prefixes.keys(request.prompt_token_ids)
-        options = Columnar(
-            self._pair_profile(), request, columns, prefill_rows, decode_rows, snapshot, columns.load(),
+        decode_rows = by_id[decode_ok[by_id]]
+        options = self._search(request, snapshot, keys, by_id[prefill_ok[by_id]], decode_rows)
+        return self._choose(options, request, keys, options.load_map, len(decode_rows))
+
+    def _rows(self, workers: Sequence[WorkerSnapshot]) -> np.ndarray:
+        """The rows of `workers` (in worker-id order) in the arrays of this placement's snapshot."""
+        index = self._columns.index
+        return np.array([index[w.worker_id] for w in workers], dtype=np.intp)
+
+    def _search(self, request: RequestInfo, snapshot: ClusterSnapshot, keys: list[int], prefill_rows: np.ndarray,
+                decode_rows: np.ndarray) -> Search:
+        """The options of `request` over these rows of the arrays (P != D), for the rules below."""
+        return Search(
+            self._pair_profile(), request, self._columns, prefill_rows, decode_rows, snapshot, self._columns.load(),
             pair=lambda p, d: self._estimate_pair(request, p, d, snapshot, keys),
             local=lambda d: self._estimate_local(request, d, keys),
             cached_blocks=self.prefixes.depths(keys), block_size=self.prefixes.block_size,
             tpot_limit=self.slo_tpot, tpot_factor=self._residuals["disaggregated"].tpot,
         )
-        return self._choose(options, request, keys, options.load_map, len(decode_rows))
 
-    def _choose(self, options: prune.Exhaustive | prune.Pruned | Columnar, request: RequestInfo, keys: list[int],
+    def _choose(self, options: Search, request: RequestInfo, keys: list[int],
                 load: Mapping[str, int], num_decodes: int) -> Decision:
         """Rules 2-5 of the module docstring over the priced (or searched) options."""
         best_pair = _maybe(self._correct, options.best_pair(self._feasible_raw))
@@ -268,14 +280,9 @@ class NetworkAware(PoolPolicy):
                                       f"{self.slo_ttft:.3f}s; best: {chosen.describe()}")
             why += f"; misses the TTFT SLO {self.slo_ttft:.3f}s"
 
-        if isinstance(options, Columnar):
-            over_tpot = 0 if self.slo_tpot is None else options.count_over_tpot(
-                self.slo_tpot, self._residuals["disaggregated"].tpot)
-            no_room = options.count_without_room()
-        else:
-            over_tpot = options.count_pairs(
-                lambda e: self.slo_tpot is not None and self._correct(e).tpot_s > self.slo_tpot)
-            no_room = options.count_pairs(lambda e: not e.room)
+        over_tpot = 0 if self.slo_tpot is None else options.count_over_tpot(
+            self.slo_tpot, self._residuals["disaggregated"].tpot)
+        no_room = options.count_without_room()
         others = (f"{options.num_pairs} pairs ({over_tpot} over the TPOT SLO, {no_room} without free KV blocks "
                   f"at D)")
         rival = best_local if chosen.prefill is not None else best_pair
@@ -371,18 +378,6 @@ class NetworkAware(PoolPolicy):
 
     def _feasible(self, e: Estimate) -> bool:
         return e.room and (self.slo_tpot is None or e.tpot_s <= self.slo_tpot)
-
-    def _options(self, prefills: Sequence[WorkerSnapshot], decodes: Sequence[WorkerSnapshot], request: RequestInfo,
-                 snapshot: ClusterSnapshot, keys: list[int], load: dict[str, int]) -> prune.Exhaustive | prune.Pruned:
-        """Every option priced on small clusters; the pruned search (same choice) on large ones."""
-        depth = self.prefixes.depths(keys)
-        return prune.options(
-            self._pair_profile(), request, prefills, decodes, snapshot, load,
-            pair=lambda p, d: self._estimate_pair(request, p, d, snapshot, keys),
-            local=lambda d: self._estimate_local(request, d, keys),
-            cached_tokens=lambda worker_id: depth.get(worker_id, 0) * self.prefixes.block_size,
-            exhaustive_max_pairs=self.exhaustive_max_pairs,
-        )
 
     def _estimate_pair(self, request: RequestInfo, p: WorkerSnapshot, d: WorkerSnapshot, snapshot: ClusterSnapshot,
               keys: list[int]) -> Estimate:

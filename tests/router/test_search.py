@@ -1,4 +1,5 @@
-"""The pruned search of network-aware placement chooses exactly what pricing every pair chooses.
+"""Network-aware's search (router.placement.policies.search) chooses exactly what pricing every
+option chooses (router.placement.policies.oracle), on clusters of every size and kind.
 
 Hand-checked cases (PROFILE of network_fixtures: prefill 0.1 ms a token, a decode step 0.01 s
 plus 0.04/63 s per request beyond the first, 128 KiB of KV a token, 32 layers), then seeded
@@ -10,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 
 from router.placement.congestion import CongestionView, LinkState
 from router.placement.base import ClusterSnapshot, RequestInfo, SLOUnattainable
 from router.placement.policies.network_aware import NetworkAware
-from router.placement.policies import prune
+from router.placement.policies.oracle import Exhaustive, OracleNetworkAware
+from router.placement.policies.search import Columns, Search
 from router.placement.policies.baselines import PrefixIndex
 from router.placement.policies.cost import estimate_local, estimate_pair
 from router.placement.profiles import Profile
@@ -23,10 +26,10 @@ from router.placement.topology import Link, Topology
 from tests.router.network_fixtures import PROFILE, req, snapshot, topology, w
 
 
-def both(prefills, decodes, request, snap, cached=None, profile=PROFILE):
-    """(exhaustive, pruned) option sets over the same workers."""
+def both(prefills, decodes, request, snap, cached=None, profile=PROFILE, tpot_limit=None):
+    """(exhaustive, search) option sets over the same workers; the search's feasibility is room and
+    TPOT within `tpot_limit`."""
     cached = cached or {}
-    load = {x.worker_id: x.load for x in (*prefills, *decodes)}
 
     def pair(p, d):
         return estimate_pair(profile, request, p, d, snap, cached_tokens=cached.get(p.worker_id, 0))
@@ -34,12 +37,17 @@ def both(prefills, decodes, request, snap, cached=None, profile=PROFILE):
     def local(d):
         return estimate_local(profile, request, d, cached_tokens=cached.get(d.worker_id, 0))
 
-    exhaustive = prune.options(profile, request, prefills, decodes, snap, load, pair, local,
-                               lambda wid: cached.get(wid, 0), exhaustive_max_pairs=10**9)
-    pruned = prune.options(profile, request, prefills, decodes, snap, load, pair, local,
-                           lambda wid: cached.get(wid, 0), exhaustive_max_pairs=-1)
-    assert isinstance(exhaustive, prune.Exhaustive) and isinstance(pruned, prune.Pruned)
-    return exhaustive, pruned
+    return Exhaustive(prefills, decodes, pair, local), search(prefills, decodes, request, snap, pair, local, cached,
+                                                             profile, tpot_limit)
+
+
+def search(prefills, decodes, request, snap, pair, local, cached=None, profile=PROFILE, tpot_limit=None):
+    columns = Columns()
+    columns.update(snap)
+    rows = [np.array([columns.index[x.worker_id] for x in sorted(side, key=lambda x: x.worker_id)], dtype=np.intp)
+            for side in (prefills, decodes)]  # in worker-id order, as the policy gives them
+    return Search(profile, request, columns, *rows, snap, columns.load(), pair, local, cached or {}, 1,
+                  tpot_limit=tpot_limit, tpot_factor=1.0)
 
 
 def split(snap):
@@ -156,7 +164,7 @@ def test_feasibility_is_per_decode_worker():
     has_room = lambda e: e.room  # noqa: E731
     assert pruned.best_pair(has_room).decode == "d1" == exhaustive.best_pair(has_room).decode
     assert pruned.best_pair().decode == "d0" == exhaustive.best_pair().decode
-    assert pruned.count_pairs(lambda e: not e.room) == exhaustive.count_pairs(lambda e: not e.room) == 1
+    assert pruned.count_without_room() == exhaustive.count_without_room() == 1
 
 
 def test_a_cost_model_the_search_does_not_know_falls_back_to_every_pair():
@@ -171,20 +179,31 @@ def test_a_cost_model_the_search_does_not_know_falls_back_to_every_pair():
             return dataclasses.replace(e, queue_s=1.0)
         return e
 
-    pruned = prune.Pruned(PROFILE, request, *split(snap), snap, load, odd_pair,
-                          lambda d: estimate_local(PROFILE, request, d), lambda _: 0)
+    pruned = search(*split(snap), request, snap, odd_pair, lambda d: estimate_local(PROFILE, request, d))
     best = pruned.best_pair()
     assert (best.prefill, best.decode) == ("p1", "d1") and pruned.fallbacks == 1
 
 
-def test_small_clusters_price_every_pair():
-    policy = NetworkAware(profile=PROFILE)
-    workers = tuple(w(f"p{i}", "prefill", "a") for i in range(8)) + tuple(w(f"d{i}", "decode", "b") for i in range(128))
-    snap = snapshot(workers, topology())
-    assert isinstance(policy._options(*split(snap), req(), snap, [], {}), prune.Exhaustive)  # 1024 pairs
-    more = snapshot(workers + (w("d999", "decode", "b"),), topology())
-    assert isinstance(policy._options(*split(more), req(), more, [], {x.worker_id: 0 for x in more.workers}),
-                      prune.Pruned)
+def test_production_never_prices_every_option(monkeypatch):
+    """Small, mixed, colocated, hybrid, short and degraded placements all go through the search."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("production called the oracle")
+
+    monkeypatch.setattr(Exhaustive, "__init__", refuse)
+    policy = NetworkAware(profile=PROFILE, local_prefill_max_tokens=100)
+    clusters = [(w("p0", "prefill", "a"), w("d0", "decode", "a")),
+                (w("m0", "mixed", "a"), w("m1", "mixed", "b"), w("d0", "decode", "b"), w("p0", "prefill", "a")),
+                (w("m0", "mixed", "a"), w("m1", "mixed", "b")), (w("p0", "prefill", "a"), w("d0", "decode", "a",
+                                                                                              healthy=False))]
+    for workers in clusters:
+        for mode in ("disaggregated", "colocated"):
+            for n in (50, 1000):
+                snap = dataclasses.replace(snapshot(workers, topology()), mode=mode)
+                if mode == "colocated" and not any(x.can_decode and x.healthy for x in workers):
+                    continue
+                policy.place(req(n), snap)
+    with pytest.raises(AssertionError, match="oracle"):
+        OracleNetworkAware(profile=PROFILE).place(req(1000), snapshot(clusters[0], topology()))
 
 
 def test_profile_step_time_reads_only_the_rows_it_needs():
@@ -270,7 +289,7 @@ def test_wide_random_clusters_same_options(seed):
     if not decodes:
         return
     request = req(rng.choice([16, 300, 1024, 4096]), max_tokens=rng.choice([1, 300]))
-    exhaustive, pruned = both(prefills, decodes, request, snap)
+    exhaustive, pruned = both(prefills, decodes, request, snap, tpot_limit=0.02)
     feasible = lambda e: e.room and e.tpot_s <= 0.02  # noqa: E731
     for f in (None, feasible):
         assert pruned.best_pair(f) == exhaustive.best_pair(f)
@@ -302,28 +321,27 @@ def test_random_clusters_same_options(seed):
         return
     request = req(rng.choice([1, 16, 300, 1024, 4096]), max_tokens=rng.choice([1, 16, 300]))
     cached = {x.worker_id: rng.choice([0, 0, 0, 16, 256]) for x in snap.workers}
-    exhaustive, pruned = both(prefills, decodes, request, snap, cached)
     tpot = rng.choice([0.011, 0.02, 1.0])
+    exhaustive, pruned = both(prefills, decodes, request, snap, cached, tpot_limit=tpot)
     feasible = lambda e: e.room and e.tpot_s <= tpot  # noqa: E731
     for f in (None, feasible):
         assert pruned.best_pair(f) == exhaustive.best_pair(f)
         assert pruned.best_local(f) == exhaustive.best_local(f)
     assert pruned.num_pairs == exhaustive.num_pairs
-    assert pruned.count_pairs(feasible) == exhaustive.count_pairs(feasible)
+    assert pruned.count_without_room() == exhaustive.count_without_room()
+    assert pruned.count_over_tpot(tpot, 1.3) == exhaustive.count_over_tpot(tpot, 1.3)
     assert pruned.fallbacks == 0
 
 
 @pytest.mark.parametrize("seed", range(60))
 def test_random_clusters_same_decisions(seed):
-    """The policy itself, pruned and exhaustive, on a sequence of requests that share prefixes
-    (each decision feeds its prefix index), with and without SLOs and admission control."""
+    """The policy and its oracle on a sequence of requests that share prefixes (each decision
+    feeds its prefix index), with and without SLOs and admission control."""
     rng = random.Random(1000 + seed)
     snap = random_cluster(rng)
     options = rng.choice([{}, {"slo_tpot": 0.02}, {"slo_ttft": 0.3, "slo_tpot": 0.02, "admission_control": True},
                           {"local_margin": 0.0}])
-    policies = [NetworkAware(profile=PROFILE, **options), NetworkAware(profile=PROFILE, **options)]
-    policies[0].exhaustive_max_pairs = 10**9
-    policies[1].exhaustive_max_pairs = -1
+    policies = [NetworkAware(profile=PROFILE, **options), OracleNetworkAware(profile=PROFILE, **options)]
     prefixes = [tuple(rng.randrange(100) for _ in range(64)) for _ in range(3)]
     for i in range(12):
         ids = rng.choice(prefixes)[:rng.choice([16, 48, 64])] + tuple(range(rng.randint(0, 900)))

@@ -1,41 +1,44 @@
-"""Network-aware placement on large clusters in vector form: the pruned search
-(router.placement.policies.prune) with its per-worker work done on arrays. Same answers, bit for bit.
+"""Network-aware's search: the best pair and the best local run without pricing every option,
+from arrays of the workers kept across placements. Pure; the same answers, bit for bit, as
+pricing every option (router.placement.policies.oracle, the reference the tests compare with).
 
-At 1,000 workers the pruned search prices few pairs, but its setup touched every worker in
-Python on every request: the snapshot filtered and sorted (`PoolPolicy.place`), each decode
-worker's batch, context, two step times (admit, TPOT), free-block check and a probe estimate,
-each prefill worker's queue and bound, then sorts of tuples; about 6 ms a placement. Here:
+The cost model (router.placement.policies.cost) prices a pair as
 
-- `Columns` keeps the numbers of the snapshots' workers as arrays across placements: a row is
-  read again only when its `WorkerSnapshot` object is not the one seen last time (the
-  simulator, and a router that reuses unchanged snapshots, change a few rows a request);
-- the candidates, their load and capacity checks are array masks; the decode workers' context,
-  admit and TPOT come from `decode_steps` (router.placement.profiles' interpolation, elementwise, the
-  same floating-point operations in the same order, so the same numbers), the prefill workers'
-  queue and prefill from `prefill_times`;
-- `Columnar` answers the questions `prune.Pruned` answers (best pair, best local run, counts)
-  by the same search: the same orders (numpy's lexsort on the same keys; worker ids compared
-  by their rank in id order), the same walks, over Python lists of the numbers; only the
-  options it walks are priced, by the policy's own estimate functions.
+    TTFT(P, D) = a(P, kv) + admit(D),   a(P, kv) = queue(P) + prefill(P) + kv - (L-1)/L x min(kv, prefill(P))
 
-One difference in the search: a prefill worker's bound. Pruned's, the fastest link class when
-idle plus the smallest admit of all, is below the best pair of nearly every idle prefill worker
-when link times differ by less than admit times (1,000 workers: about 100 of 250 visited a
-request). Here each is bounded by the exact link time (`NodeLinks`, following the view's link
-states change by change) to each node its node reaches by an explicit link or its own, plus
-that node's smallest admit, and by the idle remote default plus the smallest admit of all for
-the rest; flows and measured rates only slow a link, so it is a lower bound as Pruned's is, and
-the search visits one or two prefill workers. A prefill worker with the node, queue, prefill
-and load of one visited before it is skipped (it would lose every tie on its id). Bounds and
-skips decide only what is visited, never the order of options, so the choice is the same.
+where queue and prefill depend on P alone, admit, TPOT and the free-block check on D alone (so
+feasibility is a property of D), and kv on the link from P's node to D's node. `a` grows with
+kv, and flows and measured rates only make a link slower, so a pair costs at least a(P, idle
+link) + admit(D). The search:
 
-`NetworkAware` takes this path for a request that the shared rules send to `decide` on a
-disaggregated cluster of prefill and decode workers with more pairs than its exhaustive limit;
-everything else (mixed workers, colocated, resumed or short prompts, no decode worker up)
-keeps the general path. `NetworkAware(columnar=False)` keeps the general path everywhere: the
-reference that tests/router/test_columnar.py, tests/sim/test_sim_columnar.py (sim.check),
-benchmarks/bench_placement.py and `bench_sim.py --check-decisions` compare with.
-"""
+1. decode workers (the feasible ones, or all) are grouped by node, each node's list ordered by
+   (admit, load, id), the nodes by (smallest admit, smallest load, smallest id);
+2. prefill workers are visited in order of a lower bound of their pairs: to each node their
+   node reaches by an explicit link (or its own), that link's time as the view has it plus
+   the node's smallest admit; to every other node the idle remote default plus the smallest
+   admit of all (`NodeLinks` follows the view's link states change by change);
+3. for one P, the nodes are visited in order; on a node kv is one number, so TTFT grows along
+   its list and the walk stops at the first decode worker past the best found. Nodes that P's
+   node reaches over the idle remote default (no explicit link, no flow, no measured rate
+   below it) share one kv and are walked together, in (admit, load, id) order (`_Generic`);
+4. a prefill worker, or a node, is skipped when its bound key already exceeds the best
+   option's key, and the visit ends when the bound alone exceeds the best TTFT. A prefill
+   worker with the node, queue, prefill and load of one visited before it is skipped (it
+   loses every tie on its id) unless it is a mixed worker (the other may pair with it).
+
+A mixed worker is on both sides and never pairs with itself. A local run's TTFT grows with D's
+step time when D has no cached prefix: those are walked in (admit, load, id) order until past
+the best, the others priced one by one (`best_local`). Only the options walked are priced, by
+the policy's own estimate functions; the chosen pair is priced again and checked against the
+search's numbers (on a disagreement, a cost model of another shape, every pair is priced).
+
+The per-worker work is on arrays: `Columns` keeps the snapshots' workers as arrays across
+placements (a row is read again only when its `WorkerSnapshot` object is not the one seen last
+time); candidates, loads and capacity checks are masks; the decode workers' context, admit and
+TPOT come from `decode_steps` and the prefill workers' queue and prefill from `prefill_times`
+(router.placement.profiles' interpolation elementwise, the same operations in the same order, so
+the same numbers). Orders are numpy's lexsort on the same keys, worker ids compared by their
+rank in id order."""
 
 from __future__ import annotations
 
@@ -47,7 +50,6 @@ import numpy as np
 from router.placement.congestion import IDLE, CongestionView, available_gbps, transfer_seconds
 from router.placement.base import ClusterSnapshot, RequestInfo, WorkerSnapshot
 from router.placement.policies.cost import Estimate
-from router.placement.policies.prune import cached_link, link_classes, order, topology_cache
 from router.placement.profiles import Profile
 from router.placement.topology import Link, Topology
 
@@ -57,6 +59,46 @@ _NUMBERS = ("healthy", "num_waiting", "num_running", "num_free_blocks", "num_blo
 _numbers = attrgetter(*_NUMBERS)
 ROLE_PREFILL, ROLE_DECODE, ROLE_MIXED = 0, 1, 2
 _ROLE = {"prefill": ROLE_PREFILL, "decode": ROLE_DECODE, "mixed": ROLE_MIXED}
+
+
+Feasible = Callable[[Estimate], bool]
+
+
+def order(e: Estimate, load: Mapping[str, int]) -> tuple[float, int, int, str, str]:
+    """The policy's order of options: lowest TTFT, then the less loaded P, D, then worker ids."""
+    return (e.ttft_s, load.get(e.prefill or "", 0), load[e.decode], e.prefill or "", e.decode)
+
+
+# Per topology (immutable; kept by identity, a few at a time): its link classes, the links
+# between node pairs asked for with their keys (Topology.link builds a default link anew on
+# every call), and the nodes each node has explicit links to.
+_TOPOLOGIES: dict[int, tuple] = {}
+_MAX_LINKS = 1 << 20
+
+
+def topology_cache(topology: Topology):
+    """(link classes as idle Links, the links asked for by node pair, explicit link targets by node)."""
+    found = _TOPOLOGIES.get(id(topology))
+    if found is None or found[0] is not topology:
+        classes = tuple(Link("", "", gbps, latency_ms) for gbps, latency_ms in sorted(
+            {(topology.local_gbps, topology.local_latency_ms), (topology.remote_gbps, topology.remote_latency_ms),
+             *((link.capacity_gbps, link.latency_ms) for link in topology.links)}))
+        if len(_TOPOLOGIES) >= 16:
+            _TOPOLOGIES.clear()
+        out: dict[str, set[str]] = {}
+        for link in topology.links:
+            out.setdefault(link.src, set()).add(link.dst)
+        found = _TOPOLOGIES[id(topology)] = (topology, classes, {}, out)
+    return found[1], found[2], found[3]
+
+
+def cached_link(topology: Topology, links: dict[tuple[str, str], tuple[Link, str]], src: str,
+                dst: str) -> tuple[Link, str]:
+    if len(links) >= _MAX_LINKS:
+        links.clear()
+    link = topology.link(src, dst)
+    found = links[(src, dst)] = (link, link.key)
+    return found
 
 
 # ---------------------------------------------------------------- profile queries on arrays
@@ -128,8 +170,8 @@ def _decode_table(profile: Profile) -> np.ndarray:
 
 class Columns:
     """The workers of the snapshots one policy sees, as arrays kept across placements (module
-    docstring). `update` returns False when the snapshot holds something the arrays cannot
-    (a number that is not an int): the caller takes the general path."""
+    docstring). `update` raises ValueError, naming the worker and the field, when a count of
+    the snapshot is not an integer."""
 
     def __init__(self) -> None:
         self.workers: tuple[WorkerSnapshot, ...] = ()  # held: their ids stay distinct from new objects'
@@ -147,7 +189,7 @@ class Columns:
         self._roles: list[str] = []
         self._reported: list[str] = []  # WorkerSnapshot.node as reported (the topology may place it)
 
-    def update(self, snapshot: ClusterSnapshot) -> bool:
+    def update(self, snapshot: ClusterSnapshot) -> None:
         workers = tuple(snapshot.workers)
         n = len(workers)
         if snapshot.topology is not self.topology or n != len(self.workers):
@@ -163,18 +205,18 @@ class Columns:
             row = _numbers(w)
             if not all(type(v) is int or type(v) is bool for v in row):
                 self.workers = ()
-                return False
+                _reject(w)
             self.numbers[i] = row
         self.workers, self._ident = workers, ident
-        return True
 
-    def _rebuild(self, snapshot: ClusterSnapshot, workers: tuple[WorkerSnapshot, ...]) -> bool:
+    def _rebuild(self, snapshot: ClusterSnapshot, workers: tuple[WorkerSnapshot, ...]) -> None:
         """Every row read again; the ids, roles and nodes (and what follows from them) only when
         they differ from the arrays'."""
         self.workers = ()
         numbers = np.array(list(map(_numbers, workers)))
         if numbers.dtype.kind not in "iub" or numbers.shape != (len(workers), len(_NUMBERS)):
-            return False  # a number that is not an int (or not one int64 holds)
+            for w in workers:  # a number that is not an int (or not one int64 holds)
+                _reject(w)
         ids, roles, reported = (list(map(attrgetter(name), workers)) for name in ("worker_id", "role", "node"))
         if snapshot.topology is not self.topology or ids != self.ids or roles != self._roles \
                 or reported != self._reported:
@@ -193,7 +235,6 @@ class Columns:
         self.numbers = numbers.astype(np.int64)
         self._ident = np.fromiter(map(id, workers), dtype=np.uintp, count=len(workers))
         self.workers = workers
-        return True
 
     def links(self) -> NodeLinks:
         if self._links is None:
@@ -229,6 +270,12 @@ class Columns:
         return ~sized | (need <= num[:, FREE])
 
 
+def _reject(w: WorkerSnapshot) -> None:
+    for name, value in zip(_NUMBERS, _numbers(w)):
+        if not (type(value) is bool or (type(value) is int and -2**63 <= value < 2**63)):
+            raise ValueError(f"worker {w.worker_id!r}: {name} must be an integer, got {value!r}")
+
+
 class NodeLinks:
     """The links of a topology between the nodes of the workers, by node index: for each node,
     the nodes it reaches by an explicit link or its own local one (`reach_node`, padded with
@@ -260,7 +307,7 @@ class NodeLinks:
         self._gbps = self._idle_gbps.copy()  # the fair share a new flow gets on each, by the view
         self._remote_gbps = topology.remote_gbps
         # by source node: the nodes whose link from it has flows or a measured rate below the remote
-        # default's capacity (prune._Generic's test), over every link of the view
+        # default's capacity (_Generic's test), over every link of the view
         self.busy: dict[str, set[str]] = {}
         self.arrow = np.array(["->" in name for name in node_names] + [False], dtype=bool)
         self._view: CongestionView | None = None
@@ -331,9 +378,9 @@ class LoadMap(Mapping):
 # ---------------------------------------------------------------- the search
 
 
-class Columnar:
-    """prune.Pruned's answers from arrays (module docstring). `prefill_rows` and `decode_rows`:
-    rows of `columns`, each in worker-id order, disjoint (no mixed workers). `feasible` given to
+class Search:
+    """The options of one request (module docstring). `prefill_rows` and `decode_rows`: rows of
+    `columns`, each in worker-id order (a mixed worker may be in both). `feasible` given to
     `best_pair`/`best_local` must be the policy's feasibility, whose vector form is
     `room and tpot x tpot_factor <= tpot_limit` (no limit: room alone); the chosen pair is
     checked with the callable itself."""
@@ -347,6 +394,12 @@ class Columnar:
         self._pair, self._local = pair, local
         self._workers = columns.workers
         self._p_rows, self._d_rows = prefill_rows.tolist(), decode_rows.tolist()
+        # a mixed worker is on both sides: its place among the decode workers (-1: none), as it
+        # never pairs with itself
+        where_d = {row: i for i, row in enumerate(self._d_rows)}
+        self._twin = [where_d.get(row, -1) for row in self._p_rows] if columns.has_mixed else [-1] * len(self._p_rows)
+        self._both = (np.isin(decode_rows, prefill_rows) if columns.has_mixed
+                      else np.zeros(len(decode_rows), dtype=bool))  # decode workers that also prefill
         n = request.num_prompt_tokens
         self.num_bytes = n * (snapshot.kv_bytes_per_token or profile.kv_bytes_per_token)
         self._c = (profile.num_layers - 1) / profile.num_layers
@@ -381,7 +434,6 @@ class Columnar:
         self._cached_d: list[int] = []
         if cached_blocks:
             where_p = {row: i for i, row in enumerate(self._p_rows)}
-            where_d = {row: i for i, row in enumerate(self._d_rows)}
             for wid, blocks in cached_blocks.items():
                 row = columns.index.get(wid)
                 if row is None or not blocks:
@@ -392,18 +444,22 @@ class Columnar:
                     self._cached_d.append(where_d[row])
             self._cached_d.sort()
 
-    # ---------------------------------------------------------------- Pruned's interface
+    # ---------------------------------------------------------------- the questions
+
+    def _count(self, decodes: np.ndarray) -> int:
+        """The pairs whose decode worker is one of `decodes` (a mask)."""
+        return len(self._p_rows) * int(np.count_nonzero(decodes)) - int(np.count_nonzero(decodes & self._both))
 
     @property
     def num_pairs(self) -> int:
-        return len(self._p_rows) * len(self._d_rows)
+        return self._count(np.ones(len(self._d_rows), dtype=bool))
 
     def count_over_tpot(self, limit: float, factor: float) -> int:
         """Pairs whose TPOT x `factor` exceeds `limit` (TPOT is D's alone)."""
-        return len(self._p_rows) * int(np.count_nonzero(self._tpot * factor > limit))
+        return self._count(self._tpot * factor > limit)
 
     def count_without_room(self) -> int:
-        return len(self._p_rows) * int(np.count_nonzero(~self._room))
+        return self._count(~self._room)
 
     def _decode(self, i: int) -> WorkerSnapshot:
         return self._workers[self._d_rows[i]]
@@ -412,7 +468,7 @@ class Columnar:
         return self._workers[self._p_rows[i]]
 
     def best_local(self, feasible: Callable[[Estimate], bool] | None = None) -> Estimate | None:
-        """Pruned.best_local: the workers with a cached prefix priced one by one, the others
+        """The best local run: the workers with a cached prefix priced one by one, the others
         walked in (admit, load, id) order until past the best, one per (batch, context, room)."""
         best: Estimate | None = None
         best_key = None
@@ -457,7 +513,7 @@ class Columnar:
             return self._exhaustive(feasible)
         return e
 
-    # ---------------------------------------------------------------- the search (Pruned._search)
+    # ---------------------------------------------------------------- the search
 
     def _search(self, entries: np.ndarray):
         if len(entries) == 0:
@@ -523,10 +579,12 @@ class Columnar:
                 if b == best_key[0] and (p_load, d_load_min, p_id, d_id_min) > best_key[1:]:
                     continue
             qp, sp, afp = q_l[p_id], s_l[p_id], af_l[p_id]
+            twin = self._twin[p_id]
             same = (p_nodes[p_id], qp, sp, p_load)
-            if same in seen:
-                continue
-            seen.add(same)
+            if twin < 0:  # (a mixed worker is not like another: the other may pair with it)
+                if same in seen:
+                    continue
+                seen.add(same)
             p_node = names[p_nodes[p_id]]
             found = reached.get(p_node)
             if found is None:
@@ -544,6 +602,8 @@ class Columnar:
                 a = self._a(qp, sp, self._kv(p_node, name))
                 for k in range(start, end):
                     d = members[k]
+                    if d == twin:
+                        continue
                     ttft = a + admit_of[d]
                     if best_key is not None and ttft > best_key[0]:
                         break
@@ -557,7 +617,7 @@ class Columnar:
             k = 0
             while k < len(walk):
                 d = walk[k]
-                if names[node_of[d]] in special:
+                if names[node_of[d]] in special or d == twin:
                     k += 1
                     continue
                 ttft = a + admit_of[d]
@@ -583,24 +643,28 @@ class Columnar:
         return found
 
     def _kv_floor(self) -> float:
-        return min(transfer_seconds(Link("", "", gbps, latency_ms), IDLE, self.num_bytes)
-                   for gbps, latency_ms in link_classes(self.snapshot.topology))
+        """The prompt's KV time over the fastest link class of the topology, idle (flows and
+        measurements only make a link slower)."""
+        return min(transfer_seconds(link, IDLE, self.num_bytes) for link in topology_cache(self.snapshot.topology)[0])
 
     def _exhaustive(self, feasible: Callable[[Estimate], bool] | None) -> Estimate | None:
         self.fallbacks += 1
         load = self.load_map
         pairs = [self._pair(self._prefill_worker(p), self._decode(d))
-                 for d in range(len(self._d_rows)) for p in range(len(self._p_rows))]
+                 for d in range(len(self._d_rows)) for p in range(len(self._p_rows)) if d != self._twin[p]]
         if feasible is not None:
             pairs = [e for e in pairs if feasible(e)]
         return min(pairs, key=lambda e: order(e, load), default=None)
 
 
 class _Generic:
-    """prune._Generic over index arrays: the nodes reached over the idle remote default link
-    (the links with something on them are followed by NodeLinks, change by change)."""
+    """The nodes a prefill worker's node reaches over the idle remote default link: one link time,
+    so the search walks them together (the links with something on them are followed by
+    NodeLinks, change by change). `special(node)`: the decode nodes that are not like that (its
+    own, explicit links from it, links with flows or measured rates), or None when they are most
+    of them, or node names contain "->" (ambiguous link keys): then every node is priced alone."""
 
-    def __init__(self, search: Columnar, entries: np.ndarray, d_nodes: set[str], d_node_idx: np.ndarray) -> None:
+    def __init__(self, search: Search, entries: np.ndarray, d_nodes: set[str], d_node_idx: np.ndarray) -> None:
         columns = search.columns
         links = columns.links()
         self.kv = links.remote_kv(search.num_bytes)
