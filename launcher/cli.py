@@ -107,13 +107,16 @@ def cmd_router(args: argparse.Namespace) -> int:
         raise CliError(f"--worker-wait-s must be >= 0, got {args.worker_wait_s}")
     if args.max_model_len is not None and args.max_model_len <= 0:
         raise CliError(f"--max-model-len must be > 0, got {args.max_model_len}")
+    if args.max_tokens_default is not None and args.max_tokens_default < 1:
+        raise CliError(f"--max-tokens-default must be >= 1, got {args.max_tokens_default}")
     settings = RouterSettings(model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                               max_model_len=args.max_model_len, policy=args.policy, mode=args.mode,
                               host=args.host, port=args.port, api_key=args.api_key,
                               kv_deadline_s=args.kv_deadline_s, log_level=args.log_level.lower(),
                               topology=args.topology, profile=args.profile, slo_ttft=args.slo_ttft,
                               slo_tpot=args.slo_tpot, admission_control=args.admission_control,
-                              calibrate=not args.no_calibration, worker_wait_s=args.worker_wait_s, cluster_token=_cluster_token(args))
+                              calibrate=not args.no_calibration, worker_wait_s=args.worker_wait_s,
+                              max_tokens_default=args.max_tokens_default, cluster_token=_cluster_token(args))
     return run_router(args.worker, settings)
 
 
@@ -228,6 +231,10 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
     p.add_argument("--worker-wait-s", type=float_arg("--worker-wait-s"), default=d(30.0),
                    help="a request that no worker can serve (e.g. the only one restarts) waits this long for "
                         "one, then gets 503 with Retry-After (default 30; 0: at once)")
+    p.add_argument("--max-tokens-default", type=int_arg("--max-tokens-default"), default=d(None), metavar="N",
+                   help="max_tokens of a request that gives none, on both endpoints (the room left in the context "
+                        "still bounds it). Default: OpenAI's, 16 for /v1/completions and for chat the rest of the "
+                        "context, which on a CPU can take minutes")
     p.add_argument("--topology", default=d(None), metavar="FILE",
                    help="YAML of nodes, workers and links (Gbit/s, latency) for placement")
     p.add_argument("--profile", default=d(None), metavar="FILE",
