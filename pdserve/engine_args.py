@@ -60,18 +60,28 @@ def add_engine_args(p: argparse.ArgumentParser, *, suppress_defaults: bool = Fal
     p.add_argument("--tokenizer", default=default("tokenizer"), metavar="PATH",
                    help="tokenizer to use instead of the model's own: a Hugging Face directory, a "
                         "tokenizer.json or a .gguf file (random:<name> models use it too)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=default("dtype"))
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=default("dtype"),
+                   help="weights and activations (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--device", default=default("device"), help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--max-model-len", type=int_arg("--max-model-len"), default=default("max_model_len"))
+    p.add_argument("--max-model-len", type=int_arg("--max-model-len"), default=default("max_model_len"),
+                   help="longest sequence, prompt + generated tokens (default: the model's context length)")
     p.add_argument("--kv-cache-gib", type=float_arg("--kv-cache-gib"), default=default("kv_cache_gib"),
                    help="KV cache budget on CPU, GiB")
     p.add_argument("--gpu-memory-fraction", type=float_arg("--gpu-memory-fraction"),
-                   default=default("gpu_memory_fraction"))
-    p.add_argument("--block-size", type=int_arg("--block-size"), default=default("block_size"))
+                   default=default("gpu_memory_fraction"),
+                   help=f"CUDA: fraction of free GPU memory given to the KV cache (default "
+                        f"{ENGINE_DEFAULTS['gpu_memory_fraction']}; on CPU --kv-cache-gib sets the budget)")
+    p.add_argument("--block-size", type=int_arg("--block-size"), default=default("block_size"),
+                   help=f"tokens per KV cache block (default {ENGINE_DEFAULTS['block_size']})")
     p.add_argument("--max-num-batched-tokens", type=int_arg("--max-num-batched-tokens"),
-                   default=default("max_num_batched_tokens"))
-    p.add_argument("--max-num-seqs", type=int_arg("--max-num-seqs"), default=default("max_num_seqs"))
-    p.add_argument("--no-prefix-caching", action="store_true", default=default("no_prefix_caching"))
+                   default=default("max_num_batched_tokens"),
+                   help="tokens one engine step may process, prompt chunks and decodes together "
+                        "(default: device-dependent, 8192 on CUDA and 512 on CPU)")
+    p.add_argument("--max-num-seqs", type=int_arg("--max-num-seqs"), default=default("max_num_seqs"),
+                   help="sequences running at once in one engine (default: device-dependent, 256 on CUDA "
+                        "and 64 on CPU)")
+    p.add_argument("--no-prefix-caching", action="store_true", default=default("no_prefix_caching"),
+                   help="do not reuse the KV blocks of a prompt prefix seen before (default: reuse them)")
     p.add_argument("--compile", action="store_true", default=default("compile"),
                    help="CPU: run decode steps through torch.compile (the first steps compile, "
                         "~40 s per shape on 2 cores; faster decode after)")

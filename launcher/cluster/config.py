@@ -76,6 +76,7 @@ class UpConfig:
     served_model_name: str | None = None  # default: the --model spec
     kv_deadline_s: float = 10.0
     worker_wait_s: float = 30.0  # a request no worker can serve waits this long, then 503
+    max_tokens_default: int | None = None  # max_tokens of a request that gives none (None: OpenAI's defaults)
     topology: str | None = None
     profile: str | None = None
     slo_ttft: float | None = None
@@ -131,6 +132,8 @@ class UpConfig:
                 fail(key, f"must be non-empty without ':', got {value!r}")
         if self.api_key is not None and not self.api_key:
             fail("api_key", "must not be empty")
+        if self.max_tokens_default is not None and self.max_tokens_default < 1:
+            fail("max_tokens_default", f"must be >= 1, got {self.max_tokens_default}")
         check_policy(self.policy)
 
     # ---- derived ---------------------------------------------------------------------------
@@ -155,12 +158,12 @@ class UpConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(UpConfig)}
 _INTS = {"max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs", "prefill", "decode", "replicas",
-         "port", "ray_object_store_mb"}
+         "port", "ray_object_store_mb", "max_tokens_default"}
 _FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s",
            "worker_wait_s", "slo_ttft", "slo_tpot"}
 _BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration"}
 _OPTIONAL = {"tokenizer", "dtype", "device", "max_model_len", "replicas", "worker_gpus", "address", "api_key", "served_model_name",
-             "topology", "profile", "slo_ttft", "slo_tpot"}
+             "topology", "profile", "slo_ttft", "slo_tpot", "max_tokens_default"}
 
 
 def check_policy(name: str) -> None:

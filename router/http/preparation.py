@@ -19,6 +19,7 @@ from router.http.fanout import Job
 from router.http.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+# A router's `max_tokens_default` (--max-tokens-default) replaces both defaults; the room left still bounds it.
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,9 @@ def _sampling_params(
             min_tokens=req.min_tokens,
         )
     except ValueError as exc:
-        field_name = str(exc).split(" ", 1)[0]
-        raise InvalidRequest(f"{exc}.", param=names.get(field_name, field_name), code="invalid_value") from None
+        field_name, _, rest = str(exc).partition(" ")
+        param = names.get(field_name, field_name)  # the message names the request's field, as param does
+        raise InvalidRequest(f"{param} {rest}." if rest else f"{exc}.", param=param, code="invalid_value") from None
 
 
 def _jobs(
@@ -122,7 +124,9 @@ def _jobs(
     return jobs
 
 
-def prepare_completion(req: CompletionRequest, backend: GenerationBackend, request_id: str) -> Prepared:
+def prepare_completion(
+    req: CompletionRequest, backend: GenerationBackend, request_id: str, max_tokens_default: int | None = None
+) -> Prepared:
     _check_common(req, backend)
     if req.suffix:
         raise InvalidRequest("suffix is not supported.", param="suffix", code="unsupported_parameter")
@@ -146,7 +150,7 @@ def prepare_completion(req: CompletionRequest, backend: GenerationBackend, reque
         requested_max_tokens=req.max_tokens,
         max_tokens_param="max_tokens",
         prompt_param="prompt",
-        default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS,
+        default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS if max_tokens_default is None else max_tokens_default,
         logprobs=req.logprobs,
         names={},
     )
@@ -205,7 +209,9 @@ def _check_chat_options(req: ChatCompletionRequest) -> None:
         raise _unsupported("reasoning_effort", f"reasoning_effort is not supported with the model `{req.model}`.")
 
 
-def prepare_chat(req: ChatCompletionRequest, backend: GenerationBackend, request_id: str) -> Prepared:
+def prepare_chat(
+    req: ChatCompletionRequest, backend: GenerationBackend, request_id: str, max_tokens_default: int | None = None
+) -> Prepared:
     _check_common(req, backend)
     _check_chat_options(req)
     if not req.messages:
@@ -233,7 +239,7 @@ def prepare_chat(req: ChatCompletionRequest, backend: GenerationBackend, request
         requested_max_tokens=req.max_completion_tokens if use_new else req.max_tokens,
         max_tokens_param="max_completion_tokens" if use_new else "max_tokens",
         prompt_param="messages",
-        default_max_tokens=None,
+        default_max_tokens=max_tokens_default,
         logprobs=logprobs,
         names={"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens" if use_new else "max_tokens"},
     )

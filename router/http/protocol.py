@@ -1,7 +1,8 @@
 """OpenAI-compatible request and response models (the HTTP edge of the router).
 
 Requests are strict: unknown fields and wrong JSON types are rejected with a 400 that names
-the field, as OpenAI does. `parse_request` turns pydantic's errors into `InvalidRequest`.
+the field, as OpenAI does. An integer field takes what JSON Schema calls an integer, so a
+number with no fractional part (`16.0`) too. `parse_request` turns pydantic's errors into `InvalidRequest`.
 Fields marked "extension" are not in OpenAI's API.
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from router.errors import InvalidRequest
 
@@ -21,9 +22,20 @@ UINT32_MAX = 2**32 - 1
 INT32_MAX = 2**31 - 1
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - MAX_N  # choice i uses seed + i
 
+
+
+def _integral(value: Any) -> Any:
+    """A float with no fractional part as the int it is (JSON Schema's integer); the rest unchanged,
+    for the strict int check to refuse with a message naming the field."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# An integer field: strict (no strings, no booleans, no 1.5) but JSON Schema's integers (16.0) pass.
+JsonInt = Annotated[int, BeforeValidator(_integral)]
+
 # Input types as the JSON schema publishes them (the validators below normalise them).
 _Text = Annotated[str, Field(min_length=1)]
-_TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
+_TokenId = Annotated[JsonInt, Field(ge=0, le=UINT32_MAX)]
 _TokenIds = Annotated[list[_TokenId], Field(min_length=1)]
 
 
@@ -68,9 +80,14 @@ def _validate_stop(value: Any) -> list[str]:
     raise ValueError("stop must be a string or a list of strings")
 
 
+def _is_integer(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, float) and value.is_integer())
+
+
 def _validate_token_ids(value: Any, what: str) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if not isinstance(value, list) or not all(_is_integer(t) for t in value):
         raise ValueError(f"{what} must be a list of integers")
+    value = [int(t) for t in value]
     if any(not 0 <= t <= UINT32_MAX for t in value):
         raise ValueError(f"{what} must hold token ids in [0, {UINT32_MAX}]")
     return value
@@ -80,14 +97,14 @@ class _SamplingFields(_Request):
     """Fields shared by both endpoints."""
 
     model: str = _doc("The served model's id (GET /v1/models).")
-    n: int = _doc("Choices to generate for each prompt.", 1, minimum=1, maximum=MAX_N)
+    n: JsonInt = _doc("Choices to generate for each prompt.", 1, minimum=1, maximum=MAX_N)
     stream: bool = _doc("Stream the answer as server-sent events (text/event-stream), ending with `data: [DONE]`.", False)
     stream_options: StreamOptions | None = _doc("Only with stream=true.", None)
     stop: list[str] = Field(
         default_factory=list, description="A string or strings that end the generation (not included in the text).",
         json_schema_extra={"default": None},
     )
-    seed: int | None = _doc("Seed of the sampler; choice i of n uses seed + i.", None, ge=SEED_MIN, le=SEED_MAX)
+    seed: JsonInt | None = _doc("Seed of the sampler; choice i of n uses seed + i.", None, ge=SEED_MIN, le=SEED_MAX)
     temperature: float | None = _doc("Sampling temperature; 0 is greedy. Default 1.", None, minimum=0)
     top_p: float | None = _doc("Nucleus sampling mass. Default 1.", None, exclusiveMinimum=0, maximum=1)
     presence_penalty: float | None = _doc("Default 0.", None, minimum=-2, maximum=2)
@@ -95,8 +112,8 @@ class _SamplingFields(_Request):
     logit_bias: dict[str, float] | None = _doc("Not supported: only null or {} is accepted.", None, maxProperties=0)
     user: str | None = _doc("Accepted and ignored.", None)
     # extensions
-    top_k: int | None = _doc("Extension: sample among the k most likely tokens; -1 or 0 disables. Default -1.", None, le=INT32_MAX, minimum=-1)
-    min_tokens: int = _doc("Extension: tokens generated before EOS or a stop may end the generation.", 0, le=UINT32_MAX, minimum=0)
+    top_k: JsonInt | None = _doc("Extension: sample among the k most likely tokens; -1 or 0 disables. Default -1.", None, le=INT32_MAX, minimum=-1)
+    min_tokens: JsonInt = _doc("Extension: tokens generated before EOS or a stop may end the generation.", 0, le=UINT32_MAX, minimum=0)
     ignore_eos: bool = _doc("Extension: keep generating past the end-of-sequence token.", False)
     stop_token_ids: list[_TokenId] = Field(
         default_factory=list, description="Extension: token ids that end the generation.", json_schema_extra={"default": []}
@@ -108,14 +125,27 @@ class _SamplingFields(_Request):
         return _validate_stop(value)
 
 
+# best_of other than null or n is refused (router.http.preparation): a request-level anyOf publishes that.
+_BEST_OF_EQUALS_N = [
+    {"properties": {"best_of": {"type": "null"}}},  # absent or null
+    {"properties": {"best_of": {"const": 1}, "n": {"const": 1}}},  # n's default is 1
+    *({"properties": {"best_of": {"const": k}, "n": {"const": k}}, "required": ["best_of", "n"]} for k in range(2, MAX_N + 1)),
+]
+
+
 class CompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"anyOf": _BEST_OF_EQUALS_N})
+
     # str | list[str] | list[int] | list[list[int]], normalised to a list of str or list of token lists
     prompt: list[str] | list[list[int]] = _doc("A string, a list of strings, a list of token ids or a list of lists of token ids.")
-    max_tokens: int | None = _doc("Tokens to generate per choice (prompt + max_tokens <= the model's context). Default 16.", None, minimum=1)
-    logprobs: int | None = _doc("Return the log-probability of each token and of this many alternatives.", None, minimum=0, maximum=MAX_LOGPROBS)
+    max_tokens: JsonInt | None = _doc(
+        "Tokens to generate per choice (prompt + max_tokens <= the model's context). Default 16, or the "
+        "router's --max-tokens-default when it has one.", None, minimum=1)
+    logprobs: JsonInt | None = _doc("Return the log-probability of each token and of this many alternatives.", None, minimum=0, maximum=MAX_LOGPROBS)
     echo: bool = _doc("Prepend the prompt to the text (not with logprobs).", False)
     suffix: str | None = _doc("Not supported: only null or an empty string is accepted.", None, maxLength=0)
-    best_of: int | None = _doc("Only null or equal to n is accepted.", None, minimum=1, maximum=MAX_N)
+    best_of: JsonInt | None = _doc("Only null or equal to n is accepted (no server-side choice among more "
+                                   "candidates); the request schema's anyOf says so.", None, minimum=1, maximum=MAX_N)
 
     @field_validator(
         "prompt", mode="plain",
@@ -129,7 +159,7 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids, and not empty")
         if all(isinstance(p, str) for p in value):
             return list(value)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if all(_is_integer(t) for t in value):
             return [_validate_token_ids(value, "prompt")]
         if all(isinstance(p, list) for p in value):
             return [_validate_token_ids(p, "prompt") for p in value]
@@ -182,10 +212,12 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = _doc("The conversation, rendered with the model's chat template.", minItems=1)
-    max_tokens: int | None = _doc("Deprecated by OpenAI for max_completion_tokens, which wins when both are set.", None, minimum=1)
-    max_completion_tokens: int | None = _doc("Tokens to generate per choice. Default: the room left in the context.", None, minimum=1)
+    max_tokens: JsonInt | None = _doc("Deprecated by OpenAI for max_completion_tokens, which wins when both are set.", None, minimum=1)
+    max_completion_tokens: JsonInt | None = _doc(
+        "Tokens to generate per choice. Default: the router's --max-tokens-default when it has one, else the room "
+        "left in the context (up to the model's whole context, which on a CPU can take minutes).", None, minimum=1)
     logprobs: bool = _doc("Return the log-probability of each generated token.", False)
-    top_logprobs: int | None = _doc("Alternatives per token (needs logprobs=true).", None, minimum=0, maximum=MAX_LOGPROBS)
+    top_logprobs: JsonInt | None = _doc("Alternatives per token (needs logprobs=true).", None, minimum=0, maximum=MAX_LOGPROBS)
     # OpenAI fields that clients send with their defaults: their no-op values are accepted, the rest
     # get an `unsupported_parameter` 400 that names them (router.http.preparation._check_chat_options).
     response_format: dict[str, Any] | None = _doc(

@@ -2,7 +2,9 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}] (these need
 `Authorization: Bearer <api_key>` when an api_key is set), GET /health, GET /metrics, and the
-API's description at GET /openapi.json and /docs (router.http.openapi).
+API's description at GET /openapi.json (router.http.openapi) and /docs, whose Swagger UI assets the
+router serves itself from the fastapi-offline package (under /static-offline-docs), so that it
+works without the internet.
 Every response carries `x-request-id`; every error has OpenAI's error body.
 """
 
@@ -17,6 +19,7 @@ import anyio
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -53,19 +56,26 @@ def create_app(
     request_timeout_s: float | None = None,
     health_timeout_s: float = 5.0,
     metrics: RouterMetrics | None = None,
+    max_tokens_default: int | None = None,
 ) -> FastAPI:
     """Builds the app. `request_timeout_s` bounds a whole generation (504 or an SSE error past it);
-    `metrics` defaults to a fresh RouterMetrics with its own registry."""
+    `metrics` defaults to a fresh RouterMetrics with its own registry; `max_tokens_default` is the
+    max_tokens of a request that gives none, on both endpoints (None: 16 for completions, the room
+    left in the context for chat)."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes!r}")
     if request_timeout_s is not None and request_timeout_s <= 0:
         raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
+    if max_tokens_default is not None and (isinstance(max_tokens_default, bool) or not isinstance(max_tokens_default, int)
+                                           or max_tokens_default < 1):
+        raise ValueError(f"max_tokens_default must be an integer >= 1, got {max_tokens_default!r}")
     metrics = metrics or RouterMetrics()
-    serving = OpenAIServing(backend, metrics, request_timeout_s)
+    serving = OpenAIServing(backend, metrics, request_timeout_s, max_tokens_default)
     created = int(time.time())
 
-    app = FastAPI(
+    app = FastAPIOffline(
         title="pdserve router", version="1", redoc_url=None,
+        swagger_ui_parameters={"validatorUrl": None},  # Swagger UI would ask validator.swagger.io otherwise
         description="OpenAI-compatible completions and chat completions served by a prefill/decode cluster.",
     )
     app.state.metrics = metrics

@@ -117,10 +117,12 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 class OpenAIServing:
-    def __init__(self, backend: GenerationBackend, metrics: RouterMetrics, request_timeout_s: float | None = None) -> None:
+    def __init__(self, backend: GenerationBackend, metrics: RouterMetrics, request_timeout_s: float | None = None,
+                 max_tokens_default: int | None = None) -> None:
         self.backend = backend
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
+        self.max_tokens_default = max_tokens_default  # a request's max_tokens when it gives none (None: OpenAI's)
 
     async def handle(self, endpoint: Endpoint, request: Request, request_id: str) -> Response:
         arrival = time.monotonic()
@@ -129,11 +131,13 @@ class OpenAIServing:
             # templates and tokenizers are CPU work: keep them off the event loop that streams tokens
             if endpoint == "chat":
                 chat_req = parse_request(ChatCompletionRequest, body)
-                prepared = await anyio.to_thread.run_sync(prepare_chat, chat_req, self.backend, request_id)
+                prepared = await anyio.to_thread.run_sync(
+                    prepare_chat, chat_req, self.backend, request_id, self.max_tokens_default)
                 formatter: Formatter = ChatFormatter(prepared, self.backend.model_name, self.backend.tokenizer.token_to_str)
             else:
                 completion_req = parse_request(CompletionRequest, body)
-                prepared = await anyio.to_thread.run_sync(prepare_completion, completion_req, self.backend, request_id)
+                prepared = await anyio.to_thread.run_sync(
+                    prepare_completion, completion_req, self.backend, request_id, self.max_tokens_default)
                 formatter = CompletionFormatter(prepared, self.backend.model_name, self.backend.tokenizer.token_to_str)
         except APIError:
             self.metrics.requests.labels(endpoint, RequestStatus.ERROR).inc()

@@ -36,3 +36,21 @@ def test_no_table_without_server_timing_and_csv_booleans_read_right(tmp_path):
     lines = text.splitlines()
     assert next(l for l in lines if "| in512-out64 |" in l).endswith("|  |")
     assert next(l for l in lines if "| cut |" in l).endswith("| interrupted |")
+
+
+def test_plots_of_panels_without_data_draw_no_empty_legend(tmp_path):
+    """A bandwidth that ran only lower rates has no line in the top-rate TTFT CDF: no legend, no warning."""
+    import warnings
+
+    from loadgen.records import RequestRecord, write_jsonl
+    from loadgen.report import make_plots
+
+    write_jsonl(tmp_path / "r.jsonl", [RequestRecord(index=0, request_id="a", scheduled_s=0.0, sent_s=0.0, ttft_s=0.1,
+                                                     e2e_s=0.2, status=200)])
+    rows = [{"dataset": "d", "policy": "p", "bandwidth_gbps": bw, "rate": rate, "num_requests": 1,
+             "records_file": "r.jsonl", "slo_attainment": 1.0, "goodput": rate}
+            for bw, rate in ((1.0, 1.0), (10.0, 2.0))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        written = make_plots(rows, tmp_path)
+    assert sorted(p.name for p in written) == ["goodput_vs_bandwidth.png", "slo_attainment_vs_rate.png", "ttft_cdf.png"]

@@ -2,9 +2,11 @@
 
 `SchemaInstances(doc, rng).generate(schema)` follows `#/components/schemas/...` refs into
 `doc`, picks one branch of anyOf/oneOf (keeping the parent's numeric and size bounds, which
-JSON Schema applies to whichever branch matches), fills required properties always and
+JSON Schema applies to whichever branch matches; on an object, a branch's properties and
+required names narrow the object's), fills required properties always and
 optional ones sometimes, keeps numbers, strings and arrays within their bounds, and takes a
-string from `examples` most of the time, so that most requests name the served model.
+string from `examples` most of the time, so that most requests name the served model. An
+integer is now and then sent as a float with no fractional part (a JSON Schema integer too).
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ class SchemaInstances:
             return schema["const"]
         if "enum" in schema:
             return rng.choice(schema["enum"])
+        if schema.get("type") == "object" and "anyOf" in schema:  # constraints across properties
+            branch = self.resolve(rng.choice(schema["anyOf"]))
+            merged = {k: v for k, v in schema.items() if k != "anyOf"}
+            merged["properties"] = {**schema.get("properties", {}), **branch.get("properties", {})}
+            merged["required"] = [*schema.get("required", ()), *branch.get("required", ())]
+            return self._object(merged, depth)
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 branches = schema[key]
@@ -69,8 +77,10 @@ class SchemaInstances:
                 return 2**70  # far past any bound the server did not publish
             high = schema.get("maximum", low + 30)
             if rng.random() < 0.1:  # the edges
-                return rng.choice([int(low), int(high)])
-            return rng.randint(int(low), min(int(high), int(low) + 30))
+                value = rng.choice([int(low), int(high)])
+            else:
+                value = rng.randint(int(low), min(int(high), int(low) + 30))
+            return float(value) if rng.random() < 0.05 else value
         if kind == "number":
             low = schema.get("minimum", schema.get("exclusiveMinimum", -3.0))
             high = schema.get("maximum", low + 3.0)

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from router.errors import Overloaded, RequestTimeout, ServiceUnavailable
+from router.http.server import create_app
 from tests.router.conftest import MODEL, wait_until
 
 CHAT = "/v1/chat/completions"
@@ -42,6 +43,13 @@ BAD_REQUESTS = [
     (CHAT, chat(stream="yes"), "stream", "invalid_value"),
     (CHAT, chat(temperature="hot"), "temperature", "invalid_value"),
     (CHAT, chat(max_tokens=2.5), "max_tokens", "invalid_value"),
+    (COMPLETIONS, completion(max_tokens=2.5), "max_tokens", "invalid_value"),
+    (COMPLETIONS, completion(max_tokens=True), "max_tokens", "invalid_value"),
+    (CHAT, chat(max_completion_tokens=3.25), "max_completion_tokens", "invalid_value"),
+    (CHAT, chat(seed=0.5), "seed", "invalid_value"),
+    (CHAT, chat(n=1.5), "n", "invalid_value"),
+    (COMPLETIONS, completion(stop_token_ids=[2.5]), "stop_token_ids[0]", "invalid_value"),
+    (COMPLETIONS, completion(prompt=[5, 6.5]), "prompt", "invalid_value"),
     (CHAT, {"model": MODEL, "messages": "hi"}, "messages", "invalid_value"),
     (CHAT, chat(messages=[{"role": "bot", "content": "x"}]), "messages[0].role", "invalid_value"),
     (CHAT, chat(messages=[{"role": "user"}, {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
@@ -144,6 +152,59 @@ def test_prompt_plus_max_tokens_over_limit(server, backend):
 def test_default_max_tokens_is_clipped_to_the_room_left(server, backend):
     r = httpx.post(server.url + COMPLETIONS, json=completion(prompt=[5] * 120))
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+
+
+def test_integral_floats_are_integers(server, backend):
+    """JSON Schema's integers include 3.0: every integer field takes them, as the int they are."""
+    r = httpx.post(server.url + COMPLETIONS, json=completion(
+        prompt=[5.0, 6], max_tokens=3.0, n=2.0, seed=7.0, best_of=2.0, logprobs=1.0, top_k=4.0, min_tokens=1.0,
+        stop_token_ids=[3.0]))
+    assert r.status_code == 200, r.text
+    assert [len(c["text"]) for c in r.json()["choices"]] == [3, 3]
+    (_, prompt, params), _ = backend.requests
+    assert prompt == [5, 6] and type(prompt[0]) is int
+    assert (params.max_tokens, params.seed, params.logprobs, params.top_k, params.min_tokens) == (3, 7, 1, 4, 1)
+    assert params.stop_token_ids == (3,)
+    r = httpx.post(server.url + CHAT, json=chat(max_completion_tokens=2.0, logprobs=True, top_logprobs=1.0))
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+    assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 1
+
+
+def test_top_logprobs_out_of_range_is_named_in_the_message(server):
+    err = error_of(httpx.post(server.url + CHAT, json=chat(logprobs=True, top_logprobs=50)), 400)
+    assert err["param"] == "top_logprobs"
+    assert err["message"] == "top_logprobs must be an integer in [0, 20], got 50."
+    err = error_of(httpx.post(server.url + COMPLETIONS, json=completion(logprobs=50)), 400)
+    assert (err["param"], err["message"]) == ("logprobs", "logprobs must be an integer in [0, 20], got 50.")
+
+
+def test_max_tokens_default_caps_requests_without_max_tokens(serve, backend):
+    server = serve(max_tokens_default=5)
+    r = httpx.post(server.url + CHAT, json=chat())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    r = httpx.post(server.url + COMPLETIONS, json=completion())
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
+    # the room left in the context still bounds the default; an explicit max_tokens is the request's own
+    r = httpx.post(server.url + COMPLETIONS, json=completion(prompt=[5] * 125))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    r = httpx.post(server.url + CHAT, json=chat(max_tokens=9))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 9
+    err = error_of(httpx.post(server.url + COMPLETIONS, json=completion(max_tokens=126)), 400)
+    assert (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
+    assert [params.max_tokens for _, _, params in backend.requests] == [5, 5, 3, 9]
+
+
+def test_without_max_tokens_default_chat_runs_to_the_end_of_the_context(server, backend):
+    r = httpx.post(server.url + CHAT, json=chat())
+    prompt_len = r.json()["usage"]["prompt_tokens"]
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 128 - prompt_len
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.0, True])
+def test_max_tokens_default_must_be_a_positive_integer(backend, value):
+    with pytest.raises(ValueError, match="max_tokens_default"):
+        create_app(backend, max_tokens_default=value)
 
 
 def test_unknown_route_and_method(server):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -139,3 +140,78 @@ def test_requests_generated_from_the_schema_get_documented_answers(doc, router_u
     # the schema leads to real generations of both kinds, and to 400s for what it cannot express
     assert statuses.get((200, False), 0) >= 5 and statuses.get((200, True), 0) >= 5, statuses
     assert statuses.get((400, False), 0) + statuses.get((400, True), 0) >= 5, statuses
+
+
+def _completion(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "abc", **fields}
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+AGREEMENT_CASES = [
+    # (path, body, the param a refusal names); the schema and the server must agree on each
+    ("/v1/completions", _completion(max_tokens=4.0), "max_tokens"),
+    ("/v1/completions", _completion(max_tokens=4.5), "max_tokens"),
+    ("/v1/completions", _completion(n=2.0, seed=3.0, logprobs=1.0, top_k=5.0, min_tokens=1.0), None),
+    ("/v1/completions", _completion(prompt=[5.0, 6], stop_token_ids=[7.0]), None),
+    ("/v1/completions", _completion(best_of=15, n=1), "best_of"),
+    ("/v1/completions", _completion(best_of=2), "best_of"),
+    ("/v1/completions", _completion(best_of=15, n=15, max_tokens=1), "best_of"),
+    ("/v1/completions", _completion(best_of=1), "best_of"),
+    ("/v1/completions", _completion(best_of=None, n=3), "best_of"),
+    ("/v1/completions", _completion(best_of=3.0, n=3), "best_of"),
+    ("/v1/chat/completions", _chat(max_completion_tokens=3.0), "max_completion_tokens"),
+    ("/v1/chat/completions", _chat(max_tokens=3.0, logprobs=True, top_logprobs=2.0), None),
+    ("/v1/chat/completions", _chat(max_tokens=0.5), "max_tokens"),
+    ("/v1/chat/completions", _chat(seed=1.25), "seed"),
+]
+
+
+@pytest.mark.parametrize("path, body, param", AGREEMENT_CASES)
+def test_schema_and_server_agree(doc, router_url, path, body, param):
+    """A body the published schema accepts is served (200); one it refuses gets a 400 naming the field."""
+    schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    valid = validator(doc, schema).is_valid(body)
+    r = httpx.post(router_url + path, json=body, headers={"authorization": f"Bearer {API_KEY}"}, timeout=20)
+    assert r.status_code == (200 if valid else 400), (valid, r.text)
+    if not valid:
+        assert r.json()["error"]["param"] == param
+
+
+def test_schema_accepts_integral_floats_and_best_of_only_equal_to_n(doc):
+    schema = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    check = validator(doc, schema)
+    assert check.is_valid(_completion(max_tokens=24116.0)) and not check.is_valid(_completion(max_tokens=24116.5))
+    assert not check.is_valid(_completion(best_of=15, n=1)) and check.is_valid(_completion(best_of=15, n=15))
+    assert "equal to n" in doc["components"]["schemas"]["CompletionRequest"]["properties"]["best_of"]["description"]
+
+
+def test_a_float_max_tokens_reaches_the_context_check(router_url):
+    """24116.0 is taken as the integer 24116: refused for the context length, not for its type."""
+    r = httpx.post(router_url + "/v1/completions", json=_completion(max_tokens=24116.0),
+                   headers={"authorization": f"Bearer {API_KEY}"}, timeout=20)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_max_tokens_defaults_are_documented(doc):
+    chat = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert "minutes" in chat["max_completion_tokens"]["description"]
+    assert "--max-tokens-default" in chat["max_completion_tokens"]["description"]
+    completion = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert "--max-tokens-default" in completion["max_tokens"]["description"]
+
+
+def test_docs_load_only_local_assets(router_url):
+    """/docs works offline: its page names no other host, and every asset it names is served."""
+    r = httpx.get(router_url + "/docs", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "//" not in r.text.replace("window.location.origin", ""), "an absolute URL in /docs"
+    assets = re.findall(r'(?:src|href)="([^"]+)"', r.text)
+    assert any(a.endswith(".js") for a in assets) and any(a.endswith(".css") for a in assets), assets
+    for asset in assets + re.findall(r"url: '([^']+)'", r.text):
+        assert asset.startswith("/"), asset
+        got = httpx.get(router_url + asset, timeout=10)
+        assert got.status_code == 200 and got.content, asset
+    assert "SwaggerUIBundle" in httpx.get(router_url + next(a for a in assets if a.endswith(".js")), timeout=10).text
