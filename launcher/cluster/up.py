@@ -83,8 +83,7 @@ def pool_specs(config: UpConfig, gpus_in_cluster: float, cluster_token: str | No
     if 0 < num_gpus < 1 and values["gpu_memory_fraction"] == ENGINE_DEFAULTS["gpu_memory_fraction"]:
         # workers sharing a GPU start together and each reads the free memory: give each its share
         values["gpu_memory_fraction"] = round(values["gpu_memory_fraction"] * num_gpus, 4)
-    engine = engine_config(values)
-    scheduler, _ = resolve_scheduler(engine.scheduler, worker_device_type(values["device"], num_gpus))
+    scheduler, _ = resolve_scheduler(engine_config(values).scheduler, worker_device_type(values["device"], num_gpus))
     values["max_num_batched_tokens"], values["max_num_seqs"] = scheduler.max_num_batched_tokens, scheduler.max_num_seqs
     return [
         PoolSpec(role=role, size=size, engine=engine_config(values, role), num_cpus=config.worker_cpus,
