@@ -78,8 +78,8 @@ class Profiler:
         config = dataclasses.replace(
             config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False),
             scheduler=dataclasses.replace(config.scheduler, role="mixed"))
-        self.config = config
         self.engine = LLMEngine(config)
+        self.config = self.engine.config  # the scheduler sizes resolved for the device
         self.repeats = repeats
         self.decode_steps = decode_steps
         self.progress = progress

@@ -80,7 +80,10 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
                    help="play the trace this many times faster (ignored when --rate is given)")
     a.add_argument("--num-requests", type=_positive(int), help="number of requests")
     a.add_argument("--duration", type=_positive(), help="send for this many seconds")
-    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--seed", type=int, default=0,
+                   help="seed of arrivals and prompts; a run with the seed of an earlier one sends the same "
+                        "prompts, which a server's prefix cache serves fast (the summary shows its hit rate): "
+                        "change it for new prompts")
 
     d = p.add_argument_group("dataset")
     d.add_argument("--dataset", choices=DATASET_KINDS, default="synthetic")

@@ -30,7 +30,7 @@ from loadgen.client import ClientConfig, StreamingClient, make_http_client, reso
 from loadgen.datasets import DatasetConfig, RequestSpec
 from loadgen.metrics import SLO, summarize
 from loadgen.records import RequestRecord
-from loadgen.server_metrics import kv_transfer_delta, scrape
+from loadgen.server_metrics import kv_transfer_delta, prefix_cache_delta, scrape
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def _progress(total: int, enabled: bool | None):
 
 async def _run_async(cfg: LoadConfig, schedule, records: list[RequestRecord], on_record, progress) -> dict:
     http = make_http_client(cfg.concurrency)
-    state: dict = {"model": None, "duration_s": None, "kv": {}}
+    state: dict = {"model": None, "duration_s": None, "kv": {}, "prefix_cache": prefix_cache_delta(None, None)}
     async with http:
         model = await resolve_model(http, cfg.client)
         state["model"] = model
@@ -171,6 +171,7 @@ async def _run_async(cfg: LoadConfig, schedule, records: list[RequestRecord], on
             bar.close()
         after = await scrape(http, metrics_url) if cfg.scrape_metrics and before is not None else None
         state["kv"] = kv_transfer_delta(before, after)
+        state["prefix_cache"] = prefix_cache_delta(before, after)
     return state
 
 
@@ -193,6 +194,7 @@ def run_load(
     records.sort(key=lambda r: r.index)
     summary = summarize(records, duration_s=state["duration_s"], slo=cfg.slo)
     summary.update(state["kv"])
+    summary.update(state["prefix_cache"])
     summary["start_time_unix"] = state.get("start_time_unix")
     return RunResult(records, summary, model=state["model"])
 
@@ -253,4 +255,20 @@ def format_summary(summary: dict) -> str:
             f"KV transfer   {summary['kv_transfer_bytes'] / 1e6:.1f} MB in {num('kv_transfer_count', '{:.0f}')} "
             f"transfers, {num('kv_transfer_gbps')} Gbit/s"
         )
+    lines.append(f"prefix cache  {describe_prefix_cache(summary)}")
     return "\n".join(lines)
+
+
+def describe_prefix_cache(summary: dict) -> str:
+    """The server's prefix-cache hit rate over the run, or n/a: prompts that repeat an earlier
+    run's (the same --seed) hit the cache and look faster than new ones."""
+    rate = summary.get("prefix_cache_hit_rate")
+    if rate is None:
+        if summary.get("prefix_cache_metric") is not None:
+            return "n/a (no prompt looked up in the server's prefix cache during the run)"
+        return "n/a (the server exports no prefix-cache counters on /metrics)"
+    hits, queries, unit = summary["prefix_cache_hits"], summary["prefix_cache_queries"], summary["prefix_cache_unit"]
+    text = f"{rate * 100:.1f}% hit ({hits:.0f} of {queries:.0f} prompt {unit})"
+    if rate >= 0.5:
+        text += "; prompts repeat what the server saw before (a new --seed draws new ones)"
+    return text

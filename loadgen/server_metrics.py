@@ -1,4 +1,9 @@
-"""Scrape a server's Prometheus `/metrics` and report KV transfer deltas over a run.
+"""Scrape a server's Prometheus `/metrics` and report KV transfer and prefix-cache deltas over a run.
+
+The prefix-cache hit rate of a run is hits / queries between the scrapes before and after it,
+from the first pair of counters in `PREFIX_CACHE_COUNTERS` the server exports: pdserve's
+router (prompt tokens), vLLM v1 (prompt tokens), or pdserve's per-worker block counters. A
+server with none of them gives None ("n/a"), not an error: loadgen measures any OpenAI server.
 
 The text exposition format is parsed here (name, optional {labels}, value, optional
 timestamp); samples of the same name are summed over their label sets.
@@ -17,6 +22,13 @@ log = logging.getLogger(__name__)
 KV_BYTES = "pdserve:kv_transfer_bytes_total"
 KV_SECONDS_SUM = "pdserve:kv_transfer_seconds_sum"
 KV_SECONDS_COUNT = "pdserve:kv_transfer_seconds_count"
+
+# (hits, queries, unit), first match wins
+PREFIX_CACHE_COUNTERS = (
+    ("pdserve:prefix_cache_hit_tokens_total", "pdserve:prefix_cache_query_tokens_total", "tokens"),
+    ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total", "tokens"),
+    ("pdserve:prefix_cache_hits_total", "pdserve:prefix_cache_queries_total", "blocks"),
+)
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(\s+\S+)?\s*$")
 
@@ -66,4 +78,24 @@ def kv_transfer_delta(before: dict[str, float] | None, after: dict[str, float] |
             out[field] = after[name] - before.get(name, 0.0)
     seconds, nbytes = out["kv_transfer_seconds"], out["kv_transfer_bytes"]
     out["kv_transfer_gbps"] = nbytes * 8 / seconds / 1e9 if nbytes is not None and seconds else None
+    return out
+
+
+def prefix_cache_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float | str | None]:
+    """The server's prefix-cache hits, queries and hit rate between two scrapes, with the counter
+    and unit they came from; all None when the server exports no known counters (or no queries
+    happened in between: no rate to give)."""
+    out: dict[str, float | str | None] = {"prefix_cache_hit_rate": None, "prefix_cache_hits": None,
+                                          "prefix_cache_queries": None, "prefix_cache_unit": None,
+                                          "prefix_cache_metric": None}
+    if before is None or after is None:
+        return out
+    for hits_name, queries_name, unit in PREFIX_CACHE_COUNTERS:
+        if hits_name in after and queries_name in after:
+            hits = after[hits_name] - before.get(hits_name, 0.0)
+            queries = after[queries_name] - before.get(queries_name, 0.0)
+            out.update(prefix_cache_hits=hits, prefix_cache_queries=queries, prefix_cache_unit=unit,
+                       prefix_cache_metric=hits_name,
+                       prefix_cache_hit_rate=hits / queries if queries > 0 else None)
+            return out
     return out

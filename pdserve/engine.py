@@ -22,13 +22,16 @@ their requests (detokenizing, stop checks) while the GPU runs the second. The ne
 starts from that step. A request that ends with a token (EOS, a stop string) or is aborted while
 the next step is in flight had one extra position computed, whose token is dropped. Anything
 else (a request waiting for admission, one ending by length, a block shortage, a prefill) runs
-the usual synchronous step. PDSERVE_OVERLAP_STEPS=0 turns it off.
+the usual synchronous step. `EngineConfig.overlap_steps=False` (--no-overlap-steps) turns it off.
+
+The scheduler's sizes not given in the config are the device's defaults
+(`pdserve.config.resolve_scheduler`), chosen here where the device is known and logged once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -36,7 +39,7 @@ from typing import Callable
 import torch
 
 from pdserve.block_manager import BlockManager
-from pdserve.config import EngineConfig, ModelConfig
+from pdserve.config import EngineConfig, ModelConfig, resolve_scheduler
 from pdserve.loaders import ModelSource, load_model_source
 from pdserve.model_runner import ModelRunner, resolve_device, resolve_dtype
 from pdserve.sampler import Sampler, SamplingRow
@@ -48,15 +51,7 @@ from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 logger = logging.getLogger(__name__)
 
 
-OVERLAP_ENV = "PDSERVE_OVERLAP_STEPS"
 PLACEHOLDER_TOKEN = -1  # a sampled token still on the device (only inside one `step` call)
-
-
-def overlap_enabled() -> bool:
-    value = os.environ.get(OVERLAP_ENV, "1").strip().lower()
-    if value not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-        raise ValueError(f"{OVERLAP_ENV} must be 0 or 1, got {value!r}")
-    return value in ("1", "true", "yes", "on")
 
 
 @dataclass
@@ -75,11 +70,14 @@ class NoKVSpaceError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+        self.device = resolve_device(config.device)
+        scheduler_config, chosen = resolve_scheduler(config.scheduler, self.device.type)
+        logger.info("engine: %s", chosen)
+        config = dataclasses.replace(config, scheduler=scheduler_config)
         self.config = config
         source = source if source is not None else load_model_source(config.model, config.tokenizer)
         self.model_config: ModelConfig = source.config
         self.tokenizer: Tokenizer | None = source.tokenizer
-        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.seed is not None:
             torch.manual_seed(config.seed)
@@ -103,7 +101,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.layer_hook: Callable[[int, ScheduledBatch], None] | None = None
         self.num_steps = 0
-        self.overlap_steps = overlap_enabled()
+        self.overlap_steps = config.overlap_steps
         self.num_steps_ahead = 0  # steps launched before the previous step's tokens reached the host
         self._in_flight: _InFlight | None = None  # a step launched ahead, its tokens not read yet
 

@@ -2,11 +2,21 @@
 
 `ENGINE_DEFAULTS` is the single source of the defaults: the argparse flags, the YAML keys of
 `pdserve up --config` and `engine_config` all read it.
+
+The engine's switches are flags too (`--[no-]overlap-steps`, `--[no-]cuda-graphs`,
+`--[no-]warmup`, `--experimental-fp8-kv`). Each may also be set by an environment variable
+(`ENGINE_ENV`), read here and nowhere below: a switch not given (None) takes the variable's
+value when it is set, else its default, in `resolve_switches`. A flag or a config-file key
+wins over the variable.
+
+`max_num_batched_tokens` and `max_num_seqs` not given stay None here: the engine fills them
+in for its device (`pdserve.config.resolve_scheduler`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,13 +31,45 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "kv_cache_gib": 0.5,
     "gpu_memory_fraction": 0.85,
     "block_size": 16,
-    "max_num_batched_tokens": 512,
-    "max_num_seqs": 64,
+    "max_num_batched_tokens": None,  # None: the device's default (8192 on CUDA, 512 on CPU)
+    "max_num_seqs": None,  # None: the device's default (256 on CUDA, 64 on CPU)
     "no_prefix_caching": False,
     "compile": False,
     "no_packed_weights": False,
     "kv_cache_dtype": "auto",
+    # switches: None = not given (the environment variable of ENGINE_ENV, else SWITCH_DEFAULTS)
+    "overlap_steps": None,
+    "cuda_graphs": None,
+    "warmup": None,
+    "experimental_fp8_kv": None,
 }
+
+SWITCH_DEFAULTS: dict[str, bool] = {"overlap_steps": True, "cuda_graphs": True, "warmup": True,
+                                    "experimental_fp8_kv": False}
+ENGINE_ENV: dict[str, str] = {
+    "overlap_steps": "PDSERVE_OVERLAP_STEPS",
+    "cuda_graphs": "PDSERVE_CUDA_GRAPHS",
+    "warmup": "PDSERVE_WARMUP",
+    "experimental_fp8_kv": "PDSERVE_EXPERIMENTAL_FP8_KV",
+}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def resolve_switches(values: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> dict[str, bool]:
+    """The engine switches: each given value (True/False), else its ENGINE_ENV variable when set
+    (1/0, true/false, yes/no, on/off), else SWITCH_DEFAULTS; ValueError naming a bad variable.
+    The one place the engine's environment variables are read."""
+    env = os.environ if environ is None else environ
+    out: dict[str, bool] = {}
+    for key, default in SWITCH_DEFAULTS.items():
+        value = values.get(key)
+        if value is None and env.get(ENGINE_ENV[key]) is not None:
+            text = env[ENGINE_ENV[key]].strip().lower()
+            if text not in _TRUE + _FALSE:
+                raise ValueError(f"{ENGINE_ENV[key]} must be 0 or 1, got {env[ENGINE_ENV[key]]!r}")
+            value = text in _TRUE
+        out[key] = default if value is None else bool(value)
+    return out
 
 
 def int_arg(flag: str):
@@ -90,12 +132,29 @@ def add_engine_args(p: argparse.ArgumentParser, *, suppress_defaults: bool = Fal
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=default("kv_cache_dtype"),
                    help="KV cache dtype: auto (the model's), bf16, or fp8 (e4m3, a scale per token "
                         "and head: half the KV bytes)")
+    bool_flag = argparse.BooleanOptionalAction
+    p.add_argument("--overlap-steps", action=bool_flag, default=default("overlap_steps"),
+                   help="GPU: launch the next decode-only step before reading the last one's tokens "
+                        f"(default: on, or ${ENGINE_ENV['overlap_steps']}=0/1)")
+    p.add_argument("--cuda-graphs", action=bool_flag, default=default("cuda_graphs"),
+                   help="GPU: replay CUDA graphs for decode-only steps "
+                        f"(default: on, or ${ENGINE_ENV['cuda_graphs']}=0/1)")
+    p.add_argument("--warmup", action=bool_flag, default=default("warmup"),
+                   help="worker: run the serving shapes (kernels, CUDA graphs) before saying it is ready "
+                        f"(default: on, or ${ENGINE_ENV['warmup']}=0/1)")
+    p.add_argument("--experimental-fp8-kv", action=bool_flag, default=default("experimental_fp8_kv"),
+                   help="allow --kv-cache-dtype fp8 on CUDA, whose GPU tests failed on an H200 "
+                        f"(default: off, or ${ENGINE_ENV['experimental_fp8_kv']}=0/1)")
 
 
 def engine_kwargs(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
-    """Keyword arguments of `pdserve.llm.LLM` from parsed engine flags."""
+    """Keyword arguments of `pdserve.llm.LLM` from parsed engine flags (switches not given: the
+    environment, `resolve_switches`)."""
     v = vars(args) if isinstance(args, argparse.Namespace) else args
-    return dict(model=v["model"], tokenizer=v.get("tokenizer"), dtype=v["dtype"], device=v["device"], max_model_len=v["max_model_len"],
+    sw = resolve_switches(v)
+    return dict(model=v["model"], tokenizer=v.get("tokenizer"), dtype=v["dtype"], device=v["device"],
+                max_model_len=v["max_model_len"], overlap_steps=sw["overlap_steps"],
+                enforce_eager=not sw["cuda_graphs"], experimental_fp8_kv=sw["experimental_fp8_kv"],
                 kv_cache_gib=v["kv_cache_gib"], gpu_memory_fraction=v["gpu_memory_fraction"],
                 block_size=v["block_size"], max_num_batched_tokens=v["max_num_batched_tokens"],
                 max_num_seqs=v["max_num_seqs"], enable_prefix_caching=not v["no_prefix_caching"],
@@ -104,16 +163,20 @@ def engine_kwargs(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any
 
 
 def engine_config(values: argparse.Namespace | Mapping[str, Any], role: str = "mixed") -> EngineConfig:
-    """The `EngineConfig` of one worker from engine flag values (ValueError names a bad value)."""
+    """The `EngineConfig` of one worker from engine flag values (ValueError names a bad value;
+    switches not given: the environment, `resolve_switches`)."""
     v = vars(values) if isinstance(values, argparse.Namespace) else values
+    sw = resolve_switches(v)
     return EngineConfig(
         model=v["model"], tokenizer=v.get("tokenizer"), dtype=v["dtype"], device=v["device"],
-        max_model_len=v["max_model_len"], cache=CacheConfig(block_size=v["block_size"], cpu_kv_gib=v["kv_cache_gib"],
+        max_model_len=v["max_model_len"], overlap_steps=sw["overlap_steps"], warmup=sw["warmup"],
+        cache=CacheConfig(block_size=v["block_size"], cpu_kv_gib=v["kv_cache_gib"],
                           gpu_memory_fraction=v["gpu_memory_fraction"],
                           enable_prefix_caching=not v["no_prefix_caching"],
                           compile_cpu_decode=v.get("compile", False),
                           cpu_packed_weights=not v.get("no_packed_weights", False),
-                          kv_cache_dtype=v.get("kv_cache_dtype", "auto")),
+                          kv_cache_dtype=v.get("kv_cache_dtype", "auto"),
+                          enforce_eager=not sw["cuda_graphs"], experimental_fp8_kv=sw["experimental_fp8_kv"]),
         scheduler=SchedulerConfig(max_num_batched_tokens=v["max_num_batched_tokens"],
                                   max_num_seqs=v["max_num_seqs"], role=role),
     )

@@ -35,16 +35,20 @@ class LLM:
     def __init__(self, model: str = "smollm2", *, tokenizer: str | None = None, dtype: str | None = None, device: str | None = None,
                  seed: int = 0, max_model_len: int | None = None, block_size: int = 16,
                  kv_cache_gib: float = 0.5, num_blocks: int | None = None,
-                 gpu_memory_fraction: float = 0.85, max_num_batched_tokens: int = 512,
-                 max_num_seqs: int = 64, enable_prefix_caching: bool = True, compile: bool = False,
-                 packed_weights: bool = True, kv_cache_dtype: str = "auto") -> None:
+                 gpu_memory_fraction: float = 0.85, max_num_batched_tokens: int | None = None,
+                 max_num_seqs: int | None = None, enable_prefix_caching: bool = True, compile: bool = False,
+                 packed_weights: bool = True, kv_cache_dtype: str = "auto", overlap_steps: bool = True,
+                 enforce_eager: bool = False, experimental_fp8_kv: bool = False) -> None:
+        # max_num_batched_tokens / max_num_seqs None: the device's defaults (pdserve.config.SCHEDULER_DEFAULTS)
         config = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
+            overlap_steps=overlap_steps,
             cache=CacheConfig(block_size=block_size, cpu_kv_gib=kv_cache_gib, num_blocks=num_blocks,
                               gpu_memory_fraction=gpu_memory_fraction,
                               enable_prefix_caching=enable_prefix_caching,
                               compile_cpu_decode=compile, cpu_packed_weights=packed_weights,
-                              kv_cache_dtype=kv_cache_dtype),
+                              kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
+                              experimental_fp8_kv=experimental_fp8_kv),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs),
         )

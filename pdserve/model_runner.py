@@ -6,14 +6,13 @@ over static input buffers (token ids, positions, slots, seq lens, block tables a
 longest possible sequence). A step copies its inputs into those buffers from pinned host
 memory and replays the graph of the next size up; padding rows have slot -1 (no KV write) and
 seq len 0 (attention reads nothing). Mixed and prefill steps, layer hooks, the torch kernel
-backend, `CacheConfig.enforce_eager` and PDSERVE_CUDA_GRAPHS=0 run eagerly.
+backend and `CacheConfig.enforce_eager` (--no-cuda-graphs) run eagerly.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 
 import numpy as np
@@ -32,18 +31,6 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GIB = 1 << 30
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-CUDA_GRAPHS_ENV = "PDSERVE_CUDA_GRAPHS"
-_ENV_TRUE, _ENV_FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def cuda_graphs_requested(cache_config: CacheConfig) -> bool:
-    """False when `enforce_eager` is set or PDSERVE_CUDA_GRAPHS is 0/false/no/off."""
-    value = os.environ.get(CUDA_GRAPHS_ENV, "1").strip().lower()
-    if value not in _ENV_TRUE + _ENV_FALSE:
-        raise ValueError(f"{CUDA_GRAPHS_ENV} must be 0 or 1, got {value!r}")
-    return value in _ENV_TRUE and not cache_config.enforce_eager
-
-
 def resolve_device(device: str | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -78,10 +65,11 @@ class ModelRunner:
         if self.kv_cache_dtype == kernels.FP8_DTYPE and cache_config.compile_cpu_decode:
             raise ValueError("kv_cache_dtype fp8 does not support compile (the CPU torch.compile decode)")
         if (self.kv_cache_dtype == kernels.FP8_DTYPE and device.type == "cuda"
-                and os.environ.get("PDSERVE_EXPERIMENTAL_FP8_KV") != "1"):
+                and not cache_config.experimental_fp8_kv):
             # its exact-write and SmolLM2 tolerance tests failed on an H200 (docs/results/h200_gpu_tests.txt)
             raise ValueError("kv_cache_dtype fp8 on CUDA is not verified yet (its GPU tests failed on an H200); "
-                             "set PDSERVE_EXPERIMENTAL_FP8_KV=1 to use it anyway, or use the default cache dtype")
+                             "pass --experimental-fp8-kv (CacheConfig.experimental_fp8_kv) to use it anyway, "
+                             "or use the default cache dtype")
         self.num_blocks = self._num_blocks(cache_config)
         c = model_config
         shape = self.pool_shape(self.num_blocks)
@@ -97,7 +85,7 @@ class ModelRunner:
                     self.kv_cache_dtype_name, self.kv_cache_bytes / (1 << 20))
         # CUDA graphs of the decode forward, captured at the first decode-only step.
         self.use_cuda_graphs = (device.type == "cuda" and not self.torch_path
-                                and cuda_graphs_requested(cache_config))
+                                and not cache_config.enforce_eager)
         cap = min(cache_config.cuda_graph_max_batch, self.num_blocks)
         sizes = [b for b in GRAPH_BATCH_SIZES if b <= cap]
         if cap < GRAPH_BATCH_SIZES[-1] and cap not in sizes:

@@ -47,6 +47,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        if not config.resolved:  # the engine fills them in for its device (config.resolve_scheduler)
+            raise ValueError("scheduler config: max_num_batched_tokens and max_num_seqs must be set "
+                             "(resolve_scheduler fills in the device's defaults)")
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()

@@ -14,13 +14,12 @@
 The requests run as role "mixed" with no layer hook (a prefill worker's hook would push their
 KV), then are aborted; the prefix cache forgets their blocks. On the CPU the prompts are short
 (no kernels to compile; with `--compile` the decode steps trigger its two compilations).
-PDSERVE_WARMUP=0 skips all of it.
+A worker skips all of it when `EngineConfig.warmup` is False (--no-warmup).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -28,7 +27,6 @@ from pdserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-WARMUP_ENV = "PDSERVE_WARMUP"
 MAX_WARMUP_STEPS = 64  # the requests below finish in about 12 steps; a bound, not a target
 
 
@@ -48,13 +46,6 @@ class WarmupReport:
         graphs = f"; CUDA graphs for decode batches {list(self.graph_batch_sizes)}" if self.graph_batch_sizes else ""
         prompts = f"; prompts of {' and '.join(map(str, self.prompt_tokens))} tokens" if self.prompt_tokens else ""
         return f"warm-up on {self.device} in {self.total_s:.1f}s ({parts}){prompts}{graphs}"
-
-
-def warmup_enabled() -> bool:
-    value = os.environ.get(WARMUP_ENV, "1").strip().lower()
-    if value not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-        raise ValueError(f"{WARMUP_ENV} must be 0 or 1, got {value!r}")
-    return value in ("1", "true", "yes", "on")
 
 
 def _device_name(engine) -> str:

@@ -123,6 +123,15 @@ class RouterMetrics:
         )
         self.prompt_tokens = Counter("pdserve:prompt_tokens_total", "Prompt tokens of accepted requests.", registry=r)
         self.generation_tokens = Counter("pdserve:generation_tokens_total", "Generated tokens.", registry=r)
+        # counted per request when it ends, from the cached-token count its worker's engine
+        # reported (the block manager's prefix-cache hit at admission): exact for a run's window,
+        # unlike the polled per-worker block counters below
+        self.prefix_cache_hit_tokens = Counter(
+            "pdserve:prefix_cache_hit_tokens_total",
+            "Prompt tokens of prefilled requests that the worker's prefix cache already held.", registry=r)
+        self.prefix_cache_query_tokens = Counter(
+            "pdserve:prefix_cache_query_tokens_total",
+            "Prompt tokens of prefilled requests (looked up in the worker's prefix cache).", registry=r)
 
     def observe_choice(self, *, arrival: float, first_token: float | None, last_token: float | None, num_output_tokens: int) -> None:
         """Records the latencies of one backend request (times from time.monotonic())."""
@@ -133,6 +142,11 @@ class RouterMetrics:
         self.e2e_request_latency.observe(last_token - arrival)
         if num_output_tokens > 1:
             self.time_per_output_token.observe((last_token - first_token) / (num_output_tokens - 1))
+
+    def observe_prefix_cache(self, *, prompt_tokens: int, cached_tokens: int) -> None:
+        """One prefilled request: `cached_tokens` of its `prompt_tokens` came from the prefix cache."""
+        self.prefix_cache_query_tokens.inc(prompt_tokens)
+        self.prefix_cache_hit_tokens.inc(min(cached_tokens, prompt_tokens))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

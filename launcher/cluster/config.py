@@ -44,12 +44,17 @@ class UpConfig:
     kv_cache_gib: float = ENGINE_DEFAULTS["kv_cache_gib"]
     gpu_memory_fraction: float = ENGINE_DEFAULTS["gpu_memory_fraction"]
     block_size: int = ENGINE_DEFAULTS["block_size"]
-    max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"]
-    max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"]
+    max_num_batched_tokens: int | None = ENGINE_DEFAULTS["max_num_batched_tokens"]  # None: the device's
+    max_num_seqs: int | None = ENGINE_DEFAULTS["max_num_seqs"]  # None: the device's
     no_prefix_caching: bool = ENGINE_DEFAULTS["no_prefix_caching"]
     compile: bool = ENGINE_DEFAULTS["compile"]
     no_packed_weights: bool = ENGINE_DEFAULTS["no_packed_weights"]
     kv_cache_dtype: str = ENGINE_DEFAULTS["kv_cache_dtype"]
+    # switches; None: the environment variable (pdserve.engine_args.ENGINE_ENV), else the default
+    overlap_steps: bool | None = ENGINE_DEFAULTS["overlap_steps"]
+    cuda_graphs: bool | None = ENGINE_DEFAULTS["cuda_graphs"]
+    warmup: bool | None = ENGINE_DEFAULTS["warmup"]
+    experimental_fp8_kv: bool | None = ENGINE_DEFAULTS["experimental_fp8_kv"]
     # pools
     mode: str = "disaggregated"
     prefill: int = 1
@@ -161,9 +166,11 @@ _INTS = {"max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"
          "port", "ray_object_store_mb", "max_tokens_default"}
 _FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s",
            "worker_wait_s", "slo_ttft", "slo_tpot"}
-_BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration"}
-_OPTIONAL = {"tokenizer", "dtype", "device", "max_model_len", "replicas", "worker_gpus", "address", "api_key", "served_model_name",
-             "topology", "profile", "slo_ttft", "slo_tpot", "max_tokens_default"}
+_BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration",
+          "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv"}
+_OPTIONAL = {"tokenizer", "dtype", "device", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+             "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv", "replicas", "worker_gpus", "address", "api_key",
+             "served_model_name", "topology", "profile", "slo_ttft", "slo_tpot", "max_tokens_default"}
 
 
 def check_policy(name: str) -> None:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -51,8 +52,28 @@ def gpu_share(config: UpConfig, gpus_in_cluster: float) -> float:
     return config.worker_gpus
 
 
+def worker_device_type(device: str | None, num_gpus: float) -> str:
+    """The device type ("cuda" or "cpu") a worker with `num_gpus` runs on (--device wins)."""
+    if device is not None:
+        return device.split(":", 1)[0]
+    return "cuda" if num_gpus > 0 else "cpu"
+
+
+def engine_sizes(config: UpConfig, num_gpus: float) -> str:
+    """The scheduler sizes workers with `num_gpus` each get, and where they came from, in one
+    line: "max_num_batched_tokens=8192 max_num_seqs=256 (defaults for cuda)"."""
+    from pdserve.config import SchedulerConfig, resolve_scheduler
+
+    device = worker_device_type(config.device, num_gpus)
+    return resolve_scheduler(SchedulerConfig(max_num_batched_tokens=config.max_num_batched_tokens,
+                                             max_num_seqs=config.max_num_seqs), device)[1]
+
+
 def pool_specs(config: UpConfig, gpus_in_cluster: float, cluster_token: str | None = None):
+    """One PoolSpec per role. The engine's scheduler sizes not given are resolved here for the
+    workers' device (`pdserve.config.resolve_scheduler`) and sent to them explicitly."""
     from launcher.cluster.pools import PoolSpec
+    from pdserve.config import resolve_scheduler
     from pdserve.engine_args import ENGINE_DEFAULTS, engine_config
 
     num_gpus = gpu_share(config, gpus_in_cluster)
@@ -62,6 +83,8 @@ def pool_specs(config: UpConfig, gpus_in_cluster: float, cluster_token: str | No
     if 0 < num_gpus < 1 and values["gpu_memory_fraction"] == ENGINE_DEFAULTS["gpu_memory_fraction"]:
         # workers sharing a GPU start together and each reads the free memory: give each its share
         values["gpu_memory_fraction"] = round(values["gpu_memory_fraction"] * num_gpus, 4)
+    scheduler, _ = resolve_scheduler(engine_config(values).scheduler, worker_device_type(values["device"], num_gpus))
+    values["max_num_batched_tokens"], values["max_num_seqs"] = scheduler.max_num_batched_tokens, scheduler.max_num_seqs
     return [
         PoolSpec(role=role, size=size, engine=engine_config(values, role), num_cpus=config.worker_cpus,
                  num_gpus=num_gpus, resources=config.pool_resources(role), strategy=config.placement_strategy,
@@ -185,6 +208,12 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
         except ValueError as e:
             print(f"pdserve: error: {e}", file=sys.stderr)
             return 2
+        if config.max_num_seqs is None and specs:  # network-aware's hybrid model needs the workers' value
+            settings = dataclasses.replace(settings, max_batch=specs[0].engine.scheduler.max_num_seqs)
+            policy = make_router_policy(settings)
+        sizes = engine_sizes(config, specs[0].num_gpus if specs else 0.0)
+        logger.info("engine: %s", sizes)
+        print(f"pdserve up: engine: {sizes}", file=sys.stderr, flush=True)
         pools = ClusterPools(config.cluster_name, config.namespace, specs)
         total = sum(s.size for s in specs)
         print(f"pdserve up: starting {_describe(specs)} on Ray "

@@ -36,7 +36,7 @@ from pdserve.proto.auth import TokenInterceptor, check_token
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.convert import output_to_chunk, params_from_proto
 from pdserve.sampling_params import RequestOutput
-from pdserve.warmup import warm_up, warmup_enabled
+from pdserve.warmup import warm_up
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.kv_push import Destination, KVPusher
 
@@ -388,10 +388,10 @@ class WorkerServer:
         self.engine = LLMEngine(engine_config)
         load_s = time.perf_counter() - t0
         # Ready means warm: kernels compiled and CUDA graphs captured before the first request.
-        self.warmup = warm_up(self.engine) if warmup_enabled() else None
+        self.warmup = warm_up(self.engine) if engine_config.warmup else None
         self.startup_s = time.perf_counter() - t0
         self.startup = (f"model {engine_config.model} loaded in {load_s:.1f}s; "
-                        + (self.warmup.describe() if self.warmup else "warm-up skipped (PDSERVE_WARMUP=0)")
+                        + (self.warmup.describe() if self.warmup else "warm-up skipped (--no-warmup)")
                         + f"; start-up {self.startup_s:.1f}s")
         logger.info("worker %s (%s): %s", config.worker_id, config.role, self.startup)
         self.block_size = engine_config.cache.block_size

@@ -41,6 +41,7 @@ class JobProgress:
     last_token_at: float | None = None
     finish_reason: str | None = None
     timing: dict | None = None  # RequestOutput.timing of the finished delta
+    num_cached_tokens: int = 0  # prompt tokens its worker found in its prefix cache (the most any delta said)
 
     @property
     def finished(self) -> bool:
@@ -107,6 +108,7 @@ class FanOut:
         if item.finished and item.finish_reason == "abort":
             raise ServiceUnavailable("The request was aborted by the backend.")
         progress = self.progress[job.index]
+        progress.num_cached_tokens = max(progress.num_cached_tokens, item.num_cached_tokens)
         if item.new_token_ids:
             now = time.monotonic()
             progress.first_token_at = progress.first_token_at or now

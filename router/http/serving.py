@@ -210,6 +210,11 @@ class OpenAIServing:
     async def _finish(self, endpoint: Endpoint, fanout: FanOut, arrival: float, status: str) -> None:
         await fanout.close()
         self.metrics.requests.labels(endpoint, status).inc()
+        for job in fanout.jobs:
+            progress = fanout.progress[job.index]
+            if progress.first_token_at is not None:  # prefilled: its prompt was looked up in the cache
+                self.metrics.observe_prefix_cache(prompt_tokens=len(job.prompt_token_ids),
+                                                  cached_tokens=progress.num_cached_tokens)
         for progress in fanout.progress.values():
             if progress.finished:
                 self.metrics.observe_choice(

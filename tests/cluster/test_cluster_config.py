@@ -268,3 +268,52 @@ def test_no_calibration_reaches_the_network_aware_policy(tmp_path):
     for calibrate in (True, False):
         settings = RouterSettings(model="smollm2", policy="network-aware", profile=profile, calibrate=calibrate)
         assert make_router_policy(settings).calibrate is calibrate
+
+
+def test_pool_specs_size_the_scheduler_for_the_workers_device():
+    """Sizes not given: the workers' device defaults (8192/256 with a GPU share, 512/64 on CPU),
+    sent to the workers explicitly; given sizes (flag or file) win."""
+    c = UpConfig(model="random:tiny-llama")
+    sizes = {s.engine.scheduler.max_num_batched_tokens for s in pool_specs(c, gpus_in_cluster=0)}, \
+        {s.engine.scheduler.max_num_seqs for s in pool_specs(c, gpus_in_cluster=0)}
+    assert sizes == ({512}, {64})
+    gpu = pool_specs(c, gpus_in_cluster=2)
+    assert {(s.engine.scheduler.max_num_batched_tokens, s.engine.scheduler.max_num_seqs) for s in gpu} == {(8192, 256)}
+    given = pool_specs(UpConfig(model="random:tiny-llama", max_num_seqs=32), gpus_in_cluster=2)
+    assert {(s.engine.scheduler.max_num_batched_tokens, s.engine.scheduler.max_num_seqs) for s in given} == {(8192, 32)}
+    on_cpu = pool_specs(UpConfig(model="random:tiny-llama", device="cpu"), gpus_in_cluster=2)  # --device wins
+    assert {s.engine.scheduler.max_num_batched_tokens for s in on_cpu} == {512}
+    from launcher.cluster.up import engine_sizes
+
+    assert engine_sizes(c, 1.0) == "max_num_batched_tokens=8192 max_num_seqs=256 (defaults for cuda)"
+    assert engine_sizes(c, 0.0) == "max_num_batched_tokens=512 max_num_seqs=64 (defaults for cpu)"
+
+
+def test_engine_switches_from_flags_file_and_environment(tmp_path, monkeypatch):
+    """--[no-]overlap-steps, --[no-]cuda-graphs, --[no-]warmup, --experimental-fp8-kv: flags over
+    the file over the environment (read once, at the edge) over the defaults; they reach every
+    worker's EngineConfig."""
+    for var in ("PDSERVE_OVERLAP_STEPS", "PDSERVE_CUDA_GRAPHS", "PDSERVE_WARMUP", "PDSERVE_EXPERIMENTAL_FP8_KV"):
+        monkeypatch.delenv(var, raising=False)
+
+    def engines(config):
+        return [s.engine for s in pool_specs(config, gpus_in_cluster=0)]
+
+    (default, _) = engines(UpConfig(model="random:tiny-llama"))
+    assert (default.overlap_steps, default.warmup, default.cache.enforce_eager, default.cache.experimental_fp8_kv) == (
+        True, True, False, False)
+    args = build_parser().parse_args(["up", "--no-overlap-steps", "--no-cuda-graphs", "--experimental-fp8-kv"])
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "func", "log_level", "config")}
+    assert given == {"overlap_steps": False, "cuda_graphs": False, "experimental_fp8_kv": True}
+    path = tmp_path / "c.yaml"
+    path.write_text("model: random:tiny-llama\nwarmup: false\noverlap-steps: true\n")
+    for engine in engines(load_up_config(given, str(path))):
+        assert (engine.overlap_steps, engine.warmup, engine.cache.enforce_eager, engine.cache.experimental_fp8_kv) == (
+            False, False, True, True)
+    monkeypatch.setenv("PDSERVE_WARMUP", "0")
+    monkeypatch.setenv("PDSERVE_CUDA_GRAPHS", "0")
+    (env, _) = engines(load_up_config({"cuda_graphs": True}, None))
+    assert env.warmup is False and env.cache.enforce_eager is False  # the flag over the variable
+    path.write_text("warmup: 0\n")
+    with pytest.raises(ValueError, match="warmup must be true or false"):
+        load_up_config({}, str(path))

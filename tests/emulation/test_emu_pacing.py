@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import kvtransfer
+from pdserve.config import EngineConfig
 from pdserve.emulation.kvprobe import make_caches, measure, num_blocks_for
 from pdserve.emulation.pacing_spec import (
     PACER_OPTION,
@@ -85,9 +86,9 @@ def test_worker_server_builds_the_pacer_from_kv_options(monkeypatch):
 
     monkeypatch.setattr(server, "LLMEngine", Engine)
     monkeypatch.setattr(server, "EngineLoop", lambda engine, name: None)
-    monkeypatch.setenv("PDSERVE_WARMUP", "0")  # the stub engine has nothing to warm up
-    for role in ("prefill", "decode"):
+    for role in ("prefill", "decode"):  # warmup=False: the stub engine has nothing to warm up
         server.WorkerServer(server.WorkerConfig(worker_id=role, role=role, kv_backend="fake",
+                                                engine=EngineConfig(warmup=False),
                                                 kv_options=((PACER_OPTION, "default=2"),)))
     assert seen["send"][PACER_OPTION].bucket_for("fake://x").rate_gbps == 2.0
     assert PACER_OPTION not in seen["recv"]

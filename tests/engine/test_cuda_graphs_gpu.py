@@ -18,9 +18,8 @@ MAX_TOKENS = [3, 17, 9, 33, 20, 40]
 
 
 def _generate(monkeypatch, graphs: bool, dtype: str):
-    monkeypatch.setenv("PDSERVE_CUDA_GRAPHS", "1" if graphs else "0")
     llm = LLM("random:smollm2-135m", device="cuda", dtype=dtype, num_blocks=256,
-              max_num_batched_tokens=64, max_num_seqs=8)
+              max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=not graphs)
     rng = random.Random(5)
     prompts = [[rng.randrange(10, 40000) for _ in range(n)] for n in LENGTHS]
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in MAX_TOKENS]
@@ -46,7 +45,6 @@ def test_graph_replay_gives_eager_greedy_tokens_fp32(monkeypatch):
 
 def test_graph_replay_logits_match_eager_bf16(monkeypatch):
     """The same decode step through a captured graph and eagerly: bf16 logits agree."""
-    monkeypatch.setenv("PDSERVE_CUDA_GRAPHS", "1")
     llm = LLM("random:smollm2-135m", device="cuda", dtype="bfloat16", num_blocks=256,
               max_num_batched_tokens=512, max_num_seqs=8)
     engine = llm.engine

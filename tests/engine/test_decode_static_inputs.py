@@ -46,19 +46,29 @@ def test_graph_sizes_are_capped_by_config_and_blocks():
     assert engine.runner.use_cuda_graphs is False  # CPU
 
 
-def test_env_var_disables_graphs(monkeypatch):
+def test_cuda_graphs_switch_reaches_the_cache_config(monkeypatch):
+    """--no-cuda-graphs (or PDSERVE_CUDA_GRAPHS=0, read at the CLI edge) is enforce_eager in the
+    config the runner gets; the runner reads no environment."""
     import pytest
 
-    from pdserve.config import CacheConfig
-    from pdserve.model_runner import cuda_graphs_requested
+    import argparse
 
-    assert cuda_graphs_requested(CacheConfig())
-    assert not cuda_graphs_requested(CacheConfig(enforce_eager=True))
+    from pdserve.engine_args import add_engine_args, engine_config
+
+    def cache(*flags):
+        parser = argparse.ArgumentParser()
+        add_engine_args(parser)
+        return engine_config(parser.parse_args(list(flags))).cache
+
+    monkeypatch.delenv("PDSERVE_CUDA_GRAPHS", raising=False)
+    assert cache().enforce_eager is False
+    assert cache("--no-cuda-graphs").enforce_eager is True
     monkeypatch.setenv("PDSERVE_CUDA_GRAPHS", "0")
-    assert not cuda_graphs_requested(CacheConfig())
+    assert cache().enforce_eager is True
+    assert cache("--cuda-graphs").enforce_eager is False  # the flag wins over the variable
     monkeypatch.setenv("PDSERVE_CUDA_GRAPHS", "maybe")
     with pytest.raises(ValueError, match="PDSERVE_CUDA_GRAPHS"):
-        cuda_graphs_requested(CacheConfig())
+        cache()
 
 
 def test_incremental_block_tables_match_every_step_under_preemption():

@@ -70,7 +70,8 @@ def greedy_runs(device: str, model_dtype: str, full: str) -> dict[str, list]:
     runs = {}
     for dtype in (full, "fp8"):
         engine = LLMEngine(EngineConfig(model="smollm2", device=device, dtype=model_dtype,
-                                        cache=CacheConfig(num_blocks=48, kv_cache_dtype=dtype)), source)
+                                        cache=CacheConfig(num_blocks=48, kv_cache_dtype=dtype,
+                                                          experimental_fp8_kv=True)), source)
         for i, prompt in enumerate(prompts):
             engine.add_request(str(i), prompt, SamplingParams(max_tokens=10, temperature=0, logprobs=3))
         logprobs: dict[str, list] = {str(i): [] for i in range(len(prompts))}
@@ -119,8 +120,8 @@ def test_fp8_on_cuda_needs_the_experimental_switch(monkeypatch):
     """Until its GPU tests pass on real hardware, FP8 on CUDA is refused with a clear error."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    monkeypatch.delenv("PDSERVE_EXPERIMENTAL_FP8_KV", raising=False)
-    with pytest.raises(ValueError, match="PDSERVE_EXPERIMENTAL_FP8_KV=1"):
+    monkeypatch.setenv("PDSERVE_EXPERIMENTAL_FP8_KV", "1")  # read only at the CLI edge: no effect here
+    with pytest.raises(ValueError, match="--experimental-fp8-kv"):
         LLM("random:tiny-llama", device="cuda", num_blocks=8, kv_cache_dtype="fp8")
 
 
@@ -132,8 +133,8 @@ def test_smollm2_greedy_fp8_cache_within_tolerance():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_smollm2_greedy_fp8_cache_within_tolerance_gpu(monkeypatch):
-    """CUDA, bf16 model: the Triton kernels (and CUDA graphs) read the FP8 pools; against a bf16 cache."""
-    monkeypatch.setenv("PDSERVE_EXPERIMENTAL_FP8_KV", "1")  # what this test is to verify
+    """CUDA, bf16 model: the Triton kernels (and CUDA graphs) read the FP8 pools; against a bf16 cache
+    (greedy_runs sets experimental_fp8_kv: what this test is to verify)."""
     try:
         runs = greedy_runs("cuda", "bfloat16", "bf16")
     except ValueError as e:  # the GPU image packs a tokenizer-only SmolLM2 GGUF

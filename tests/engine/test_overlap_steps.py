@@ -18,9 +18,8 @@ MAX_TOKENS = [3, 17, 9, 12, 25]
 
 
 def make_llm(overlap: bool, monkeypatch, **kw) -> LLM:
-    monkeypatch.setenv("PDSERVE_OVERLAP_STEPS", "1" if overlap else "0")
     args = dict(device="cpu", dtype="float32", num_blocks=96, block_size=16, max_num_batched_tokens=64,
-                max_num_seqs=8)
+                max_num_seqs=8, overlap_steps=overlap)
     args.update(kw)
     llm = LLM("random:tiny-llama", **args)
     llm.engine.runner.use_cuda_graphs = True  # off CUDA: static buffers, eager "replay"
@@ -142,12 +141,29 @@ def test_logprobs_and_penalties_take_the_synchronous_step(monkeypatch):
     assert_idle(llm)
 
 
-def test_env_var_checked(monkeypatch):
-    from pdserve.engine import overlap_enabled
+def test_switch_from_flag_or_env_at_the_edge(monkeypatch):
+    """--[no-]overlap-steps, else PDSERVE_OVERLAP_STEPS (read by the CLI layer only), else on;
+    the engine itself reads no environment."""
+    import argparse
 
+    from pdserve.engine_args import add_engine_args, engine_config, engine_kwargs
+
+    def parse(*flags):
+        parser = argparse.ArgumentParser()
+        add_engine_args(parser)
+        return parser.parse_args(list(flags))
+
+    monkeypatch.delenv("PDSERVE_OVERLAP_STEPS", raising=False)
+    assert engine_config(parse()).overlap_steps is True
+    assert engine_config(parse("--no-overlap-steps")).overlap_steps is False
+    monkeypatch.setenv("PDSERVE_OVERLAP_STEPS", "0")
+    assert engine_config(parse()).overlap_steps is False
+    assert engine_kwargs(parse())["overlap_steps"] is False
+    assert engine_config(parse("--overlap-steps")).overlap_steps is True
+    assert make_llm(True, monkeypatch).engine.overlap_steps is True  # the config, not the variable
     monkeypatch.setenv("PDSERVE_OVERLAP_STEPS", "sometimes")
     with pytest.raises(ValueError, match="PDSERVE_OVERLAP_STEPS"):
-        overlap_enabled()
+        engine_config(parse())
 
 
 @pytest.mark.gpu
@@ -164,9 +180,8 @@ def test_overlap_on_a_gpu_gives_the_synchronous_tokens(monkeypatch):
     base = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (3, 17, 9, 33, 20, 40)]
 
     def run(overlap: bool, params):
-        monkeypatch.setenv("PDSERVE_OVERLAP_STEPS", "1" if overlap else "0")
         llm = LLM("random:smollm2-135m", device="cuda", dtype="float32", num_blocks=256,
-                  max_num_batched_tokens=64, max_num_seqs=8)
+                  max_num_batched_tokens=64, max_num_seqs=8, overlap_steps=overlap)
         launched = count_launches_ahead(llm)
         outs = llm.generate(batch, params)
         assert_idle(llm)

@@ -1,3 +1,5 @@
+import pytest
+
 from pdserve.block_manager import BlockManager
 from pdserve.config import SchedulerConfig
 from pdserve.sampling_params import SamplingParams
@@ -96,3 +98,37 @@ def test_decode_role_reserve_and_commit():
     assert batch.seqs == [a] and batch.num_new_tokens == [1]
     s.finish(a, "stop")
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_scheduler_sizes_resolve_for_the_device():
+    """Not given (None): the device's defaults, GPU-sized on CUDA; given: kept."""
+    from pdserve.config import resolve_scheduler
+
+    cfg, line = resolve_scheduler(SchedulerConfig(), "cuda")
+    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs) == (8192, 256)
+    assert line == "max_num_batched_tokens=8192 max_num_seqs=256 (defaults for cuda)"
+    cfg, line = resolve_scheduler(SchedulerConfig(role="decode"), "cpu")
+    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs, cfg.role) == (512, 64, "decode")
+    assert line.endswith("(defaults for cpu)")
+    cfg, line = resolve_scheduler(SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=8), "cuda:1")
+    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs) == (1024, 8) and line.endswith("(given)")
+    cfg, line = resolve_scheduler(SchedulerConfig(max_num_seqs=8), "cuda")
+    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs) == (8192, 8)
+    assert line.endswith("(max_num_batched_tokens the default for cuda, the other given)")
+    with pytest.raises(ValueError, match="no default sizes for device 'mps'"):
+        resolve_scheduler(SchedulerConfig(), "mps")
+    with pytest.raises(ValueError, match="max_num_seqs must be > 0"):
+        SchedulerConfig(max_num_seqs=0)
+    with pytest.raises(ValueError, match="resolve_scheduler"):
+        Scheduler(SchedulerConfig(), BlockManager(8, 4))
+
+
+def test_engine_resolves_and_logs_its_sizes(caplog):
+    from pdserve.config import CacheConfig, EngineConfig
+    from pdserve.engine import LLMEngine
+
+    with caplog.at_level("INFO", logger="pdserve.engine"):
+        engine = LLMEngine(EngineConfig(model="random:tiny-llama", device="cpu", cache=CacheConfig(num_blocks=16)))
+    assert (engine.config.scheduler.max_num_batched_tokens, engine.config.scheduler.max_num_seqs) == (512, 64)
+    assert engine.scheduler.config is engine.config.scheduler
+    assert "engine: max_num_batched_tokens=512 max_num_seqs=64 (defaults for cpu)" in caplog.text

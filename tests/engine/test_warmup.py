@@ -8,7 +8,7 @@ import pytest
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import LLMEngine
 from pdserve.sampling_params import SamplingParams
-from pdserve.warmup import warm_up, warmup_enabled
+from pdserve.warmup import warm_up
 
 
 def make_engine(role="mixed", prefix=True):
@@ -39,16 +39,27 @@ def test_warm_up_runs_mixed_and_decode_steps_and_leaves_nothing(role):
     assert outs and outs[-1].finish_reason == ("prefilled" if role == "prefill" else "length")
 
 
-def test_warm_up_refuses_an_engine_with_requests_and_env_flag(monkeypatch):
+def test_warm_up_refuses_an_engine_with_requests_and_the_switch(monkeypatch):
     engine = make_engine()
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="before the engine takes requests"):
         warm_up(engine)
-    monkeypatch.setenv("PDSERVE_WARMUP", "0")
-    assert not warmup_enabled()
+    import argparse
+
+    from pdserve.engine_args import add_engine_args, engine_config
+
+    def warmup(*flags):
+        parser = argparse.ArgumentParser()
+        add_engine_args(parser)
+        return engine_config(parser.parse_args(list(flags))).warmup
+
+    monkeypatch.delenv("PDSERVE_WARMUP", raising=False)
+    assert warmup() is True and warmup("--no-warmup") is False
+    monkeypatch.setenv("PDSERVE_WARMUP", "0")  # read at the CLI edge, into EngineConfig.warmup
+    assert warmup() is False and warmup("--warmup") is True
     monkeypatch.setenv("PDSERVE_WARMUP", "sometimes")
     with pytest.raises(ValueError, match="PDSERVE_WARMUP"):
-        warmup_enabled()
+        warmup()
 
 
 def test_layer_hook_runs_only_for_batches_with_a_hand_off():

@@ -2,7 +2,8 @@
 
 It streams SSE exactly like OpenAI (`data: {...}\\n\\n`, a final usage chunk when asked,
 `data: [DONE]`) with controlled delays: `ttft_s` before the first token and `itl_s`
-between tokens. It exports Prometheus KV transfer counters and per-request KV headers.
+between tokens. It exports Prometheus KV transfer counters and per-request KV headers, and
+(`prefix_cache=True`) pdserve's prefix-cache token counters: a prompt seen before is all hits.
 Run as a script (the experiment tests launch it as a subprocess) or build with make_app().
 """
 
@@ -21,9 +22,10 @@ KV_BYTES_PER_PROMPT_TOKEN = 1000
 
 
 def make_app(ttft_s: float = 0.0, itl_s: float = 0.0, fail_status: int | None = None,
-             model: str = "fake-model", label: str = "") -> FastAPI:
+             model: str = "fake-model", label: str = "", prefix_cache: bool = False) -> FastAPI:
     app = FastAPI()
-    stats = {"kv_bytes": 0.0, "kv_seconds": 0.0, "kv_count": 0, "requests": 0}
+    stats = {"kv_bytes": 0.0, "kv_seconds": 0.0, "kv_count": 0, "requests": 0, "hit_tokens": 0, "query_tokens": 0}
+    seen_prompts: set[str] = set()
 
     @app.get("/health")
     async def health():
@@ -44,6 +46,9 @@ def make_app(ttft_s: float = 0.0, itl_s: float = 0.0, fail_status: int | None = 
             f"pdserve:kv_transfer_seconds_sum {stats['kv_seconds']}\n"
             f"pdserve:kv_transfer_seconds_count {stats['kv_count']}\n"
             f"fake_requests_total {stats['requests']}\n"
+            + (f"# TYPE pdserve:prefix_cache_hit_tokens_total counter\n"
+               f"pdserve:prefix_cache_hit_tokens_total {stats['hit_tokens']}\n"
+               f"pdserve:prefix_cache_query_tokens_total {stats['query_tokens']}\n" if prefix_cache else "")
         )
 
     async def stream(request: Request, chat: bool):
@@ -56,6 +61,9 @@ def make_app(ttft_s: float = 0.0, itl_s: float = 0.0, fail_status: int | None = 
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         prompt_tokens = len(prompt.split())
         kv_bytes = prompt_tokens * KV_BYTES_PER_PROMPT_TOKEN
+        stats["query_tokens"] += prompt_tokens
+        stats["hit_tokens"] += prompt_tokens if prompt in seen_prompts else 0
+        seen_prompts.add(prompt)
         stats["kv_bytes"] += kv_bytes
         stats["kv_seconds"] += ttft_s
         stats["kv_count"] += 1

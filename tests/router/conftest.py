@@ -52,7 +52,8 @@ def expected_text(prompt_ids: list[int], num_tokens: int, seed: int | None = Non
 class FakeBackend:
     """Deterministic tokens from the prompt (see expected_text), one per step.
 
-    Prompt markers: "[slow]" makes each step take 0.2 s; "[eos]" makes the 4th token EOS.
+    Prompt markers: "[slow]" makes each step take 0.2 s; "[eos]" makes the 4th token EOS;
+    "[cached]" reports its first 5 prompt tokens as prefix-cache hits (num_cached_tokens).
     `fail_with` is raised before the first delta; `fail_after` tokens, `fail_mid` is raised.
     """
 
@@ -111,6 +112,7 @@ class FakeBackend:
                     finish_reason=finish,
                     num_prompt_tokens=len(prompt_token_ids),
                     num_output_tokens=count,
+                    num_cached_tokens=5 if "[cached]" in prompt_text else 0,
                     logprobs=logprobs,
                 )
                 emitted = len(visible)

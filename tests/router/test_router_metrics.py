@@ -39,6 +39,21 @@ def test_requests_and_tokens_are_counted(serve, backend):
     assert "# TYPE pdserve:placement_decisions_total counter" in text
 
 
+def test_prefix_cache_tokens_are_counted_per_prefilled_request(serve, backend):
+    """pdserve:prefix_cache_{hit,query}_tokens_total: each choice's prompt tokens, and the cached
+    tokens its worker reported; a request refused before prefill counts nothing."""
+    server = serve()
+    for prompt, n in (("[cached]abc", 2), ("xyz", 1)):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "n": n})
+        assert r.status_code == 200
+    assert httpx.post(server.url + "/v1/completions", json={"model": MODEL, "max_tokens": 2}).status_code == 400
+    text = httpx.get(server.url + "/metrics").text
+    prompt_lens = [len(ids) for _, ids, _ in backend.requests]
+    assert prompt_lens == [len("[cached]abc") + 1] * 2 + [len("xyz") + 1]  # + BOS
+    assert sample(text, "pdserve:prefix_cache_query_tokens_total") == sum(prompt_lens)
+    assert sample(text, "pdserve:prefix_cache_hit_tokens_total") == 2 * 5
+
+
 def test_aborted_requests_are_counted(serve, backend):
     server = serve()
     with httpx.stream("POST", server.url + "/v1/completions",
