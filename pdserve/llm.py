@@ -37,7 +37,10 @@ class LLM:
                  kv_cache_gib: float = 0.5, num_blocks: int | None = None,
                  gpu_memory_fraction: float = 0.85, max_num_batched_tokens: int = 512,
                  max_num_seqs: int = 64, enable_prefix_caching: bool = True, compile: bool = False,
-                 packed_weights: bool = True, kv_cache_dtype: str = "auto") -> None:
+                 packed_weights: bool = True, kv_cache_dtype: str = "auto",
+                 tensor_parallel_size: int = 1) -> None:
+        """`tensor_parallel_size` N > 1: the model is split over N ranks, this process being
+        rank 0 and N - 1 local processes the others (pdserve.parallel); `close()` stops them."""
         config = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
             cache=CacheConfig(block_size=block_size, cpu_kv_gib=kv_cache_gib, num_blocks=num_blocks,
@@ -47,10 +50,21 @@ class LLM:
                               kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs),
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stops the engine's other tensor-parallel ranks, if any (also at exit)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
