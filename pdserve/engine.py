@@ -125,6 +125,8 @@ class LLMEngine:
         if config.scheduler.role != "mixed":
             raise ValueError(f"{TP_FLAG} {size} needs role mixed: the KV plane does not ship "
                              "tensor-parallel shards yet")
+        if config.cache.compile_cpu_decode:
+            raise ValueError(f"--compile (the CPU torch.compile decode) does not support {TP_FLAG} > 1")
         self.tp_group = LocalTPGroup.start(config)
         try:
             self.device = rank_device(config, 0)

@@ -239,6 +239,7 @@ class ModelRunner:
             return self._execute_decode_torch(input_ids, meta)
         return self.model(input_ids, meta, self.kv_caches, layer_hook)
 
+    @torch.inference_mode()
     def follow(self, source: StepSource) -> int:
         """Tensor-parallel ranks 1..N-1: runs each step rank 0 publishes until ("stop",);
         returns the number of steps run. The logits are dropped (rank 0 samples)."""

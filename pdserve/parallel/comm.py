@@ -16,7 +16,9 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 60.0  # a collective that waits longer than this on a peer fails
+DEFAULT_TIMEOUT_S = 60.0
+# all_gather_into_tensor was renamed all_gather_single (torch 2.13 warns on the old name)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # a collective that waits longer than this on a peer fails
 
 
 class TPComm:
@@ -47,7 +49,7 @@ class TPComm:
         """[N, C] on each rank -> [N, size * C], rank r's columns at [r * C, (r + 1) * C)."""
         n, cols = tensor.shape
         out = torch.empty((self.size * n, cols), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(out, tensor.contiguous())
+        _all_gather_single(out, tensor.contiguous())
         return out.view(self.size, n, cols).permute(1, 0, 2).reshape(n, self.size * cols)
 
     def min_int(self, value: int) -> int:
