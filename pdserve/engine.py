@@ -235,6 +235,7 @@ class LLMEngine:
         parallelism a rank that died raises `TPRankError` (here and at every later step)."""
         if self.tp_group is None:
             return self._step()
+        self.tp_group.check_alive()
         try:
             return self._step()
         except TPRankError:
