@@ -9,6 +9,7 @@ import sys
 import time
 
 from pdserve.engine_args import ENGINE_DEFAULTS, add_engine_args, engine_config, engine_kwargs, float_arg, int_arg
+from pdserve.engine_args import add_tensor_parallel_arg
 
 __all__ = ["ENGINE_DEFAULTS", "add_engine_args", "build_parser", "engine_config", "engine_kwargs", "main"]
 
@@ -57,10 +58,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError(f"--{flag}: {e}") from None
     llm = LLM(**engine_kwargs(args))
     start = time.perf_counter()
-    if args.raw or llm.tokenizer is None or not llm.tokenizer.has_chat_template:
-        out = llm.generate([args.prompt], params)[0]
-    else:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    try:
+        if args.raw or llm.tokenizer is None or not llm.tokenizer.has_chat_template:
+            out = llm.generate([args.prompt], params)[0]
+        else:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    finally:
+        llm.close()
     elapsed = time.perf_counter() - start
     print(out.text)
     if args.verbose:
@@ -259,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate offline from one prompt")
     add_engine_args(g)
+    add_tensor_parallel_arg(g)
     g.add_argument("--prompt", required=True, help="the user message (the raw text with --raw)")
     g.add_argument("--max-tokens", type=int_arg("--max-tokens"), default=64,
                    help="tokens to generate at most (default %(default)s)")

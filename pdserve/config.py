@@ -187,8 +187,13 @@ class EngineConfig:
     warmup: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # ranks of one engine (pdserve.parallel): heads, MLP columns and vocabulary split N ways
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"engine config: tensor_parallel_size must be a positive integer, got {tp!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"engine config: dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:

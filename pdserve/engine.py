@@ -42,6 +42,7 @@ from pdserve.block_manager import BlockManager
 from pdserve.config import EngineConfig, ModelConfig, resolve_scheduler
 from pdserve.loaders import ModelSource, load_model_source
 from pdserve.model_runner import ModelRunner, resolve_device, resolve_dtype
+from pdserve.parallel.errors import TPRankError
 from pdserve.sampler import Sampler, SamplingRow
 from pdserve.sampling_params import RequestOutput, SamplingParams
 from pdserve.scheduler import ScheduledBatch, Scheduler
@@ -81,8 +82,12 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.seed is not None:
             torch.manual_seed(config.seed)
-        self.runner = ModelRunner(self.model_config, source.iter_weights(self.device), config.cache,
-                                  self.device, self.dtype, config.seed)
+        self.tp_group = None  # pdserve.parallel.local.LocalTPGroup: ranks 1..N-1 (TP > 1)
+        if config.tensor_parallel_size == 1:
+            self.runner = ModelRunner(self.model_config, source.iter_weights(self.device), config.cache,
+                                      self.device, self.dtype, config.seed)
+        else:
+            self.runner = self._start_tensor_parallel(source)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
@@ -101,9 +106,42 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.layer_hook: Callable[[int, ScheduledBatch], None] | None = None
         self.num_steps = 0
-        self.overlap_steps = config.overlap_steps
+        # TP > 1: every step is published to the other ranks with host-side inputs, so no step
+        # is launched with tokens still on the device
+        self.overlap_steps = config.overlap_steps and config.tensor_parallel_size == 1
         self.num_steps_ahead = 0  # steps launched before the previous step's tokens reached the host
         self._in_flight: _InFlight | None = None  # a step launched ahead, its tokens not read yet
+
+    def _start_tensor_parallel(self, source: ModelSource) -> ModelRunner:
+        """Checks the split, starts ranks 1..N-1 and loads rank 0's shard (pdserve.parallel)."""
+        from pdserve.parallel.layout import TP_FLAG, check_tensor_parallel
+        from pdserve.parallel.local import LocalTPGroup, load_rank_runner, rank_device
+
+        config, size = self.config, self.config.tensor_parallel_size
+        num_gpus = torch.cuda.device_count() if self.device.type == "cuda" else None
+        check_tensor_parallel(self.model_config, size, device_type=self.device.type, num_gpus=num_gpus)
+        if config.scheduler.role != "mixed":
+            raise ValueError(f"{TP_FLAG} {size} needs role mixed: the KV plane does not ship "
+                             "tensor-parallel shards yet")
+        if config.cache.compile_cpu_decode:
+            raise ValueError(f"--compile (the CPU torch.compile decode) does not support {TP_FLAG} > 1")
+        self.tp_group = LocalTPGroup.start(config)
+        try:
+            self.device = rank_device(config, 0)
+            return load_rank_runner(config, source, self.device, self.tp_group.comm, self.tp_group.channel)
+        except RuntimeError as exc:
+            self.tp_group.close()
+            if isinstance(exc, TPRankError):
+                raise
+            raise self.tp_group.failure(exc) from exc
+        except BaseException:
+            self.tp_group.close()
+            raise
+
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks (nothing to do at TP=1). Idempotent."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     # ---- requests --------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -191,7 +229,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one step and returns its outputs. Decode-only CUDA-graph steps overlap the host
         with the GPU: while a step runs, the next one is scheduled and launched with the tokens
-        still on the device (module docstring: "Overlapped decode steps")."""
+        still on the device (module docstring: "Overlapped decode steps"). Under tensor
+        parallelism a rank that died raises `TPRankError` (here and at every later step)."""
+        if self.tp_group is None:
+            return self._step()
+        self.tp_group.check_alive()
+        try:
+            return self._step()
+        except TPRankError:
+            raise
+        except RuntimeError as exc:  # a collective whose peer is gone
+            raise self.tp_group.failure(exc) from exc
+
+    def _step(self) -> list[RequestOutput]:
         current, self._in_flight = self._in_flight, None
         if current is None:
             batch = self.scheduler.schedule()

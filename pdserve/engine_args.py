@@ -147,6 +147,22 @@ def add_engine_args(p: argparse.ArgumentParser, *, suppress_defaults: bool = Fal
                         f"(default: off, or ${ENGINE_ENV['experimental_fp8_kv']}=0/1)")
 
 
+def positive_int_arg(flag: str):
+    def parse(text: str) -> int:
+        value = int_arg(flag)(text)
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+        return value
+    return parse
+
+
+def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
+    """`-tp N`: the model split over N ranks, N - 1 of them local processes (pdserve.parallel)."""
+    p.add_argument("-tp", "--tensor-parallel-size", type=positive_int_arg("--tensor-parallel-size"), default=1,
+                   metavar="N", help="split the model over N ranks (one GPU each on CUDA; local "
+                                     "processes over gloo on CPU)")
+
+
 def engine_kwargs(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
     """Keyword arguments of `pdserve.llm.LLM` from parsed engine flags (switches not given: the
     environment, `resolve_switches`)."""
@@ -159,7 +175,8 @@ def engine_kwargs(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any
                 block_size=v["block_size"], max_num_batched_tokens=v["max_num_batched_tokens"],
                 max_num_seqs=v["max_num_seqs"], enable_prefix_caching=not v["no_prefix_caching"],
                 compile=v.get("compile", False), packed_weights=not v.get("no_packed_weights", False),
-                kv_cache_dtype=v.get("kv_cache_dtype", "auto"))
+                kv_cache_dtype=v.get("kv_cache_dtype", "auto"),
+                tensor_parallel_size=v.get("tensor_parallel_size", 1))
 
 
 def engine_config(values: argparse.Namespace | Mapping[str, Any], role: str = "mixed") -> EngineConfig:
@@ -179,4 +196,5 @@ def engine_config(values: argparse.Namespace | Mapping[str, Any], role: str = "m
                           enforce_eager=not sw["cuda_graphs"], experimental_fp8_kv=sw["experimental_fp8_kv"]),
         scheduler=SchedulerConfig(max_num_batched_tokens=v["max_num_batched_tokens"],
                                   max_num_seqs=v["max_num_seqs"], role=role),
+        tensor_parallel_size=v.get("tensor_parallel_size", 1),
     )

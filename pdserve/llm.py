@@ -38,7 +38,10 @@ class LLM:
                  gpu_memory_fraction: float = 0.85, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, enable_prefix_caching: bool = True, compile: bool = False,
                  packed_weights: bool = True, kv_cache_dtype: str = "auto", overlap_steps: bool = True,
-                 enforce_eager: bool = False, experimental_fp8_kv: bool = False) -> None:
+                 enforce_eager: bool = False, experimental_fp8_kv: bool = False,
+                 tensor_parallel_size: int = 1) -> None:
+        """`tensor_parallel_size` N > 1: the model is split over N ranks, this process being
+        rank 0 and N - 1 local processes the others (pdserve.parallel); `close()` stops them."""
         # max_num_batched_tokens / max_num_seqs None: the device's defaults (pdserve.config.SCHEDULER_DEFAULTS)
         config = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
@@ -51,10 +54,21 @@ class LLM:
                               experimental_fp8_kv=experimental_fp8_kv),
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs),
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stops the engine's other tensor-parallel ranks, if any (also at exit)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

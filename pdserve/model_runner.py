@@ -7,6 +7,12 @@ longest possible sequence). A step copies its inputs into those buffers from pin
 memory and replays the graph of the next size up; padding rows have slot -1 (no KV write) and
 seq len 0 (attention reads nothing). Mixed and prefill steps, layer hooks, the torch kernel
 backend and `CacheConfig.enforce_eager` (--no-cuda-graphs) run eagerly.
+
+Tensor parallelism (`pdserve.parallel`): each rank's runner holds its shard and its KV heads.
+Rank 0's runner is given a `StepChannel`: before each forward it publishes the step's host
+inputs (`StepInputs`, or a graph step's static-buffer contents), and ranks 1..N-1 run the same
+forward on them in `follow`. Every rank runs the same collectives in the same order; only
+rank 0's logits are used.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -25,6 +33,10 @@ from pdserve.models.llama import AttentionMetadata, LayerHook, LlamaModel, decod
 from pdserve.sampler import Sampler, SamplingRow
 from pdserve.scheduler import ScheduledBatch
 from pdserve.sampling_params import TokenLogprob
+
+if TYPE_CHECKING:
+    from pdserve.parallel.comm import TPComm
+    from pdserve.parallel.layout import TPLayout
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +60,53 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+@dataclass
+class StepInputs:
+    """The host side of one eager step, in `ModelRunner.order` (decodes first): what rank 0
+    publishes to the other tensor-parallel ranks. Plain lists: cheap to pickle."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    seq_lens: list[int]  # per request, context incl. the new tokens
+    cu_q: list[int]  # [R + 1] offsets of each request's rows
+    tables: list[list[int]]  # per request, block ids padded with 0 to the widest
+    logits_rows: list[int]
+    num_decodes: int
+
+
+class StepChannel(Protocol):
+    """Rank 0's side of the step broadcast. Messages: ("eager", StepInputs, uses decode plan),
+    ("graph", n, size, width, ids/positions/slots [3, size], seq lens [size], tables
+    [size, width]), ("capture",) (capture the CUDA graphs now) and ("stop",). `publish` raises `TPRankError` (pdserve.parallel.local)
+    when a rank is gone."""
+
+    def publish(self, message: tuple) -> None: ...
+
+
+class StepSource(Protocol):
+    """The other ranks' side: the next message, in publish order (EOFError when rank 0 is gone)."""
+
+    def receive(self) -> tuple: ...
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, weights, cache_config: CacheConfig,
-                 device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
-        self.model_config = model_config
+                 device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 layout: "TPLayout | None" = None, comm: "TPComm | None" = None,
+                 channel: StepChannel | None = None) -> None:
+        """`model_config`: the whole model; under tensor parallelism `layout` and `comm` are this
+        rank's shard and collectives, and rank 0 gets the `channel` it publishes steps on."""
         self.device = device
         self.dtype = dtype
         self.block_size = cache_config.block_size
-        self.model = LlamaModel(model_config, dtype, device)
+        self.comm = comm
+        self.channel = channel
+        self.tp_size = comm.size if comm is not None else 1
+        if self.tp_size > 1 and cache_config.compile_cpu_decode:
+            raise ValueError("--compile (the CPU torch.compile decode) does not support --tensor-parallel-size > 1")
+        self.model = LlamaModel(model_config, dtype, device, layout, comm)
+        self.model_config = self.model.config  # this rank's shape (the whole model's at TP=1)
         self.model.load_weights(weights)
         self.model.eval()
         if (cache_config.cpu_packed_weights and device.type == "cpu" and dtype == torch.float32
@@ -150,6 +201,8 @@ class ModelRunner:
         num = budget // per_block
         if num < 1:
             raise ValueError("KV cache budget too small for a single block; raise the memory budget")
+        if self.comm is not None:  # one block manager for all ranks: the blocks every rank holds
+            num = self.comm.min_int(num)
         return num
 
     # ---- one step --------------------------------------------------------------------------
@@ -165,10 +218,51 @@ class ModelRunner:
             return self._execute_graph(batch, input_tokens)
         if input_tokens is not None:
             raise AssertionError("input_tokens needs a CUDA-graph decode step")
-        input_ids, meta = self.prepare(batch)
-        if layer_hook is None and meta.decode_plan is not None:
+        inputs = self.host_inputs(batch)
+        input_ids, meta = self.device_inputs(inputs)
+        planned = layer_hook is None and meta.decode_plan is not None
+        if self.channel is not None:
+            self.channel.publish(("eager", inputs, planned))
+        if planned:
             return self._execute_decode_torch(input_ids, meta)
         return self.model(input_ids, meta, self.kv_caches, layer_hook)
+
+    @torch.inference_mode()
+    def follow(self, source: StepSource) -> int:
+        """Tensor-parallel ranks 1..N-1: runs each step rank 0 publishes until ("stop",);
+        returns the number of steps run. The logits are dropped (rank 0 samples)."""
+        steps = 0
+        while True:
+            message = source.receive()
+            kind = message[0]
+            if kind == "stop":
+                return steps
+            if kind == "capture":
+                self.use_cuda_graphs = True  # rank 0 captures (or, off CUDA, forced the graph path)
+                self.capture_cuda_graphs()
+                continue
+            if kind == "eager":
+                _, inputs, planned = message
+                input_ids, meta = self.device_inputs(inputs)
+                if planned:
+                    self._execute_decode_torch(input_ids, meta)
+                else:
+                    self.model(input_ids, meta, self.kv_caches)
+            elif kind == "graph":
+                _, n, size, width, i64, lens, tables = message
+                self._ensure_graph_buffers()
+                if self._copied is not None:
+                    self._copied.synchronize()
+                h_i64, h_lens, h_flat = self._h_views
+                h_i64[:, :size] = i64
+                h_lens[:size] = lens
+                np.copyto(h_flat[:size * width].reshape(size, width), tables)
+                self._launch_graph(n, size, width, None)
+            else:
+                raise AssertionError(f"unknown step message {kind!r}")
+            if self.device.type == "cuda":  # a graph replay returns before the GPU is done
+                torch.cuda.current_stream(self.device).synchronize()
+            steps += 1
 
     @torch.inference_mode()
     def _execute_decode_torch(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -237,6 +331,10 @@ class ModelRunner:
         return decodes + prefills
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata]:
+        return self.device_inputs(self.host_inputs(batch))
+
+    def host_inputs(self, batch: ScheduledBatch) -> StepInputs:
+        """The step's inputs as host lists (what `device_inputs` turns into tensors)."""
         bs = self.block_size
         decodes, prefills = self._split(batch)
         order = decodes + prefills
@@ -261,37 +359,42 @@ class ModelRunner:
                 logits_rows.append(cu_q[-1] - 1)
         max_blocks = max(len(batch.seqs[i].block_ids) for i in order)
         tables = [batch.seqs[i].block_ids + [0] * (max_blocks - len(batch.seqs[i].block_ids)) for i in order]
+        return StepInputs(input_ids, positions, slots, seq_lens, cu_q, tables, logits_rows, num_decodes)
 
+    def device_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        tables, seq_lens, cu_q = inputs.tables, inputs.seq_lens, inputs.cu_q
         dev = self.device
         i32 = torch.int32
-        nd = num_decodes
+        nd = inputs.num_decodes
+        num_requests = len(seq_lens)
         # Decode and prefill parts are separate tensors, not slices of one: every kernel
         # argument starts 16-byte aligned, so Triton never compiles an extra variant for it.
         decode_tables = decode_lens = prefill_tables = prefill_lens = prefill_cu = None
         if nd:
             decode_tables = torch.tensor(tables[:nd], dtype=i32, device=dev)
             decode_lens = torch.tensor(seq_lens[:nd], dtype=i32, device=dev)
-        if nd < len(order):
+        if nd < num_requests:
             base = cu_q[nd]
             prefill_tables = torch.tensor(tables[nd:], dtype=i32, device=dev)
             prefill_lens = torch.tensor(seq_lens[nd:], dtype=i32, device=dev)
             prefill_cu = torch.tensor([c - base for c in cu_q[nd:]], dtype=i32, device=dev)
         meta = AttentionMetadata(
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            positions=torch.tensor(inputs.positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=dev),
             num_decodes=nd,
             decode_block_tables=decode_tables,
             decode_seq_lens=decode_lens,
             prefill_block_tables=prefill_tables,
             prefill_cu_seqlens_q=prefill_cu,
             prefill_seq_lens=prefill_lens,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            logits_indices=torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev),
         )
         if self.torch_path:
             meta.rope_tables = kernels.rope_tables(meta.positions, self.model.cos_sin)
-            if nd == len(order):
+            if nd == num_requests:
                 meta.decode_plan = kernels.decode_gather_plan(decode_tables, decode_lens, bs)
-        return torch.tensor(input_ids, dtype=torch.long, device=dev), meta
+        return torch.tensor(inputs.input_ids, dtype=torch.long, device=dev), meta
 
     # ---- CUDA graphs ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -301,7 +404,20 @@ class ModelRunner:
         Off CUDA (tests) only the static buffers are set up and "replay" runs eagerly."""
         if self._graphs or not self.use_cuda_graphs:
             return
+        if self.channel is not None:  # the capture's warm-up and captured collectives run on every rank
+            self.channel.publish(("capture",))
         t0 = time.perf_counter()
+        self._ensure_graph_buffers()
+        dev = self.device
+        if dev.type != "cuda":
+            self._graphs = {size: None for size in self.graph_batch_sizes}
+            return
+        self._capture(t0)
+
+    def _ensure_graph_buffers(self) -> None:
+        """The static input buffers of the graph path (pinned host and device), once."""
+        if getattr(self, "_h_views", None) is not None:
+            return
         dev, max_b = self.device, self.graph_batch_sizes[-1]
         on_cuda = dev.type == "cuda"
         self._h_i64 = torch.zeros((3, max_b), dtype=torch.int64, pin_memory=on_cuda)  # ids, pos, slot
@@ -316,12 +432,13 @@ class ModelRunner:
         # Host mirror of the block tables at a fixed row stride, updated incrementally.
         self._table_mirror = np.zeros((max_b, self.max_blocks_per_seq), dtype=np.int32)
         self._row_owners: list[tuple | None] = [None] * max_b
-        if not on_cuda:
-            self._copied = None
-            self._graphs = {size: None for size in self.graph_batch_sizes}
-            return
-        self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied = None
+        if on_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _capture(self, t0: float) -> None:
+        dev = self.device
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(dev)
         for size in reversed(self.graph_batch_sizes):
@@ -397,6 +514,22 @@ class ModelRunner:
         i64[2, n:size] = -1
         lens[n:size] = 0
         np.copyto(flat[:size * width].reshape(size, width), self._table_mirror[:size, :width])
+        if self.channel is not None:
+            self.channel.publish(("graph", n, size, width, i64[:, :size].copy(), lens[:size].copy(),
+                                  self._table_mirror[:size, :width].copy()))
+        logits = self._launch_graph(n, size, width, input_tokens)
+        sampling = [i for i in range(n) if batch.samples(i)]
+        if len(sampling) == n:
+            return logits[:n]
+        return logits[torch.tensor(sampling, dtype=torch.long, device=self.device)]
+
+    def _launch_graph(self, n: int, size: int, width: int, input_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Copies the filled host buffers to the device and replays the graph of `size`
+        (off CUDA: runs the same static inputs eagerly). Returns the padded logits."""
+        if not self._graphs:
+            self.capture_cuda_graphs()
+        if not self._graphs:  # a follower whose rank 0 forced the graph path (tests)
+            self._graphs = {s: None for s in self.graph_batch_sizes}
         self._d_i64.copy_(self._h_i64, non_blocking=True)
         self._d_lens.copy_(self._h_lens, non_blocking=True)
         self._d_tables[:size, :width].copy_(self._h_tables[:size * width].view(size, width),
@@ -411,10 +544,7 @@ class ModelRunner:
             graph, logits = captured
             graph.replay()
         self.num_graph_replays += 1
-        sampling = [i for i in range(n) if batch.samples(i)]
-        if len(sampling) == n:
-            return logits[:n]
-        return logits[torch.tensor(sampling, dtype=torch.long, device=self.device)]
+        return logits
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
         return self.sampler(logits, rows)

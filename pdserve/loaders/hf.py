@@ -53,13 +53,17 @@ def load_hf_dir(model_dir: str) -> ModelSource:
             f"{config.vocab_size}"
         )
 
-    def iter_weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(shard=None) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
 
         for path in files:
             with safe_open(path, framework="pt") as handle:
                 for name in names_by_file[path]:
-                    yield name, handle.get_tensor(name)
+                    index = None if shard is None else shard(name)
+                    if index is None:
+                        yield name, handle.get_tensor(name)
+                    else:  # tensor parallelism: read only this rank's slice
+                        yield name, handle.get_slice(name)[index]
 
     dtype_text = "/".join(sorted(dtypes))
     return ModelSource(
@@ -67,6 +71,7 @@ def load_hf_dir(model_dir: str) -> ModelSource:
         tokenizer=tokenizer,
         description=f"hf:{model_dir} ({config.architecture}, {len(files)} safetensors file(s), {dtype_text})",
         weights_factory=iter_weights,
+        shard_aware=True,
     )
 
 

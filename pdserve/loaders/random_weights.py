@@ -66,8 +66,23 @@ TINY_SHAPES: dict[str, ModelConfig] = {
     "tiny-tied": ModelConfig(architecture="llama", vocab_size=1000, num_layers=4, tie_word_embeddings=True,
                              name="random:tiny-tied", **_TINY),
 }
+TINY_TP_SHAPES: dict[str, ModelConfig] = {
+    # Tensor-parallel tests (TP 2 and 3): heads and MLP width divide by 6; vocabularies that do
+    # not (the last rank's padding rows); MHA, MQA (one KV head, replicated) and GQA, one tied.
+    "tiny-llama-tp": ModelConfig(architecture="llama", vocab_size=511, num_layers=2, hidden_size=96,
+                                 intermediate_size=192, num_heads=6, num_kv_heads=6, head_dim=16,
+                                 max_position_embeddings=512, name="random:tiny-llama-tp"),
+    "tiny-qwen2-tp": ModelConfig(architecture="qwen2", vocab_size=641, num_layers=2, hidden_size=96,
+                                 intermediate_size=192, num_heads=6, num_kv_heads=1, head_dim=16,
+                                 max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                                 attention_bias=True, name="random:tiny-qwen2-tp"),
+    "tiny-mistral-tp": ModelConfig(architecture="mistral", vocab_size=767, num_layers=2, hidden_size=96,
+                                   intermediate_size=192, num_heads=12, num_kv_heads=6, head_dim=8,
+                                   max_position_embeddings=512, tie_word_embeddings=True,
+                                   name="random:tiny-mistral-tp"),
+}
 logger = logging.getLogger(__name__)
-RANDOM_SHAPES: dict[str, ModelConfig] = {**REAL_SHAPES, **TINY_SHAPES}
+RANDOM_SHAPES: dict[str, ModelConfig] = {**REAL_SHAPES, **TINY_SHAPES, **TINY_TP_SHAPES}
 
 
 def parse_random_spec(spec: str) -> tuple[str, int]:

@@ -3,18 +3,27 @@
 Q/K/V and gate/up projections are fused into one matmul each. Attention reads the paged cache
 through `kernels` (Triton on CUDA, torch on CPU). The batch is varlen and flat: the first
 `num_decodes` rows are decode tokens (one per request), the rest are prefill chunks.
+
+Under tensor parallelism (`pdserve.parallel`) the model holds one rank's shard: its query and
+KV heads, its MLP columns and its vocabulary rows (`TPLayout`); `self.config` is that rank's
+local shape. o_proj and down_proj outputs and the embedding are all-reduced, the logits
+all-gathered. Without a `TPComm` none of that runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 import kernels
 from pdserve.config import ModelConfig
+
+if TYPE_CHECKING:
+    from pdserve.parallel.comm import TPComm
+    from pdserve.parallel.layout import TPLayout
 
 
 @dataclass
@@ -37,18 +46,26 @@ LayerHook = Callable[[int], None]  # called with the layer index once its KV is 
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 layout: "TPLayout | None" = None, comm: "TPComm | None" = None) -> None:
+        """`config`: the whole model's shape; `layout` and `comm`: this rank's shard and its
+        collectives (both or neither; a layout of size 1 is the whole model)."""
         super().__init__()
-        self.config = config
-        c = config
+        if (layout is not None and layout.size > 1) != (comm is not None):
+            raise AssertionError("a tensor-parallel model needs both its layout and its comm")
+        self.layout = layout if layout is not None and layout.size > 1 else None
+        self.comm = comm
+        self.config = c = self.layout.local_config() if self.layout else config
         kw = {"dtype": dtype, "device": device}
-        self.embed_tokens = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **kw), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(c, dtype, device) for _ in range(c.num_layers))
+        vocab_rows = self.layout.vocab_per_rank if self.layout else c.vocab_size
+        empty = torch.zeros if self.layout else torch.empty  # padding rows of the last rank stay 0
+        self.embed_tokens = nn.Parameter(empty(vocab_rows, c.hidden_size, **kw), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(c, dtype, device, comm) for _ in range(c.num_layers))
         self.norm = nn.Parameter(torch.empty(c.hidden_size, **kw), requires_grad=False)
         if c.tie_word_embeddings:
             self.lm_head = self.embed_tokens
         else:
-            self.lm_head = nn.Parameter(torch.empty(c.vocab_size, c.hidden_size, **kw), requires_grad=False)
+            self.lm_head = nn.Parameter(empty(vocab_rows, c.hidden_size, **kw), requires_grad=False)
         self.scale = c.head_dim ** -0.5
         self.register_buffer(
             "cos_sin",
@@ -66,7 +83,7 @@ class LlamaModel(nn.Module):
         layer_hook: LayerHook | None = None,
     ) -> torch.Tensor:
         """Returns logits [N, vocab] (float32) for the rows in `meta.logits_indices`."""
-        hidden = self.embed_tokens[input_ids]
+        hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, meta, kv_caches[index], self.cos_sin, self.scale)
@@ -75,7 +92,25 @@ class LlamaModel(nn.Module):
         hidden = hidden[meta.logits_indices]
         residual = residual[meta.logits_indices]  # type: ignore[index]
         hidden, _ = kernels.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
-        return kernels.linear(hidden, self.lm_head).float()
+        return self.compute_logits(hidden)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] token ids -> [T, hidden]. Vocab-parallel: each rank looks up the ids in its rows
+        (zeros elsewhere) and the ranks sum; no branch on values, so it can be captured."""
+        if self.layout is None:
+            return self.embed_tokens[input_ids]
+        start, end = self.layout.vocab_range
+        outside = (input_ids < start) | (input_ids >= end)
+        local = (input_ids - start).masked_fill(outside, 0)
+        hidden = self.embed_tokens[local].masked_fill(outside.unsqueeze(-1), 0)
+        return self.comm.all_reduce(hidden)  # type: ignore[union-attr]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]; vocab-parallel: gathered from every rank."""
+        logits = kernels.linear(hidden, self.lm_head).float()
+        if self.layout is None:
+            return logits
+        return self.comm.all_gather_last(logits)[:, :self.config.vocab_size]  # type: ignore[union-attr]
 
     def pack_weights(self) -> None:
         """Puts the projections and the LM head in MKL's packed GEMM layout (fp32 on the CPU;
@@ -92,7 +127,8 @@ class LlamaModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads Hugging Face-named tensors, fusing q/k/v and gate/up. Every parameter must
-        be set exactly once; a missing or unexpected tensor raises ValueError."""
+        be set exactly once; a missing or unexpected tensor raises ValueError. Under tensor
+        parallelism the tensors are this rank's slices (`TPLayout.shard_index`)."""
         c = self.config
         expected = set(self.expected_weight_names())
         seen: set[str] = set()
@@ -134,12 +170,16 @@ class LlamaModel(nn.Module):
     def _target(self, name: str) -> tuple[torch.Tensor, slice]:
         c = self.config
         everything = slice(None)
+        vocab_rows = everything
+        if self.layout is not None:  # the last rank's padding rows get no weights
+            start, end = self.layout.vocab_range
+            vocab_rows = slice(0, end - start)
         if name == "model.embed_tokens.weight":
-            return self.embed_tokens.data, everything
+            return self.embed_tokens.data, vocab_rows
         if name == "model.norm.weight":
             return self.norm.data, everything
         if name == "lm_head.weight":
-            return self.lm_head.data, everything
+            return self.lm_head.data, vocab_rows
         parts = name.split(".")
         layer: DecoderLayer = self.layers[int(parts[2])]  # type: ignore[assignment]
         sub = ".".join(parts[3:])
@@ -173,10 +213,12 @@ def _replace_weight(module: nn.Module, name: str, value: kernels.PackedWeight) -
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 comm: "TPComm | None" = None) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         self.c = c
+        self.comm = comm  # row-parallel o_proj and down_proj: their outputs are summed over ranks
         self.input_norm = nn.Parameter(torch.empty(c.hidden_size, **kw), requires_grad=False)
         self.post_norm = nn.Parameter(torch.empty(c.hidden_size, **kw), requires_grad=False)
         self.qkv_proj = nn.Parameter(torch.empty(c.q_size + 2 * c.kv_size, c.hidden_size, **kw),
@@ -218,9 +260,13 @@ class DecoderLayer(nn.Module):
                                       meta.slot_mapping)
         attn = _attention(q, k_cache, v_cache, meta, scale)
         hidden = kernels.linear(attn.reshape(num_tokens, c.q_size), self.o_proj)
+        if self.comm is not None:
+            self.comm.all_reduce(hidden)
         x, residual = kernels.rms_norm(hidden, self.post_norm, c.rms_norm_eps, residual)
         gate_up = kernels.linear(x, self.gate_up_proj)
         hidden = kernels.linear(kernels.silu_and_mul(gate_up), self.down_proj)
+        if self.comm is not None:
+            self.comm.all_reduce(hidden)
         return hidden, residual
 
 
@@ -252,7 +298,8 @@ def decode_forward_torch(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, 
     nh, nk, d, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
     batch, length = slots.shape
     plan = (slots.reshape(-1), mask, length)
-    hidden = model.embed_tokens[input_ids]
+    comm = model.comm
+    hidden = model.embed(input_ids)
     residual = hidden
     for index, layer in enumerate(model.layers):
         if index:
@@ -268,9 +315,13 @@ def decode_forward_torch(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, 
             v_cache.view(-1, nk, d).index_copy_(0, slot_mapping, heads[:, nh + nk:])
         attn = kernels.decode_attention_planned(qk[:, :nh], k_cache, v_cache, plan, model.scale)
         out = kernels.linear(attn.reshape(batch, nh * d), layer.o_proj)
+        if comm is not None:
+            comm.all_reduce(out)
         residual = out + residual
         x = kernels.rms_norm_ref(residual, layer.post_norm, eps)
         hidden = kernels.linear(kernels.silu_and_mul_ref(kernels.linear(x, layer.gate_up_proj)), layer.down_proj)
+        if comm is not None:
+            comm.all_reduce(hidden)
     residual = (hidden + residual)[logits_indices]
     x = kernels.rms_norm_ref(residual, model.norm, eps)
-    return kernels.linear(x, model.lm_head).float()
+    return model.compute_logits(x)
