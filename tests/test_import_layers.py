@@ -1,9 +1,9 @@
 """Imports run one way (DESIGN.md, Layout): a module imports only from its own layer or below.
 
-    1. the composition root: launcher/ (CLI, `pdserve up`, `pdserve profile`), pdserve.cli (its
-       old path, an alias), and the emulation modules that launch workers and clusters
+    1. the composition root: launcher/ (CLI, `pdserve up`, `pdserve profile`, every way of
+       starting workers and clusters, the link emulation)
     2. router/
-    3. pdserve.worker, kvtransfer/, and the KV pacing spec and probe of the emulation
+    3. pdserve.worker and kvtransfer/
     4. the engine and everything else in pdserve/ (protocol, shared request types, loaders, ...)
     5. kernels/
 
@@ -19,22 +19,15 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # module prefix -> layer; the longest matching prefix wins
 LAYERS: dict[str, int] = {
     "launcher": 1,
-    "pdserve.cli": 1,
-    "pdserve.emulation.worker": 1,
-    "pdserve.emulation.cluster": 1,
-    "pdserve.emulation.__main__": 1,
     "router": 2,
     "pdserve.worker": 3,
     "kvtransfer": 3,
-    "pdserve.emulation.pacing_spec": 3,
-    "pdserve.emulation.kvprobe": 3,
     "pdserve": 4,
     "kernels": 5,
 }
@@ -139,10 +132,9 @@ def test_the_check_catches_an_upward_import(tmp_path):
     assert {"pdserve.worker.sub", "pdserve.worker.other"} <= {t for t, _ in imported_modules("pdserve.worker", str(rel))}
 
 
-@pytest.mark.parametrize("argv", [["-m", "pdserve.cli", "--help"], ["-m", "launcher.cli", "--help"]])
-def test_cli_runs_from_its_old_and_new_paths(argv):
+def test_cli_runs_from_its_module_path():
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "--help"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "generate" in proc.stdout and "up" in proc.stdout
 
