@@ -159,9 +159,8 @@ def test_ray_pool_workers_use_it():
 
 SOURCE_DIRS = ("launcher", "router", "pdserve", "kvtransfer", "kernels", "sim", "loadgen", "benchmarks",
                "experiments", "deploy")
-WORKER_MODULES = ("launcher.cli", "launcher.workers", "pdserve.worker", "pdserve.worker.server")
 # a shell or YAML line that runs `python -m launcher.cli [...] worker` (or a worker module)
-SHELL_WORKER = re.compile(r"-m\s+(launcher\.cli\b.*\sworker\b|pdserve\.worker)")
+SHELL_WORKER = re.compile(r"-m\s+([\w.]+\s.*\bworker\s+--|[\w.]*\bworker\b)")
 
 
 def _source_files():
@@ -174,14 +173,18 @@ def _source_files():
 
 
 def worker_command_lists(source: str, name: str = "<source>") -> list[int]:
-    """Lines of list/tuple literals in Python `source` that hold a worker module and "worker"
-    (an argv being assembled), or run a worker module with -m."""
+    """Lines of list/tuple literals in Python `source` that run a worker with ``-m``: a module
+    followed by a "worker" subcommand (``"-m", "launcher.cli", "worker"``), or a worker module
+    (``"-m", "pdserve.worker.server"``, ``"-m", "x.worker"``)."""
     lines = []
     for node in ast.walk(ast.parse(source, name)):
-        if isinstance(node, (ast.List, ast.Tuple)):
-            strings = [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
-            if ("worker" in strings and any(s in WORKER_MODULES for s in strings)) or \
-                    ("-m" in strings and any(s.startswith("pdserve.worker") for s in strings)):
+        if not isinstance(node, (ast.List, ast.Tuple)):
+            continue
+        items = [e.value if isinstance(e, ast.Constant) and isinstance(e.value, str) else None for e in node.elts]
+        for i, item in enumerate(items[:-1]):
+            module = items[i + 1]
+            if item == "-m" and module is not None and (
+                    "worker" in items[i + 2:] or re.search(r"(^|\.)worker(\.|$)", module)):
                 lines.append(node.lineno)
     return lines
 
@@ -189,7 +192,9 @@ def worker_command_lists(source: str, name: str = "<source>") -> list[int]:
 def test_the_check_finds_a_worker_command_line():
     assert worker_command_lists('argv = [sys.executable, "-m", "launcher.cli", "worker", *flags]') == [1]
     assert worker_command_lists('argv = [py, "-m", "pdserve.worker.server", "--role", r]') == [1]
+    assert worker_command_lists('argv = [py, "-m", "pdserve.emulation.worker", "--kv-pacing", p, "--", *f]') == [1]
     assert worker_command_lists('argv = [py, "-m", "launcher.cli", "router", "--worker", w]') == []
+    assert worker_command_lists('argv = [py, "-m", "launcher.cli", "up", "--port", "1"]') == []
     assert SHELL_WORKER.search('"$py" -m launcher.cli --log-level INFO worker --role prefill')
     assert not SHELL_WORKER.search('"$py" -m launcher.cli up --model "$model"')
 
