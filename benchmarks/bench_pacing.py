@@ -1,11 +1,11 @@
 """Pacing accuracy: a KV transfer between two processes over UCX, paced by the sender's
-token bucket (kvtransfer LinkPacer, spec string from pdserve.emulation.pacing_spec).
+token bucket (kvtransfer LinkPacer, spec string from kvtransfer.pacing_spec).
 
 Both processes use the same device: on a GPU machine, two processes on GPU 0 (UCX then
 moves the KV by CUDA IPC, which no kernel shaping could hold: that is what pacing is
 for); without CUDA, host memory (UCX shared memory / TCP). SmolLM2-135M-shaped caches
 (30 layers, 3 KV heads, head_dim 64, fp32). First the unpaced ceiling, then each rate, all in
-one pair of processes (pdserve.emulation.kvprobe --plan: starting processes costs seconds, more
+one pair of processes (launcher.emulation.kvprobe --plan: starting processes costs seconds, more
 than a slow rate's transfers). Each rate's transfer is sized to take about ``--seconds`` at
 that rate (at least ``--min-mb``, at most ``--max-mb``), after a warm-up that connects and
 drains the bucket's burst, so the transfers start on an empty bucket.
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="give up on the probe after this")
     args = parser.parse_args(argv)
     if args.burst:
-        from pdserve.emulation.pacing_spec import parse_pacing
+        from kvtransfer.pacing_spec import parse_pacing
 
         try:
             parse_pacing(f"default=1,burst={args.burst}")
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from pdserve.emulation.kvprobe import format_table, measure_plan, summarize, transfer_mb
+    from launcher.emulation.kvprobe import format_table, measure_plan, summarize, transfer_mb
 
     cuda = torch.cuda.is_available()
     if args.device == "cuda" and not cuda:

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile("w+", prefix="pdserve-up-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "pdserve.cli", "up", "--mode", "colocated", "--replicas", str(args.replicas),
+    cmd = [sys.executable, "-m", "launcher.cli", "up", "--mode", "colocated", "--replicas", str(args.replicas),
            "--model", args.model, "--device", args.device, "--port", str(port), "--host", "127.0.0.1",
            "--kv-cache-dtype", args.kv_cache_dtype, "--startup-timeout-s", str(args.startup_timeout)]
     if args.device == "cuda":

@@ -31,7 +31,7 @@ def cluster_env(**extra: str) -> dict[str, str]:
 def start_up(args: list[str], log_path: Path) -> subprocess.Popen:
     """`pdserve up <args>` in a new session (its own process group), output to log_path."""
     log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", "up", *args], cwd=REPO, stdout=log,
+    return subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", *args], cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT, env=cluster_env(), start_new_session=True)
 
 

@@ -130,9 +130,9 @@ def main(argv=None) -> int:
     from loadgen.datasets import DatasetConfig, LengthDist
     from loadgen.metrics import SLO
     from loadgen.runner import LoadConfig, run_load
-    from pdserve.emulation.cluster import EmulatedDeployment
-    from pdserve.emulation.shaping import NO_NETEM, impair_link, netem_available, restore_link
-    from pdserve.emulation.spec import load_topology
+    from launcher.emulation.cluster import EmulatedDeployment
+    from launcher.emulation.shaping import NO_NETEM, impair_link, netem_available, restore_link
+    from launcher.emulation.spec import load_topology
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -77,7 +77,7 @@ if [ -n "${PROFILE:-}" ]; then
   echo "profile: $PROFILE (given)"
 else
   echo "profile: measuring ($MODEL)"
-  CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=${GPUS%%,*} python3 -m pdserve.cli profile --model "$MODEL" --out "$STATE/profile.json" \
+  CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=${GPUS%%,*} python3 -m launcher.cli profile --model "$MODEL" --out "$STATE/profile.json" \
     -q "${PROFILE_ARGS[@]}"
 fi
 echo "profile done at +$(( $(date +%s) - start ))s"

@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from launcher.token_args import add_cluster_token_arg, cluster_token
+from launcher.workers import add_worker_args
 from pdserve.engine_args import ENGINE_DEFAULTS, add_engine_args, engine_config, engine_kwargs, float_arg, int_arg
 from pdserve.engine_args import add_tensor_parallel_arg
 
@@ -85,18 +87,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from launcher.cluster.standalone import default_worker_id, run_worker
-    from pdserve.worker.server import WorkerConfig
+    from launcher.cluster.standalone import run_worker
+    from launcher.workers import spec_from_args, worker_config
 
-    if not 0 <= args.port <= 65535:
-        raise CliError(f"--port must be in 0..65535, got {args.port}")
-    if args.moves_kv and args.role != "mixed":
-        raise CliError(f"--moves-kv applies to --role mixed, not --role {args.role}")
-    config = WorkerConfig(
-        worker_id=args.worker_id or default_worker_id(args.role, args.port), role=args.role,
-        engine=engine_config(args, args.role), host=args.host, port=args.port, kv_backend=args.kv_backend,
-        kv_host=args.kv_host or args.host, cluster_token=_cluster_token(args), moves_kv=args.moves_kv)
-    return run_worker(config)
+    spec = spec_from_args(args)  # ValueError naming the flag
+    return run_worker(worker_config(spec, engine_config(args, args.role)))
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -120,22 +115,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                               topology=args.topology, profile=args.profile, slo_ttft=args.slo_ttft,
                               slo_tpot=args.slo_tpot, admission_control=args.admission_control,
                               calibrate=not args.no_calibration, worker_wait_s=args.worker_wait_s,
-                              max_tokens_default=args.max_tokens_default, cluster_token=_cluster_token(args))
+                              max_tokens_default=args.max_tokens_default, cluster_token=cluster_token(args))
     return run_router(args.worker, settings)
-
-
-def _cluster_token(args: argparse.Namespace) -> str | None:
-    from pdserve.proto.auth import resolve_token
-
-    return resolve_token(args.cluster_token_file)  # ValueError naming the flag or the variable
-
-
-def _add_token_arg(p: argparse.ArgumentParser) -> None:
-    from pdserve.proto.auth import TOKEN_ENV
-
-    p.add_argument("--cluster-token-file", default=None, metavar="FILE",
-                   help=f"file holding the cluster token that every call between router and workers carries "
-                        f"(default: ${TOKEN_ENV}; `pdserve up` makes its own)")
 
 
 def _int_list(flag: str):
@@ -284,16 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("worker", help="one worker without Ray (foreground; prints its address)")
     add_engine_args(w)
-    w.add_argument("--role", required=True, choices=["prefill", "decode", "mixed"],
-                   help="prefill (sends KV), decode (receives KV) or mixed (serves requests whole)")
-    w.add_argument("--host", default="127.0.0.1", help="gRPC bind host (the address others dial)")
-    w.add_argument("--port", type=int_arg("--port"), default=0, help="gRPC port (0: any free port)")
-    w.add_argument("--worker-id", default=None, help="default <role>-<hostname>[-<port>]")
-    w.add_argument("--kv-backend", default="ucx", help="KV transfer backend (ucx)")
-    w.add_argument("--kv-host", default=None, help="KV listen host (default: --host)")
-    w.add_argument("--moves-kv", action="store_true",
-                   help="--role mixed: also send prefilled KV to, and receive KV from, other workers (hybrid)")
-    _add_token_arg(w)
+    add_worker_args(w)
     w.set_defaults(func=cmd_worker)
 
     r = sub.add_parser("router", help="the router over a fixed list of workers, without Ray (foreground)")
@@ -302,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", default=ENGINE_DEFAULTS["model"], help="model spec, for the tokenizer")
     r.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer to use instead of the model's (as the workers' --tokenizer)")
-    _add_token_arg(r)
+    add_cluster_token_arg(r)
     r.add_argument("--max-model-len", type=int_arg("--max-model-len"), default=None,
                    help="longest sequence the router accepts, as the workers' --max-model-len "
                         "(default: the model's context length)")

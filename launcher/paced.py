@@ -1,17 +1,17 @@
 """A local PD cluster with a paced KV link per (prefill, decode) pair, whose link rates and
 placement policy change between experiment runs without reloading any model.
 
-Where `pdserve.emulation` shapes links between network namespaces (KV over TCP), this keeps
+Where `launcher.emulation` shapes links between network namespaces (KV over TCP), this keeps
 every worker on the host network so that UCX picks its fastest transport (CUDA IPC between
 GPUs, shared memory on a CPU), which `tc` cannot shape. Each prefill worker paces its own KV
 sends per destination with a token bucket whose rates it re-reads from a file
-(pdserve.emulation.pacing_spec, `file:PATH`), so a link's rate is real and switches at once.
+(kvtransfer.pacing_spec, `file:PATH`), so a link's rate is real and switches at once.
 
     python -m launcher.paced workers --state DIR --model M --prefill 2 --decode 2 [--gpus 0,1] [-- worker flags]
     python -m launcher.paced router --state DIR --policy P --bandwidth GBPS --port N [--slow p1:d1 --slow-factor 0.1]
 
-1. `workers` starts the workers as standalone processes (`pdserve worker`; prefill ones through
-   `pdserve.emulation.worker --kv-pacing file:DIR/pacing-<id>.txt`); pair i (prefill i,
+1. `workers` starts the workers as standalone processes (`pdserve worker`, built by
+   launcher.workers; prefill ones with `--kv-pacing file:DIR/pacing-<id>.txt`); pair i (prefill i,
    decode i) runs on GPU `gpus[i % len(gpus)]`, so with fewer GPUs than workers they share one.
    Every worker sees all of `gpus` in the same order (CUDA_VISIBLE_DEVICES) and computes on its
    own with `--device cuda:<i>`, so that UCX's cuda_ipc can map a peer GPU's memory for KV
@@ -42,8 +42,9 @@ from pathlib import Path
 
 import yaml
 
+from kvtransfer.pacing_spec import parse_pacing
+from launcher.workers import WorkerSpec, worker_argv, worker_env
 from loadgen.launcher import free_port
-from pdserve.emulation.pacing_spec import parse_pacing
 
 CLUSTER_FILE = "cluster.json"
 LINKS_FILE = "links.jsonl"
@@ -141,7 +142,7 @@ def check_alive(cluster: dict, state: Path) -> None:
 
 
 def router_argv(cluster: dict, args: argparse.Namespace, topology: Path) -> list[str]:
-    argv = [sys.executable, "-m", "pdserve.cli", "--log-level", args.log_level, "router",
+    argv = [sys.executable, "-m", "launcher.cli", "--log-level", args.log_level, "router",
             "--model", cluster["model"], "--policy", args.policy, "--host", args.host, "--port", str(args.port),
             "--topology", str(topology), "--kv-deadline-s", f"{args.kv_deadline_s:g}"]
     if cluster.get("tokenizer"):  # saved once by `workers`: loads in a fraction of a second, not seconds
@@ -195,14 +196,13 @@ def plan_workers(prefill: int, decode: int, gpus: list[str]) -> list[dict]:
     return plan
 
 
-def worker_argv(w: dict, model: str, port: int, state: Path, extra: list[str]) -> list[str]:
-    device = ["--device", w["device"]] if w.get("device") and "--device" not in extra else []
-    flags = ["--role", w["role"], "--host", "127.0.0.1", "--port", str(port), "--worker-id", w["id"],
-             "--model", model, *device, *extra]
-    if w["role"] == "prefill":
-        return [sys.executable, "-m", "pdserve.emulation.worker", "--kv-pacing",
-                f"file:{state / w['pacing_file']}", "--", *flags]
-    return [sys.executable, "-m", "pdserve.cli", "worker", *flags]
+def worker_spec(w: dict, model: str, port: int, state: Path, extra: list[str], token: str | None = None) -> WorkerSpec:
+    """A planned worker (`plan_workers`) on 127.0.0.1:`port`; a prefill worker paces its KV sends
+    from its pacing file. `extra`: further worker flags (they win over the plan's --device)."""
+    pacing = f"file:{state / w['pacing_file']}" if w["role"] == "prefill" else None
+    return WorkerSpec(role=w["role"], worker_id=w["id"], host="127.0.0.1", port=port, model=model,
+                      device=w.get("device"), kv_pacing=pacing, engine_args=tuple(extra),
+                      visible_devices=w.get("visible_devices"), cluster_token=token)
 
 
 def save_tokenizer(model: str, directory: Path) -> str | None:
@@ -242,7 +242,7 @@ def _listening(log: Path) -> tuple[str, str] | None:
 
 def run_workers(args: argparse.Namespace, extra: list[str]) -> int:
     from launcher.gpu_sampler import GpuSampler
-    from pdserve.proto.auth import TOKEN_ENV, new_token
+    from pdserve.proto.auth import new_token
 
     state = Path(args.state)
     state.mkdir(parents=True, exist_ok=True)
@@ -269,12 +269,9 @@ def run_workers(args: argparse.Namespace, extra: list[str]) -> int:
             if w["role"] == "prefill":
                 w["pacing_file"] = f"pacing-{w['id']}.txt"
                 (state / w["pacing_file"]).write_text(f"default={args.initial_gbps:g}\n")
-            env = dict(os.environ) | {TOKEN_ENV: token}
-            if w["visible_devices"] is not None:
-                env["CUDA_VISIBLE_DEVICES"] = w["visible_devices"]
-                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the indices nvidia-smi shows
+            spec = worker_spec(w, args.model, w["port"], state, extra, token)
             with open(state / f"{w['id']}.log", "wb") as log:
-                procs[w["id"]] = subprocess.Popen(worker_argv(w, args.model, w["port"], state, extra), env=env,
+                procs[w["id"]] = subprocess.Popen(worker_argv(spec), env=dict(os.environ) | worker_env(spec),
                                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                                   preexec_fn=_die_with_parent)
         tokenizer = save_tokenizer(args.model, state / "tokenizer")  # while the workers load

@@ -1,11 +1,11 @@
 """Imports run one way (docs/design.md, Layers): a module imports only from its own layer or below.
 
-    1. the composition root: launcher/ (CLI, `pdserve up`, `pdserve profile`), pdserve.cli (its
-       old path, an alias), and the emulation modules that launch workers and clusters
+    1. the composition root: launcher/ (CLI, `pdserve up`, `pdserve profile`, every way of
+       starting workers and clusters, the link emulation)
     2. router/: its HTTP side (router.http) and cluster side (router.cluster), which import
        each other not at all, and what they share (router.backend, router.errors, router.metrics)
     3. router.placement: pure placement, below the rest of the router and used by sim/ as well
-    4. pdserve.worker, kvtransfer/, and the KV pacing spec and probe of the emulation
+    4. pdserve.worker and kvtransfer/
     5. the engine and everything else in pdserve/ (protocol, shared request types, loaders, ...)
     6. kernels/
 
@@ -23,25 +23,18 @@ import os
 import subprocess
 import sys
 
-import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # module prefix -> layer; the longest matching prefix wins
 LAYERS: dict[str, int] = {
     "launcher": 1,
-    "pdserve.cli": 1,
-    "pdserve.emulation.worker": 1,
-    "pdserve.emulation.cluster": 1,
-    "pdserve.emulation.__main__": 1,
     "router": 2,
     "router.http": 2,
     "router.cluster": 2,
     "router.placement": 3,
     "pdserve.worker": 4,
     "kvtransfer": 4,
-    "pdserve.emulation.pacing_spec": 4,
-    "pdserve.emulation.kvprobe": 4,
     "pdserve": 5,
     "kernels": 6,
 }
@@ -239,10 +232,9 @@ def test_the_check_catches_an_upward_import(tmp_path):
     assert {"pdserve.worker.sub", "pdserve.worker.other"} <= {t for t, _ in imported_modules("pdserve.worker", str(rel))}
 
 
-@pytest.mark.parametrize("argv", [["-m", "pdserve.cli", "--help"], ["-m", "launcher.cli", "--help"]])
-def test_cli_runs_from_its_old_and_new_paths(argv):
+def test_cli_runs_from_its_module_path():
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "--help"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "generate" in proc.stdout and "up" in proc.stdout
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.config import EngineConfig
-from pdserve.worker.server import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +100,8 @@ class ClusterPools:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from launcher.cluster.ray_workers import NOSET_VISIBLE_ENV, WorkerActor
+        from launcher.cluster.ray_workers import WorkerActor
+        from launcher.workers import WorkerSpec, ray_actor
 
         remote_cls = ray.remote(WorkerActor)
         deadline = time.monotonic() + timeout_s
@@ -125,17 +125,13 @@ class ClusterPools:
                     f"{timeout_s:.0f}s; the Ray cluster has {_resources_summary(ray.cluster_resources())}")
             for index in range(spec.size):
                 name = actor_name(self.cluster, spec.role, index)
-                config = WorkerConfig(worker_id=name, role=spec.role, engine=spec.engine,
-                                      kv_backend=spec.kv_backend, cluster_token=spec.cluster_token,
-                                      moves_kv=spec.moves_kv)
-                handle = remote_cls.options(
-                    name=name, namespace=self.namespace, lifetime=None, max_restarts=-1, max_task_retries=0,
-                    num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=dict(spec.resources),
-                    # GPU workers see every GPU of their node, for CUDA IPC between them
-                    runtime_env={"env_vars": {NOSET_VISIBLE_ENV: "1"}} if spec.num_gpus else None,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=group, placement_group_bundle_index=index),
-                ).remote(config)
+                worker = WorkerSpec(role=spec.role, worker_id=name, kv_backend=spec.kv_backend,
+                                    cluster_token=spec.cluster_token, moves_kv=spec.moves_kv)
+                options, args = ray_actor(
+                    worker, spec.engine, namespace=self.namespace, num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
+                    resources=spec.resources, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=group, placement_group_bundle_index=index))
+                handle = remote_cls.options(**options).remote(*args)
                 self.workers.append(_Worker(name, spec.role, handle))
                 logger.info("created worker %s", name)
 

@@ -19,15 +19,12 @@ import threading
 import time
 from typing import Any
 
+from launcher.workers import NOSET_VISIBLE_ENV
 from pdserve.worker.server import WorkerConfig, WorkerServer
 
 logger = logging.getLogger(__name__)
 
 RAYLET_CHECK_S = 0.5
-# Set in a GPU worker's runtime env: Ray then leaves CUDA_VISIBLE_DEVICES alone, so every worker
-# of a node sees all its GPUs and CUDA IPC (UCX cuda_ipc) can map a peer GPU's KV pool; the
-# worker selects the GPU Ray assigned it (`assigned_cuda_index`).
-NOSET_VISIBLE_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
 def assigned_cuda_index(gpu_ids: list, environ: dict | None = None) -> int | None:

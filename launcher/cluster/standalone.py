@@ -6,7 +6,6 @@ serves over a fixed list of workers (`--worker role[#id][@node]=host:port`, repe
 
 from __future__ import annotations
 
-import socket
 import sys
 import threading
 
@@ -40,10 +39,6 @@ def run_worker(config: WorkerConfig) -> int:
             server.stop()
         restore_signals()
     return 0
-
-
-def default_worker_id(role: str, port: int) -> str:
-    return f"{role}-{socket.gethostname()}" + (f"-{port}" if port else "")
 
 
 def run_router(entries: list[str], settings) -> int:

@@ -403,8 +403,8 @@ class WorkerServer:
         self.receiver = None
         self.pusher: KVPusher | None = None
         if config.sends_kv:
-            # a "pacer" option may be a pacing spec string (pdserve.emulation.pacing_spec)
-            from pdserve.emulation.pacing_spec import sender_options
+            # a "pacer" option may be a pacing spec string (kvtransfer.pacing_spec)
+            from kvtransfer.pacing_spec import sender_options
 
             self.sender = create_sender(config.kv_backend, kv_caches, **sender_options(opts))
             self.pusher = KVPusher(self.sender, self.block_size, self.engine.model_config.num_layers)

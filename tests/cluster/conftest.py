@@ -35,7 +35,7 @@ def cluster_env(**extra: str) -> dict[str, str]:
 def pdserve(*args: str, log_path: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`pdserve <args>` in the background, stdout and stderr to log_path."""
     log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, "-m", "pdserve.cli", *args], cwd=REPO, stdout=log,
+    return subprocess.Popen([sys.executable, "-m", "launcher.cli", *args], cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT, env=env or cluster_env(), start_new_session=True)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtransfer.pacing_spec import read_pacing_file
 from launcher.gpu_sampler import GpuSampler, parse_pmon, parse_query_gpu
 from launcher.paced import (
     PacedError,
@@ -16,9 +17,9 @@ from launcher.paced import (
     parse_pairs,
     plan_workers,
     router_argv,
-    worker_argv,
+    worker_spec,
 )
-from pdserve.emulation.pacing_spec import read_pacing_file
+from launcher.workers import worker_argv
 from router.placement.topology import load_topology
 
 CLUSTER = {"model": "random:tiny-llama", "token_file": "token", "workers": [
@@ -34,9 +35,9 @@ def test_plan_puts_pair_i_on_gpu_i_mod_n():
     assert [(w["id"], w["role"], w["gpu"], w["visible_devices"], w["device"]) for w in plan] == [
         ("p0", "prefill", "0", "0,1", "cuda:0"), ("p1", "prefill", "1", "0,1", "cuda:1"),
         ("d0", "decode", "0", "0,1", "cuda:0"), ("d1", "decode", "1", "0,1", "cuda:1")]
-    argv = worker_argv(plan[3], "m", 5000, Path("/state"), ["--gpu-memory-fraction", "0.3"])
+    argv = worker_argv(worker_spec(plan[3], "m", 5000, Path("/state"), ["--gpu-memory-fraction", "0.3"]))
     assert argv[argv.index("--device") + 1] == "cuda:1"
-    assert "--device" not in worker_argv(plan[3], "m", 5000, Path("/s"), ["--device", "cpu"])[:-2]
+    assert "--device" not in worker_argv(worker_spec(plan[3], "m", 5000, Path("/s"), ["--device", "cpu"]))[:-2]
     assert {w["gpu"] for w in plan_workers(2, 2, ["0"])} == {"0"}
     assert {w["gpu"] for w in plan_workers(1, 1, [])} == {None}
     assert {w["visible_devices"] for w in plan_workers(1, 1, [])} == {None}

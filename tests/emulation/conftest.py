@@ -3,7 +3,7 @@ import secrets
 
 import pytest
 
-from pdserve.emulation import list_links, list_namespaces, netns_permitted
+from launcher.emulation import list_links, list_namespaces, netns_permitted
 
 _PERMITTED = netns_permitted()
 
@@ -17,7 +17,7 @@ def run_id():
     rid = f"t{os.getpid() % 1000}{secrets.token_hex(2)}"
     yield rid
     if _PERMITTED:
-        from pdserve.emulation import cleanup
+        from launcher.emulation import cleanup
 
         prefix = f"pds-{rid}-"
         left = list_namespaces(prefix) + list_links(prefix)

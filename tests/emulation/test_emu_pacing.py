@@ -9,8 +9,8 @@ import torch
 
 import kvtransfer
 from pdserve.config import EngineConfig
-from pdserve.emulation.kvprobe import make_caches, measure, num_blocks_for
-from pdserve.emulation.pacing_spec import (
+from launcher.emulation.kvprobe import make_caches, measure, num_blocks_for
+from kvtransfer.pacing_spec import (
     PACER_OPTION,
     PacingSpec,
     PatternPacer,
@@ -18,6 +18,7 @@ from pdserve.emulation.pacing_spec import (
     parse_pacing,
     sender_options,
 )
+from launcher.emulation.kvprobe import make_caches, measure, num_blocks_for
 
 
 def test_parse_full_spec():
@@ -166,7 +167,7 @@ def test_measure_plan_several_rates_in_one_pair_of_processes(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    from pdserve.emulation.kvprobe import measure_plan, parse_plan
+    from launcher.emulation.kvprobe import measure_plan, parse_plan
 
     def spawn(side, argv):
         return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from pdserve.emulation.pacing_spec import FilePacer, build_pacer, read_pacing_file
+from kvtransfer.pacing_spec import FilePacer, build_pacer, read_pacing_file
 
 
 class Clock:

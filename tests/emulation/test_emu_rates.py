@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from pdserve.emulation import EmulatedCluster, LinkSpec
-from pdserve.emulation.kvprobe import measure, transfer_mb
+from launcher.emulation import EmulatedCluster, LinkSpec
+from launcher.emulation.kvprobe import measure, transfer_mb
 from tests.emulation.conftest import needs_netns
 
 pytestmark = needs_netns

@@ -4,9 +4,9 @@ import textwrap
 
 import pytest
 
-from pdserve.emulation import EmulationSpecError, LinkSpec
-from pdserve.emulation.cluster import topology_document
-from pdserve.emulation.spec import load_topology
+from launcher.emulation import EmulationSpecError, LinkSpec
+from launcher.emulation.cluster import topology_document
+from launcher.emulation.spec import load_topology
 
 GOOD = """\
 name: two

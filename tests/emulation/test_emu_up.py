@@ -1,4 +1,4 @@
-"""`python -m pdserve.emulation up`: workers in namespaces, router on 127.0.0.1, a request
+"""`python -m launcher.emulation up`: workers in namespaces, router on 127.0.0.1, a request
 through it whose KV crosses the shaped link; SIGTERM removes everything."""
 
 import dataclasses
@@ -11,8 +11,9 @@ import time
 import httpx
 import pytest
 
-from pdserve.emulation.cluster import EmulatedDeployment
-from pdserve.emulation.spec import load_topology
+from launcher.emulation.cluster import EmulatedDeployment
+from launcher.emulation.spec import load_topology
+from launcher.workers import worker_argv
 from tests.emulation.conftest import assert_gone, needs_netns
 
 SPEC = """\
@@ -33,11 +34,14 @@ def test_pacing_method_passes_the_pacer_to_workers(tmp_path):
     deployment = EmulatedDeployment(load_topology(path), tmp_path, run_id="argv")
     deployment.cluster.subnet = ipaddress.ip_network("10.250.0.0/24")
     deployment.cluster._created = True  # addresses only; nothing is created
-    argv = deployment.worker_argv(0, deployment.spec.workers[0])
-    assert argv[1:5] == ["-m", "pdserve.emulation.worker", "--kv-pacing", "10.250.0.2=2"]
+    argv = worker_argv(deployment.worker_spec(0, deployment.spec.workers[0]))
+    assert argv[1:4] == ["-m", "launcher.cli", "worker"]
+    assert argv[argv.index("--kv-pacing") + 1] == "10.250.0.2=2"
     assert argv[argv.index("--host") + 1] == "10.250.0.1"
+    assert argv[-2:] == ["--kv-cache-gib", "0.05"]  # the spec's worker_args, last
     deployment.spec = dataclasses.replace(deployment.spec, method="tc")
-    assert deployment.worker_argv(0, deployment.spec.workers[0])[1:4] == ["-m", "pdserve.cli", "worker"]
+    argv = worker_argv(deployment.worker_spec(0, deployment.spec.workers[0]))
+    assert argv[1:4] == ["-m", "launcher.cli", "worker"] and "--kv-pacing" not in argv
 
 
 @needs_netns
@@ -48,7 +52,7 @@ def test_up_serves_and_sigterm_cleans_up(tmp_path, run_id):
     spec = tmp_path / "spec.yaml"
     spec.write_text(SPEC)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.emulation", "up", str(spec), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.emulation", "up", str(spec), "--port", str(port),
                              "--run-id", run_id, "--log-dir", str(tmp_path / "logs")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -1,17 +1,17 @@
 """Standalone workers inside an emulated cluster, and a router in front of them.
 
-Lifecycle of ``EmulatedDeployment(spec)`` (``python -m pdserve.emulation up SPEC``):
+Lifecycle of ``EmulatedDeployment(spec)`` (``python -m launcher.emulation up SPEC``):
 
 1. Create the namespaces and links (``EmulatedCluster``); with ``method: pacing`` the
    veths stay unshaped and each worker paces its own KV sends instead.
 2. Start every worker inside its node: ``ip netns exec pds-<run>-n<i> python -m
-   pdserve.cli worker --role R --host <node ip> --port P --worker-id ID --model M ...``
-   (with pacing: ``python -m pdserve.emulation.worker --kv-pacing SPEC -- <same flags>``).
+   launcher.cli worker --role R --host <node ip> --port P --worker-id ID --model M ...``
+   (launcher.workers builds it; with pacing, ``--kv-pacing SPEC`` too).
    gRPC and the UCX listener bind the node's address; UCX runs over TCP on the node's
    veth (``netns.UCX_ENV``). Wait until each prints ``listening on``.
 3. Write ``topology.yaml`` for the router's network-aware policy (router/topology.py
    format: the SET rate of each link, workers mapped to nodes).
-4. Start the router in the root namespace on 127.0.0.1:<port> (``python -m pdserve.cli
+4. Start the router in the root namespace on 127.0.0.1:<port> (``python -m launcher.cli
    router --worker role#id@node=ip:port ...``, plus ``--topology`` when the router has
    it). The root namespace reaches every node through its veth into the hub bridge, so
    the router dials the workers' gRPC addresses directly; that traffic falls into each
@@ -38,10 +38,11 @@ from pathlib import Path
 
 import yaml
 
-from pdserve.emulation.errors import EmulationError
-from pdserve.emulation.netns import EmulatedCluster
-from pdserve.emulation.pacing_spec import pacing_for_node
-from pdserve.emulation.spec import TopologySpec
+from kvtransfer.pacing_spec import pacing_for_node
+from launcher.emulation.errors import EmulationError
+from launcher.emulation.netns import EmulatedCluster
+from launcher.emulation.spec import TopologySpec
+from launcher.workers import WorkerSpec, worker_argv, worker_env
 from pdserve.proto.auth import TOKEN_ENV, new_token
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class EmulatedDeployment:
         try:
             self._start_workers()
             self.topology_path.write_text(
-                f"# written by pdserve.emulation for run {self.cluster.run_id}: SET link rates "
+                f"# written by launcher.emulation for run {self.cluster.run_id}: SET link rates "
                 f"(method {self.spec.method})\n" + yaml.safe_dump(topology_document(self.spec), sort_keys=False))
             self._start_router()
         except BaseException:
@@ -110,26 +111,28 @@ class EmulatedDeployment:
 
     # ---- workers -----------------------------------------------------------------------
 
-    def worker_argv(self, index: int, worker) -> list[str]:
+    def worker_spec(self, index: int, worker) -> WorkerSpec:
+        """The spec's ``worker`` on its node's address; with ``method: pacing`` it paces its KV
+        sends to the other nodes at their links' rates."""
         ip = self.cluster.ip(worker.node)
-        flags = ["--role", worker.role, "--host", ip, "--port", str(WORKER_BASE_PORT + index),
-                 "--worker-id", worker.id, "--model", self.spec.model, *self.spec.worker_args]
+        pacing = None
         if self.spec.method == "pacing":
             peers = {self.cluster.ip(other): self.spec.link(worker.node, other).gbps
                      for other in self.spec.nodes if other != worker.node}
-            pacing = pacing_for_node({h: g for h, g in peers.items() if g is not None})
-            if pacing:
-                return [self.python, "-m", "pdserve.emulation.worker", "--kv-pacing", pacing, "--", *flags]
-        return [self.python, "-m", "pdserve.cli", "worker", *flags]
+            pacing = pacing_for_node({h: g for h, g in peers.items() if g is not None}) or None
+        return WorkerSpec(role=worker.role, worker_id=worker.id, host=ip, port=WORKER_BASE_PORT + index,
+                          model=self.spec.model, kv_pacing=pacing, engine_args=tuple(self.spec.worker_args),
+                          cluster_token=self.cluster_token, python=self.python)
 
     def _spawn_worker(self, index: int, worker, mode: str = "wb") -> None:
+        launch = self.worker_spec(index, worker)
         with open(self.log_dir / f"{worker.id}.log", mode) as log:
             if mode != "wb":
                 log.write(b"\n---- restarted ----\n")
                 log.flush()
-            proc = self.cluster.run_in(worker.node, self.worker_argv(index, worker), env={TOKEN_ENV: self.cluster_token},
+            proc = self.cluster.run_in(worker.node, worker_argv(launch), env=worker_env(launch),
                                        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
-        self.workers[worker.id] = (proc, f"{self.cluster.ip(worker.node)}:{WORKER_BASE_PORT + index}")
+        self.workers[worker.id] = (proc, f"{launch.host}:{launch.port}")
 
     def kill_worker(self, worker_id: str, sig: int = signal.SIGKILL) -> int:
         """Sends `sig` to the worker's process; returns its pid."""
@@ -173,7 +176,7 @@ class EmulatedDeployment:
 
     def router_argv(self) -> list[str]:
         level = ["--log-level", self.spec.router.log_level] if self.spec.router.log_level else []
-        argv = [self.python, "-m", "pdserve.cli", *level, "router", "--model", self.spec.model, "--policy", self.policy,
+        argv = [self.python, "-m", "launcher.cli", *level, "router", "--model", self.spec.model, "--policy", self.policy,
                 "--host", "127.0.0.1", "--port", str(self.port)]
         for worker in self.spec.workers:
             argv += ["--worker", f"{worker.role}#{worker.id}@{worker.node}={self.workers[worker.id][1]}"]
@@ -229,6 +232,6 @@ _TOPOLOGY_FLAG: dict[str, bool] = {}
 
 def _router_takes_topology(python: str) -> bool:
     if python not in _TOPOLOGY_FLAG:
-        out = subprocess.run([python, "-m", "pdserve.cli", "router", "--help"], capture_output=True, text=True)
+        out = subprocess.run([python, "-m", "launcher.cli", "router", "--help"], capture_output=True, text=True)
         _TOPOLOGY_FLAG[python] = "--topology" in out.stdout
     return _TOPOLOGY_FLAG[python]

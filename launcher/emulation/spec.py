@@ -32,8 +32,8 @@ from typing import Any
 
 import yaml
 
-from pdserve.emulation.errors import EmulationSpecError
-from pdserve.emulation.netns import LinkSpec
+from launcher.emulation.errors import EmulationSpecError
+from launcher.emulation.netns import LinkSpec
 
 METHODS = ("tc", "pacing")
 ROLES = ("prefill", "decode", "mixed")

@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from pdserve.emulation.errors import EmulationError
-from pdserve.emulation.netns import LinkSpec, tc_cmd
+from launcher.emulation.errors import EmulationError
+from launcher.emulation.netns import LinkSpec, tc_cmd
 
 UNSHAPED_GBPS = 1000.0  # the default class: effectively unlimited on a veth
 _QUANTUM = 65536  # bytes a class may send per round; >= MTU, quiets HTB's "quantum is big"
@@ -125,7 +125,7 @@ def netem_available() -> bool:
     """Whether this kernel has sch_netem (tried on the loopback of a throwaway namespace)."""
     import os
 
-    from pdserve.emulation.netns import ip_cmd
+    from launcher.emulation.netns import ip_cmd
 
     ns = f"pds-netemprobe{os.getpid() % 100000}"
     try:
@@ -152,7 +152,7 @@ def impair_link(cluster, a: str, b: str, loss_pct: float, delay_ms: float) -> No
     shaped link a<->b of a created `EmulatedCluster`, on top of its rate; `restore_link` undoes it."""
     if not (0 <= loss_pct <= 100) or delay_ms < 0:
         raise EmulationError(f"loss must be in [0, 100] % and delay >= 0 ms, got {loss_pct} %, {delay_ms} ms")
-    from pdserve.emulation.netns import NODE_DEVICE
+    from launcher.emulation.netns import NODE_DEVICE
 
     link = cluster.link(a, b)
     for src, dst in ((a, b), (b, a)):
@@ -171,7 +171,7 @@ def impair_link(cluster, a: str, b: str, loss_pct: float, delay_ms: float) -> No
 
 def restore_link(cluster, a: str, b: str) -> None:
     """Back to the link as the spec gave it (its own latency, no loss)."""
-    from pdserve.emulation.netns import NODE_DEVICE
+    from launcher.emulation.netns import NODE_DEVICE
 
     link = cluster.link(a, b)
     for src, dst in ((a, b), (b, a)):

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-from pdserve.emulation.errors import EmulationError
+from launcher.emulation.errors import EmulationError
 
 logger = logging.getLogger(__name__)
 
@@ -326,14 +326,14 @@ class EmulatedCluster:
     def create(self) -> None:
         """Create namespaces, veths, bridge, addresses and shaping. On failure, whatever
         was created stays for ``destroy()`` (``__enter__`` calls it)."""
-        from pdserve.emulation.shaping import shape_node
+        from launcher.emulation.shaping import shape_node
 
         with self._lock:
             if self._created:
                 raise EmulationError("already created")
             if list_namespaces(self.prefix) or list_links(self.prefix):
                 raise EmulationError(f"objects named {self.prefix}* exist already; "
-                                     f"run `python -m pdserve.emulation cleanup --prefix {self.prefix}`")
+                                     f"run `python -m launcher.emulation cleanup --prefix {self.prefix}`")
             with _LIVE_LOCK:
                 _LIVE.append(self)
             self.subnet = _pick_subnet(self.run_id)

@@ -1,11 +1,11 @@
-"""``python -m pdserve.emulation``: emulated clusters on one host (needs root).
+"""``python -m launcher.emulation``: emulated clusters on one host (needs root).
 
     up SPEC.yaml [--port P] [--policy NAME] [--link-gbps G] [--method tc|pacing]
                  [--run-id ID] [--log-dir DIR]
         create the namespaces and links, start the workers inside them and the router on
         127.0.0.1:P; foreground until Ctrl-C / SIGTERM or until a process dies, then clean
         up. --link-gbps sets every link (listed and default) to G, for loadgen's
-        bandwidth axis: launch command "python -m pdserve.emulation up SPEC --port {port}
+        bandwidth axis: launch command "python -m launcher.emulation up SPEC --port {port}
         --policy {policy} --link-gbps {bandwidth_gbps}".
     down [--run ID | --prefix PREFIX]     remove a run's (default: every run's) leftovers
     cleanup [--prefix PREFIX]             the same (default prefix: pds-)
@@ -22,8 +22,8 @@ import logging
 import sys
 import time
 
-from pdserve.emulation.errors import EmulationError, EmulationSpecError
-from pdserve.emulation.netns import PREFIX, Terminated
+from launcher.emulation.errors import EmulationError, EmulationSpecError
+from launcher.emulation.netns import PREFIX, Terminated
 
 
 def _prefix(args) -> str:
@@ -33,8 +33,8 @@ def _prefix(args) -> str:
 
 
 def cmd_up(args) -> int:
-    from pdserve.emulation.cluster import EmulatedDeployment
-    from pdserve.emulation.spec import load_topology
+    from launcher.emulation.cluster import EmulatedDeployment
+    from launcher.emulation.spec import load_topology
 
     spec = load_topology(args.spec)
     if args.link_gbps is not None:
@@ -59,7 +59,7 @@ def cmd_up(args) -> int:
 
 
 def cmd_cleanup(args) -> int:
-    from pdserve.emulation.netns import cleanup
+    from launcher.emulation.netns import cleanup
 
     removed = cleanup(_prefix(args))
     print(f"removed {len(removed)}: {' '.join(removed)}" if removed else "nothing to remove")
@@ -67,7 +67,7 @@ def cmd_cleanup(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from pdserve.emulation.netns import list_links, list_namespaces
+    from launcher.emulation.netns import list_links, list_namespaces
 
     for name in list_namespaces(args.prefix):
         print(f"netns {name}")
@@ -77,7 +77,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from pdserve.emulation.spec import load_topology
+    from launcher.emulation.spec import load_topology
 
     spec = load_topology(args.spec)
     print(f"{spec.path}: {len(spec.nodes)} nodes, {len(spec.workers)} workers, method {spec.method}")
@@ -87,7 +87,7 @@ def cmd_check(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.emulation", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m launcher.emulation", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)

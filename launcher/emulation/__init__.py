@@ -6,16 +6,17 @@ Two methods (docs/design.md, "Link emulation"):
   bridge, each node-pair link shaped by HTB (+ netem for latency) on the node's egress.
   UCX crosses the links over TCP (``UCX_TLS=tcp``, ``UCX_NET_DEVICES=pds0``).
 - ``pacing``: a token bucket per link inside kvtransfer (``LinkPacer``), for transports
-  that bypass the kernel; ``pacing_spec`` parses the per-destination pacing option.
+  that bypass the kernel; ``kvtransfer.pacing_spec`` parses the per-destination pacing
+  option (a worker's ``--kv-pacing``).
 
 Modules: ``netns`` (namespaces, veths, ``EmulatedCluster``, ``cleanup``), ``shaping``
-(tc), ``pacing_spec`` (pacer option string), ``spec`` (topology YAML), ``cluster``
+(tc), ``spec`` (topology YAML), ``cluster``
 (workers and router inside the emulated cluster), ``kvprobe`` (KV transfer rate
-probe between namespaces), ``__main__`` (``python -m pdserve.emulation``).
+probe between namespaces), ``__main__`` (``python -m launcher.emulation``).
 """
 
-from pdserve.emulation.errors import EmulationError, EmulationSpecError
-from pdserve.emulation.netns import EmulatedCluster, LinkSpec, cleanup, list_links, list_namespaces, netns_permitted
+from launcher.emulation.errors import EmulationError, EmulationSpecError
+from launcher.emulation.netns import EmulatedCluster, LinkSpec, cleanup, list_links, list_namespaces, netns_permitted
 
 __all__ = [
     "EmulatedCluster",

@@ -3,10 +3,10 @@
 Both sides use the kvtransfer API with SmolLM2-135M-shaped caches (30 layers, 3 KV heads,
 head_dim 64, float32, blocks of 16 tokens: 46,080 bytes of KV per token)::
 
-    python -m pdserve.emulation.kvprobe recv --host 10.200.0.2 --mb 100 --transfers 3
+    python -m launcher.emulation.kvprobe recv --host 10.200.0.2 --mb 100 --transfers 3
         prints {"address": "ucx://10.200.0.2:PORT"}, then one JSON line per transfer
         landed, as the receiver saw it
-    python -m pdserve.emulation.kvprobe send --address ucx://10.200.0.2:PORT --mb 100 --transfers 3
+    python -m launcher.emulation.kvprobe send --address ucx://10.200.0.2:PORT --mb 100 --transfers 3
         [--pacing "default=1"]
         one warm-up transfer (connects; not reported), then ``--transfers`` transfers of
         every layer of ``--mb`` MB, one after another; one JSON line each: bytes, seconds
@@ -76,7 +76,7 @@ def run_receiver(host: str, mb: float, transfers: int, device: str, timeout_s: f
 def _sender_options(pacing: str | None, max_inflight: int) -> dict:
     opts: dict = {"max_inflight": max_inflight}
     if pacing:
-        from pdserve.emulation.pacing_spec import build_pacer
+        from kvtransfer.pacing_spec import build_pacer
 
         opts["pacer"] = build_pacer(pacing)
     return opts
@@ -173,7 +173,7 @@ def run_plan_sender(address: str, plan: list, transfers: int, device: str, timeo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pdserve.emulation.kvprobe", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m launcher.emulation.kvprobe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="side", required=True)
     for name in ("recv", "send"):
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--host", required=True, help="address to advertise (this namespace's)")
         else:
             p.add_argument("--address", required=True, help="the receiver's ucx://host:port")
-            p.add_argument("--pacing", default=None, help="pacer spec (pdserve.emulation.pacing_spec)")
+            p.add_argument("--pacing", default=None, help="pacer spec (kvtransfer.pacing_spec)")
             p.add_argument("--max-inflight", type=int, default=4, help="UCX sender messages in flight")
     args = parser.parse_args(argv)
     if args.mb <= 0 or args.transfers < 1:
@@ -216,7 +216,7 @@ if __name__ == "__main__":
 
 
 def probe_command(side: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "pdserve.emulation.kvprobe", side, *args]
+    return [sys.executable, "-m", "launcher.emulation.kvprobe", side, *args]
 
 
 def _lines(proc):
