@@ -23,6 +23,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
