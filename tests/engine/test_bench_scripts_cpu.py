@@ -84,3 +84,19 @@ def test_bench_engine_replay_points_write_records_the_simulator_reads(tmp_path):
     assert all(0 < r.ttft_s <= r.e2e_s for r in records)
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--point", "20:4"])
+
+
+def test_served_vs_bare_cpu_path(tmp_path):
+    """The served-vs-bare benchmark end to end on the CPU: the bare engine in its own process, a real
+    `pdserve up` with its defaults, two loadgen runs; the table's ratios are computed from them."""
+    import json
+
+    rc = load("served_vs_bare").main(["--device", "cpu", "--model", "random:smollm2-135m", "--requests", "2",
+                                      "--rate", "4", "--input-len", "12", "--output-len", "3",
+                                      "--modes", "bare,colocated", "--max-run-time", "120", "--out", str(tmp_path)])
+    assert rc == 0
+    results = json.loads((tmp_path / "served_vs_bare.json").read_text())
+    assert set(results["runs"]) == {"bare run 1", "bare run 2", "served run 1", "served run 2"}
+    assert all(run["num_errors"] == 0 for run in results["runs"].values())
+    assert any("defaults for cpu" in line for line in results["chosen"])
+    assert {"served_minus_bare_ttft_p50_ms", "served_over_bare_tpot_p50", "first_over_second_ttft_p50"} <= set(results["ratios"])

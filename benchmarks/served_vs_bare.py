@@ -1,0 +1,234 @@
+"""What serving adds to the engine, in one command: the bare engine against `pdserve up` with its defaults.
+
+    python3 benchmarks/served_vs_bare.py [--model random:llama-3.1-8b] [--requests 90] [--rate 6] \
+        [--input-len 2048] [--output-len 256] [--out DIR]
+
+Every figure comes from a fresh process started the way a user starts it, and each run draws new
+prompts (a seed of its own: repeated prompts hit the prefix cache and look several times faster):
+
+1. bare: `benchmarks/bench_engine_replay.py` (the same workload fed to an `LLMEngine` in its own
+   process, TTFT/TPOT taken at the engine), twice, with the engine's defaults for the device;
+2. served: `pdserve up --mode colocated --replicas 1` with its defaults (nothing but the model and
+   the device given), then `pdserve-loadgen run` twice against it: the first run after ready and
+   the second (the cold-start check);
+3. disaggregated: `pdserve up --mode disaggregated` with one prefill and one decode worker (on one
+   GPU they share it, `--worker-gpus 0.5`), one loadgen run; its errors and the router's KV
+   fallbacks (`pdserve:request_recoveries_total`) are counted.
+
+It prints one table (TTFT and TPOT p50/p90, achieved rate, errors, the server's prefix-cache hit
+rate) and the ratios the GPU-serving issue asks for: served TTFT p50 minus bare, served TPOT p50
+over bare, first run over second. `--device cpu --model random:tiny-llama --requests 4 --rate 2
+--input-len 16 --output-len 4` is the smoke test the CPU tests run. Writes `DIR/served_vs_bare.json`
+with every run's summary when --out is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric_total(url: str, name: str) -> float:
+    """The sum of a counter's samples in the router's /metrics (0 when absent)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0.0
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            rest = line[len(name):]
+            if rest[:1] in ("{", " "):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+class Server:
+    """A `pdserve up` in its own process group, stopped with SIGINT (then SIGKILL)."""
+
+    def __init__(self, args: argparse.Namespace, extra: list[str], label: str, out_dir: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.logfile = os.path.join(out_dir, f"server-{label}.log")
+        cmd = [sys.executable, "-m", "launcher.cli", "up", "--model", args.model, "--device", args.device,
+               "--host", "127.0.0.1", "--port", str(self.port), "--startup-timeout-s", str(args.startup_timeout),
+               *extra]
+        log(f"{label}: " + " ".join(cmd[2:]))
+        self._log = open(self.logfile, "w")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        t0 = time.monotonic()
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pdserve up exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() - t0 > args.startup_timeout:
+                self.stop()
+                raise TimeoutError(f"pdserve up not ready within {args.startup_timeout:.0f}s: {self.tail()}")
+            time.sleep(1.0)
+        self.startup_s = time.monotonic() - t0
+        log(f"{label}: ready after {self.startup_s:.1f}s")
+
+    def chosen(self) -> list[str]:
+        """The lines where `pdserve up` says which engine settings it chose."""
+        with open(self.logfile) as f:
+            return [line.strip() for line in f if "engine:" in line and "max_num_batched_tokens" in line]
+
+    def tail(self, n: int = 15) -> str:
+        with open(self.logfile) as f:
+            return "\n  ".join([""] + f.read().splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+
+def loadgen(url: str, args: argparse.Namespace, seed: int) -> dict:
+    cmd = [sys.executable, "-m", "loadgen.cli", "run", "--url", url, "--num-requests", str(args.requests),
+           "--rate", str(args.rate), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+           "--ignore-eos", "--seed", str(seed), "--json", "--no-progress", "--max-run-time", str(args.max_run_time)]
+    out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True, timeout=args.max_run_time + 120)
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
+def bare(args: argparse.Namespace, out_dir: str) -> list[dict]:
+    path = os.path.join(out_dir, "bare.json")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_engine_replay.py"), "--device", args.device,
+           "--model", args.model, "--requests", str(args.requests), "--rate", str(args.rate),
+           "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--runs", "2",
+           "--seed", str(args.seed), "--max-run-time", str(args.max_run_time), "--json", path]
+    log("bare: " + " ".join(cmd[1:]))
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.startup_timeout + 3 * args.max_run_time)
+    sys.stdout.write(out.stdout)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench_engine_replay failed ({out.returncode}): {out.stderr[-2000:]}")
+    with open(path) as f:
+        runs = json.load(f)["runs"]
+    return [{"ttft_p50": r["ttft_p50_ms"] / 1e3, "ttft_p90": r["ttft_p90_ms"] / 1e3, "tpot_p50": r["tpot_p50_ms"] / 1e3,
+             "tpot_p90": r["tpot_p90_ms"] / 1e3, "request_throughput": r["achieved_rate"],
+             "num_errors": r["requests"] - r["completed"]} for r in runs]
+
+
+def row(label: str, s: dict) -> str:
+    hit = s.get("prefix_cache_hit_rate")
+    hit_text = f"{hit * 100:.0f}%" if isinstance(hit, (int, float)) else "n/a"
+    return (f"| {label} | {s['ttft_p50'] * 1e3:.0f} | {s['ttft_p90'] * 1e3:.0f} | {s['tpot_p50'] * 1e3:.1f} | "
+            f"{s['tpot_p90'] * 1e3:.1f} | {s['request_throughput']:.2f} | {s['num_errors']} | {hit_text} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="random:llama-3.1-8b", help="model (default %(default)s)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="device (default %(default)s)")
+    p.add_argument("--requests", type=int, default=90, help="requests per run (default %(default)s)")
+    p.add_argument("--rate", type=float, default=6.0, help="Poisson arrival rate, req/s (default %(default)s)")
+    p.add_argument("--input-len", type=int, default=2048, help="prompt tokens (default %(default)s)")
+    p.add_argument("--output-len", type=int, default=256, help="output tokens (default %(default)s)")
+    p.add_argument("--seed", type=int, default=int(time.time()) % 100000,
+                   help="first seed; each run adds to it, so every run draws new prompts (default: the clock)")
+    p.add_argument("--modes", default="bare,colocated,disaggregated",
+                   help="which of bare, colocated, disaggregated to run (default %(default)s)")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for a server (default %(default)s)")
+    p.add_argument("--max-run-time", type=float, default=300.0, help="seconds per loadgen run (default %(default)s)")
+    p.add_argument("--out", default=None, help="write logs and served_vs_bare.json here (default: a temporary folder)")
+    args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ("bare", "colocated", "disaggregated")]
+    if bad:
+        p.error(f"--modes: unknown mode(s) {', '.join(bad)}")
+    out_dir = args.out or tempfile.mkdtemp(prefix="served-vs-bare-")
+    os.makedirs(out_dir, exist_ok=True)
+    gpu_args = ["--worker-gpus", "1"] if args.device == "cuda" else ["--worker-gpus", "0"]
+    results: dict = {"args": vars(args), "runs": {}}
+    rows = []
+    if "bare" in modes:
+        for i, s in enumerate(bare(args, out_dir)):
+            results["runs"][f"bare run {i + 1}"] = s
+    if "colocated" in modes:
+        server = Server(args, ["--mode", "colocated", "--replicas", "1", *gpu_args], "colocated", out_dir)
+        try:
+            results["chosen"] = server.chosen()
+            for i in range(2):
+                s = loadgen(server.url, args, seed=args.seed + 10 + i)
+                results["runs"][f"served run {i + 1}"] = s
+        finally:
+            server.stop()
+        results["colocated_startup_s"] = server.startup_s
+    if "disaggregated" in modes:
+        share = ["--worker-gpus", "0.5"] if args.device == "cuda" else ["--worker-gpus", "0"]
+        server = Server(args, ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", *share],
+                        "disaggregated", out_dir)
+        try:
+            s = loadgen(server.url, args, seed=args.seed + 20)
+            s["kv_fallbacks"] = metric_total(server.url, "pdserve:request_recoveries_total")
+            results["runs"]["disaggregated 1P+1D"] = s
+        finally:
+            server.stop()
+
+    print()
+    for line in results.get("chosen", []):
+        print("server chose: " + line.split("engine:", 1)[1].strip())
+    print("| run | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms | req/s | errors | prefix-cache hits |")
+    print("|---|---|---|---|---|---|---|---|")
+    for label, s in results["runs"].items():
+        rows.append(row(label, s))
+        print(rows[-1])
+    runs = results["runs"]
+    ratios = {}
+    if "bare run 2" in runs and "served run 2" in runs:
+        b, s = runs["bare run 2"], runs["served run 2"]
+        ratios["served_minus_bare_ttft_p50_ms"] = (s["ttft_p50"] - b["ttft_p50"]) * 1e3
+        ratios["served_over_bare_tpot_p50"] = s["tpot_p50"] / b["tpot_p50"]
+    if "served run 1" in runs and "served run 2" in runs:
+        ratios["first_over_second_ttft_p50"] = runs["served run 1"]["ttft_p50"] / runs["served run 2"]["ttft_p50"]
+        ratios["first_over_second_tpot_p50"] = runs["served run 1"]["tpot_p50"] / runs["served run 2"]["tpot_p50"]
+    if "disaggregated 1P+1D" in runs:
+        d = runs["disaggregated 1P+1D"]
+        ratios["disaggregated_errors"] = d["num_errors"]
+        ratios["disaggregated_kv_fallbacks"] = d["kv_fallbacks"]
+    results["ratios"] = ratios
+    print()
+    for key, value in ratios.items():
+        print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
+    with open(os.path.join(out_dir, "served_vs_bare.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    log(f"wrote {os.path.join(out_dir, 'served_vs_bare.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
