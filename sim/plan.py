@@ -250,7 +250,7 @@ class PlanOptions:
     policy: str = "least-loaded"  # disaggregated and colocated candidates; hybrid uses network-aware
     hybrid_policy: str = "network-aware"
     simulate_top: int = 4
-    requests_per_gpu: int = 24
+    requests_per_gpu: int = 20
     min_requests: int = 240
     max_requests: int = 2400
     bisections: int = 3
@@ -351,10 +351,12 @@ def measure(config: ClusterConfig, policy: str, arrivals: list[Arrival], slos: S
                        q(tpots, 90), run.wall_s)
 
 
-def size(evaluation: Evaluation, base: ClusterConfig, workload: Workload, slos: SLOs, options: PlanOptions) -> None:
+def size(evaluation: Evaluation, base: ClusterConfig, workload: Workload, slos: SLOs, options: PlanOptions,
+         correction: float = 1.0) -> None:
     """The highest rate at which the candidate keeps the attainment: bracketed from the
     estimate (x1.5 up or /1.5 down, up to 4 steps each way), then bisected; on its slice
-    (module docstring), the rates scaled back to the whole candidate."""
+    (module docstring), the rates scaled back to the whole candidate. `correction`: the
+    simulated / estimated rate of the candidates sized so far (the first bracket starts there)."""
     whole = evaluation.candidate
     c = whole.slice(options.hybrid_slice_gpus if whole.mode == "hybrid" else options.slice_gpus)
     scale = whole.gpus / c.gpus
@@ -366,7 +368,7 @@ def size(evaluation: Evaluation, base: ClusterConfig, workload: Workload, slos: 
         evaluation.runs += 1
         return measure(config, policy, workload.at_rate(rate, num_requests), slos, seed=options.seed)
 
-    start = evaluation.estimate / scale if evaluation.estimate > 0 else 0.05 * c.gpus
+    start = evaluation.estimate * correction / scale if evaluation.estimate > 0 else 0.05 * c.gpus
     good: Measurement | None = None
     bad: Measurement | None = None
     m = run(start)
@@ -426,7 +428,8 @@ def plan(base: ClusterConfig, workload: Workload, slos: SLOs, gpus: int, *, opti
             continue
         if progress is not None:
             progress(c.label if key == c else f"{c.label} as {key.label}")
-        size(e, base, workload, slos, options)
+        ratios = sorted(d.rate / d.estimate for d in done.values() if d.rate > 0 and d.estimate > 0)
+        size(e, base, workload, slos, options, correction=ratios[len(ratios) // 2] if ratios else 1.0)
         done[key] = e
         log.info("%s: %.3f req/s within the SLOs (%d runs)", c.label, e.rate, e.runs)
     simulated = sorted((e for e in evaluations if e.simulated),

@@ -84,8 +84,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("search")
     s.add_argument("--simulate-top", type=_positive_int, default=4, metavar="K",
                    help="simulate the K P:D splits the model ranks best (plus 1:1, colocated, hybrid; default 4)")
-    s.add_argument("--requests-per-gpu", type=_positive_int, default=24, metavar="N",
-                   help="simulated requests a run per GPU of the budget (default 24)")
+    s.add_argument("--requests-per-gpu", type=_positive_int, default=20, metavar="N",
+                   help="simulated requests a run per simulated GPU (default 20)")
     s.add_argument("--max-requests", type=_positive_int, default=2400, metavar="N",
                    help="at most this many simulated requests a run (default 2400)")
     s.add_argument("--max-splits", type=_positive_int, default=64, metavar="N",
