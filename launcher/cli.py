@@ -309,7 +309,24 @@ def build_parser() -> argparse.ArgumentParser:
                     help="timed steps per decode point (and per mixed point)")
     pr.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     pr.set_defaults(func=cmd_profile)
+
+    pl = sub.add_parser("plan", help="the numbers of prefill, decode and mixed workers with the most goodput per "
+                                     "GPU for a workload, SLOs and a GPU budget (searched with the simulator)")
+    from sim.plan_cli import add_plan_args
+
+    add_plan_args(pl)
+    pl.set_defaults(func=cmd_plan)
     return parser
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from loadgen.errors import LoadgenError
+    from sim.plan_cli import run_plan
+
+    try:
+        return run_plan(args)
+    except LoadgenError as e:  # a trace file's error names the file, line and field
+        raise CliError(f"--trace: {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,8 @@
    as on a serving worker: the per-step block hashing is part of the step). Chunks run from 2
    tokens to max_num_batched_tokens; B at most max_num_seqs - 1 (the prompt needs a slot; larger
    B are measured at max_num_seqs - 1, the largest batch a step with a chunk can have).
-4. The result is a router.placement.profiles.Profile (the schema lives there), with the hardware named.
+4. The result is a router.placement.profiles.Profile (the schema lives there), with the hardware named
+   and the engine's step version (pdserve/step_version.py) stamped.
 
 Prefix caching is off while measuring prefill and decode, and every prompt is fresh random
 tokens, so no run reuses another's KV. Grid points that do not fit the model's context or the
@@ -44,7 +45,9 @@ from tqdm import tqdm
 
 from pdserve.config import EngineConfig
 from pdserve.engine import LLMEngine
+from pdserve import __version__ as PDSERVE_RELEASE
 from pdserve.sampling_params import SamplingParams
+from pdserve.step_version import engine_step_version
 from router.placement.profiles import Profile
 
 logger = logging.getLogger(__name__)
@@ -204,6 +207,7 @@ class Profiler:
             prefill_tokens=tuple(tokens), prefill_times=tuple(prefill_times),
             decode_batch_sizes=tuple(batches), decode_contexts=tuple(contexts), decode_times=tuple(decode_times),
             created=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            engine_step_version=engine_step_version(e.device.type), engine_release=PDSERVE_RELEASE,
             **({} if not mixed else dict(mixed_context=mixed_context, mixed_batch_sizes=tuple(m_batches),
                                          mixed_chunk_tokens=tuple(m_chunks), mixed_times=tuple(mixed_times))),
         )

@@ -11,7 +11,11 @@ Modules, bottom up:
 - `config`: the cluster file (workers, topology, profile, engine limits, policy options);
 - `check`: network-aware's search and its oracle side by side, every decision compared;
 - `experiment`, `cli`: a loadgen experiment spec in, loadgen's records, summaries, plots and
-  report out (`pdserve-sim experiment SPEC --cluster FILE`).
+  report out (`pdserve-sim experiment SPEC --cluster FILE`);
+- `profile_check`: is a profile of this engine and of the target hardware (a warning, or a
+  refusal with --strict-profile);
+- `plan`, `plan_cli`: `pdserve plan`, the pool sizes with the most goodput per GPU.
 
-It imports `router` and `loadgen`, never the engine (`pdserve`) or Ray.
+It imports `router.placement` and `loadgen`, never the engine (`pdserve`) or Ray, except
+`pdserve.step_version`, a constant that imports nothing.
 """

@@ -2,6 +2,11 @@
 
     pdserve-sim experiment SPEC --cluster CLUSTER.yaml [--output-dir DIR] [--replay REAL_DIR]
                            [--policy NAME ...] [--dry-run] [--no-progress]
+                           [--hardware NAME] [--strict-profile]
+
+A profile older than the engine or from other hardware than the cluster's (sim/profile_check.py)
+is a warning on stderr naming the command that measures a new one; with --strict-profile it is
+an error (exit 2).
 
 Writes what `pdserve-loadgen experiment SPEC` writes (records, summary.csv, plots, report.md)
 for a simulated cluster. Exit codes: 0 success; 2 bad input (a flag, a spec, a cluster,
@@ -39,7 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--dry-run", action="store_true", help="validate the spec and the cluster file and list the runs")
     exp.add_argument("--no-progress", action="store_true", help="accepted for `pdserve-loadgen experiment` "
                      "parity: the simulator draws no progress bar")
+    add_profile_check_args(exp)
     return parser
+
+
+def add_profile_check_args(p: argparse.ArgumentParser) -> None:
+    """--hardware and --strict-profile (here and in `pdserve plan`)."""
+    p.add_argument("--hardware", default="", metavar="NAME",
+                   help="the hardware the profile must come from, as `pdserve profile` names it (e.g. 'NVIDIA "
+                        "H200', 'AMD EPYC (1 threads)'); default: the cluster file's hardware:, else this machine's")
+    p.add_argument("--strict-profile", action="store_true",
+                   help="refuse a profile older than the engine or from other hardware (default: warn)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             cluster = load_cluster(args.cluster)
         except ValueError as e:
             raise ValueError(f"--cluster: {e}") from None
+        from sim.profile_check import check_profiles, cluster_profiles
+
+        for line in check_profiles(cluster_profiles(cluster), hardware=args.hardware or cluster.hardware,
+                                   strict=args.strict_profile):
+            print(f"{PROG}: warning: {line}", file=sys.stderr)
         if args.dry_run:
             print("\n".join(run_ids(spec)))
             return 0

@@ -2,6 +2,8 @@
 
     profile: profile.json           # `pdserve profile` output; paths are relative to this file
     decode_profile: other.json      # optional: decode and mixed workers step by this one
+    hardware: AMD EPYC (1 threads)  # optional: the hardware this cluster runs on; the profiles must
+                                    # name it (sim/profile_check.py; default: this machine's)
     topology: topology.yaml         # router topology file (router.placement.topology), or inline mapping
     mode: disaggregated             # or colocated
     engine: {num_blocks: 728, block_size: 16, max_num_batched_tokens: 512, max_num_seqs: 64}
@@ -33,7 +35,7 @@ import yaml
 from router.placement.profiles import Profile, load_profile
 from router.placement.topology import Topology, load_topology, parse_topology
 
-_TOP = ("profile", "decode_profile", "topology", "mode", "engine", "workers", "cluster", "hosts", "router")
+_TOP = ("profile", "decode_profile", "hardware", "topology", "mode", "engine", "workers", "cluster", "hosts", "router")
 _ENGINE = ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "overlap_steps")
 _ROUTER = ("stats_interval_s", "rpc_s", "front_s", "max_retries", "policy_options")
 _WORKER = ("id", "role", "node", "host")
@@ -79,6 +81,9 @@ class ClusterConfig:
     engine: EngineLimits = field(default_factory=EngineLimits)
     hosts: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     router: RouterConfig = field(default_factory=RouterConfig)
+    hardware: str = ""  # the hardware the cluster file says it runs on ("": not said)
+    profile_path: str = ""  # where the profiles were read, for messages ("": built in code)
+    decode_profile_path: str = ""
 
     def __post_init__(self) -> None:
         if self.mode not in ("disaggregated", "colocated"):
@@ -147,8 +152,13 @@ def load_cluster(path: str | Path) -> ClusterConfig:
     base = Path(path).resolve().parent
     if "profile" not in data:
         raise _fail(path, "profile", "missing (a file from `pdserve profile`)")
-    profile = load_profile(str(base / str(data["profile"])))
-    decode_profile = load_profile(str(base / str(data["decode_profile"]))) if data.get("decode_profile") else None
+    profile_path = str(base / str(data["profile"]))
+    profile = load_profile(profile_path)
+    decode_profile_path = str(base / str(data["decode_profile"])) if data.get("decode_profile") else ""
+    decode_profile = load_profile(decode_profile_path) if decode_profile_path else None
+    hardware = data.get("hardware", "")
+    if not isinstance(hardware, str):
+        raise _fail(path, "hardware", f"must be a string (a device name as `pdserve profile` writes it), got {hardware!r}")
 
     topo = data.get("topology")
     if topo is None:
@@ -201,7 +211,8 @@ def load_cluster(path: str | Path) -> ClusterConfig:
     try:
         return ClusterConfig(profile=profile, decode_profile=decode_profile, workers=workers, topology=topology,
                              mode=str(data.get("mode", "disaggregated")), engine=engine,
-                             hosts=MappingProxyType(dict(hosts)), router=router)
+                             hosts=MappingProxyType(dict(hosts)), router=router, hardware=hardware,
+                             profile_path=profile_path, decode_profile_path=decode_profile_path)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
 

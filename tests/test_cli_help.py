@@ -22,7 +22,7 @@ def _options(parser: argparse.ArgumentParser, name: str = "pdserve"):
 def test_every_option_of_every_subcommand_has_help():
     options = list(_options(build_parser()))
     assert {name for name, _ in options} == {"pdserve", "pdserve generate", "pdserve up", "pdserve worker",
-                                             "pdserve router", "pdserve profile"}
+                                             "pdserve router", "pdserve profile", "pdserve plan"}
     missing = [(name, action.option_strings or action.dest) for name, action in options
                if not (action.help or "").strip() or action.help == argparse.SUPPRESS]
     assert missing == []

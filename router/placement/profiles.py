@@ -14,8 +14,14 @@ The JSON file (version 1)::
                  "seconds": [[0.010, 0.011], [0.011, 0.013], [0.013, 0.02]]},  # [batch][context]
       "mixed": {"context": 1024, "batch_sizes": [1, 16], "chunk_tokens": [64, 512],  # optional
                 "seconds": [[0.021, 0.03], [0.024, 0.034]]},  # [batch][chunk tokens]
-      "created": "2025-01-01T00:00:00Z"
+      "created": "2025-01-01T00:00:00Z",
+      "engine": {"step_version": 2, "release": "0.1.0"}              # optional
     }
+
+`engine` (optional; files without it load as before): the engine that measured the table, its
+step version (pdserve/step_version.py: bumped when a change moves step times) and its package
+release. The simulator and the planner warn when it is older than the running engine's, or when
+`hardware` is not the hardware they plan for (sim/profile_check.py).
 
 `mixed` (optional; files without it load as before): the time of one engine step that carries
 a decode batch of B requests at context `context` plus a prefill chunk of T tokens, measured
@@ -43,8 +49,8 @@ from typing import Any
 
 PROFILE_VERSION = 1
 _KEYS = ("version", "hardware", "model", "dtype", "num_layers", "kv_bytes_per_token", "block_size",
-         "max_num_batched_tokens", "prefill", "decode", "mixed", "created")
-_OPTIONAL = ("mixed", "created")
+         "max_num_batched_tokens", "prefill", "decode", "mixed", "created", "engine")
+_OPTIONAL = ("mixed", "created", "engine")
 _MIXED_KEYS = ("context", "batch_sizes", "chunk_tokens", "seconds")
 
 
@@ -69,6 +75,9 @@ class Profile:
     mixed_batch_sizes: tuple[int, ...] = ()
     mixed_chunk_tokens: tuple[int, ...] = ()
     mixed_times: tuple[tuple[float, ...], ...] = ()  # [batch index][chunk index]
+    # the engine that measured it (module docstring); None: an unstamped file
+    engine_step_version: int | None = None
+    engine_release: str = ""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "kv_bytes_per_token", "block_size", "max_num_batched_tokens"):
@@ -94,6 +103,8 @@ class Profile:
                                  f"got {len(self.mixed_times)}")
             for i, row in enumerate(self.mixed_times):
                 _times(f"mixed.seconds[{i}]", row, len(self.mixed_chunk_tokens))
+        if self.engine_step_version is not None:
+            _positive_int("engine.step_version", self.engine_step_version)
 
     @property
     def has_mixed(self) -> bool:
@@ -165,6 +176,8 @@ class Profile:
                 "chunk_tokens": list(self.mixed_chunk_tokens),
                 "seconds": [list(row) for row in self.mixed_times]}}),
             "created": self.created,
+            **({} if self.engine_step_version is None else {"engine": {
+                "step_version": self.engine_step_version, "release": self.engine_release}}),
         }
 
     @classmethod
@@ -194,6 +207,13 @@ class Profile:
                          mixed_batch_sizes=_tuple("mixed.batch_sizes", table["batch_sizes"]),
                          mixed_chunk_tokens=_tuple("mixed.chunk_tokens", table["chunk_tokens"]),
                          mixed_times=tuple(tuple(r) for r in mixed_rows))
+        engine: dict[str, Any] = {}
+        if "engine" in data:
+            table = _keys("engine", data["engine"], ("step_version", "release"), ("release",))
+            _positive_int("engine.step_version", table["step_version"])
+            if not isinstance(table.get("release", ""), str):
+                raise ValueError(f"engine.release must be a string, got {table['release']!r}")
+            engine = dict(engine_step_version=table["step_version"], engine_release=table.get("release", ""))
         return cls(
             hardware=hw["name"], device=hw["device"], model=data["model"], dtype=data["dtype"],
             num_layers=data["num_layers"], kv_bytes_per_token=data["kv_bytes_per_token"],
@@ -204,7 +224,7 @@ class Profile:
             decode_contexts=_tuple("decode.contexts", decode["contexts"]),
             decode_times=tuple(tuple(r) for r in rows),
             created=str(data.get("created", "")),
-            **mixed,
+            **mixed, **engine,
         )
 
 

@@ -131,6 +131,7 @@ def test_the_loadgen_experiment_flags_select_and_list_runs(files, tmp_path, caps
                  "--policy", "network-aware", "--policy", "round-robin"]) == 0
     rows = list(csv.DictReader(open(out / "summary.csv")))
     assert [r["policy"] for r in rows] == ["round-robin", "round-robin", "network-aware", "network-aware"]
+    capsys.readouterr()  # the runs' warnings about the test's unstamped profile
     assert main(["experiment", str(spec), "--cluster", str(cluster), "--policy", "nope", "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("pdserve-sim: error: --policy: 'nope' is not in the spec's grid.policy") and "\n" not in err
