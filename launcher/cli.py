@@ -107,13 +107,18 @@ def cmd_router(args: argparse.Namespace) -> int:
         raise CliError(f"--worker-wait-s must be >= 0, got {args.worker_wait_s}")
     if args.max_model_len is not None and args.max_model_len <= 0:
         raise CliError(f"--max-model-len must be > 0, got {args.max_model_len}")
+    if args.max_queued_requests < 1:
+        raise CliError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
+    if not 0 < args.queue_timeout_s < float("inf"):
+        raise CliError(f"--queue-timeout-s must be > 0, got {args.queue_timeout_s}")
     settings = RouterSettings(model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                               max_model_len=args.max_model_len, policy=args.policy, mode=args.mode,
                               host=args.host, port=args.port, api_key=args.api_key,
                               kv_deadline_s=args.kv_deadline_s, log_level=args.log_level.lower(),
                               topology=args.topology, profile=args.profile, slo_ttft=args.slo_ttft,
                               slo_tpot=args.slo_tpot, admission_control=args.admission_control,
-                              calibrate=not args.no_calibration, worker_wait_s=args.worker_wait_s, cluster_token=_cluster_token(args))
+                              calibrate=not args.no_calibration, worker_wait_s=args.worker_wait_s, cluster_token=_cluster_token(args),
+                              max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s)
     return run_router(args.worker, settings)
 
 
@@ -228,6 +233,12 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
     p.add_argument("--worker-wait-s", type=float_arg("--worker-wait-s"), default=d(30.0),
                    help="a request that no worker can serve (e.g. the only one restarts) waits this long for "
                         "one, then gets 503 with Retry-After (default 30; 0: at once)")
+    p.add_argument("--max-queued-requests", type=int_arg("--max-queued-requests"), default=d(1024),
+                   help="requests waiting for their first token (e.g. for KV blocks in a burst) beyond "
+                        "this get 429 with Retry-After (default 1024)")
+    p.add_argument("--queue-timeout-s", type=float_arg("--queue-timeout-s"), default=d(300.0),
+                   help="a request without its first token after this long gets 503 with Retry-After "
+                        "(default 300)")
     p.add_argument("--topology", default=d(None), metavar="FILE",
                    help="YAML of nodes, workers and links (Gbit/s, latency) for placement")
     p.add_argument("--profile", default=d(None), metavar="FILE",

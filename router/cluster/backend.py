@@ -19,7 +19,14 @@ A request goes through:
    - nothing left to serve: the request waits for a worker to come back, up to `worker_wait_s`
      (`pdserve:requests_waiting_for_worker`, `pdserve:worker_wait_seconds`), then
      ServiceUnavailable (503, with Retry-After); no room anywhere: Overloaded (429);
-4. the end: a finished request frees itself on the workers; any other exit (error, client
+4. queueing: a burst beyond the workers' KV capacity waits, it is not an error. A decode
+   worker's Reserve waits in line for blocks (pdserve/worker/server.py), a worker's engine
+   queues what it cannot admit yet; the router bounds the wait. A request counts as queued
+   (`pdserve:requests_waiting`) from its arrival to its first token: past `max_queued_requests`
+   queued requests a new one gets Overloaded (429) at once, and one without a first token after
+   `queue_timeout_s` is aborted on the workers and gets ServiceUnavailable (503); both carry
+   Retry-After (`pdserve:requests_rejected_total{reason}`, `pdserve:queue_wait_seconds`);
+5. the end: a finished request frees itself on the workers; any other exit (error, client
    abort, cancellation) sends Abort to every worker that holds a part of it, bounded in time.
 
 The `WorkerPool` (router.cluster.worker_pool) keeps the view of the workers: it re-reads the directory
@@ -83,6 +90,7 @@ from router.cluster.worker_pool import WorkerPool
 logger = logging.getLogger(__name__)
 
 WAIT_POLL_S = 0.1  # while a request waits for a worker, placement is retried this often
+QUEUE_RETRY_AFTER_S = 5  # Retry-After of a request refused by the queue bounds (full, waited too long)
 
 # What `RequestOutput.timing` of a finished request holds (seconds unless named otherwise), for
 # the attempt that produced its first token: `place` (arrival at the backend to the placement
@@ -156,6 +164,8 @@ class ClusterBackend:
         network: NetworkOptions | None = None,
         worker_wait_s: float = 0.0,
         cluster_token: str | None = None,
+        max_queued_requests: int = 1024,
+        queue_timeout_s: float = 300.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -168,6 +178,13 @@ class ClusterBackend:
         if not isinstance(worker_wait_s, (int, float)) or worker_wait_s < 0:
             raise ValueError(f"worker_wait_s must be >= 0, got {worker_wait_s!r}")
         self.worker_wait_s = float(worker_wait_s)
+        if not isinstance(max_queued_requests, int) or max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be an integer >= 1, got {max_queued_requests!r}")
+        if not isinstance(queue_timeout_s, (int, float)) or not 0 < queue_timeout_s < math.inf:
+            raise ValueError(f"queue_timeout_s must be > 0, got {queue_timeout_s!r}")
+        self.max_queued_requests = max_queued_requests
+        self.queue_timeout_s = float(queue_timeout_s)
+        self.num_queued = 0  # requests without a first token yet (module docstring, 4)
         self.pool = WorkerPool(
             directory, interval_s=stats_interval_s, health_timeout_s=health_timeout_s, rpc_timeout_s=rpc_timeout_s,
             cluster_token=cluster_token,
@@ -263,32 +280,74 @@ class ClusterBackend:
         await self._ensure_started()
         if request_id in self._flights:
             raise ValueError(f"request id {request_id!r} is already live")
+        if self.num_queued >= self.max_queued_requests:
+            self._count_rejected("queue_full")
+            raise Overloaded(f"The server is busy: {self.num_queued} requests are queued (the limit is "
+                             f"{self.max_queued_requests}); retry later.",
+                             headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)})
         flight = _Flight(request_id, len(prompt_token_ids))
         self._flights[request_id] = flight
         arrival = time.monotonic()
         first_token: float | None = None
         num_tokens = 0
+        queued = self._enter_queue()
+        serve = self._serve(flight, list(prompt_token_ids), params)
         try:
-            async for output in self._serve(flight, list(prompt_token_ids), params):
-                if output.new_token_ids:
-                    now = time.monotonic()
-                    if first_token is None:
-                        first_token = now
-                        flight.timing["first_token"] = now - arrival
-                    num_tokens += len(output.new_token_ids)
-                if output.new_text and "first_text" not in flight.timing:
-                    flight.timing["first_text"] = time.monotonic() - arrival
-                if "place" not in flight.timing and "placed_at" in flight.timing:
-                    flight.timing["place"] = flight.timing.pop("placed_at") - arrival
-                if output.finished and flight.timing:
-                    output.timing = {k: flight.timing[k] for k in TIMING_KEYS if k in flight.timing}
-                    output.timing["attempts"] = flight.num_attempts
-                if output.finished and output.finish_reason != "abort" and not flight.aborted:
-                    self._report_outcome(flight, arrival, first_token, num_tokens)
-                yield output
+            async with contextlib.aclosing(serve):
+                while True:
+                    try:
+                        if queued:  # the wait for a first token is bounded; a cancelled step aborts its parts
+                            left = arrival + self.queue_timeout_s - time.monotonic()
+                            output = await asyncio.wait_for(anext(serve), max(0.0, left))
+                        else:
+                            output = await anext(serve)
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        self._count_rejected("queue_timeout")
+                        raise ServiceUnavailable(
+                            f"The server is busy: the request waited {self.queue_timeout_s:g}s without being "
+                            "served; retry later.", headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)}) from None
+                    if queued and (output.new_token_ids or output.finished):
+                        queued = self._leave_queue(arrival)
+                    if output.new_token_ids:
+                        now = time.monotonic()
+                        if first_token is None:
+                            first_token = now
+                            flight.timing["first_token"] = now - arrival
+                        num_tokens += len(output.new_token_ids)
+                    if output.new_text and "first_text" not in flight.timing:
+                        flight.timing["first_text"] = time.monotonic() - arrival
+                    if "place" not in flight.timing and "placed_at" in flight.timing:
+                        flight.timing["place"] = flight.timing.pop("placed_at") - arrival
+                    if output.finished and flight.timing:
+                        output.timing = {k: flight.timing[k] for k in TIMING_KEYS if k in flight.timing}
+                        output.timing["attempts"] = flight.num_attempts
+                    if output.finished and output.finish_reason != "abort" and not flight.aborted:
+                        self._report_outcome(flight, arrival, first_token, num_tokens)
+                    yield output
         finally:
+            if queued:
+                self._leave_queue(arrival)
             if self._flights.get(request_id) is flight:
                 del self._flights[request_id]
+
+    def _enter_queue(self) -> bool:
+        self.num_queued += 1
+        if self.metrics is not None:
+            self.metrics.requests_waiting.set(self.num_queued)
+        return True
+
+    def _leave_queue(self, arrival: float) -> bool:
+        self.num_queued -= 1
+        if self.metrics is not None:
+            self.metrics.requests_waiting.set(self.num_queued)
+            self.metrics.queue_wait_seconds.observe(time.monotonic() - arrival)
+        return False
+
+    def _count_rejected(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests_rejected.labels(reason).inc()
 
     async def abort(self, request_id: str) -> None:
         flight = self._flights.get(request_id)
@@ -460,7 +519,9 @@ class ClusterBackend:
             result: PrefillResult | None = None
             try:
                 started = time.monotonic()
-                reservation = await decode.client.reserve(wire_id, prompt, params, self.kv_deadline_s)
+                # D's Reserve waits in line for blocks: the queue bound (generate) is its limit
+                reservation = await decode.client.reserve(wire_id, prompt, params, self.kv_deadline_s,
+                                                          timeout_s=self.queue_timeout_s + self.rpc_timeout_s)
                 reserved = time.monotonic()
                 flight.parts[prefill.worker_id] = (prefill.client, wire_id)
                 try:
