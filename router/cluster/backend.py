@@ -63,6 +63,7 @@ from pdserve.sampling_params import RequestOutput, SamplingParams
 from router.backend import Tokenizer
 from router.cluster.directory import WorkerDirectory
 from router.errors import (
+    InvalidRequest,
     KVPushFailed,
     KVTransferDeadline,
     Overloaded,
@@ -436,11 +437,13 @@ class ClusterBackend:
             num_resumed_tokens=len(flight.sent_token_ids),
             excluded=frozenset(excluded),
         )
+        snapshot = self.snapshot()
         try:
-            decision = self.policy.place(request, self.snapshot())
+            decision = self.policy.place(request, snapshot)
         except SLOUnattainable as exc:
             raise Overloaded(f"The cluster cannot serve the request within its SLOs now; retry later ({exc})") from exc
         except NoWorkersAvailable as exc:
+            self._check_ever_fits(request, snapshot)
             if isinstance(last_error, Overloaded):
                 raise last_error from exc  # every worker left is full: the client may retry later
             cause = f"; last error: {last_error.message}" if last_error is not None else ""
@@ -451,6 +454,19 @@ class ClusterBackend:
             self._count_recovery("degraded")
         logger.debug("request %s -> %s", flight.request_id, decision)
         return decision
+
+    @staticmethod
+    def _check_ever_fits(request: RequestInfo, snapshot: ClusterSnapshot) -> None:
+        """InvalidRequest (400) when healthy workers can decode but none could ever hold the
+        request (its context length or its KV cache is too small): waiting would not help."""
+        workers = [w for w in snapshot.workers if w.healthy and w.can_decode]
+        if not workers or any(w.fits(request.num_tokens) for w in workers):
+            return
+        limit = max(min(w.max_model_len or math.inf, (w.num_blocks * w.block_size) or math.inf) for w in workers)
+        raise InvalidRequest(
+            f"This model's maximum context length is {limit:g} tokens (the largest KV cache among the workers); "
+            f"the request needs {request.num_tokens} ({request.num_prompt_tokens} in the prompt, "
+            f"{request.max_tokens} max_tokens).", param="max_tokens", code="context_length_exceeded")
 
     async def _place_or_wait(
         self, flight: _Flight, prompt: list[int], params: SamplingParams, excluded: set[str],
