@@ -91,7 +91,7 @@ class _Stream:
 
     A consumer that stops reading (a slow client holds the gRPC stream back) does not make the
     queue grow by one item per step: past MERGE_AT items they are merged into one, so a
-    request holds at most MERGE_AT + 1 items, whose tokens are bounded by its max_tokens."""
+    request holds at most MERGE_AT items, whose tokens are bounded by its max_tokens."""
 
     MERGE_AT = 64
 
