@@ -143,7 +143,8 @@ class ClusterBackend:
     """Serves requests on the workers of `directory`, placed by `policy` (module docstring).
 
     `kv_deadline_s` is the time the KV has to land on D; `rpc_timeout_s` bounds every other
-    unary call (Reserve, Abort); Prefill gets kv_deadline_s + rpc_timeout_s; Health and Stats
+    unary call (Abort); Reserve and Prefill, which may wait in line (module docstring, 4), get
+    queue_timeout_s more, and D waits queue_timeout_s + kv_deadline_s for the KV; Health and Stats
     get `health_timeout_s`. Starts on first use if `start()` was not awaited.
     """
 
@@ -535,15 +536,17 @@ class ClusterBackend:
             result: PrefillResult | None = None
             try:
                 started = time.monotonic()
-                # D's Reserve waits in line for blocks: the queue bound (generate) is its limit
-                reservation = await decode.client.reserve(wire_id, prompt, params, self.kv_deadline_s,
-                                                          timeout_s=self.queue_timeout_s + self.rpc_timeout_s)
+                # D's Reserve waits in line for blocks and P's Prefill in P's queue: the queue
+                # bound (generate) limits both, so D also waits that long for the KV
+                queue_s = self.queue_timeout_s
+                reservation = await decode.client.reserve(wire_id, prompt, params, queue_s + self.kv_deadline_s,
+                                                          timeout_s=queue_s + self.rpc_timeout_s)
                 reserved = time.monotonic()
                 flight.parts[prefill.worker_id] = (prefill.client, wire_id)
                 try:
                     result = await prefill.client.prefill(
                         wire_id, prompt, params, reservation, self.kv_deadline_s,
-                        timeout_s=self.kv_deadline_s + self.rpc_timeout_s,
+                        timeout_s=queue_s + self.kv_deadline_s + self.rpc_timeout_s,
                     )
                 except KVPushFailed as exc:  # D did not take the KV: D failed, not P
                     raise WorkerFailed(f"{exc.message} (reported by {prefill.worker_id})",
