@@ -236,9 +236,9 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
     p.add_argument("--max-queued-requests", type=int_arg("--max-queued-requests"), default=d(1024),
                    help="requests waiting for their first token (e.g. for KV blocks in a burst) beyond "
                         "this get 429 with Retry-After (default 1024)")
-    p.add_argument("--queue-timeout-s", type=float_arg("--queue-timeout-s"), default=d(300.0),
+    p.add_argument("--queue-timeout-s", type=float_arg("--queue-timeout-s"), default=d(600.0),
                    help="a request without its first token after this long gets 503 with Retry-After "
-                        "(default 300)")
+                        "(default 600)")
     p.add_argument("--topology", default=d(None), metavar="FILE",
                    help="YAML of nodes, workers and links (Gbit/s, latency) for placement")
     p.add_argument("--profile", default=d(None), metavar="FILE",

@@ -77,7 +77,7 @@ class UpConfig:
     kv_deadline_s: float = 10.0
     worker_wait_s: float = 30.0  # a request no worker can serve waits this long, then 503
     max_queued_requests: int = 1024  # requests without a first token yet (waiting for KV blocks); past it 429
-    queue_timeout_s: float = 300.0  # a request without a first token after this gets 503
+    queue_timeout_s: float = 600.0  # a request without a first token after this gets 503
     topology: str | None = None
     profile: str | None = None
     slo_ttft: float | None = None

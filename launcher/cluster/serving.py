@@ -32,7 +32,7 @@ class RouterSettings:
     kv_deadline_s: float = 10.0
     worker_wait_s: float = 30.0  # a request no worker can serve waits this long for one, then 503
     max_queued_requests: int = 1024  # requests without a first token yet; past it 429
-    queue_timeout_s: float = 300.0  # no first token after this: 503 (a burst beyond the KV waits)
+    queue_timeout_s: float = 600.0  # no first token after this: 503 (a burst beyond the KV waits)
     cluster_token: str | None = field(default=None, repr=False)  # sent with every call to a worker
     log_level: str = "warning"
     graceful_shutdown_s: float = 10.0

@@ -167,7 +167,7 @@ class ClusterBackend:
         worker_wait_s: float = 0.0,
         cluster_token: str | None = None,
         max_queued_requests: int = 1024,
-        queue_timeout_s: float = 300.0,
+        queue_timeout_s: float = 600.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
