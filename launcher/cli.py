@@ -108,6 +108,10 @@ def cmd_router(args: argparse.Namespace) -> int:
         raise CliError(f"--max-model-len must be > 0, got {args.max_model_len}")
     if args.max_tokens_default is not None and args.max_tokens_default < 1:
         raise CliError(f"--max-tokens-default must be >= 1, got {args.max_tokens_default}")
+    if args.max_queued_requests < 1:
+        raise CliError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
+    if not 0 < args.queue_timeout_s < float("inf"):
+        raise CliError(f"--queue-timeout-s must be > 0, got {args.queue_timeout_s}")
     settings = RouterSettings(model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                               max_model_len=args.max_model_len, policy=args.policy, mode=args.mode,
                               host=args.host, port=args.port, api_key=args.api_key,
@@ -115,7 +119,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                               topology=args.topology, profile=args.profile, slo_ttft=args.slo_ttft,
                               slo_tpot=args.slo_tpot, admission_control=args.admission_control,
                               calibrate=not args.no_calibration, worker_wait_s=args.worker_wait_s,
-                              max_tokens_default=args.max_tokens_default, cluster_token=cluster_token(args))
+                              max_tokens_default=args.max_tokens_default, cluster_token=cluster_token(args),
+                              max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s)
     return run_router(args.worker, settings)
 
 
@@ -222,6 +227,12 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
                    help="max_tokens of a request that gives none, on both endpoints (the room left in the context "
                         "still bounds it). Default: OpenAI's, 16 for /v1/completions and for chat the rest of the "
                         "context, which on a CPU can take minutes")
+    p.add_argument("--max-queued-requests", type=int_arg("--max-queued-requests"), default=d(1024),
+                   help="requests waiting for their first token (e.g. for KV blocks in a burst) beyond "
+                        "this get 429 with Retry-After (default 1024)")
+    p.add_argument("--queue-timeout-s", type=float_arg("--queue-timeout-s"), default=d(600.0),
+                   help="a request without its first token after this long gets 503 with Retry-After "
+                        "(default 600)")
     p.add_argument("--topology", default=d(None), metavar="FILE",
                    help="YAML of nodes, workers and links (Gbit/s, latency) for placement")
     p.add_argument("--profile", default=d(None), metavar="FILE",

@@ -82,6 +82,8 @@ class UpConfig:
     kv_deadline_s: float = 10.0
     worker_wait_s: float = 30.0  # a request no worker can serve waits this long, then 503
     max_tokens_default: int | None = None  # max_tokens of a request that gives none (None: OpenAI's defaults)
+    max_queued_requests: int = 1024  # requests without a first token yet (waiting for KV blocks); past it 429
+    queue_timeout_s: float = 600.0  # a request without a first token after this gets 503
     topology: str | None = None
     profile: str | None = None
     slo_ttft: float | None = None
@@ -129,6 +131,10 @@ class UpConfig:
                 fail(key, f"must be > 0, got {value}")
         if not (self.worker_wait_s >= 0 and math.isfinite(self.worker_wait_s)):
             fail("worker_wait_s", f"must be >= 0, got {self.worker_wait_s}")
+        if self.max_queued_requests < 1:
+            fail("max_queued_requests", f"must be >= 1, got {self.max_queued_requests}")
+        if not (self.queue_timeout_s > 0 and math.isfinite(self.queue_timeout_s)):
+            fail("queue_timeout_s", f"must be > 0, got {self.queue_timeout_s}")
         if self.ray_object_store_mb < 75:
             fail("ray_object_store_mb", f"must be >= 75 (Ray's minimum), got {self.ray_object_store_mb}")
         for key in ("namespace", "cluster_name"):
@@ -163,9 +169,9 @@ class UpConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(UpConfig)}
 _INTS = {"max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs", "prefill", "decode", "replicas",
-         "port", "ray_object_store_mb", "max_tokens_default"}
+         "port", "ray_object_store_mb", "max_tokens_default", "max_queued_requests"}
 _FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s",
-           "worker_wait_s", "slo_ttft", "slo_tpot"}
+           "worker_wait_s", "slo_ttft", "slo_tpot", "queue_timeout_s"}
 _BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration",
           "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv"}
 _OPTIONAL = {"tokenizer", "dtype", "device", "max_model_len", "max_num_batched_tokens", "max_num_seqs",

@@ -180,7 +180,9 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
                               max_batch=config.max_num_seqs,
                               host=config.host, port=config.port, api_key=config.api_key,
                               kv_deadline_s=config.kv_deadline_s, worker_wait_s=config.worker_wait_s,
-                              max_tokens_default=config.max_tokens_default, log_level=log_level.lower(),
+                              max_tokens_default=config.max_tokens_default,
+                              max_queued_requests=config.max_queued_requests, queue_timeout_s=config.queue_timeout_s,
+                              log_level=log_level.lower(),
                               topology=config.topology, profile=config.profile, slo_ttft=config.slo_ttft,
                               slo_tpot=config.slo_tpot, admission_control=config.admission_control,
                               calibrate=not config.no_calibration, graceful_shutdown_s=ROUTER_DRAIN_S, cluster_token=cluster_token)

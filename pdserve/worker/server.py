@@ -2,7 +2,9 @@
 
 Disaggregated request, as seen by the workers (the router drives it):
 
-1. D.Reserve: D allocates blocks for the prompt and expects a transfer into them.
+1. D.Reserve: D allocates blocks for the prompt and expects a transfer into them. When too few
+   blocks are free the call waits in line (first come, first served) until other requests free
+   them, bounded by the caller's deadline.
 2. P.Prefill: P computes the prompt in chunks; after each layer of each chunk it pushes the
    blocks that chunk completed to D (kv_push); it samples the first token, waits until D
    acknowledged every layer, frees its blocks and returns the first token.
@@ -30,7 +32,7 @@ import grpc
 
 from kvtransfer import KVTransferError, KVTransferTimeout, WIRE_VERSION, KVLayout, create_receiver, create_sender
 from pdserve.config import ROLES, EngineConfig
-from pdserve.engine import LLMEngine, NoKVSpaceError
+from pdserve.engine import LLMEngine
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.auth import TokenInterceptor, check_token
 from pdserve.proto import worker_pb2_grpc as pb_grpc
@@ -85,7 +87,13 @@ class _Stream:
     (`RequestOutput.merge`): when the consumer falls behind the engine (many streams, fast
     steps), it sends one gRPC message for several steps' tokens instead of one per token, so the
     worker's streaming cost per token falls as its load rises. An error is raised after the
-    outputs before it; nothing is merged past a finished one."""
+    outputs before it; nothing is merged past a finished one.
+
+    A consumer that stops reading (a slow client holds the gRPC stream back) does not make the
+    queue grow by one item per step: past MERGE_AT items they are merged into one, so a
+    request holds at most MERGE_AT items, whose tokens are bounded by its max_tokens."""
+
+    MERGE_AT = 64
 
     __slots__ = ("loop", "_items", "_waiter")
 
@@ -96,7 +104,12 @@ class _Stream:
 
     def put_nowait(self, item: RequestOutput | BaseException) -> None:
         """On the loop's thread (EngineLoop.deliver_many hands a step's outputs here)."""
-        self._items.append(item)
+        items = self._items
+        items.append(item)
+        if len(items) > self.MERGE_AT and all(isinstance(i, RequestOutput) and not i.finished for i in items):
+            merged = RequestOutput.merge(list(items))
+            items.clear()
+            items.append(merged)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -119,6 +132,10 @@ class _Stream:
         while items and not batch[-1].finished and not isinstance(items[0], BaseException):
             batch.append(items.popleft())
         return RequestOutput.merge(batch)
+
+    def __len__(self) -> int:
+        """Items waiting for the consumer."""
+        return len(self._items)
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -221,21 +238,35 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         transfer_id = f"{rid}/{secrets.token_hex(16)}"
         deadline = request.deadline_s if request.deadline_s > 0 else self.w.default_deadline_s
 
-        def reserve(engine: LLMEngine) -> list[int]:
-            blocks = engine.reserve(rid, prompt, params)
-            try:
-                self.w.receiver.expect(transfer_id, blocks, engine.model_config.num_layers, deadline)
-            except Exception:
-                engine.abort_request(rid)
-                raise
-            return blocks
+        loop = asyncio.get_running_loop()
+        granted: asyncio.Future = loop.create_future()
 
+        def resolve(result: list[int] | BaseException) -> None:  # on the asyncio loop
+            if granted.done():
+                return
+            if isinstance(result, BaseException):
+                granted.set_exception(result)
+            else:
+                granted.set_result(result)
+
+        def on_granted(blocks: list[int]) -> None:  # on the engine thread, once the blocks are ours
+            try:
+                self.w.receiver.expect(transfer_id, blocks, self.w.engine.model_config.num_layers, deadline)
+            except Exception as exc:
+                loop.call_soon_threadsafe(resolve, exc)
+                raise  # the engine drops the reservation
+            loop.call_soon_threadsafe(resolve, blocks)
+
+        # A reservation that does not fit now waits in the engine's line for blocks (KV that
+        # other requests free), bounded by the caller's deadline; a cancelled call leaves it.
         try:
-            blocks = await self._engine(reserve)
-        except NoKVSpaceError as exc:
-            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await self._engine(lambda e: e.reserve(rid, prompt, params, on_granted=on_granted))
+            blocks = await granted
         except ValueError as exc:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except BaseException:  # cancelled, or the expectation failed: on the engine thread, after any grant
+            self.w.loop.submit(lambda e: (self.w.receiver.cancel(transfer_id), e.abort_request(rid)))
+            raise
         self.w.transfers[rid] = transfer_id
         return pb.ReserveResponse(kv_address=self.w.kv_address, transfer_id=transfer_id, block_ids=blocks,
                                   wire_version=WIRE_VERSION, layout=self.w.layout_fingerprint)

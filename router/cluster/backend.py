@@ -19,7 +19,14 @@ A request goes through:
    - nothing left to serve: the request waits for a worker to come back, up to `worker_wait_s`
      (`pdserve:requests_waiting_for_worker`, `pdserve:worker_wait_seconds`), then
      ServiceUnavailable (503, with Retry-After); no room anywhere: Overloaded (429);
-4. the end: a finished request frees itself on the workers; any other exit (error, client
+4. queueing: a burst beyond the workers' KV capacity waits, it is not an error. A decode
+   worker's Reserve waits in line for blocks (pdserve/worker/server.py), a worker's engine
+   queues what it cannot admit yet; the router bounds the wait. A request counts as queued
+   (`pdserve:requests_waiting`) from its arrival to its first token: past `max_queued_requests`
+   queued requests a new one gets Overloaded (429) at once, and one without a first token after
+   `queue_timeout_s` is aborted on the workers and gets ServiceUnavailable (503); both carry
+   Retry-After (`pdserve:requests_rejected_total{reason}`, `pdserve:queue_wait_seconds`);
+5. the end: a finished request frees itself on the workers; any other exit (error, client
    abort, cancellation) sends Abort to every worker that holds a part of it, bounded in time.
 
 The `WorkerPool` (router.cluster.worker_pool) keeps the view of the workers: it re-reads the directory
@@ -56,6 +63,7 @@ from pdserve.sampling_params import RequestOutput, SamplingParams
 from router.backend import Tokenizer
 from router.cluster.directory import WorkerDirectory
 from router.errors import (
+    InvalidRequest,
     KVPushFailed,
     KVTransferDeadline,
     Overloaded,
@@ -83,6 +91,7 @@ from router.cluster.worker_pool import WorkerPool
 logger = logging.getLogger(__name__)
 
 WAIT_POLL_S = 0.1  # while a request waits for a worker, placement is retried this often
+QUEUE_RETRY_AFTER_S = 5  # Retry-After of a request refused by the queue bounds (full, waited too long)
 
 # What `RequestOutput.timing` of a finished request holds (seconds unless named otherwise), for
 # the attempt that produced its first token: `place` (arrival at the backend to the placement
@@ -134,7 +143,8 @@ class ClusterBackend:
     """Serves requests on the workers of `directory`, placed by `policy` (module docstring).
 
     `kv_deadline_s` is the time the KV has to land on D; `rpc_timeout_s` bounds every other
-    unary call (Reserve, Abort); Prefill gets kv_deadline_s + rpc_timeout_s; Health and Stats
+    unary call (Abort); Reserve and Prefill, which may wait in line (module docstring, 4), get
+    queue_timeout_s more, and D waits queue_timeout_s + kv_deadline_s for the KV; Health and Stats
     get `health_timeout_s`. Starts on first use if `start()` was not awaited.
     """
 
@@ -156,6 +166,8 @@ class ClusterBackend:
         network: NetworkOptions | None = None,
         worker_wait_s: float = 0.0,
         cluster_token: str | None = None,
+        max_queued_requests: int = 1024,
+        queue_timeout_s: float = 600.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -168,6 +180,13 @@ class ClusterBackend:
         if not isinstance(worker_wait_s, (int, float)) or worker_wait_s < 0:
             raise ValueError(f"worker_wait_s must be >= 0, got {worker_wait_s!r}")
         self.worker_wait_s = float(worker_wait_s)
+        if not isinstance(max_queued_requests, int) or max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be an integer >= 1, got {max_queued_requests!r}")
+        if not isinstance(queue_timeout_s, (int, float)) or not 0 < queue_timeout_s < math.inf:
+            raise ValueError(f"queue_timeout_s must be > 0, got {queue_timeout_s!r}")
+        self.max_queued_requests = max_queued_requests
+        self.queue_timeout_s = float(queue_timeout_s)
+        self.num_queued = 0  # requests without a first token yet (module docstring, 4)
         self.pool = WorkerPool(
             directory, interval_s=stats_interval_s, health_timeout_s=health_timeout_s, rpc_timeout_s=rpc_timeout_s,
             cluster_token=cluster_token,
@@ -263,32 +282,74 @@ class ClusterBackend:
         await self._ensure_started()
         if request_id in self._flights:
             raise ValueError(f"request id {request_id!r} is already live")
+        if self.num_queued >= self.max_queued_requests:
+            self._count_rejected("queue_full")
+            raise Overloaded(f"The server is busy: {self.num_queued} requests are queued (the limit is "
+                             f"{self.max_queued_requests}); retry later.",
+                             headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)})
         flight = _Flight(request_id, len(prompt_token_ids))
         self._flights[request_id] = flight
         arrival = time.monotonic()
         first_token: float | None = None
         num_tokens = 0
+        queued = self._enter_queue()
+        serve = self._serve(flight, list(prompt_token_ids), params)
         try:
-            async for output in self._serve(flight, list(prompt_token_ids), params):
-                if output.new_token_ids:
-                    now = time.monotonic()
-                    if first_token is None:
-                        first_token = now
-                        flight.timing["first_token"] = now - arrival
-                    num_tokens += len(output.new_token_ids)
-                if output.new_text and "first_text" not in flight.timing:
-                    flight.timing["first_text"] = time.monotonic() - arrival
-                if "place" not in flight.timing and "placed_at" in flight.timing:
-                    flight.timing["place"] = flight.timing.pop("placed_at") - arrival
-                if output.finished and flight.timing:
-                    output.timing = {k: flight.timing[k] for k in TIMING_KEYS if k in flight.timing}
-                    output.timing["attempts"] = flight.num_attempts
-                if output.finished and output.finish_reason != "abort" and not flight.aborted:
-                    self._report_outcome(flight, arrival, first_token, num_tokens)
-                yield output
+            async with contextlib.aclosing(serve):
+                while True:
+                    try:
+                        if queued:  # the wait for a first token is bounded; a cancelled step aborts its parts
+                            left = arrival + self.queue_timeout_s - time.monotonic()
+                            output = await asyncio.wait_for(anext(serve), max(0.0, left))
+                        else:
+                            output = await anext(serve)
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        self._count_rejected("queue_timeout")
+                        raise ServiceUnavailable(
+                            f"The server is busy: the request waited {self.queue_timeout_s:g}s without being "
+                            "served; retry later.", headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)}) from None
+                    if queued and (output.new_token_ids or output.finished):
+                        queued = self._leave_queue(arrival)
+                    if output.new_token_ids:
+                        now = time.monotonic()
+                        if first_token is None:
+                            first_token = now
+                            flight.timing["first_token"] = now - arrival
+                        num_tokens += len(output.new_token_ids)
+                    if output.new_text and "first_text" not in flight.timing:
+                        flight.timing["first_text"] = time.monotonic() - arrival
+                    if "place" not in flight.timing and "placed_at" in flight.timing:
+                        flight.timing["place"] = flight.timing.pop("placed_at") - arrival
+                    if output.finished and flight.timing:
+                        output.timing = {k: flight.timing[k] for k in TIMING_KEYS if k in flight.timing}
+                        output.timing["attempts"] = flight.num_attempts
+                    if output.finished and output.finish_reason != "abort" and not flight.aborted:
+                        self._report_outcome(flight, arrival, first_token, num_tokens)
+                    yield output
         finally:
+            if queued:
+                self._leave_queue(arrival)
             if self._flights.get(request_id) is flight:
                 del self._flights[request_id]
+
+    def _enter_queue(self) -> bool:
+        self.num_queued += 1
+        if self.metrics is not None:
+            self.metrics.requests_waiting.set(self.num_queued)
+        return True
+
+    def _leave_queue(self, arrival: float) -> bool:
+        self.num_queued -= 1
+        if self.metrics is not None:
+            self.metrics.requests_waiting.set(self.num_queued)
+            self.metrics.queue_wait_seconds.observe(time.monotonic() - arrival)
+        return False
+
+    def _count_rejected(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests_rejected.labels(reason).inc()
 
     async def abort(self, request_id: str) -> None:
         flight = self._flights.get(request_id)
@@ -377,11 +438,13 @@ class ClusterBackend:
             num_resumed_tokens=len(flight.sent_token_ids),
             excluded=frozenset(excluded),
         )
+        snapshot = self.snapshot()
         try:
-            decision = self.policy.place(request, self.snapshot())
+            decision = self.policy.place(request, snapshot)
         except SLOUnattainable as exc:
             raise Overloaded(f"The cluster cannot serve the request within its SLOs now; retry later ({exc})") from exc
         except NoWorkersAvailable as exc:
+            self._check_ever_fits(request, snapshot)
             if isinstance(last_error, Overloaded):
                 raise last_error from exc  # every worker left is full: the client may retry later
             cause = f"; last error: {last_error.message}" if last_error is not None else ""
@@ -392,6 +455,19 @@ class ClusterBackend:
             self._count_recovery("degraded")
         logger.debug("request %s -> %s", flight.request_id, decision)
         return decision
+
+    @staticmethod
+    def _check_ever_fits(request: RequestInfo, snapshot: ClusterSnapshot) -> None:
+        """InvalidRequest (400) when healthy workers can decode but none could ever hold the
+        request (its context length or its KV cache is too small): waiting would not help."""
+        workers = [w for w in snapshot.workers if w.healthy and w.can_decode]
+        if not workers or any(w.fits(request.num_tokens) for w in workers):
+            return
+        limit = max(min(w.max_model_len or math.inf, (w.num_blocks * w.block_size) or math.inf) for w in workers)
+        raise InvalidRequest(
+            f"This model's maximum context length is {limit:g} tokens (the largest KV cache among the workers); "
+            f"the request needs {request.num_tokens} ({request.num_prompt_tokens} in the prompt, "
+            f"{request.max_tokens} max_tokens).", param="max_tokens", code="context_length_exceeded")
 
     async def _place_or_wait(
         self, flight: _Flight, prompt: list[int], params: SamplingParams, excluded: set[str],
@@ -460,13 +536,17 @@ class ClusterBackend:
             result: PrefillResult | None = None
             try:
                 started = time.monotonic()
-                reservation = await decode.client.reserve(wire_id, prompt, params, self.kv_deadline_s)
+                # D's Reserve waits in line for blocks and P's Prefill in P's queue: the queue
+                # bound (generate) limits both, so D also waits that long for the KV
+                queue_s = self.queue_timeout_s
+                reservation = await decode.client.reserve(wire_id, prompt, params, queue_s + self.kv_deadline_s,
+                                                          timeout_s=queue_s + self.rpc_timeout_s)
                 reserved = time.monotonic()
                 flight.parts[prefill.worker_id] = (prefill.client, wire_id)
                 try:
                     result = await prefill.client.prefill(
                         wire_id, prompt, params, reservation, self.kv_deadline_s,
-                        timeout_s=self.kv_deadline_s + self.rpc_timeout_s,
+                        timeout_s=queue_s + self.kv_deadline_s + self.rpc_timeout_s,
                     )
                 except KVPushFailed as exc:  # D did not take the KV: D failed, not P
                     raise WorkerFailed(f"{exc.message} (reported by {prefill.worker_id})",
