@@ -140,7 +140,7 @@ def _message(error: dict, model: type[BaseModel], loc: tuple) -> str:
     kind = error["type"]
     if kind == "extra_forbidden":
         owner = _model_at(model, loc[:-1])
-        if owner is not None:
+        if owner is not None and len(owner.model_fields) <= 15:
             allowed = [f.alias or n for n, f in owner.model_fields.items()]
             return f"unknown key; expected one of: {', '.join(allowed)}"
         return "unknown key"
