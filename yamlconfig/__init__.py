@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar, Union
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, StrictBool, ValidationError
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, StrictBool, Tag,
+                      ValidationError)
 
 __all__ = ["ConfigError", "Document", "Schema", "load", "read", "validate", "dotted",
-           "number", "whole", "name", "text", "flags", "Bool"]
+           "number", "whole", "name", "text", "flags", "Bool", "either", "listed"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -132,8 +133,10 @@ def load(path: str | Path, model: type[M], error: type[ConfigError] = ConfigErro
 
 
 def _is_tag(part: Any) -> bool:
-    # pydantic names union members and validators in locations: "function-after[...]", "str"
-    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "list", "dict"))
+    # pydantic names union members and validators in locations: "function-after[...]", "str",
+    # and `either`'s tags "<scalar>" / "<mapping>"
+    return isinstance(part, str) and ("[" in part or part.startswith("<")
+                                      or part in ("str", "int", "float", "bool", "list", "dict"))
 
 
 def _message(error: dict, model: type[BaseModel], loc: tuple) -> str:
@@ -255,5 +258,27 @@ def _flags(value: Any) -> tuple[str, ...]:
 
 flags = Annotated[tuple[str, ...], BeforeValidator(_flags)]
 """Command-line flags: a list of scalars, each as a string (`true` -> "true")."""
+
+
+def either(scalar: Any, mapping: Any) -> Any:
+    """A value written either as a scalar (`"2P2D"`) or as a mapping (`{prefill: 2, decode: 2}`):
+    a mapping is validated as `mapping` only, anything else as `scalar` only, so an error
+    names the one the file meant."""
+    return Annotated[Union[Annotated[scalar, Tag("<scalar>")], Annotated[mapping, Tag("<mapping>")]],
+                     Discriminator(lambda v: "<mapping>" if isinstance(v, (dict, BaseModel)) else "<scalar>")]
+
+
+def listed(item: Any) -> Any:
+    """A non-empty list of `item` with distinct values; a single value is a list of one."""
+    def wrap(value: Any) -> Any:
+        return value if isinstance(value, (list, tuple)) else [value]
+
+    def check(values: tuple) -> tuple:
+        if not values:
+            raise ValueError("expected a non-empty list")
+        if len(set(map(repr, values))) != len(values):
+            raise ValueError("values must be distinct")
+        return values
+    return Annotated[tuple[item, ...], BeforeValidator(wrap), AfterValidator(check)]
 
 Bool = StrictBool
