@@ -147,7 +147,7 @@ class ClusterFile(yamlconfig.Schema):
 def load_cluster(path: str | Path) -> ClusterConfig:
     """Reads a cluster file (module docstring); ValueError names the file and the key."""
     path = str(path)
-    doc = yamlconfig.read(path)
+    doc = yamlconfig.read(path, what="the cluster file")
     spec = yamlconfig.validate(doc, ClusterFile)
     base = Path(path).resolve().parent
     profile = load_profile(str(base / spec.profile))

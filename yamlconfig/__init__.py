@@ -103,12 +103,13 @@ class Document:
         return self.error_type(self.path, self.line(tuple(loc), at_key), dotted(loc) or None, message)
 
 
-def read(path: str | Path, error: type[ConfigError] = ConfigError) -> Document:
-    """Reads and parses the YAML file; `error` (a ConfigError type) names the file."""
+def read(path: str | Path, error: type[ConfigError] = ConfigError, what: str = "") -> Document:
+    """Reads and parses the YAML file; `error` (a ConfigError type) names the file, and an
+    unreadable one as `what` ("the topology file")."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
-        raise error(str(path), None, None, f"cannot read: {e.strerror or e}") from None
+        raise error(str(path), None, None, f"cannot read{' ' + what if what else ''}: {e.strerror or e}") from None
     return Document(path, text, error)
 
 
@@ -126,9 +127,9 @@ def validate(doc: Document, model: type[M], data: Any = None, loc: tuple = (), c
 
 
 def load(path: str | Path, model: type[M], error: type[ConfigError] = ConfigError,
-         context: dict | None = None) -> M:
+         context: dict | None = None, what: str = "") -> M:
     """Reads a YAML file into `model` (module docstring). An empty file is an empty mapping."""
-    doc = read(path, error)
+    doc = read(path, error, what)
     return validate(doc, model, context=context)
 
 

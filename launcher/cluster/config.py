@@ -216,7 +216,7 @@ UpConfigFile = create_model(
 def read_config_file(path: str) -> dict[str, Any]:
     """The YAML file's settings (only those it gives), keys normalized to field names;
     ValueError naming the file, the line and the key."""
-    doc = yamlconfig.read(path)
+    doc = yamlconfig.read(path, what="the config file")
     if isinstance(doc.data, dict):
         seen: dict[str, Any] = {}
         for raw in doc.data:

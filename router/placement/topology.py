@@ -192,7 +192,7 @@ def topology_from(doc: yamlconfig.Document, data: Any = None, loc: tuple = ()) -
 
 def load_topology(path: str) -> Topology:
     """Reads a topology YAML file (module docstring); ValueError names the file, line and field."""
-    return topology_from(yamlconfig.read(path))
+    return topology_from(yamlconfig.read(path, what="the topology file"))
 
 
 def parse_topology(text: str, path: str = "<topology>") -> Topology:

@@ -75,5 +75,5 @@ def test_errors_name_file_line_and_field(text, match):
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(ValueError, match=r"nope.yaml: cannot read"):
+    with pytest.raises(ValueError, match=r"nope.yaml: cannot read the topology file"):
         load_topology(str(tmp_path / "nope.yaml"))
