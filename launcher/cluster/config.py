@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
+from pydantic import AliasChoices, Field, StrictStr, create_model
 
+import yamlconfig
 from pdserve.engine_args import ENGINE_DEFAULTS
 
 MODES = ("disaggregated", "colocated", "hybrid")
@@ -203,53 +204,34 @@ def check_resources(name: str, value: Any) -> dict[str, float]:
     return out
 
 
-def _check_type(key: str, value: Any) -> str | None:
-    """None when `value` fits the key's type, else what it should be."""
-    if value is None:
-        return None if key in _OPTIONAL else "must not be empty"
-    if key in _BOOLS:
-        return None if isinstance(value, bool) else "must be true or false"
-    if key in _INTS:
-        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
-    if key in _FLOATS:
-        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "must be a number"
-    if key in _RESOURCE_KEYS:
-        return None if isinstance(value, Mapping) else "must be a mapping of resource name to amount"
-    return None if isinstance(value, str) else "must be a string"
+def _file_type(key: str) -> Any:
+    """The type a key of the YAML file takes (yamlconfig's types never coerce)."""
+    kind = (yamlconfig.Bool if key in _BOOLS else yamlconfig.whole() if key in _INTS
+            else yamlconfig.number() if key in _FLOATS else dict[str, Any] if key in _RESOURCE_KEYS else StrictStr)
+    return kind | None if key in _OPTIONAL else kind
+
+
+UpConfigFile = create_model(
+    "UpConfigFile", __base__=yamlconfig.Schema,
+    **{key: (_file_type(key), Field(None, validation_alias=AliasChoices(key, key.replace("_", "-"))))
+       for key in _FIELDS},
+)
+"""`pdserve up --config`'s schema: every UpConfig field, as `max_model_len` or `max-model-len`."""
 
 
 def read_config_file(path: str) -> dict[str, Any]:
-    """The YAML file's settings, keys normalized to field names; ValueError naming the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ValueError(f"{path}: config file not found") from None
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read config file: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ValueError(f"{path}: invalid YAML{where}: {problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of settings at the top level")
-    settings: dict[str, Any] = {}
-    for raw_key, value in data.items():
-        key = str(raw_key).replace("-", "_")
-        if key not in _FIELDS:
-            raise ValueError(f"{path}: unknown key {raw_key!r}")
-        if key in settings:
-            raise ValueError(f"{path}: key {raw_key!r} is given twice")
-        problem = _check_type(key, value)
-        if problem is not None:
-            raise ValueError(f"{path}: {raw_key} {problem}, got {value!r}")
-        if key in _FLOATS and value is not None:
-            value = float(value)
-        settings[key] = value
-    return settings
+    """The YAML file's settings (only those it gives), keys normalized to field names;
+    ValueError naming the file, the line and the key."""
+    doc = yamlconfig.read(path, what="the config file")
+    if isinstance(doc.data, dict):
+        seen: dict[str, Any] = {}
+        for raw in doc.data:
+            key = str(raw).replace("-", "_")
+            if key in seen:
+                raise doc.error((raw,), f"given twice (as {seen[key]!r})", at_key=True)
+            seen[key] = raw
+    settings = yamlconfig.validate(doc, UpConfigFile)
+    return {key: getattr(settings, key) for key in settings.model_fields_set}
 
 
 def load_up_config(flags: Mapping[str, Any], config_file: str | None = None) -> UpConfig:

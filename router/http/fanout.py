@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from pdserve.sampling_params import RequestOutput, SamplingParams
+from pdserve.timing import RequestTiming
 from router.backend import GenerationBackend
 from router.errors import InternalError, RequestTimeout, ServiceUnavailable
 
@@ -44,7 +45,7 @@ class JobProgress:
     first_token_at: float | None = None  # time.monotonic()
     last_token_at: float | None = None
     finish_reason: str | None = None
-    timing: dict | None = None  # RequestOutput.timing of the finished delta
+    timing: RequestTiming | None = None  # RequestOutput.timing of the finished delta
     num_cached_tokens: int = 0  # prompt tokens its worker found in its prefix cache (the most any delta said)
 
     @property
@@ -97,7 +98,7 @@ class FanOut:
         """Deltas received from the backend that the client has not taken yet."""
         return self._queue.qsize()
 
-    def timings(self) -> dict[int, dict | None]:
+    def timings(self) -> dict[int, RequestTiming | None]:
         """choice index -> the backend's timing of that choice (None when it gave none)."""
         return {index: p.timing for index, p in self.progress.items()}
 

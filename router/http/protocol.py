@@ -249,7 +249,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class Usage(BaseModel):
     """OpenAI's usage; a pdserve cluster adds `pdserve_timing` (one entry per choice: where the
-    request's time went, router.cluster.backend.TIMING_KEYS), absent when the backend has none."""
+    request's time went, pdserve.timing.RequestTiming.to_json), absent when the backend has none."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from pdserve.timing import RequestTiming
 from router.cluster.backend import TIMING_KEYS, ClusterBackend
 from router.cluster.directory import StaticDirectory
 from router.http.formatting import CompletionFormatter
@@ -86,12 +87,13 @@ def test_timing_from_a_worker_without_link_figures():
         prefill, decode = "p0", "d0"
 
     result = PrefillResult(None, 1000, 0.5, 0.0, 0.1, {"wire": 0.4})  # type: ignore[arg-type]
-    timing = ClusterBackend._timing(Decision(), 0.01, 0.6, result)  # type: ignore[arg-type]
-    assert timing["kv_link"] is None and timing["kv_link_bytes"] is None
-    assert set(timing) <= set(TIMING_KEYS)
+    timing = RequestTiming(**ClusterBackend._timing(Decision(), 0.01, 0.6, result))  # type: ignore[arg-type]
+    assert timing.kv_link_s is None and timing.kv_link_bytes is None
+    assert "kv_link" not in timing.to_json() and timing.to_json()["kv_wire"] == 0.4
     paced = PrefillResult(None, 1000, 0.5, 0.0, 0.1, {"link": 0.3}, 800)  # type: ignore[arg-type]
-    timing = ClusterBackend._timing(Decision(), 0.01, 0.6, paced)  # type: ignore[arg-type]
-    assert (timing["kv_link"], timing["kv_link_bytes"]) == (0.3, 800)
+    timing = RequestTiming(**ClusterBackend._timing(Decision(), 0.01, 0.6, paced))  # type: ignore[arg-type]
+    assert (timing.kv_link_s, timing.kv_link_bytes) == (0.3, 800)
+    assert (timing.to_json()["kv_link"], timing.to_json()["kv_link_bytes"]) == (0.3, 800)
 
 
 @pytest.fixture
@@ -123,3 +125,14 @@ def test_local_timing_has_the_workers_part_and_the_first_token(mixed_url):
     assert (entry["queue"], entry["prefill"], entry["worker_handoff"]) == (queue, prefill, handoff)
     assert 0 <= entry["place"] <= entry["first_token"] <= entry["first_text"] < 2.0
     assert "kv" not in entry and "reserve" not in entry
+
+
+def test_timing_json_keys_are_the_documented_ones():
+    """The 22 keys loadgen reads from `usage.pdserve_timing` (loadgen.metrics.BREAKDOWN_KEYS among them)."""
+    from loadgen.metrics import BREAKDOWN_KEYS
+
+    assert TIMING_KEYS == RequestTiming.json_keys() and len(set(TIMING_KEYS)) == 22
+    assert set(BREAKDOWN_KEYS) | {"kv_gbps", "placement"} <= set(TIMING_KEYS)
+    timing = RequestTiming(placement="local", decode_worker="m0", attempts=1, place_s=0.1, kv_done_at_unix_s=5.0)
+    assert timing.to_json() == {"placement": "local", "decode_worker": "m0", "attempts": 1, "place": 0.1,
+                                "kv_done_at": 5.0}
