@@ -58,7 +58,7 @@ from typing import Any, Literal
 
 from pydantic import model_validator
 
-import yamlconfig
+from loadgen import yamlconfig
 from loadgen.arrivals import ARRIVAL_KINDS, TRACE_FORMATS
 from loadgen.client import ENDPOINTS
 from loadgen.datasets import DATASET_KINDS, DatasetConfig, LengthDist

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-import yamlconfig
+from loadgen import yamlconfig
 from router.placement.profiles import Profile, load_profile
 from router.placement.topology import Topology, load_topology, topology_from
 
@@ -140,7 +140,7 @@ class ClusterFile(yamlconfig.Schema):
 
     profile: yamlconfig.text
     decode_profile: yamlconfig.text | None = None
-    hardware: str = ""  # a device name as `pdserve profile` writes it
+    hardware: yamlconfig.text = ""  # a device name as `pdserve profile` writes it
     topology: Any = None  # a file name or an inline topology (router.placement.topology.TopologyFile)
     mode: yamlconfig.text = "disaggregated"
     engine: _EngineEntry = _EngineEntry()

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-import yamlconfig
+from loadgen import yamlconfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP_DIRS = {".git", ".venv", "node_modules", "results", "__pycache__", "build", "dist"}

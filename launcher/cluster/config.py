@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import AliasChoices, Field, StrictStr, create_model
 
-import yamlconfig
+from loadgen import yamlconfig
 from pdserve.engine_args import ENGINE_DEFAULTS
 
 MODES = ("disaggregated", "colocated", "hybrid")

@@ -35,7 +35,7 @@ from typing import Literal
 
 from pydantic import field_validator
 
-import yamlconfig
+from loadgen import yamlconfig
 from launcher.emulation.errors import EmulationSpecError
 from launcher.emulation.netns import LinkSpec
 from router.placement.topology import TopologyFile

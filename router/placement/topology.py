@@ -34,7 +34,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
-import yamlconfig
+from loadgen import yamlconfig
 
 
 @dataclass(frozen=True)

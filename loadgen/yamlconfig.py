@@ -8,8 +8,10 @@ models deriving from `Schema` (frozen, unknown keys rejected, no silent coercion
 
     file:line: field 'links[0].gbps': must be > 0, got -5
 
-This package imports only pydantic and yaml, so every layer may use it: the load generator
-(which imports nothing of the server), the pure placement layer and the launcher alike.
+This module imports only pydantic and yaml, so every layer may use it: the load generator
+(which imports nothing of the server), the pure placement layer and the launcher alike. It lives
+in loadgen/ because that package must stay free of the server's packages while the server's
+readers need it too: the one place all of them may import.
 """
 
 from __future__ import annotations
