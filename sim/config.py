@@ -8,6 +8,7 @@
                                     # (+ overlap_steps: true for a GPU engine's overlapped decode steps)
     workers:                        # or `cluster: 2P2D` (prefill-0.., decode-0.., one node each)
       - {id: p0, role: prefill, node: node0, host: box}
+                                    # (+ tp: N, a tensor-parallel worker of N GPUs: sim.worker.tp_step_scale)
     hosts: {box: 2}                 # optional: workers sharing this many CPU cores
     router:
       stats_interval_s: 0.5         # how often the router polls worker stats
@@ -36,7 +37,7 @@ from router.placement.topology import Topology, load_topology, parse_topology
 _TOP = ("profile", "decode_profile", "topology", "mode", "engine", "workers", "cluster", "hosts", "router")
 _ENGINE = ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "overlap_steps")
 _ROUTER = ("stats_interval_s", "rpc_s", "front_s", "max_retries", "policy_options")
-_WORKER = ("id", "role", "node", "host")
+_WORKER = ("id", "role", "node", "host", "tp")
 _SHAPE = re.compile(r"^\s*(\d+)\s*P\s*(\d+)\s*D\s*$", re.IGNORECASE)
 
 
@@ -46,6 +47,7 @@ class WorkerConfig:
     role: str
     node: str = ""
     host: str | None = None
+    tp: int = 1  # ranks (GPUs) of the worker's engine
 
 
 @dataclass(frozen=True)
@@ -178,8 +180,11 @@ def load_cluster(path: str | Path) -> ClusterConfig:
             item = _check_keys(path, f"workers[{i}]", item, _WORKER)
             if "id" not in item or "role" not in item:
                 raise _fail(path, f"workers[{i}]", "needs id and role")
+            tp = item.get("tp", 1)
+            if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+                raise _fail(path, f"workers[{i}].tp", f"must be a positive integer, got {tp!r}")
             workers.append(WorkerConfig(str(item["id"]), str(item["role"]), str(item.get("node") or ""),
-                                        item.get("host")))
+                                        item.get("host"), tp))
         workers = tuple(workers)
     else:
         shape = _SHAPE.match(str(data.get("cluster", "1P1D")))

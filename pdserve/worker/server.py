@@ -503,7 +503,8 @@ class WorkerServer:
             engine_steps=self.loop.num_steps, engine_step_seconds=self.loop.step_seconds,
             engine_decode_only_steps=self.loop.num_decode_only_steps,
             engine_decode_only_seconds=self.loop.decode_only_seconds, engine_idle_seconds=self.loop.idle_seconds,
-            engine_cpu_seconds=self.loop.cpu_seconds, process_cpu_seconds=time.process_time())
+            engine_cpu_seconds=self.loop.cpu_seconds, process_cpu_seconds=time.process_time(),
+            tensor_parallel_size=self.engine.config.tensor_parallel_size)
 
     def _rank_died(self, exc: BaseException) -> None:
         """One rank of this tensor-parallel worker died: the whole worker goes (its other ranks

@@ -100,3 +100,34 @@ def test_up_fails_in_one_line_before_ray(argv, message):
 
 def test_pool_spec_default_is_one_rank():
     assert PoolSpec(role="mixed", size=1, engine=EngineConfig()).bundle() == {"CPU": 1.0}
+
+
+def test_placement_counts_a_tp_worker_as_one_unit_of_n_gpus():
+    from router.placement.base import WorkerSnapshot, least_loaded_key
+
+    big = WorkerSnapshot("d-tp2", "decode", num_running=3, tensor_parallel_size=2)
+    small = WorkerSnapshot("d-tp1", "decode", num_running=2)
+    assert (big.num_gpus, small.num_gpus) == (2, 1)
+    assert min((small, big), key=least_loaded_key) is big  # 1.5 requests per GPU against 2
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        WorkerSnapshot("x", "decode", tensor_parallel_size=0)
+
+
+def test_sim_scales_a_tp_workers_step_times(tmp_path):
+    from sim.worker import TP_SERIAL_FRACTION, StepCosts, tp_step_scale
+
+    assert tp_step_scale(1) == 1.0
+    assert tp_step_scale(2) == pytest.approx(TP_SERIAL_FRACTION + (1 - TP_SERIAL_FRACTION) / 2)
+
+    class Flat:
+        has_mixed = False
+
+        def prefill_seconds(self, n):
+            return 0.001 * n
+
+        def decode_step_seconds(self, batch, context):
+            return 0.01
+
+    one, four = StepCosts(Flat()), StepCosts(Flat(), tp=4)
+    assert four.decode(8, 100) == pytest.approx(one.decode(8, 100) * tp_step_scale(4))
+    assert four.prefill(100) == pytest.approx(one.prefill(100) * tp_step_scale(4))
