@@ -11,7 +11,7 @@ import time
 from launcher.token_args import add_cluster_token_arg, cluster_token
 from launcher.workers import add_worker_args
 from pdserve.engine_args import ENGINE_DEFAULTS, add_engine_args, engine_config, engine_kwargs, float_arg, int_arg
-from pdserve.engine_args import add_tensor_parallel_arg
+from pdserve.engine_args import add_tensor_parallel_arg, positive_int_arg
 
 __all__ = ["ENGINE_DEFAULTS", "add_engine_args", "build_parser", "engine_config", "engine_kwargs", "main"]
 
@@ -194,6 +194,13 @@ def _add_up_args(u: argparse.ArgumentParser) -> None:
     g.add_argument("--placement-strategy", default=S, help="placement group strategy per pool: PACK (default), "
                                                           "SPREAD, STRICT_PACK, STRICT_SPREAD")
     g.add_argument("--kv-backend", default=S, help="KV transfer backend (default ucx)")
+    g.add_argument("-tp", "--tensor-parallel-size", type=positive_int_arg("--tensor-parallel-size"), default=S,
+                   metavar="N", help="ranks per worker, every pool (default 1): one worker to the router, N GPUs "
+                                     "(or N CPU processes) on one node")
+    g.add_argument("--prefill-tp", type=positive_int_arg("--prefill-tp"), default=S, metavar="N",
+                   help="ranks per prefill worker (default --tensor-parallel-size)")
+    g.add_argument("--decode-tp", type=positive_int_arg("--decode-tp"), default=S, metavar="N",
+                   help="ranks per decode worker (default --tensor-parallel-size)")
     r = u.add_argument_group("ray")
     r.add_argument("--address", default=S, help="Ray cluster to join (auto, ray://host:10001); "
                                                 "default: start a local Ray")

@@ -83,6 +83,8 @@ class LLMEngine:
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.tp_group = None  # pdserve.parallel.local.LocalTPGroup: ranks 1..N-1 (TP > 1)
+        # every rank's KV pools, rank 0's first (TP > 1 in the prefill and decode roles: the KV plane's)
+        self.rank_kv_caches: list | None = None
         if config.tensor_parallel_size == 1:
             self.runner = ModelRunner(self.model_config, source.iter_weights(self.device), config.cache,
                                       self.device, self.dtype, config.seed)
@@ -120,15 +122,17 @@ class LLMEngine:
         config, size = self.config, self.config.tensor_parallel_size
         num_gpus = torch.cuda.device_count() if self.device.type == "cuda" else None
         check_tensor_parallel(self.model_config, size, device_type=self.device.type, num_gpus=num_gpus)
-        if config.scheduler.role != "mixed":
-            raise ValueError(f"{TP_FLAG} {size} needs role mixed: the KV plane does not ship "
-                             "tensor-parallel shards yet")
         if config.cache.compile_cpu_decode:
             raise ValueError(f"--compile (the CPU torch.compile decode) does not support {TP_FLAG} > 1")
-        self.tp_group = LocalTPGroup.start(config)
+        share_kv = config.scheduler.role != "mixed"  # its KV moves: rank 0's KV plane needs every rank's pools
+        self.tp_group = LocalTPGroup.start(config, share_kv=share_kv)
         try:
             self.device = rank_device(config, 0)
-            return load_rank_runner(config, source, self.device, self.tp_group.comm, self.tp_group.channel)
+            runner = load_rank_runner(config, source, self.device, self.tp_group.comm, self.tp_group.channel)
+            if share_kv:
+                peers = self.tp_group.peer_kv_caches()
+                self.rank_kv_caches = [runner.kv_caches] + [peers[r] for r in sorted(peers)]
+            return runner
         except RuntimeError as exc:
             self.tp_group.close()
             if isinstance(exc, TPRankError):

@@ -10,6 +10,7 @@
                                     # (+ overlap_steps: true for a GPU engine's overlapped decode steps)
     workers:                        # or `cluster: 2P2D` (prefill-0.., decode-0.., one node each)
       - {id: p0, role: prefill, node: node0, host: box}
+                                    # (+ tp: N, a tensor-parallel worker of N GPUs: sim.worker.tp_step_scale)
     hosts: {box: 2}                 # optional: workers sharing this many CPU cores
     router:
       stats_interval_s: 0.5         # how often the router polls worker stats
@@ -46,6 +47,7 @@ class WorkerConfig:
     role: str
     node: str = ""
     host: str | None = None
+    tp: int = 1  # ranks (GPUs) of the worker's engine
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class _WorkerEntry(yamlconfig.Schema):
     role: yamlconfig.text
     node: yamlconfig.text = ""
     host: yamlconfig.text | None = None
+    tp: _PositiveInt = 1  # ranks (GPUs) of the worker's engine
 
 
 class _EngineEntry(yamlconfig.Schema):
@@ -173,7 +176,7 @@ def load_cluster(path: str | Path) -> ClusterConfig:
     if spec.workers is not None and spec.cluster is not None:
         raise doc.error(("workers",), "give workers or cluster, not both")
     if spec.workers is not None:
-        workers = tuple(WorkerConfig(w.id, w.role, w.node, w.host) for w in spec.workers)
+        workers = tuple(WorkerConfig(w.id, w.role, w.node, w.host, w.tp) for w in spec.workers)
     else:
         shape = _SHAPE.match(spec.cluster or "1P1D")
         if not shape:

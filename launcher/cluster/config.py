@@ -68,6 +68,10 @@ class UpConfig:
     decode_resources: Mapping[str, float] = field(default_factory=dict)
     placement_strategy: str = "PACK"
     kv_backend: str = "ucx"
+    # tensor parallelism: ranks per worker (every pool), and per pool (None: tensor_parallel_size)
+    tensor_parallel_size: int = 1
+    prefill_tp: int | None = None
+    decode_tp: int | None = None
     # Ray
     address: str | None = None  # None: start a local Ray; "auto" or "ray://host:port": join one
     namespace: str = "pdserve"
@@ -117,6 +121,14 @@ class UpConfig:
             fail("worker_cpus", f"must be >= 0, got {self.worker_cpus}")
         if self.worker_gpus is not None and not (self.worker_gpus >= 0 and math.isfinite(self.worker_gpus)):
             fail("worker_gpus", f"must be >= 0, got {self.worker_gpus}")
+        for key in ("tensor_parallel_size", "prefill_tp", "decode_tp"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                fail(key, f"must be a positive integer, got {value!r}")
+        if self.mode != "disaggregated":
+            for key in ("prefill_tp", "decode_tp"):
+                if getattr(self, key) is not None:
+                    fail(key, f"applies to --mode disaggregated (--mode {self.mode}: use --tensor-parallel-size)")
         for key in _RESOURCE_KEYS:
             object.__setattr__(self, key, check_resources(flag(key), getattr(self, key)))
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
@@ -159,6 +171,15 @@ class UpConfig:
             return {"mixed": self.replicas if self.replicas is not None else self.prefill + self.decode}
         return {"prefill": self.prefill, "decode": self.decode}
 
+    def pool_tp(self, role: str) -> int:
+        """Ranks per worker of `role` (--prefill-tp / --decode-tp, else --tensor-parallel-size)."""
+        own = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
+        return own if own is not None else self.tensor_parallel_size
+
+    def num_ranks(self) -> int:
+        """Engine ranks over every pool (a GPU each on CUDA)."""
+        return sum(size * self.pool_tp(role) for role, size in self.pool_sizes().items())
+
     def pool_resources(self, role: str) -> dict[str, float]:
         """Custom Ray resources each worker of `role` asks for."""
         own = {"prefill": self.prefill_resources, "decode": self.decode_resources}.get(role, {})
@@ -170,14 +191,16 @@ class UpConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(UpConfig)}
 _INTS = {"max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs", "prefill", "decode", "replicas",
-         "port", "ray_object_store_mb", "max_tokens_default", "max_queued_requests"}
+         "port", "ray_object_store_mb", "max_tokens_default", "max_queued_requests", "tensor_parallel_size",
+         "prefill_tp", "decode_tp"}
 _FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s",
            "worker_wait_s", "slo_ttft", "slo_tpot", "queue_timeout_s"}
 _BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration",
           "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv"}
 _OPTIONAL = {"tokenizer", "dtype", "device", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
              "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv", "replicas", "worker_gpus", "address", "api_key",
-             "served_model_name", "topology", "profile", "slo_ttft", "slo_tpot", "max_tokens_default"}
+             "served_model_name", "topology", "profile", "slo_ttft", "slo_tpot", "max_tokens_default",
+             "prefill_tp", "decode_tp"}
 
 
 def check_policy(name: str) -> None:

@@ -26,10 +26,11 @@ logger = logging.getLogger(__name__)
 ROUTER_DRAIN_S = 2.5  # in-flight requests get this long to finish at shutdown
 
 def gpu_share(config: UpConfig, gpus_in_cluster: float) -> float:
-    """GPUs per worker: ``--worker-gpus`` when given, else one each when the cluster has that
-    many, else an even share of them (two workers on one GPU: 0.5 each). ValueError, naming
-    the flags that fit, when the pools cannot fit at all: Ray would wait for them forever."""
-    workers = sum(config.pool_sizes().values())
+    """GPUs per engine rank (a worker at tensor-parallel size N has N ranks): ``--worker-gpus``
+    when given, else one each when the cluster has that many, else an even share of them (two
+    workers on one GPU: 0.5 each). ValueError, naming the flags that fit, when the pools cannot
+    fit at all: Ray would wait for them forever."""
+    workers = config.num_ranks()
     if config.worker_gpus is None:
         if gpus_in_cluster <= 0:
             return 0.0
@@ -86,12 +87,36 @@ def pool_specs(config: UpConfig, gpus_in_cluster: float, cluster_token: str | No
     scheduler, _ = resolve_scheduler(engine_config(values).scheduler, worker_device_type(values["device"], num_gpus))
     values["max_num_batched_tokens"], values["max_num_seqs"] = scheduler.max_num_batched_tokens, scheduler.max_num_seqs
     return [
-        PoolSpec(role=role, size=size, engine=engine_config(values, role), num_cpus=config.worker_cpus,
+        PoolSpec(role=role, size=size, engine=engine_config({**values, "tensor_parallel_size": config.pool_tp(role)},
+                                                            role),
+                 tensor_parallel_size=config.pool_tp(role), num_cpus=config.worker_cpus,
                  num_gpus=num_gpus, resources=config.pool_resources(role), strategy=config.placement_strategy,
                  kv_backend=config.kv_backend, cluster_token=cluster_token,
                  moves_kv=config.mode == "hybrid")
         for role, size in config.pool_sizes().items()
     ]
+
+
+def check_tensor_parallel_pools(config: UpConfig, num_local_gpus: int | None = None) -> None:
+    """One-line ValueError naming the flag when a pool's tensor-parallel size cannot split the
+    model, or (CUDA workers) asks for more GPUs than one node has: run before Ray starts.
+    `num_local_gpus`: the GPUs of this machine, checked when we start the Ray ourselves."""
+    from pdserve.loaders import load_model_source
+    from pdserve.parallel.layout import check_tensor_parallel
+
+    sizes = {role: config.pool_tp(role) for role in config.pool_sizes()}
+    if all(tp == 1 for tp in sizes.values()):
+        return
+    model = load_model_source(config.model, config.tokenizer).config
+    device = worker_device_type(config.device, 1.0 if num_local_gpus else 0.0)
+    for role, tp in sizes.items():
+        own = {"prefill": "--prefill-tp", "decode": "--decode-tp"}.get(role)
+        named = own if own and getattr(config, f"{role}_tp") is not None else "--tensor-parallel-size"
+        try:
+            check_tensor_parallel(model, tp, device_type=device,
+                                  num_gpus=num_local_gpus if config.address is None else None)
+        except ValueError as e:
+            raise ValueError(str(e).replace("--tensor-parallel-size", named, 1)) from None
 
 
 def check_listen(host: str, port: int, flag: str = "--port") -> None:
@@ -129,6 +154,15 @@ def _reason(e: OSError) -> str:
     return os.strerror(e.errno) if e.errno else str(e) or type(e).__name__
 
 
+def _local_gpus(config: UpConfig) -> int | None:
+    """The GPUs a Ray we start would have (None: CPU workers, or a Ray we join)."""
+    if config.address is not None or (config.device or "").startswith("cpu") or config.worker_gpus == 0:
+        return None
+    import torch
+
+    return torch.cuda.device_count() or None
+
+
 def _start_ray(config: UpConfig) -> bool:
     """Starts or joins Ray; True when we started it (and so must shut it down)."""
     import ray
@@ -144,7 +178,7 @@ def _start_ray(config: UpConfig) -> bool:
         except ConnectionError as e:
             raise ValueError(f"--address: cannot connect to Ray at {config.address}: {e}") from None
         return False
-    needed_cpus = config.worker_cpus * sum(config.pool_sizes().values())
+    needed_cpus = config.worker_cpus * config.num_ranks()
     # A Ray we start is this machine alone: keep its nodes, gRPC and KV on loopback.
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(needed_cpus + 0.999)),
              object_store_memory=config.ray_object_store_mb * 1024 * 1024, _node_ip_address="127.0.0.1",
@@ -169,6 +203,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
     from pdserve.engine_args import engine_config
 
     engine_config(config.engine_values())  # bad engine values fail here, before Ray starts
+    check_tensor_parallel_pools(config, _local_gpus(config))
     check_listen(config.host, config.port)
     model = load_router_model(config.model, config.max_model_len, config.served_model_name,
                               tokenizer=config.tokenizer)

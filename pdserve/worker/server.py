@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import secrets
 import threading
 import time
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from kvtransfer import KVTransferError, KVTransferTimeout, WIRE_VERSION, KVLayout, create_receiver, create_sender
+from kvtransfer import KVTransferError, KVTransferTimeout, WIRE_VERSION, create_receiver, create_sender
 from pdserve.config import ROLES, EngineConfig
 from pdserve.engine import LLMEngine
 from pdserve.proto import worker_pb2 as pb
@@ -41,8 +42,11 @@ from pdserve.sampling_params import RequestOutput
 from pdserve.warmup import warm_up
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.kv_push import Destination, KVPusher
+from pdserve.worker.kv_routes import RoutedReceiver, RoutedSender, model_layout, rank_heads
 
 logger = logging.getLogger(__name__)
+
+EXIT_RANK_DIED = 3  # the process status of a worker whose tensor-parallel rank died
 
 
 @dataclass(frozen=True)
@@ -415,6 +419,8 @@ class WorkerServer:
             # this thread builds and warms the engine (CUDA graphs are captured here): on the
             # engine's GPU when the process sees several
             torch.cuda.set_device(torch.device(engine_config.device))
+        if config.moves_kv and engine_config.tensor_parallel_size > 1:
+            raise ValueError("--moves-kv (hybrid) workers run at --tensor-parallel-size 1 for now")
         t0 = time.perf_counter()
         self.engine = LLMEngine(engine_config)
         load_s = time.perf_counter() - t0
@@ -427,8 +433,13 @@ class WorkerServer:
         logger.info("worker %s (%s): %s", config.worker_id, config.role, self.startup)
         self.block_size = engine_config.cache.block_size
         self.loop = EngineLoop(self.engine, name=f"engine-{config.worker_id}")
+        if engine_config.tensor_parallel_size > 1:
+            self.loop.on_fatal = self._rank_died
         kv_caches = self.engine.runner.kv_caches
-        self.layout_fingerprint = f"{KVLayout.from_caches(kv_caches).fingerprint:016x}"
+        # every rank's KV heads (kv_routes); the fingerprint is the whole model's KV layout, so
+        # workers at any two TP degrees of one model pair (their endpoints check the head ranges)
+        ranks = rank_heads(self.engine)
+        self.layout_fingerprint = f"{model_layout(ranks).fingerprint:016x}"
         opts = dict(config.kv_options)
         self.sender = None
         self.receiver = None
@@ -437,14 +448,18 @@ class WorkerServer:
             # a "pacer" option may be a pacing spec string (kvtransfer.pacing_spec)
             from kvtransfer.pacing_spec import sender_options
 
-            self.sender = create_sender(config.kv_backend, kv_caches, **sender_options(opts))
+            self.sender = RoutedSender(ranks, lambda caches: create_sender(config.kv_backend, caches,
+                                                                           **sender_options(opts)))
             self.pusher = KVPusher(self.sender, self.block_size, self.engine.model_config.num_layers)
             self.engine.layer_hook = self.pusher.on_layer
         if config.receives_kv:
             opts.pop("pacer", None)  # pacing is the sender's; one kv_options may serve both roles
             if config.kv_backend != "fake":
                 opts.setdefault("host", config.kv_host)
-            self.receiver = create_receiver(config.kv_backend, kv_caches, **opts)
+            if len(ranks) == 1:
+                self.receiver = create_receiver(config.kv_backend, kv_caches, **opts)
+            else:
+                self.receiver = RoutedReceiver(ranks, lambda caches: create_receiver(config.kv_backend, caches, **opts))
         self.kv_address = self.receiver.address() if self.receiver is not None else ""
         self.transfers: dict[str, str] = {}  # request id -> transfer id (decode role)
         self.kv_bytes = 0
@@ -519,7 +534,16 @@ class WorkerServer:
             engine_steps=self.loop.num_steps, engine_step_seconds=self.loop.step_seconds,
             engine_decode_only_steps=self.loop.num_decode_only_steps,
             engine_decode_only_seconds=self.loop.decode_only_seconds, engine_idle_seconds=self.loop.idle_seconds,
-            engine_cpu_seconds=self.loop.cpu_seconds, process_cpu_seconds=time.process_time())
+            engine_cpu_seconds=self.loop.cpu_seconds, process_cpu_seconds=time.process_time(),
+            tensor_parallel_size=self.engine.config.tensor_parallel_size)
+
+    def _rank_died(self, exc: BaseException) -> None:
+        """One rank of this tensor-parallel worker died: the whole worker goes (its other ranks
+        are stopped by the engine's group), as a worker's death does; under Ray it comes back."""
+        logger.error("worker %s: %s; exiting", self.config.worker_id, exc)
+        self.engine.shutdown()
+        logging.shutdown()
+        os._exit(EXIT_RANK_DIED)
 
     def stop(self, grace: float = 5.0) -> None:
         if self._stopped.is_set():
@@ -540,6 +564,7 @@ class WorkerServer:
                     part.close()
                 except Exception:
                     logger.warning("closing the KV transfer backend failed", exc_info=True)
+        self.engine.shutdown()  # the other tensor-parallel ranks (nothing at TP=1)
 
     def wait_for_termination(self) -> None:
         if self._thread is not None:
