@@ -82,6 +82,7 @@ class UpConfig:
     kv_deadline_s: float = 10.0
     worker_wait_s: float = 30.0  # a request no worker can serve waits this long, then 503
     max_tokens_default: int | None = None  # max_tokens of a request that gives none (None: OpenAI's defaults)
+    usage_timing: bool = False  # usage.pdserve_timing in every response (else only when a request asks)
     topology: str | None = None
     profile: str | None = None
     slo_ttft: float | None = None
@@ -166,7 +167,7 @@ _INTS = {"max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"
          "port", "ray_object_store_mb", "max_tokens_default"}
 _FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s",
            "worker_wait_s", "slo_ttft", "slo_tpot"}
-_BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration",
+_BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration", "usage_timing",
           "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv"}
 _OPTIONAL = {"tokenizer", "dtype", "device", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
              "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv", "replicas", "worker_gpus", "address", "api_key",
