@@ -119,7 +119,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                               topology=args.topology, profile=args.profile, slo_ttft=args.slo_ttft,
                               slo_tpot=args.slo_tpot, admission_control=args.admission_control,
                               calibrate=not args.no_calibration, worker_wait_s=args.worker_wait_s,
-                              max_tokens_default=args.max_tokens_default, cluster_token=cluster_token(args),
+                              max_tokens_default=args.max_tokens_default, usage_timing=args.usage_timing,
+                              cluster_token=cluster_token(args),
                               max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s)
     return run_router(args.worker, settings)
 
@@ -240,6 +241,10 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
     p.add_argument("--queue-timeout-s", type=float_arg("--queue-timeout-s"), default=d(600.0),
                    help="a request without its first token after this long gets 503 with Retry-After "
                         "(default 600)")
+    p.add_argument("--usage-timing", action="store_true", default=d(False),
+                   help="add usage.pdserve_timing (where each request's time went) to every response; without "
+                        "it only requests that ask for it get it (header x-pdserve-timing: 1 or "
+                        "\"pdserve_timing\": true in the body)")
     p.add_argument("--topology", default=d(None), metavar="FILE",
                    help="YAML of nodes, workers and links (Gbit/s, latency) for placement")
     p.add_argument("--profile", default=d(None), metavar="FILE",

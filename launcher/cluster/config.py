@@ -89,6 +89,7 @@ class UpConfig:
     max_tokens_default: int | None = None  # max_tokens of a request that gives none (None: OpenAI's defaults)
     max_queued_requests: int = 1024  # requests without a first token yet (waiting for KV blocks); past it 429
     queue_timeout_s: float = 600.0  # a request without a first token after this gets 503
+    usage_timing: bool = False  # usage.pdserve_timing in every response (else only when a request asks)
     topology: str | None = None
     profile: str | None = None
     slo_ttft: float | None = None
@@ -195,7 +196,7 @@ _INTS = {"max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"
          "prefill_tp", "decode_tp"}
 _FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s",
            "worker_wait_s", "slo_ttft", "slo_tpot", "queue_timeout_s"}
-_BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration",
+_BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration", "usage_timing",
           "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv"}
 _OPTIONAL = {"tokenizer", "dtype", "device", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
              "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv", "replicas", "worker_gpus", "address", "api_key",

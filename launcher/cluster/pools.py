@@ -180,8 +180,11 @@ class ClusterPools:
         if not ray.is_initialized():
             return
         stops = [w.handle.stop.remote(grace_s / 2) for w in self.workers]
-        if stops:
-            ray.wait(stops, num_returns=len(stops), timeout=grace_s)
+        if stops:  # milliseconds when nothing is in flight (WorkerActor.stop leaves the KV plane to the kill)
+            done, _ = ray.wait(stops, num_returns=len(stops), timeout=grace_s)
+            if len(done) < len(stops):
+                logger.warning("%d of %d workers did not stop within %.1fs; killing them",
+                               len(stops) - len(done), len(stops), grace_s)
         for w in self.workers:
             try:
                 ray.kill(w.handle, no_restart=True)

@@ -34,6 +34,7 @@ class RouterSettings:
     max_tokens_default: int | None = None  # max_tokens of a request that gives none (None: OpenAI's defaults)
     max_queued_requests: int = 1024  # requests without a first token yet; past it 429
     queue_timeout_s: float = 600.0  # no first token after this: 503 (a burst beyond the KV waits)
+    usage_timing: bool = False  # usage.pdserve_timing in every response (else only when a request asks)
     cluster_token: str | None = field(default=None, repr=False)  # sent with every call to a worker
     log_level: str = "warning"
     graceful_shutdown_s: float = 10.0
@@ -96,7 +97,8 @@ def build_app(directory: Any, settings: RouterSettings, model: RouterModel, poli
                              metrics=metrics, worker_wait_s=settings.worker_wait_s,
                              max_queued_requests=settings.max_queued_requests, queue_timeout_s=settings.queue_timeout_s,
                              cluster_token=settings.cluster_token)
-    app = create_app(backend, api_key=settings.api_key, metrics=metrics, max_tokens_default=settings.max_tokens_default)
+    app = create_app(backend, api_key=settings.api_key, metrics=metrics, max_tokens_default=settings.max_tokens_default,
+                     usage_timing=settings.usage_timing)
     return app, backend
 
 

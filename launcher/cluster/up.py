@@ -18,6 +18,7 @@ import math
 import os
 import socket
 import sys
+import time
 
 from launcher.cluster.config import UpConfig, router_mode
 
@@ -187,6 +188,8 @@ def _start_ray(config: UpConfig) -> bool:
 
 
 def run_up(config: UpConfig, log_level: str = "warning") -> int:
+    """Starts the workers and serves the router until SIGINT/SIGTERM; then stops everything it
+    started and exits the process with its status (returns only for a configuration error)."""
     from tqdm import tqdm
 
     from launcher.cluster.pools import ClusterPools, ClusterStartError
@@ -215,7 +218,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
                               max_batch=config.max_num_seqs,
                               host=config.host, port=config.port, api_key=config.api_key,
                               kv_deadline_s=config.kv_deadline_s, worker_wait_s=config.worker_wait_s,
-                              max_tokens_default=config.max_tokens_default,
+                              max_tokens_default=config.max_tokens_default, usage_timing=config.usage_timing,
                               max_queued_requests=config.max_queued_requests, queue_timeout_s=config.queue_timeout_s,
                               log_level=log_level.lower(),
                               topology=config.topology, profile=config.profile, slo_ttft=config.slo_ttft,
@@ -284,13 +287,15 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
         code = 1
     finally:
         ignore_shutdown_signals()
-        clean = _shutdown(pools, watchdog, tracker, started_ray)
+        _shutdown(pools, watchdog, tracker, started_ray)
         restore_signals()
-    if not clean:
-        from launcher.cluster.shutdown import hard_exit
+    from launcher.cluster.shutdown import hard_exit
 
-        hard_exit(code)  # Ray's atexit hook would wait a minute for a dead GCS
-    return code
+    # What we started is gone: exit now, clean or not. Ray's atexit hook would wait a minute for
+    # a dead GCS, and the interpreter's own teardown (a full garbage collection of a heap holding
+    # torch, the tokenizer and Ray's client) takes 5-10 s on a loaded 2-core machine.
+    hard_exit(code)
+    return code  # not reached
 
 
 # Time budget of the shutdown after the router has stopped (the router's own drain is
@@ -315,11 +320,14 @@ def _shutdown(pools, watchdog, tracker, started_ray: bool) -> bool:
     clean = ray_gone is None
     if ray.is_initialized():
         print("pdserve up: shutting down" + (f" ({ray_gone})" if ray_gone else ""), file=sys.stderr, flush=True)
+    start = time.monotonic()
     if pools is not None and clean:
         clean = run_bounded(lambda: pools.shutdown(grace_s=SHUTDOWN_WORKERS_S / 2), SHUTDOWN_WORKERS_S,
                             "stopping the workers")
+        logger.info("workers stopped in %.2fs", time.monotonic() - start)
     if started_ray and ray.is_initialized() and clean:
         clean = run_bounded(ray.shutdown, SHUTDOWN_RAY_S, "ray.shutdown")
+        logger.info("ray.shutdown done %.2fs into the shutdown", time.monotonic() - start)
     if tracker is not None:
         tracker.stop()
         left = wait_gone(tracker.alive(), 1.0 if clean else 0.0)

@@ -545,7 +545,11 @@ class WorkerServer:
         logging.shutdown()
         os._exit(EXIT_RANK_DIED)
 
-    def stop(self, grace: float = 5.0) -> None:
+    def stop(self, grace: float = 5.0, close_kv: bool = True) -> None:
+        """Stops the gRPC server (in-flight calls get `grace` seconds) and the engine loop, then
+        closes the KV plane. `close_kv=False` leaves the KV plane to the end of the process, for a
+        process that is killed next: closing the last UCX endpoint resets ucxx after a full garbage
+        collection, seconds in a process that holds a model."""
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -558,7 +562,7 @@ class WorkerServer:
         if self._thread is not None:
             self._thread.join(grace + 5)
         self.loop.stop()
-        for part in (self.sender, self.receiver):
+        for part in (self.sender, self.receiver) if close_kv else ():
             if part is not None:
                 try:
                     part.close()

@@ -1,8 +1,10 @@
 """Per-request timing (queue, prefill, KV, first decode step) reaches the client in
-`usage.pdserve_timing`, and the official openai client still reads the responses."""
+`usage.pdserve_timing` when the request asks for it (or the router has --usage-timing), and
+the official openai client still reads the responses; without asking, `usage` is OpenAI's."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -20,8 +22,7 @@ from tests.router.test_cluster_openai import LoopThread
 TOK = CharTokenizer()
 
 
-@pytest.fixture
-def url():
+def _serve_cluster(**app_kwargs):
     loop = LoopThread()
     shared = Cluster()
     workers = [FakeWorker("p0", "prefill", shared), FakeWorker("d0", "decode", shared)]
@@ -33,12 +34,32 @@ def url():
             StaticDirectory([w.endpoint for w in workers]), make_policy("round-robin"), TOK, MODEL, 128,
             stats_interval_s=0.05, health_timeout_s=0.5, rpc_timeout_s=1.0, kv_deadline_s=1.0, metrics=metrics,
         )
-        with ServerThread(create_app(backend, metrics=metrics)) as server:
+        with ServerThread(create_app(backend, metrics=metrics, **app_kwargs)) as server:
             yield server.url
     finally:
         for worker in workers:
             loop.call(worker.stop())
         loop.stop()
+
+
+@pytest.fixture
+def url():
+    yield from _serve_cluster()
+
+
+@pytest.fixture
+def timing_url():
+    yield from _serve_cluster(usage_timing=True)
+
+
+def test_usage_timing_flag_times_every_request(timing_url):
+    client = _client(timing_url)
+    done = client.completions.create(model=MODEL, prompt="hello there", max_tokens=4)
+    _check(done.usage.model_extra["pdserve_timing"][0], done.usage.prompt_tokens)
+    stream = client.completions.create(model=MODEL, prompt="hello again", max_tokens=3, stream=True,
+                                       stream_options={"include_usage": True})
+    usage = list(stream)[-1].usage
+    _check(usage.model_extra["pdserve_timing"][0], usage.prompt_tokens)
 
 
 def _check(entry: dict, prompt_tokens: int) -> None:
@@ -53,18 +74,55 @@ def _check(entry: dict, prompt_tokens: int) -> None:
         assert 0 <= entry[key] < 2.0, key
 
 
-def test_timing_in_usage_streamed_and_not(url):
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=10)
+STANDARD_USAGE = {"prompt_tokens", "completion_tokens", "total_tokens"}
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+def test_usage_has_only_openais_fields_unless_asked(url):
+    """Clients that validate `usage` see OpenAI's keys only, streamed and not, on both endpoints."""
+    client = _client(url)
     done = client.completions.create(model=MODEL, prompt="hello there", max_tokens=4)
+    assert set(done.usage.model_dump(exclude_none=True)) == STANDARD_USAGE and not done.usage.model_extra
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert set(chat.usage.model_dump(exclude_none=True)) == STANDARD_USAGE and not chat.usage.model_extra
+    stream = client.completions.create(model=MODEL, prompt="hello again", max_tokens=3, stream=True,
+                                       stream_options={"include_usage": True})
+    usage = list(stream)[-1].usage
+    assert usage is not None and usage.completion_tokens == 3
+    assert set(usage.model_dump(exclude_none=True)) == STANDARD_USAGE and not usage.model_extra
+    raw = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hey", "max_tokens": 2}, timeout=10)
+    assert set(raw.json()["usage"]) == STANDARD_USAGE
+
+
+@pytest.mark.parametrize("ask", [{"extra_body": {"pdserve_timing": True}},
+                                 {"extra_headers": {"x-pdserve-timing": "1"}}], ids=["body", "header"])
+def test_timing_in_usage_streamed_and_not_when_asked(url, ask):
+    client = _client(url)
+    done = client.completions.create(model=MODEL, prompt="hello there", max_tokens=4, **ask)
     assert done.usage.completion_tokens == 4
     _check(done.usage.model_extra["pdserve_timing"][0], done.usage.prompt_tokens)
 
     stream = client.completions.create(model=MODEL, prompt="hello again", max_tokens=3, stream=True,
-                                       stream_options={"include_usage": True})
+                                       stream_options={"include_usage": True}, **ask)
     chunks = list(stream)
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == 3
     _check(usage.model_extra["pdserve_timing"][0], usage.prompt_tokens)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          **ask)
+    _check(chat.usage.model_extra["pdserve_timing"][0], chat.usage.prompt_tokens)
+
+
+def test_asking_with_false_or_0_gets_no_timing(url):
+    for kwargs in ({"extra_body": {"pdserve_timing": False}}, {"extra_headers": {"x-pdserve-timing": "0"}}):
+        done = _client(url).completions.create(model=MODEL, prompt="hello there", max_tokens=2, **kwargs)
+        assert not done.usage.model_extra, kwargs
+    bad = httpx.post(url + "/v1/completions", timeout=10,
+                     json={"model": MODEL, "prompt": "hey", "max_tokens": 2, "pdserve_timing": "yes"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "pdserve_timing"
 
 
 def test_usage_without_timing_has_no_extension():
@@ -117,7 +175,7 @@ def test_local_timing_has_the_workers_part_and_the_first_token(mixed_url):
     token and to the first text."""
     client = openai.OpenAI(base_url=mixed_url + "/v1", api_key="unused", max_retries=0, timeout=10)
     stream = client.completions.create(model=MODEL, prompt="hello", max_tokens=3, stream=True,
-                                       stream_options={"include_usage": True})
+                                       stream_options={"include_usage": True}, extra_headers={"x-pdserve-timing": "1"})
     entry = list(stream)[-1].usage.model_extra["pdserve_timing"][0]
     assert set(entry) <= set(TIMING_KEYS) | {"index"}
     assert (entry["placement"], entry["decode_worker"], entry["attempts"]) == ("local", "m0", 1)
