@@ -88,12 +88,15 @@ from kvtransfer.layout import (
     HEADER_BYTES,
     LAYOUT_BYTES,
     MAX_BLOCKS_PER_MESSAGE,
+    MAX_MODEL_NAME_BYTES,
     PULL,
     KVLayout,
     MsgKind,
     NackReason,
     WireHeader,
     check_handshake,
+    hello_extra,
+    hello_model,
     pack_hello,
     unpack_header,
     unpack_layout,
@@ -102,7 +105,7 @@ from kvtransfer.ipc import MAX_DESCRIPTOR_BYTES, export_pools, import_pools
 from kvtransfer.ledger import PullSource, ReceiveLedger, SendLedger
 from kvtransfer.pacing import LinkPacer
 from kvtransfer.staging import HostBuffers, block_index, gather_layer, gather_layers, stacked_pools, wire_buffer
-from kvtransfer.ucx_runtime import SCHEME, TaskSet, UcxRuntime, abort_endpoint, parse_address
+from kvtransfer.ucx_runtime import SCHEME, TaskSet, UcxRuntime, abort_endpoint, address_incarnation, parse_address
 
 logger = logging.getLogger(__name__)
 
@@ -201,12 +204,20 @@ class _Lander:
 
 class UcxReceiver(KVReceiver):
     """Options: ``host`` (advertised in ``address()``, default 127.0.0.1; the ucxx
-    listener accepts on every interface), ``port`` (0: ephemeral), ``connect_timeout``."""
+    listener accepts on every interface), ``port`` (0: ephemeral), ``connect_timeout``,
+    ``model`` (the model's name: a sender that states another is refused at handshake).
 
-    def __init__(self, kv_caches: KVCaches, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0):
+    ``address()`` ends in ``#<incarnation>``, a random id of this receiver: a sender that
+    connects to the same host and port but finds another incarnation there (the process
+    restarted) fails the transfers meant for the old one instead of landing them in the new."""
+
+    def __init__(self, kv_caches: KVCaches, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
+                 model: str = ""):
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"port must be an int in [0, 65536), got {port!r}")
         self.layout = KVLayout.from_caches(kv_caches)
+        self._model = model
+        self.incarnation = int.from_bytes(os.urandom(4), "little") or 1
         self._caches = kv_caches
         self._device = kv_caches[0][0].device
         self._host = host
@@ -225,7 +236,8 @@ class UcxReceiver(KVReceiver):
             self._lander.close()
             UcxRuntime.release()
             raise
-        self._address = f"{SCHEME}{'[' + host + ']' if ':' in host else host}:{self._listener.port}"
+        self._address = (f"{SCHEME}{'[' + host + ']' if ':' in host else host}:{self._listener.port}"
+                         f"#{self.incarnation:08x}")
         _LIVE.add(self)
 
     def address(self) -> str:
@@ -324,23 +336,25 @@ class UcxReceiver(KVReceiver):
         if header.kind != MsgKind.HELLO:
             raise KVTransferError(f"expected HELLO on a new KV connection, got {header.kind.name}")
         try:
-            check_handshake(self.layout, header, unpack_layout(control[HEADER_BYTES:HEADER_BYTES + LAYOUT_BYTES]))
+            check_handshake(self.layout, header, unpack_layout(control[HEADER_BYTES:HEADER_BYTES + LAYOUT_BYTES]),
+                            self._model, hello_model(control, header))
         except KVTransferError as e:
             self._ledger.count("handshake_errors")
             logger.error("rejected a KV sender at handshake: %s", e)
-            await conn.ep.send(np.frombuffer(pack_hello(MsgKind.HELLO_REJECT, self.layout), dtype=np.uint8))
+            reject = pack_hello(MsgKind.HELLO_REJECT, self.layout, model=self._model, incarnation=self.incarnation)
+            await conn.ep.send(np.frombuffer(reject, dtype=np.uint8))
             await asyncio.sleep(0.05)  # let the reject reach the sender before we close
             return None
         tag = int.from_bytes(os.urandom(8), "little")
         status = 0
         if 0 < header.num_bytes <= MAX_DESCRIPTOR_BYTES:
-            start = HEADER_BYTES + LAYOUT_BYTES
-            conn.remote, how = import_pools(control[start:start + header.num_bytes].tobytes(), self._ledger.stacked)
+            conn.remote, how = import_pools(hello_extra(control, header), self._ledger.stacked)
             if conn.remote is not None:
                 status = PULL
                 self._ledger.count("pull_links")
             logger.info("KV sender %s: %s", "pull path" if status else "staged path", how)
-        hello = pack_hello(MsgKind.HELLO_OK, self.layout, extra=self._rt.worker_address, tag=tag, status=status)
+        hello = pack_hello(MsgKind.HELLO_OK, self.layout, extra=self._rt.worker_address, tag=tag, status=status,
+                           model=self._model, incarnation=self.incarnation)
         await conn.ep.send(np.frombuffer(hello, dtype=np.uint8))
         return tag
 
@@ -502,7 +516,8 @@ class UcxSender(KVSender):
     ``coalesce_bytes`` (most payload bytes per message; None: 64 MiB for CUDA pools, 0 --
     one layer per message -- for host pools), ``pull`` (offer the pools to receivers on this
     host, who then copy the blocks straight from them: no staging, no payload message; a link
-    with a pacer bucket always sends the bytes)."""
+    with a pacer bucket always sends the bytes), ``model`` (the model's name, checked at
+    handshake against the receiver's)."""
 
     _INDEX_CACHE = 16  # block lists kept as device index tensors and wire bytes (one per chunk in flight)
 
@@ -514,7 +529,9 @@ class UcxSender(KVSender):
         max_inflight: int = 16,
         coalesce_bytes: int | None = None,
         pull: bool = True,
+        model: str = "",
     ):
+        self._model = model
         if not isinstance(max_inflight, int) or max_inflight < 1:
             raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
         if coalesce_bytes is None:
@@ -733,9 +750,25 @@ class UcxSender(KVSender):
             return
         link = self._links.get(address)
         if link is None:
+            self._drop_stale_links(address)
             link = self._links[address] = _Link(address)
             link.driver = asyncio.get_running_loop().create_task(self._drive(link))
         link.queue.put_nowait(msg)
+
+    def _drop_stale_links(self, address: str) -> None:
+        """A new incarnation of a receiver at the same host and port (it restarted): the links to
+        the old one are torn down (their endpoints aborted, their transfers failed), never reused."""
+        where = address.partition("#")[0]
+        for old in [link for key, link in self._links.items() if key != address and key.partition("#")[0] == where]:
+            del self._links[old.address]
+            error = KVTransferError(f"KV receiver at {where} restarted (now {address}); "
+                                    f"transfers to {old.address} are dropped")
+            logger.warning("%s", error)
+            self._ledger.fail_address(old.address, error)
+            for task in (old.driver, old.acks):
+                if task is not None:
+                    task.cancel()
+            _abort_link(old)
 
     async def _shutdown(self) -> None:
         links = list(self._links.values())
@@ -762,20 +795,27 @@ class UcxSender(KVSender):
             )
         except Exception as e:
             raise KVTransferError(f"cannot connect to KV receiver {link.address}: {type(e).__name__}: {e}") from e
-        await link.ep.send(np.frombuffer(pack_hello(MsgKind.HELLO, self.layout, extra=self._descriptor), dtype=np.uint8))
-        reply = np.zeros(HEADER_BYTES + LAYOUT_BYTES + _MAX_WORKER_ADDRESS, dtype=np.uint8)
+        hello = pack_hello(MsgKind.HELLO, self.layout, extra=self._descriptor, model=self._model)
+        await link.ep.send(np.frombuffer(hello, dtype=np.uint8))
+        reply = np.zeros(HEADER_BYTES + LAYOUT_BYTES + MAX_MODEL_NAME_BYTES + _MAX_WORKER_ADDRESS, dtype=np.uint8)
         try:
             await asyncio.wait_for(link.ep.recv(reply), self._connect_timeout)
         except Exception as e:
             raise KVTransferError(f"no handshake reply from KV receiver {link.address}: {type(e).__name__}: {e}") from e
         header = unpack_header(reply, check_version=False)
         try:
-            check_handshake(self.layout, header, unpack_layout(reply[HEADER_BYTES:]))
+            check_handshake(self.layout, header, unpack_layout(reply[HEADER_BYTES:]), self._model,
+                            hello_model(reply, header))
         except KVTransferError as e:
             raise KVTransferError(f"KV receiver {link.address} rejected the handshake: {e}") from None
         if header.kind != MsgKind.HELLO_OK or not 0 < header.num_bytes <= _MAX_WORKER_ADDRESS:
             raise KVTransferError(f"KV receiver {link.address} answered the handshake with {header.kind.name}")
-        worker_address = reply[HEADER_BYTES + LAYOUT_BYTES:HEADER_BYTES + LAYOUT_BYTES + header.num_bytes].tobytes()
+        expected = address_incarnation(link.address)
+        if expected and header.layers != expected:
+            raise KVTransferError(
+                f"KV receiver at {link.address.partition('#')[0]} is incarnation {header.layers:08x}, not "
+                f"{expected:08x}: it restarted, and transfers meant for the old process are dropped")
+        worker_address = hello_extra(reply, header)
         ucxx = self._rt.ucxx
         link.data_ep = await ucxx.create_endpoint_from_worker_address(
             ucxx.get_ucx_address_from_buffer(worker_address), endpoint_error_handling=False

@@ -397,8 +397,15 @@ class WorkerServer:
         self.block_size = engine_config.cache.block_size
         self.loop = EngineLoop(self.engine, name=f"engine-{config.worker_id}")
         kv_caches = self.engine.runner.kv_caches
-        self.layout_fingerprint = f"{KVLayout.from_caches(kv_caches).fingerprint:016x}"
+        layout = KVLayout.from_caches(kv_caches)
+        self.layout_fingerprint = f"{layout.fingerprint:016x}"
+        # what a KV peer must share with this worker (the router pairs only equal keys; the
+        # transfer handshake refuses the rest)
+        self.kv_compat = (f"model={engine_config.model} dtype={layout.dtype} block_size={layout.block_size} "
+                          f"layers={layout.num_layers} kv_heads={layout.num_kv_heads} head_dim={layout.head_dim} "
+                          f"wire=v{WIRE_VERSION}")
         opts = dict(config.kv_options)
+        opts.setdefault("model", engine_config.model)
         self.sender = None
         self.receiver = None
         self.pusher: KVPusher | None = None
@@ -483,7 +490,7 @@ class WorkerServer:
             prefix_cache_hits=s["prefix_cache_hits"], prefix_cache_queries=s["prefix_cache_queries"],
             kv_transfer_bytes=self.kv_bytes, kv_transfer_seconds=self.kv_seconds, kv_address=self.kv_address,
             model=self.config.engine.model, max_model_len=self.engine.max_model_len,
-            num_preemptions=s["num_preemptions"],
+            num_preemptions=s["num_preemptions"], kv_compat=self.kv_compat,
             tokens_per_second=self.loop.num_generated_tokens / elapsed,
             engine_steps=self.loop.num_steps, engine_step_seconds=self.loop.step_seconds,
             engine_decode_only_steps=self.loop.num_decode_only_steps,

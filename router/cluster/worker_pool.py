@@ -61,6 +61,7 @@ class PooledWorker:
             num_inflight_tokens=self.num_inflight_tokens,
             max_model_len=s.max_model_len,
             tokens_per_second=s.tokens_per_second,
+            kv_compat=s.kv_compat,
         )
 
 
