@@ -89,6 +89,9 @@ from kvtransfer.layout import (
     LAYOUT_BYTES,
     MAX_BLOCKS_PER_MESSAGE,
     MAX_MODEL_NAME_BYTES,
+    CHECKSUM,
+    CHECKSUM_BYTES,
+    payload_checksum,
     PULL,
     KVLayout,
     MsgKind,
@@ -101,6 +104,7 @@ from kvtransfer.layout import (
     unpack_header,
     unpack_layout,
 )
+from kvtransfer.faults import FaultInjector, FaultSpec
 from kvtransfer.ipc import MAX_DESCRIPTOR_BYTES, export_pools, import_pools
 from kvtransfer.ledger import PullSource, ReceiveLedger, SendLedger
 from kvtransfer.pacing import LinkPacer
@@ -395,13 +399,17 @@ class UcxReceiver(KVReceiver):
                     self._lander.put([(header.transfer_key, header.layer, dst_ids, source, conn)])
                     pending_control = loop.create_task(recv(control, tag))
                     continue
+                crc = None
+                if header.status & CHECKSUM:
+                    at = HEADER_BYTES + n * BLOCK_ID_BYTES
+                    crc = int.from_bytes(control[at:at + CHECKSUM_BYTES].tobytes(), "little")
                 slot = await free.get()
                 raw = slot.view(header.num_bytes)
                 # always drained, even when the transfer is gone
                 payload = loop.create_task(recv(wire_buffer(raw), tag))
                 payloads.add(payload)
                 payload.add_done_callback(functools.partial(
-                    self._payload_received, payloads, free, slot, conn, header, dst_ids, raw))
+                    self._payload_received, payloads, free, slot, conn, header, dst_ids, raw, crc))
                 pending_control = loop.create_task(recv(control, tag))
         finally:
             for task in (pending_control, *payloads):
@@ -409,7 +417,8 @@ class UcxReceiver(KVReceiver):
                     task.cancel()
 
     def _payload_received(self, payloads: set, free: asyncio.Queue, slot: _Slot, conn: _Conn,
-                          header: WireHeader, dst_ids: list[int], raw: torch.Tensor, task: asyncio.Task) -> None:
+                          header: WireHeader, dst_ids: list[int], raw: torch.Tensor, crc: int | None,
+                          task: asyncio.Task) -> None:
         payloads.discard(task)
         if task.cancelled() or task.exception() is not None:
             return  # the connection is going away; its slots with it
@@ -418,6 +427,11 @@ class UcxReceiver(KVReceiver):
         def done() -> None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to free
                 loop.call_soon_threadsafe(free.put_nowait, slot)
+
+        if crc is not None and raw.device.type == "cpu" and payload_checksum(raw) != crc:
+            self._ledger.reject_corrupt(header.transfer_key, header.layer, conn)
+            done()
+            return
 
         staged = raw.view(self.layout.torch_dtype).view(header.layers, 2, header.num_blocks, *self.layout.block_shape)
         self._lander.put([(header.transfer_key, header.layer, dst_ids, staged, conn)], done)
@@ -517,7 +531,9 @@ class UcxSender(KVSender):
     one layer per message -- for host pools), ``pull`` (offer the pools to receivers on this
     host, who then copy the blocks straight from them: no staging, no payload message; a link
     with a pacer bucket always sends the bytes), ``model`` (the model's name, checked at
-    handshake against the receiver's)."""
+    handshake against the receiver's), ``checksum`` (a CRC-32 of every payload, checked by the
+    receiver; None: on for host pools), ``faults`` (``kvtransfer.faults``: drop, duplicate,
+    reorder or corrupt messages with given probabilities; tests and the fault matrix only)."""
 
     _INDEX_CACHE = 16  # block lists kept as device index tensors and wire bytes (one per chunk in flight)
 
@@ -530,8 +546,14 @@ class UcxSender(KVSender):
         coalesce_bytes: int | None = None,
         pull: bool = True,
         model: str = "",
+        checksum: bool | None = None,
+        faults: FaultSpec | str | None = None,
     ):
         self._model = model
+        # a CRC-32 of each payload (host pools: ~1 GB/s of one core, see docs/faults.md; CUDA pools
+        # are not checked: the payload never passes through the host)
+        self._checksum = (not kv_caches[0][0].is_cuda) if checksum is None else bool(checksum)
+        self._faults = FaultInjector(faults) if faults else None
         if not isinstance(max_inflight, int) or max_inflight < 1:
             raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
         if coalesce_bytes is None:
@@ -654,9 +676,13 @@ class UcxSender(KVSender):
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
         key = self._ledger.on_enqueue(group.transfer_id, group.address, nbytes)
+        status, crc = (PULL, b"") if payload is None else (0, b"")
+        if payload is not None and self._checksum and device.type == "cpu":
+            status |= CHECKSUM
+            crc = payload_checksum(payload).to_bytes(CHECKSUM_BYTES, "little")
         header = WireHeader(MsgKind.LAYER, key, group.first_layer, group.num_blocks, nbytes,
-                            self.layout.fingerprint, layers=group.count, status=PULL if payload is None else 0)
-        control = np.frombuffer(header.pack() + group.dst_bytes + group.src_bytes, dtype=np.uint8)
+                            self.layout.fingerprint, layers=group.count, status=status)
+        control = np.frombuffer(header.pack() + group.dst_bytes + group.src_bytes + crc, dtype=np.uint8)
         msg = _Message(key, control, payload, nbytes, ready, buffer=group.buffer)
         if ready is None:
             self._ledger.on_staged(key)
@@ -827,6 +853,7 @@ class UcxSender(KVSender):
     async def _drive(self, link: _Link) -> None:
         """Connect, then send queued messages in order, up to ``max_inflight`` at once."""
         inflight: collections.deque[tuple[_Message, asyncio.Task, asyncio.Task]] = collections.deque()
+        held: _Message | None = None  # fault injection: a message reordered behind the next one
         try:
             await self._connect(link)
             while True:
@@ -847,16 +874,26 @@ class UcxSender(KVSender):
                     self._account_link(bucket, msg, waited=delay > 0)
                 else:
                     self._ledger.on_posted(msg.key)
-                # Tasks take their first step (which posts the UCX send) in creation order,
-                # so the receiver matches control and payload of each message in order.
-                loop = asyncio.get_running_loop()
-                control = loop.create_task(link.data_ep.send(msg.control, tag=link.data_tag, force_tag=True))
-                payload = None
-                if msg.payload is not None:
-                    payload = loop.create_task(link.data_ep.send(wire_buffer(msg.payload), tag=link.data_tag,
-                                                                 force_tag=True))
-                self._watch(msg, control, payload)
-                inflight.append((msg, control, payload))
+                fault = self._faults.draw() if self._faults is not None else None
+                if fault is not None:
+                    self._ledger.count("faults_injected")
+                if fault == "drop":  # never posted; the sender believes it sent it
+                    self._sent(msg)
+                    continue
+                if fault == "reorder" and held is None and not link.queue.empty():
+                    held = msg  # posted after the next message
+                    continue
+                if fault == "corrupt" and msg.payload is not None:
+                    flat = msg.payload.view(torch.uint8).reshape(-1)
+                    flat[self._faults.byte_to_flip(flat.numel())] ^= 0x5A
+                self._post(link, msg, inflight)
+                if fault == "duplicate":
+                    copy = _Message(msg.key, msg.control.copy(), None if msg.payload is None else msg.payload.clone(),
+                                    msg.payload_bytes, None, completed=True)
+                    self._post(link, copy, inflight, watch=False)
+                if held is not None:
+                    self._post(link, held, inflight)
+                    held = None
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -876,6 +913,18 @@ class UcxSender(KVSender):
             if link.acks is not None:
                 link.acks.cancel()
             _abort_link(link)
+
+    def _post(self, link: _Link, msg: _Message, inflight: collections.deque, watch: bool = True) -> None:
+        # Tasks take their first step (which posts the UCX send) in creation order,
+        # so the receiver matches control and payload of each message in order.
+        loop = asyncio.get_running_loop()
+        control = loop.create_task(link.data_ep.send(msg.control, tag=link.data_tag, force_tag=True))
+        payload = None
+        if msg.payload is not None:
+            payload = loop.create_task(link.data_ep.send(wire_buffer(msg.payload), tag=link.data_tag, force_tag=True))
+        if watch:
+            self._watch(msg, control, payload)
+        inflight.append((msg, control, payload))
 
     def _account_link(self, bucket, msg: _Message, waited: bool) -> None:
         """Records ``msg`` as posted, and the link's time on it when the bucket, not the sender's

@@ -17,6 +17,7 @@ A new worker flag is a field of `WorkerSpec` plus its lines in ``add_worker_args
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 from collections.abc import Mapping
@@ -153,13 +154,22 @@ def check_pacing(text: str) -> None:
 
 def worker_config(spec: WorkerSpec, engine: EngineConfig) -> WorkerConfig:
     """The `WorkerConfig` a worker serves with (in its own process or in a Ray actor)."""
+    from kvtransfer.faults import FAULTS_ENV, FAULTS_OPTION, parse_faults
     from kvtransfer.pacing_spec import PACER_OPTION
     from pdserve.worker.server import WorkerConfig
 
+    kv_options: tuple[tuple[str, object], ...] = ((PACER_OPTION, spec.kv_pacing),) if spec.kv_pacing is not None else ()
+    faults = os.environ.get(FAULTS_ENV, "")  # fault injection (tests, benchmarks/faults.py); off unless set
+    if faults:
+        try:
+            parse_faults(faults)
+        except ValueError as e:
+            raise ValueError(f"{FAULTS_ENV}: {e}") from None
+        kv_options += ((FAULTS_OPTION, faults),)
     return WorkerConfig(
         worker_id=spec.worker_id or default_worker_id(spec.role, spec.port), role=spec.role, engine=engine,
         host=spec.host, port=spec.port, kv_backend=spec.kv_backend, kv_host=spec.kv_host or spec.host,
-        kv_options=((PACER_OPTION, spec.kv_pacing),) if spec.kv_pacing is not None else (),
+        kv_options=kv_options,
         cluster_token=spec.cluster_token, moves_kv=spec.moves_kv)
 
 

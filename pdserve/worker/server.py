@@ -10,10 +10,17 @@ Disaggregated request, as seen by the workers (the router drives it):
    batch and streams the remaining tokens.
 4. Abort (or a cancelled stream) frees whatever the request holds, on either worker.
 
+Leases: nothing is held for a peer that stops answering. P holds the prompt's blocks until D
+acknowledged the KV, at most the transfer's deadline (then DEADLINE_EXCEEDED, blocks freed). D's
+reservation is a lease of the deadline plus `reservation_grace_s`: a reservation that no Decode
+(or Abort) claimed by then is cancelled and its blocks freed -- also when this process was
+stopped meanwhile (SIGSTOP) and wakes long after: its overdue timers fire first, late KV for the
+dropped transfer is NACKed and never landed, and a late Decode gets NOT_FOUND.
+
 Generate (the whole request on one worker) is served by every role: a decode worker prefills
 locally, and a prefill worker stands in for a decode worker that is down. A Prefill whose KV
 could not reach D fails with ABORTED (D's fault, not P's), one whose KV missed its deadline
-with DEADLINE_EXCEEDED.
+with DEADLINE_EXCEEDED, one whose KV failed its checksum on D with DATA_LOSS (D prefills again).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from kvtransfer import KVTransferError, KVTransferTimeout, WIRE_VERSION, KVLayout, create_receiver, create_sender
+from kvtransfer import KVTransferCorrupt, KVTransferError, KVTransferTimeout, WIRE_VERSION, KVLayout, create_receiver, create_sender
 from pdserve.config import ROLES, EngineConfig
 from pdserve.engine import LLMEngine, NoKVSpaceError
 from pdserve.proto import worker_pb2 as pb
@@ -237,6 +244,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         except ValueError as exc:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.w.transfers[rid] = transfer_id
+        self.w.lease_reservation(rid, transfer_id, deadline + self.w.reservation_grace_s)
         return pb.ReserveResponse(kv_address=self.w.kv_address, transfer_id=transfer_id, block_ids=blocks,
                                   wire_version=WIRE_VERSION, layout=self.w.layout_fingerprint)
 
@@ -298,6 +306,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             except KVTransferTimeout as exc:
                 await release()
                 await self._fail(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"KV transfer: {exc}")
+            except KVTransferCorrupt as exc:  # the decode worker did not use it: prefill again there
+                await release()
+                await self._fail(context, grpc.StatusCode.DATA_LOSS, f"KV transfer: {exc}")
             except KVTransferError as exc:
                 await release()
                 await self._fail(context, grpc.StatusCode.ABORTED, f"KV transfer to the decode worker failed: {exc}")
@@ -336,6 +347,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.w.receiver.cancel(transfer_id)
             await self._engine(lambda e: e.abort_request(rid))
             code = (grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(exc, KVTransferTimeout)
+                    else grpc.StatusCode.DATA_LOSS if isinstance(exc, KVTransferCorrupt)
                     else grpc.StatusCode.UNAVAILABLE)
             await self._fail(context, code, f"KV transfer: {exc}")
             return
@@ -372,9 +384,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 class WorkerServer:
     """Loads the model, then serves it: `start()` returns the gRPC address."""
 
-    def __init__(self, config: WorkerConfig, default_deadline_s: float = 30.0) -> None:
+    def __init__(self, config: WorkerConfig, default_deadline_s: float = 30.0,
+                 reservation_grace_s: float = 10.0) -> None:
         self.config = config
         self.default_deadline_s = default_deadline_s
+        self.reservation_grace_s = reservation_grace_s  # a reservation's lease: its deadline plus this
+        self.reservations_expired = 0
         engine_config = config.engine
         if engine_config.scheduler.role != config.role:
             engine_config = replace(engine_config, scheduler=replace(engine_config.scheduler, role=config.role))
@@ -417,7 +432,8 @@ class WorkerServer:
             self.pusher = KVPusher(self.sender, self.block_size, self.engine.model_config.num_layers)
             self.engine.layer_hook = self.pusher.on_layer
         if config.receives_kv:
-            opts.pop("pacer", None)  # pacing is the sender's; one kv_options may serve both roles
+            for name in ("pacer", "faults", "checksum"):  # the sender's; one kv_options may serve both roles
+                opts.pop(name, None)
             if config.kv_backend != "fake":
                 opts.setdefault("host", config.kv_host)
             self.receiver = create_receiver(config.kv_backend, kv_caches, **opts)
@@ -479,6 +495,22 @@ class WorkerServer:
         ready.set()
         await self._stop_event.wait()
         await server.stop(self._grace)
+
+    def lease_reservation(self, request_id: str, transfer_id: str, lease_s: float) -> None:
+        """Frees the reservation `request_id` -> `transfer_id` after `lease_s` unless a Decode or an
+        Abort claimed it first (on the gRPC loop's thread)."""
+        asyncio.get_running_loop().call_later(lease_s, self._expire_reservation, request_id, transfer_id)
+
+    def _expire_reservation(self, request_id: str, transfer_id: str) -> None:
+        if self.transfers.get(request_id) != transfer_id:
+            return  # claimed by a Decode or an Abort
+        del self.transfers[request_id]
+        self.reservations_expired += 1
+        logger.warning("worker %s: the reservation of request %s expired unclaimed; its blocks are freed",
+                       self.config.worker_id, request_id)
+        if self.receiver is not None:
+            self.receiver.cancel(transfer_id)
+        self.loop.submit(lambda e: e.abort_request(request_id))
 
     def stats(self) -> pb.StatsResponse:
         s = self.engine.stats()
