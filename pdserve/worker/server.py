@@ -428,7 +428,9 @@ class WorkerServer:
             # a "pacer" option may be a pacing spec string (kvtransfer.pacing_spec)
             from kvtransfer.pacing_spec import sender_options
 
-            self.sender = create_sender(config.kv_backend, kv_caches, **sender_options(opts))
+            receiver_only = ("host", "port")  # where this worker's receiver listens
+            self.sender = create_sender(config.kv_backend, kv_caches,
+                                        **sender_options({k: v for k, v in opts.items() if k not in receiver_only}))
             self.pusher = KVPusher(self.sender, self.block_size, self.engine.model_config.num_layers)
             self.engine.layer_hook = self.pusher.on_layer
         if config.receives_kv:
