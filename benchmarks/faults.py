@@ -249,13 +249,16 @@ def kv_in_use(base: str, timeout_s: float = 30.0) -> dict[str, float] | str:
 
 
 def healthy_again(timeline: HealthTimeline, fault_at: float | None) -> float | None:
+    """Fault to every worker seen before it healthy again (a restarted one at any address)."""
     if fault_at is None:
         return None
+    before = [w for t, w in timeline.samples if t < fault_at]
+    expected = set(before[-1]) if before else set()
     down = False
     for t, workers in timeline.samples:
         if t < fault_at:
             continue
-        ok = workers and all(h for h, _ in workers.values())
+        ok = bool(workers) and expected <= set(workers) and all(h for h, _ in workers.values())
         if not ok:
             down = True
         elif down:
