@@ -98,9 +98,12 @@ class Cluster:
         self.logdir = logdir
         self.procs: dict[str, subprocess.Popen] = {}
         self.argv: dict[str, list[str]] = {}
+        self.log_start: dict[str, int] = {}  # where the latest process of a name began its log
 
     def start(self, name: str, argv: list[str], env_extra: dict | None = None) -> subprocess.Popen:
-        log = open(self.logdir / f"{name}.log", "a")
+        path = self.logdir / f"{name}.log"
+        self.log_start[name] = path.stat().st_size if path.exists() else 0
+        log = open(path, "a")
         env = cluster_env(**(env_extra or {}))
         proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
@@ -113,7 +116,7 @@ class Cluster:
         while time.monotonic() < deadline:
             if self.procs[name].poll() is not None:
                 raise RuntimeError(f"{name} exited with {self.procs[name].returncode}; see {path}")
-            m = re.search(pattern, path.read_text(errors="replace"))
+            m = re.search(pattern, path.read_text(errors="replace")[self.log_start[name]:])
             if m:
                 return m.group(0)
             time.sleep(0.3)
@@ -138,11 +141,13 @@ def up_cluster(args, logdir: Path, env_extra: dict | None = None) -> Cluster:
     return cluster
 
 
-def worker_argv(args, role: str, port: int, kv_port: int = 0, extra: tuple[str, ...] = ()) -> list[str]:
-    argv = [sys.executable, "-m", "launcher.cli", "worker", "--role", role, "--port", str(port),
-            "--worker-id", f"{role}-{port}", "--model", args.model, "--device", "cpu",
-            "--kv-cache-gib", args.kv_cache_gib, *extra]
-    return argv + (["--kv-port", str(kv_port)] if kv_port else [])
+def worker_argv(args, role: str, port: int, kv_port: int = 0, extra: tuple[str, ...] = (),
+                kv_pacing: str | None = None) -> list[str]:
+    from launcher.workers import WorkerSpec, worker_argv as spec_argv
+
+    return spec_argv(WorkerSpec(role=role, worker_id=f"{role}-{port}", port=port, kv_port=kv_port, model=args.model,
+                                device="cpu", kv_pacing=kv_pacing,
+                                engine_args=("--kv-cache-gib", args.kv_cache_gib, *extra)))
 
 
 def standalone_cluster(args, logdir: Path, workers: list[tuple[str, list[str]]], env_extra: dict | None = None
@@ -388,6 +393,7 @@ def row_restart_same_address(args, logdir: Path) -> dict:
             return {"restarted": "decode-0", "kv": line.rsplit("kv=", 1)[1]}
 
         records, start, at, info = run_with_fault(args, cluster.base, fault)
+        wait_all_healthy(cluster.base, None, 120, len(workers))
         first_after = probe_disaggregated(cluster.base)
         kv = kv_in_use(cluster.base)
     finally:
@@ -414,7 +420,7 @@ def row_slow_link(args, logdir: Path) -> dict:
     pacing = logdir / "pacing.txt"
     pacing.write_text("default=100\n")  # Gbit/s: fast
     p_port, d_port = free_port(), free_port()
-    workers = [("prefill-0", worker_argv(args, "prefill", p_port, extra=("--kv-pacing", f"file:{pacing}"))),
+    workers = [("prefill-0", worker_argv(args, "prefill", p_port, kv_pacing=f"file:{pacing}")),
                ("decode-0", worker_argv(args, "decode", d_port))]
     cluster = standalone_cluster(args, logdir, workers)
     try:
