@@ -17,8 +17,8 @@ shutdown, no orphan). Rows 1, 3 and 8 run on `pdserve up` (Ray); 2, 4, 5, 6 and 
 `pdserve worker` processes behind `pdserve router` (fixed ports, a pacing file, the fault
 variable in the workers' environment, workers of different flags, a router of its own).
 
-Columns: requests sent; completed; failed, by what the client saw (HTTP status, or `conn` for
-a connection refused: nothing listening); lost (a connection that dropped mid-request without
+Columns: requests sent; completed; failed, by what the client saw (HTTP status; `200, stream cut`: a
+stream that began and ended in an error; `conn`: connection refused, nothing listening); lost (a connection that dropped mid-request without
 an answer); hung (no answer within `--request-timeout-s`); KV blocks in use at the end on every
 worker (router /metrics `pdserve:kv_cache_usage_ratio` after the load drained: 0 is every block
 free); service back (fault to the end of the first request sent after the fault that completed);
@@ -222,6 +222,8 @@ def classify(records) -> dict:
             failed["conn"] += 1
         elif r.status is None:
             lost += 1
+        elif r.status == 200:  # the stream began, then broke off with an error event or a dropped connection
+            failed["200, stream cut"] += 1
         else:
             failed[str(r.status)] += 1
     return {"sent": len(records), "completed": completed, "failed": dict(failed), "lost": lost, "hung": hung}

@@ -74,6 +74,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -235,7 +236,7 @@ class UcxReceiver(KVReceiver):
         self._close_lock = threading.Lock()
         self._rt = UcxRuntime.acquire()
         try:
-            self._listener = self._rt.call(self._listen(port))
+            self._listener = self._listen_retrying(port)
         except BaseException:
             self._lander.close()
             UcxRuntime.release()
@@ -243,6 +244,19 @@ class UcxReceiver(KVReceiver):
         self._address = (f"{SCHEME}{'[' + host + ']' if ':' in host else host}:{self._listener.port}"
                          f"#{self.incarnation:08x}")
         _LIVE.add(self)
+
+    def _listen_retrying(self, port: int, wait_s: float = 90.0):
+        """The listener on ``port``; a fixed port still held by the connections of a process that
+        died there (TIME_WAIT, up to a minute: a restart at the same address) is retried."""
+        deadline = time.monotonic() + (wait_s if port else 0.0)
+        while True:
+            try:
+                return self._rt.call(self._listen(port))
+            except Exception as e:
+                if "Busy" not in type(e).__name__ or time.monotonic() > deadline:
+                    raise
+                logger.warning("KV port %d is still held (%s); retrying", port, e)
+                time.sleep(1.0)
 
     def address(self) -> str:
         return self._address
