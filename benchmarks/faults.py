@@ -1,7 +1,7 @@
 """The fault matrix: each fault below against a live cluster (CPU, SmolLM2) under a bounded load,
 from fresh processes, and one table row per fault.
 
-    python benchmarks/faults.py --quick                       # a few minutes: three rows, short
+    python benchmarks/faults.py --quick                       # about 8 minutes here: three rows, short
     python benchmarks/faults.py --out docs/results/faults     # every row, full length
     python benchmarks/faults.py --only sigstop-decode,kv-loss
 
