@@ -2,7 +2,7 @@
 
 Modules: ``base`` (interfaces, registry), ``layout`` (KV layout, wire header),
 ``staging`` (gather/scatter), ``ipc`` (sharing a sender's pools with a receiver on the same
-host: the pull path), ``ledger`` (transfer bookkeeping), ``pacing`` (token buckets), ``fake``
+host: the pull path), ``ledger`` (transfer bookkeeping), ``faults`` (fault injection for tests), ``pacing`` (token buckets), ``fake``
 (in-process backend for tests), ``ucx`` (UCX backend, via ucxx) and ``ucx_runtime`` (the
 process-wide ucxx context and event loop thread).
 Backends are imported on first use.
@@ -19,7 +19,7 @@ from kvtransfer.base import (
     create_sender,
     register_backend,
 )
-from kvtransfer.errors import KVTransferError, KVTransferTimeout
+from kvtransfer.errors import KVTransferCorrupt, KVTransferError, KVTransferTimeout
 from kvtransfer.layout import WIRE_VERSION, KVLayout
 from kvtransfer.pacing import LinkPacer, TokenBucket
 
@@ -27,6 +27,7 @@ __all__ = [
     "KVLayout",
     "KVReceiver",
     "KVSender",
+    "KVTransferCorrupt",
     "KVTransferError",
     "KVTransferTimeout",
     "LinkPacer",

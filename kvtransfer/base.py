@@ -12,6 +12,13 @@ Lifecycle of one transfer (prefill worker P -> decode worker D):
    ``KVTransferError``. After a deadline or ``cancel``, late data for the transfer is
    dropped and never written into the (possibly reused) blocks.
 
+Faults (docs/faults.md): the handshake refuses a peer of another wire version, model, dtype,
+block size or shape, naming what differs; a payload failing its CRC-32 (host pools) fails the
+transfer (``KVTransferCorrupt`` on both sides) and nothing of it is used; a lost message leaves
+the transfer incomplete until its deadline; a receiver that restarted at the same address has
+another incarnation (in its address), so transfers meant for the old process fail instead of
+landing in the new one. ``kvtransfer.faults`` injects such faults for tests.
+
 ``kv_caches`` everywhere: per layer ``(K, V)``, each a contiguous tensor
 ``[num_blocks, block_size, num_kv_heads, head_dim]``, on CPU or CUDA.
 All methods are thread-safe and may be called from the engine's thread.

@@ -7,3 +7,7 @@ class KVTransferError(RuntimeError):
 
 class KVTransferTimeout(KVTransferError, TimeoutError):
     """A transfer missed its deadline, or a wait ran out of time."""
+
+
+class KVTransferCorrupt(KVTransferError):
+    """A payload of the transfer failed its checksum: the transfer is dropped and its KV never used."""

@@ -24,6 +24,7 @@ from kvtransfer.layout import (
     NackReason,
     WireHeader,
     check_handshake,
+    hello_model,
     pack_hello,
     unpack_header,
     unpack_layout,
@@ -40,8 +41,9 @@ _NEXT_ID = itertools.count()
 
 
 class FakeReceiver(KVReceiver):
-    def __init__(self, kv_caches: KVCaches):
+    def __init__(self, kv_caches: KVCaches, model: str = ""):
         self.layout = KVLayout.from_caches(kv_caches)
+        self._model = model
         self._caches = kv_caches
         self._ledger = ReceiveLedger(kv_caches, self.layout, on_ack=self._ack, on_nack=self._nack)
         self._address = f"fake://{next(_NEXT_ID)}"
@@ -76,12 +78,13 @@ class FakeReceiver(KVReceiver):
     def _handshake(self, hello: bytes) -> bytes:
         header = unpack_header(hello, check_version=False)
         try:
-            check_handshake(self.layout, header, unpack_layout(hello[HEADER_BYTES:]))
+            check_handshake(self.layout, header, unpack_layout(hello[HEADER_BYTES:]), self._model,
+                            hello_model(hello, header))
         except KVTransferError as e:
             self._ledger.count("handshake_errors")
             logger.error("rejected a KV sender: %s", e)
-            return pack_hello(MsgKind.HELLO_REJECT, self.layout)
-        return pack_hello(MsgKind.HELLO_OK, self.layout)
+            return pack_hello(MsgKind.HELLO_REJECT, self.layout, model=self._model)
+        return pack_hello(MsgKind.HELLO_OK, self.layout, model=self._model)
 
     def _transmit(self, control: bytes, payload: torch.Tensor) -> tuple[WireHeader, list[int], torch.Tensor]:
         """The "wire": check the header and copy the payload into a receiver-side buffer."""
@@ -119,8 +122,9 @@ class _Message:
 class FakeSender(KVSender):
     """Delivers from a background thread, so ``send_layer`` returns at once as in UCX."""
 
-    def __init__(self, kv_caches: KVCaches, pacer: LinkPacer | None = None):
+    def __init__(self, kv_caches: KVCaches, pacer: LinkPacer | None = None, model: str = ""):
         self.layout = KVLayout.from_caches(kv_caches)
+        self._model = model
         self._caches = kv_caches
         self._pacer = pacer
         self._ledger = SendLedger()
@@ -177,9 +181,13 @@ class FakeSender(KVSender):
                 receiver = _RECEIVERS.get(address)
             if receiver is None:
                 raise KVTransferError(f"no fake receiver at {address}")
-            reply = receiver._handshake(pack_hello(MsgKind.HELLO, self.layout))
+            reply = receiver._handshake(pack_hello(MsgKind.HELLO, self.layout, model=self._model))
             header = unpack_header(reply, check_version=False)
-            check_handshake(self.layout, header, unpack_layout(reply[HEADER_BYTES:]))
+            try:
+                check_handshake(self.layout, header, unpack_layout(reply[HEADER_BYTES:]), self._model,
+                                hello_model(reply, header))
+            except KVTransferError as e:
+                raise KVTransferError(f"KV receiver {address} rejected the handshake: {e}") from None
             self._connected[address] = receiver
         return receiver
 

@@ -19,8 +19,10 @@ Wire format (little endian, ``WIRE_VERSION`` 3). Every message starts with a fix
 - HELLO / HELLO_OK / HELLO_REJECT (handshake, first message each way on a new
   connection): header followed by the 40-byte layout descriptor
   ``num_layers u32 | block_size u32 | num_kv_heads u32 | head_dim u32 | dtype 16s
-  | kv_head_start u32 | kv_heads_total u32`` (v3; v2's had no head range).
-  A transport may append data to HELLO_OK (UCX: the receiver's worker address, its
+  | kv_head_start u32 | kv_heads_total u32`` (v3; v2's had no head range),
+  then the model's name (UTF-8, ``layer`` bytes; 0: not stated, not checked) and, on
+  HELLO_OK, the receiver's incarnation in ``layers`` (a random u32 drawn at start-up, 0: not
+  stated; see ``check_incarnation``). A transport may append data to HELLO_OK (UCX: the receiver's worker address, its
   length in ``num_bytes``, and the data-path tag in ``transfer_key``). UCX also appends the
   sender's pool descriptor to HELLO (``kvtransfer.ipc``, may be empty); a HELLO_OK with
   ``status`` ``PULL`` says the receiver mapped those pools.
@@ -33,6 +35,9 @@ Wire format (little endian, ``WIRE_VERSION`` 3). Every message starts with a fix
   message; the destination ids are followed by ``num_blocks`` int32 source block ids, and
   the receiver copies those blocks of those layers from the sender's mapped pools itself.
   ``num_bytes`` is still the KV bytes the message moves.
+- LAYER with the ``CHECKSUM`` bit in ``status``: a u32 CRC-32 of the payload follows the block
+  ids (``payload_checksum``); the receiver recomputes it and fails the transfer on a
+  mismatch (NACK ``CORRUPT``), so a corrupted, truncated or misdelivered payload never lands.
 - ACK / NACK (receiver -> sender), header only: the transfer landed (``num_bytes``
   landed) or was dropped (``status`` says why).
 - BYE (sender -> receiver), header only: the sender closes this connection.
@@ -44,6 +49,7 @@ import dataclasses
 import enum
 import hashlib
 import struct
+import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -91,6 +97,7 @@ class NackReason(enum.IntEnum):
     CANCELLED = 3
     BAD_MESSAGE = 4
     RECEIVER_CLOSED = 5
+    CORRUPT = 6  # a payload failed its checksum
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -269,21 +276,68 @@ def unpack_layout(buf) -> KVLayout:
 
 
 PULL = 1  # LAYER / HELLO_OK status: the receiver reads the blocks from the sender's pools
+CHECKSUM = 2  # LAYER status bit: a CRC-32 of the payload follows the block ids
+CHECKSUM_BYTES = 4
+MAX_MODEL_NAME_BYTES = 512
 
 
-def pack_hello(kind: MsgKind, layout: KVLayout, extra: bytes = b"", tag: int = 0, status: int = 0) -> bytes:
-    """A handshake message: header, layout descriptor, then ``extra`` transport data."""
-    header = WireHeader(kind, transfer_key=tag, num_bytes=len(extra), fingerprint=layout.fingerprint, status=status)
-    return header.pack() + pack_layout(layout) + extra
+def payload_checksum(payload) -> int:
+    """CRC-32 of a host payload (a flat uint8 tensor, or anything with the buffer protocol)."""
+    if isinstance(payload, torch.Tensor):
+        payload = payload.numpy()
+    return zlib.crc32(memoryview(payload).cast("B"))
 
 
-def check_handshake(local: KVLayout, header: WireHeader, peer: KVLayout) -> None:
-    """Raise KVTransferError naming what differs between this side and the peer."""
+def pack_hello(kind: MsgKind, layout: KVLayout, extra: bytes = b"", tag: int = 0, status: int = 0,
+               model: str = "", incarnation: int = 0) -> bytes:
+    """A handshake message: header, layout descriptor, the model's name, then ``extra`` transport
+    data (its length in ``num_bytes``)."""
+    name = model.encode()[:MAX_MODEL_NAME_BYTES]
+    header = WireHeader(kind, transfer_key=tag, layer=len(name), num_bytes=len(extra),
+                        fingerprint=layout.fingerprint, status=status, layers=incarnation)
+    return header.pack() + pack_layout(layout) + name + extra
+
+
+def hello_model(buf, header: WireHeader) -> str:
+    """The model name a handshake message states ("" when it states none)."""
+    if header.layer > MAX_MODEL_NAME_BYTES:
+        raise KVTransferError(f"handshake model name of {header.layer} bytes (at most {MAX_MODEL_NAME_BYTES})")
+    view = memoryview(buf).cast("B")
+    start = HEADER_BYTES + LAYOUT_BYTES
+    return bytes(view[start:start + header.layer]).decode(errors="replace")
+
+
+def hello_extra(buf, header: WireHeader) -> bytes:
+    """The transport data of a handshake message (after the layout and the model name)."""
+    start = HEADER_BYTES + LAYOUT_BYTES + header.layer
+    return bytes(memoryview(buf).cast("B")[start:start + header.num_bytes])
+
+
+def handshake_mismatches(local: KVLayout, header: WireHeader, peer: KVLayout, local_model: str = "",
+                         peer_model: str = "") -> list[str]:
+    """What differs between this side and the peer, one phrase each (the peer's value first)."""
+    out = []
     if header.version != WIRE_VERSION:
-        raise KVTransferError(f"KV wire version mismatch: peer speaks {header.version}, this process speaks {WIRE_VERSION}")
+        out.append(f"wire version mismatch: peer speaks {header.version}, this process speaks {WIRE_VERSION}")
+    if local_model and peer_model and local_model != peer_model:
+        out.append(f"model mismatch: peer serves {peer_model!r}, this process {local_model!r}")
     if peer.kv_heads != local.kv_heads or peer.kv_heads_total != local.kv_heads_total:
-        raise KVTransferError(
-            f"KV tensor-parallel layout mismatch: peer holds KV heads [{peer.kv_heads[0]}, {peer.kv_heads[1]}) of "
-            f"{peer.kv_heads_total}, this side [{local.kv_heads[0]}, {local.kv_heads[1]}) of {local.kv_heads_total}")
-    if peer != local or header.fingerprint != local.fingerprint:
-        raise KVTransferError(f"KV layout mismatch: peer {peer}, local {local}")
+        out.append(f"KV tensor-parallel layout mismatch: peer holds KV heads [{peer.kv_heads[0]}, {peer.kv_heads[1]}) of "
+                   f"{peer.kv_heads_total}, this side [{local.kv_heads[0]}, {local.kv_heads[1]}) of {local.kv_heads_total}")
+    fields = [f"{name}={getattr(peer, name)} (local {name}={getattr(local, name)})"
+              for name in ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+              if getattr(peer, name) != getattr(local, name)]
+    if fields:
+        out.append("layout mismatch: " + ", ".join(fields))
+    elif header.fingerprint != local.fingerprint:
+        out.append(f"layout mismatch: fingerprint peer {header.fingerprint:#018x}, local {local.fingerprint:#018x}")
+    return out
+
+
+def check_handshake(local: KVLayout, header: WireHeader, peer: KVLayout, local_model: str = "",
+                    peer_model: str = "") -> None:
+    """Raise KVTransferError naming what differs between this side and the peer (wire version,
+    model when both state one, dtype, block size, layer count, KV heads, head size)."""
+    problems = handshake_mismatches(local, header, peer, local_model, peer_model)
+    if problems:
+        raise KVTransferError("KV peers do not match: " + "; ".join(problems))

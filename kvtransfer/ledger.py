@@ -20,7 +20,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from kvtransfer.base import RECEIVER_PHASES, SENDER_PHASES, KVCaches, TransferResult
-from kvtransfer.errors import KVTransferError, KVTransferTimeout
+from kvtransfer.errors import KVTransferCorrupt, KVTransferError, KVTransferTimeout
 from kvtransfer.layout import KVLayout, NackReason, transfer_key
 from kvtransfer.staging import block_index, copy_layers, scatter_layer, scatter_layers, stacked_pools
 
@@ -35,11 +35,11 @@ _PENDING, _DONE, _FAILED = "pending", "done", "failed"
 RECEIVER_COUNTERS = (
     "transfers_expected", "transfers_completed", "transfers_expired", "transfers_cancelled", "transfers_failed",
     "messages_received", "messages_dropped", "bytes_received", "bytes_dropped", "bytes_landed",
-    "transfer_seconds", "handshake_errors", "protocol_errors", "pull_links", "messages_pulled",
+    "transfer_seconds", "handshake_errors", "protocol_errors", "pull_links", "messages_pulled", "checksum_failures",
 ) + tuple(f"{phase}_seconds" for phase in RECEIVER_PHASES)
 SENDER_COUNTERS = (
     "transfers_started", "transfers_completed", "transfers_failed", "messages_sent", "bytes_sent", "transfer_seconds",
-    "messages_skipped", "link_bytes",
+    "messages_skipped", "link_bytes", "faults_injected",
 ) + tuple(f"{phase}_seconds" for phase in SENDER_PHASES)
 
 
@@ -298,6 +298,22 @@ class ReceiveLedger:
         self._fail(incoming, KVTransferError(f"transfer {incoming.transfer_id!r}: bad message: {problem}"))
         return incoming, NackReason.BAD_MESSAGE
 
+    def reject_corrupt(self, key: int, layer: int, peer: Peer) -> None:
+        """A payload of transfer ``key`` failed its checksum: the transfer fails (its waiter sees
+        KVTransferCorrupt, its senders a NACK ``CORRUPT``) and nothing more lands in its blocks."""
+        with self._cond:
+            self.counters["checksum_failures"] += 1
+            incoming = self._by_key.get(key)
+            if incoming is not None:
+                incoming.peers.add(peer)
+        if incoming is None:
+            self._on_nack({peer}, key, NackReason.CORRUPT)
+            return
+        with incoming.lock:  # a scatter of an earlier message finishes first
+            self._fail(incoming, KVTransferCorrupt(
+                f"transfer {incoming.transfer_id!r}: the payload of layer {layer} failed its checksum; "
+                "its KV is not used"), NackReason.CORRUPT)
+
     # ---- internals ---------------------------------------------------------------------
 
     def _record_landing(self, incoming: _Incoming, layers: range, dst_ids: Sequence[int], nbytes: int) -> None:
@@ -320,7 +336,7 @@ class ReceiveLedger:
             self._cond.notify_all()
         self._on_ack(peers, incoming.key, incoming.num_bytes)
 
-    def _fail(self, incoming: _Incoming, error: KVTransferError) -> None:
+    def _fail(self, incoming: _Incoming, error: KVTransferError, reason: NackReason = NackReason.BAD_MESSAGE) -> None:
         with self._cond:
             if incoming.state != _PENDING:
                 return
@@ -329,7 +345,7 @@ class ReceiveLedger:
             self.counters["transfers_failed"] += 1
             self._cond.notify_all()
         logger.warning("%s", error)
-        self._on_nack(peers, incoming.key, NackReason.BAD_MESSAGE)
+        self._on_nack(peers, incoming.key, reason)
 
     def _drop(self, incoming: _Incoming, reason: NackReason) -> KVTransferError:
         """Forget ``incoming``, leave a tombstone so late data is dropped, and wait for a
@@ -494,8 +510,13 @@ class SendLedger:
     def on_nack(self, key: int, reason: NackReason) -> None:
         # A missed deadline is a timeout on both sides, so callers can fall back instead of
         # treating the peer as broken.
-        kind = KVTransferTimeout if reason == NackReason.DEADLINE_PASSED else KVTransferError
+        kind = {NackReason.DEADLINE_PASSED: KVTransferTimeout, NackReason.CORRUPT: KVTransferCorrupt}.get(
+            reason, KVTransferError)
         self.fail_key(key, kind(f"receiver dropped the transfer: {reason.name.lower()}"))
+
+    def count(self, name: str, value: float = 1.0) -> None:
+        with self._cond:
+            self.counters[name] += value
 
     def fail_key(self, key: int, error: KVTransferError) -> None:
         with self._cond:

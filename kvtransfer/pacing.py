@@ -112,8 +112,13 @@ class LinkPacer:
             self._routes[address] = link
 
     def bucket_for(self, address: str) -> TokenBucket | None:
+        """The bucket of ``address``'s link; an address with an incarnation (``...#id``) that is
+        not routed itself is looked up without it."""
         with self._lock:
             link = self._routes.get(address, address)
+            if link not in self._links and "#" in address:
+                base = address.partition("#")[0]
+                link = self._routes.get(base, base)
             return self._links.get(link, self._default)
 
     def now(self) -> float:

@@ -139,7 +139,7 @@ class PatternPacer(LinkPacer):
         if address not in self._seen:
             self._seen.add(address)
             for pattern, _ in self.spec.links:
-                if fnmatch.fnmatchcase(address, pattern):
+                if fnmatch.fnmatchcase(address, pattern) or fnmatch.fnmatchcase(address.partition("#")[0], pattern):
                     self.route(address, pattern)
                     break
         return super().bucket_for(address)

@@ -74,6 +74,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Sequence
@@ -88,21 +89,28 @@ from kvtransfer.layout import (
     HEADER_BYTES,
     LAYOUT_BYTES,
     MAX_BLOCKS_PER_MESSAGE,
+    MAX_MODEL_NAME_BYTES,
+    CHECKSUM,
+    CHECKSUM_BYTES,
+    payload_checksum,
     PULL,
     KVLayout,
     MsgKind,
     NackReason,
     WireHeader,
     check_handshake,
+    hello_extra,
+    hello_model,
     pack_hello,
     unpack_header,
     unpack_layout,
 )
+from kvtransfer.faults import FaultInjector, FaultSpec
 from kvtransfer.ipc import MAX_DESCRIPTOR_BYTES, export_pools, import_pools
 from kvtransfer.ledger import PullSource, ReceiveLedger, SendLedger
 from kvtransfer.pacing import LinkPacer
 from kvtransfer.staging import HostBuffers, block_index, gather_layer, gather_layers, stacked_pools, wire_buffer
-from kvtransfer.ucx_runtime import SCHEME, TaskSet, UcxRuntime, abort_endpoint, parse_address
+from kvtransfer.ucx_runtime import SCHEME, TaskSet, UcxRuntime, abort_endpoint, address_incarnation, parse_address
 
 logger = logging.getLogger(__name__)
 
@@ -201,12 +209,20 @@ class _Lander:
 
 class UcxReceiver(KVReceiver):
     """Options: ``host`` (advertised in ``address()``, default 127.0.0.1; the ucxx
-    listener accepts on every interface), ``port`` (0: ephemeral), ``connect_timeout``."""
+    listener accepts on every interface), ``port`` (0: ephemeral), ``connect_timeout``,
+    ``model`` (the model's name: a sender that states another is refused at handshake).
 
-    def __init__(self, kv_caches: KVCaches, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0):
+    ``address()`` ends in ``#<incarnation>``, a random id of this receiver: a sender that
+    connects to the same host and port but finds another incarnation there (the process
+    restarted) fails the transfers meant for the old one instead of landing them in the new."""
+
+    def __init__(self, kv_caches: KVCaches, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
+                 model: str = ""):
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"port must be an int in [0, 65536), got {port!r}")
         self.layout = KVLayout.from_caches(kv_caches)
+        self._model = model
+        self.incarnation = int.from_bytes(os.urandom(4), "little") or 1
         self._caches = kv_caches
         self._device = kv_caches[0][0].device
         self._host = host
@@ -220,13 +236,27 @@ class UcxReceiver(KVReceiver):
         self._close_lock = threading.Lock()
         self._rt = UcxRuntime.acquire()
         try:
-            self._listener = self._rt.call(self._listen(port))
+            self._listener = self._listen_retrying(port)
         except BaseException:
             self._lander.close()
             UcxRuntime.release()
             raise
-        self._address = f"{SCHEME}{'[' + host + ']' if ':' in host else host}:{self._listener.port}"
+        self._address = (f"{SCHEME}{'[' + host + ']' if ':' in host else host}:{self._listener.port}"
+                         f"#{self.incarnation:08x}")
         _LIVE.add(self)
+
+    def _listen_retrying(self, port: int, wait_s: float = 90.0):
+        """The listener on ``port``; a fixed port still held by the connections of a process that
+        died there (TIME_WAIT, up to a minute: a restart at the same address) is retried."""
+        deadline = time.monotonic() + (wait_s if port else 0.0)
+        while True:
+            try:
+                return self._rt.call(self._listen(port))
+            except Exception as e:
+                if "Busy" not in type(e).__name__ or time.monotonic() > deadline:
+                    raise
+                logger.warning("KV port %d is still held (%s); retrying", port, e)
+                time.sleep(1.0)
 
     def address(self) -> str:
         return self._address
@@ -324,23 +354,25 @@ class UcxReceiver(KVReceiver):
         if header.kind != MsgKind.HELLO:
             raise KVTransferError(f"expected HELLO on a new KV connection, got {header.kind.name}")
         try:
-            check_handshake(self.layout, header, unpack_layout(control[HEADER_BYTES:HEADER_BYTES + LAYOUT_BYTES]))
+            check_handshake(self.layout, header, unpack_layout(control[HEADER_BYTES:HEADER_BYTES + LAYOUT_BYTES]),
+                            self._model, hello_model(control, header))
         except KVTransferError as e:
             self._ledger.count("handshake_errors")
             logger.error("rejected a KV sender at handshake: %s", e)
-            await conn.ep.send(np.frombuffer(pack_hello(MsgKind.HELLO_REJECT, self.layout), dtype=np.uint8))
+            reject = pack_hello(MsgKind.HELLO_REJECT, self.layout, model=self._model, incarnation=self.incarnation)
+            await conn.ep.send(np.frombuffer(reject, dtype=np.uint8))
             await asyncio.sleep(0.05)  # let the reject reach the sender before we close
             return None
         tag = int.from_bytes(os.urandom(8), "little")
         status = 0
         if 0 < header.num_bytes <= MAX_DESCRIPTOR_BYTES:
-            start = HEADER_BYTES + LAYOUT_BYTES
-            conn.remote, how = import_pools(control[start:start + header.num_bytes].tobytes(), self._ledger.stacked)
+            conn.remote, how = import_pools(hello_extra(control, header), self._ledger.stacked)
             if conn.remote is not None:
                 status = PULL
                 self._ledger.count("pull_links")
             logger.info("KV sender %s: %s", "pull path" if status else "staged path", how)
-        hello = pack_hello(MsgKind.HELLO_OK, self.layout, extra=self._rt.worker_address, tag=tag, status=status)
+        hello = pack_hello(MsgKind.HELLO_OK, self.layout, extra=self._rt.worker_address, tag=tag, status=status,
+                           model=self._model, incarnation=self.incarnation)
         await conn.ep.send(np.frombuffer(hello, dtype=np.uint8))
         return tag
 
@@ -381,13 +413,17 @@ class UcxReceiver(KVReceiver):
                     self._lander.put([(header.transfer_key, header.layer, dst_ids, source, conn)])
                     pending_control = loop.create_task(recv(control, tag))
                     continue
+                crc = None
+                if header.status & CHECKSUM:
+                    at = HEADER_BYTES + n * BLOCK_ID_BYTES
+                    crc = int.from_bytes(control[at:at + CHECKSUM_BYTES].tobytes(), "little")
                 slot = await free.get()
                 raw = slot.view(header.num_bytes)
                 # always drained, even when the transfer is gone
                 payload = loop.create_task(recv(wire_buffer(raw), tag))
                 payloads.add(payload)
                 payload.add_done_callback(functools.partial(
-                    self._payload_received, payloads, free, slot, conn, header, dst_ids, raw))
+                    self._payload_received, payloads, free, slot, conn, header, dst_ids, raw, crc))
                 pending_control = loop.create_task(recv(control, tag))
         finally:
             for task in (pending_control, *payloads):
@@ -395,7 +431,8 @@ class UcxReceiver(KVReceiver):
                     task.cancel()
 
     def _payload_received(self, payloads: set, free: asyncio.Queue, slot: _Slot, conn: _Conn,
-                          header: WireHeader, dst_ids: list[int], raw: torch.Tensor, task: asyncio.Task) -> None:
+                          header: WireHeader, dst_ids: list[int], raw: torch.Tensor, crc: int | None,
+                          task: asyncio.Task) -> None:
         payloads.discard(task)
         if task.cancelled() or task.exception() is not None:
             return  # the connection is going away; its slots with it
@@ -404,6 +441,11 @@ class UcxReceiver(KVReceiver):
         def done() -> None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to free
                 loop.call_soon_threadsafe(free.put_nowait, slot)
+
+        if crc is not None and raw.device.type == "cpu" and payload_checksum(raw) != crc:
+            self._ledger.reject_corrupt(header.transfer_key, header.layer, conn)
+            done()
+            return
 
         staged = raw.view(self.layout.torch_dtype).view(header.layers, 2, header.num_blocks, *self.layout.block_shape)
         self._lander.put([(header.transfer_key, header.layer, dst_ids, staged, conn)], done)
@@ -502,7 +544,10 @@ class UcxSender(KVSender):
     ``coalesce_bytes`` (most payload bytes per message; None: 64 MiB for CUDA pools, 0 --
     one layer per message -- for host pools), ``pull`` (offer the pools to receivers on this
     host, who then copy the blocks straight from them: no staging, no payload message; a link
-    with a pacer bucket always sends the bytes)."""
+    with a pacer bucket always sends the bytes), ``model`` (the model's name, checked at
+    handshake against the receiver's), ``checksum`` (a CRC-32 of every payload, checked by the
+    receiver; None: on for host pools), ``faults`` (``kvtransfer.faults``: drop, duplicate,
+    reorder or corrupt messages with given probabilities; tests and the fault matrix only)."""
 
     _INDEX_CACHE = 16  # block lists kept as device index tensors and wire bytes (one per chunk in flight)
 
@@ -514,7 +559,15 @@ class UcxSender(KVSender):
         max_inflight: int = 16,
         coalesce_bytes: int | None = None,
         pull: bool = True,
+        model: str = "",
+        checksum: bool | None = None,
+        faults: FaultSpec | str | None = None,
     ):
+        self._model = model
+        # a CRC-32 of each payload (host pools: ~1 GB/s of one core, see docs/faults.md; CUDA pools
+        # are not checked: the payload never passes through the host)
+        self._checksum = (not kv_caches[0][0].is_cuda) if checksum is None else bool(checksum)
+        self._faults = FaultInjector(faults) if faults else None
         if not isinstance(max_inflight, int) or max_inflight < 1:
             raise ValueError(f"max_inflight must be an int >= 1, got {max_inflight!r}")
         if coalesce_bytes is None:
@@ -637,9 +690,13 @@ class UcxSender(KVSender):
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
         key = self._ledger.on_enqueue(group.transfer_id, group.address, nbytes)
+        status, crc = (PULL, b"") if payload is None else (0, b"")
+        if payload is not None and self._checksum and device.type == "cpu":
+            status |= CHECKSUM
+            crc = payload_checksum(payload).to_bytes(CHECKSUM_BYTES, "little")
         header = WireHeader(MsgKind.LAYER, key, group.first_layer, group.num_blocks, nbytes,
-                            self.layout.fingerprint, layers=group.count, status=PULL if payload is None else 0)
-        control = np.frombuffer(header.pack() + group.dst_bytes + group.src_bytes, dtype=np.uint8)
+                            self.layout.fingerprint, layers=group.count, status=status)
+        control = np.frombuffer(header.pack() + group.dst_bytes + group.src_bytes + crc, dtype=np.uint8)
         msg = _Message(key, control, payload, nbytes, ready, buffer=group.buffer)
         if ready is None:
             self._ledger.on_staged(key)
@@ -733,9 +790,25 @@ class UcxSender(KVSender):
             return
         link = self._links.get(address)
         if link is None:
+            self._drop_stale_links(address)
             link = self._links[address] = _Link(address)
             link.driver = asyncio.get_running_loop().create_task(self._drive(link))
         link.queue.put_nowait(msg)
+
+    def _drop_stale_links(self, address: str) -> None:
+        """A new incarnation of a receiver at the same host and port (it restarted): the links to
+        the old one are torn down (their endpoints aborted, their transfers failed), never reused."""
+        where = address.partition("#")[0]
+        for old in [link for key, link in self._links.items() if key != address and key.partition("#")[0] == where]:
+            del self._links[old.address]
+            error = KVTransferError(f"KV receiver at {where} restarted (now {address}); "
+                                    f"transfers to {old.address} are dropped")
+            logger.warning("%s", error)
+            self._ledger.fail_address(old.address, error)
+            for task in (old.driver, old.acks):
+                if task is not None:
+                    task.cancel()
+            _abort_link(old)
 
     async def _shutdown(self) -> None:
         links = list(self._links.values())
@@ -762,20 +835,27 @@ class UcxSender(KVSender):
             )
         except Exception as e:
             raise KVTransferError(f"cannot connect to KV receiver {link.address}: {type(e).__name__}: {e}") from e
-        await link.ep.send(np.frombuffer(pack_hello(MsgKind.HELLO, self.layout, extra=self._descriptor), dtype=np.uint8))
-        reply = np.zeros(HEADER_BYTES + LAYOUT_BYTES + _MAX_WORKER_ADDRESS, dtype=np.uint8)
+        hello = pack_hello(MsgKind.HELLO, self.layout, extra=self._descriptor, model=self._model)
+        await link.ep.send(np.frombuffer(hello, dtype=np.uint8))
+        reply = np.zeros(HEADER_BYTES + LAYOUT_BYTES + MAX_MODEL_NAME_BYTES + _MAX_WORKER_ADDRESS, dtype=np.uint8)
         try:
             await asyncio.wait_for(link.ep.recv(reply), self._connect_timeout)
         except Exception as e:
             raise KVTransferError(f"no handshake reply from KV receiver {link.address}: {type(e).__name__}: {e}") from e
         header = unpack_header(reply, check_version=False)
         try:
-            check_handshake(self.layout, header, unpack_layout(reply[HEADER_BYTES:]))
+            check_handshake(self.layout, header, unpack_layout(reply[HEADER_BYTES:]), self._model,
+                            hello_model(reply, header))
         except KVTransferError as e:
             raise KVTransferError(f"KV receiver {link.address} rejected the handshake: {e}") from None
         if header.kind != MsgKind.HELLO_OK or not 0 < header.num_bytes <= _MAX_WORKER_ADDRESS:
             raise KVTransferError(f"KV receiver {link.address} answered the handshake with {header.kind.name}")
-        worker_address = reply[HEADER_BYTES + LAYOUT_BYTES:HEADER_BYTES + LAYOUT_BYTES + header.num_bytes].tobytes()
+        expected = address_incarnation(link.address)
+        if expected and header.layers != expected:
+            raise KVTransferError(
+                f"KV receiver at {link.address.partition('#')[0]} is incarnation {header.layers:08x}, not "
+                f"{expected:08x}: it restarted, and transfers meant for the old process are dropped")
+        worker_address = hello_extra(reply, header)
         ucxx = self._rt.ucxx
         link.data_ep = await ucxx.create_endpoint_from_worker_address(
             ucxx.get_ucx_address_from_buffer(worker_address), endpoint_error_handling=False
@@ -787,6 +867,7 @@ class UcxSender(KVSender):
     async def _drive(self, link: _Link) -> None:
         """Connect, then send queued messages in order, up to ``max_inflight`` at once."""
         inflight: collections.deque[tuple[_Message, asyncio.Task, asyncio.Task]] = collections.deque()
+        held: _Message | None = None  # fault injection: a message reordered behind the next one
         try:
             await self._connect(link)
             while True:
@@ -807,16 +888,26 @@ class UcxSender(KVSender):
                     self._account_link(bucket, msg, waited=delay > 0)
                 else:
                     self._ledger.on_posted(msg.key)
-                # Tasks take their first step (which posts the UCX send) in creation order,
-                # so the receiver matches control and payload of each message in order.
-                loop = asyncio.get_running_loop()
-                control = loop.create_task(link.data_ep.send(msg.control, tag=link.data_tag, force_tag=True))
-                payload = None
-                if msg.payload is not None:
-                    payload = loop.create_task(link.data_ep.send(wire_buffer(msg.payload), tag=link.data_tag,
-                                                                 force_tag=True))
-                self._watch(msg, control, payload)
-                inflight.append((msg, control, payload))
+                fault = self._faults.draw() if self._faults is not None else None
+                if fault is not None:
+                    self._ledger.count("faults_injected")
+                if fault == "drop":  # never posted; the sender believes it sent it
+                    self._sent(msg)
+                    continue
+                if fault == "reorder" and held is None and not link.queue.empty():
+                    held = msg  # posted after the next message
+                    continue
+                if fault == "corrupt" and msg.payload is not None:
+                    flat = msg.payload.view(torch.uint8).reshape(-1)
+                    flat[self._faults.byte_to_flip(flat.numel())] ^= 0x5A
+                self._post(link, msg, inflight)
+                if fault == "duplicate":
+                    copy = _Message(msg.key, msg.control.copy(), None if msg.payload is None else msg.payload.clone(),
+                                    msg.payload_bytes, None, completed=True)
+                    self._post(link, copy, inflight, watch=False)
+                if held is not None:
+                    self._post(link, held, inflight)
+                    held = None
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -836,6 +927,18 @@ class UcxSender(KVSender):
             if link.acks is not None:
                 link.acks.cancel()
             _abort_link(link)
+
+    def _post(self, link: _Link, msg: _Message, inflight: collections.deque, watch: bool = True) -> None:
+        # Tasks take their first step (which posts the UCX send) in creation order,
+        # so the receiver matches control and payload of each message in order.
+        loop = asyncio.get_running_loop()
+        control = loop.create_task(link.data_ep.send(msg.control, tag=link.data_tag, force_tag=True))
+        payload = None
+        if msg.payload is not None:
+            payload = loop.create_task(link.data_ep.send(wire_buffer(msg.payload), tag=link.data_tag, force_tag=True))
+        if watch:
+            self._watch(msg, control, payload)
+        inflight.append((msg, control, payload))
 
     def _account_link(self, bucket, msg: _Message, waited: bool) -> None:
         """Records ``msg`` as posted, and the link's time on it when the bucket, not the sender's

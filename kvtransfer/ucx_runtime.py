@@ -169,13 +169,29 @@ def _lower_switch_interval() -> None:
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    """``"ucx://host:port"`` (``"ucx://[v6addr]:port"``) -> (host, port)."""
+    """``"ucx://host:port"`` (``"ucx://[v6addr]:port"``), optionally followed by
+    ``"#<incarnation, hex>"`` -> (host, port)."""
     if not isinstance(address, str) or not address.startswith(SCHEME):
         raise ValueError(f"not a UCX KV address: {address!r} (expected {SCHEME}host:port)")
-    host, sep, port = address[len(SCHEME):].rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"not a UCX KV address: {address!r} (expected {SCHEME}host:port)")
+    where, _, incarnation = address[len(SCHEME):].partition("#")
+    host, sep, port = where.rpartition(":")
+    if not sep or not host or not port.isdigit() or (incarnation and not _is_hex(incarnation)):
+        raise ValueError(f"not a UCX KV address: {address!r} (expected {SCHEME}host:port[#incarnation])")
     return host.strip("[]"), int(port)
+
+
+def address_incarnation(address: str) -> int:
+    """The receiver incarnation an address names (0: none named)."""
+    _, _, incarnation = address.partition("#")
+    return int(incarnation, 16) if incarnation else 0
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        int(text, 16)
+    except ValueError:
+        return False
+    return True
 
 
 class TaskSet:

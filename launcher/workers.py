@@ -17,6 +17,7 @@ A new worker flag is a field of `WorkerSpec` plus its lines in ``add_worker_args
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 from collections.abc import Mapping
@@ -51,6 +52,7 @@ class WorkerSpec:
     port: int = 0  # 0: any free port
     kv_backend: str = "ucx"
     kv_host: str | None = None  # KV listen host; None: host
+    kv_port: int = 0  # KV listen port (decode side); 0: any free port
     moves_kv: bool = False  # a mixed worker that also sends and receives KV (hybrid)
     kv_pacing: str | None = None  # a pacing spec or file:PATH (kvtransfer.pacing_spec)
     # ranks of the worker's engine (pdserve.parallel): rank 0 serves the gRPC and the KV plane and
@@ -91,6 +93,8 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
         flags += ["--kv-backend", spec.kv_backend]
     if spec.kv_host is not None:
         flags += ["--kv-host", spec.kv_host]
+    if spec.kv_port:
+        flags += ["--kv-port", str(spec.kv_port)]
     if spec.moves_kv:
         flags += ["--moves-kv"]
     if spec.kv_pacing is not None:
@@ -124,6 +128,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-id", default=None, help="default <role>-<hostname>[-<port>]")
     p.add_argument("--kv-backend", default="ucx", help="KV transfer backend (ucx)")
     p.add_argument("--kv-host", default=None, help="KV listen host (default: --host)")
+    p.add_argument("--kv-port", type=int_arg("--kv-port"), default=0,
+                   help="KV listen port of a worker that receives KV (0: any free port); a worker restarted "
+                        "on the same port is told apart from its old process by its incarnation")
     p.add_argument("--moves-kv", action="store_true",
                    help="--role mixed: also send prefilled KV to, and receive KV from, other workers (hybrid)")
     p.add_argument("--kv-pacing", default=None, metavar="SPEC",
@@ -138,12 +145,14 @@ def spec_from_args(args: argparse.Namespace) -> WorkerSpec:
     """The `WorkerSpec` of parsed `pdserve worker` flags; ValueError naming a bad flag."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if not 0 <= args.kv_port <= 65535:
+        raise ValueError(f"--kv-port must be in 0..65535, got {args.kv_port}")
     if args.moves_kv and args.role != "mixed":
         raise ValueError(f"--moves-kv applies to --role mixed, not --role {args.role}")
     if args.kv_pacing is not None:
         check_pacing(args.kv_pacing)
     return WorkerSpec(role=args.role, worker_id=args.worker_id, host=args.host, port=args.port,
-                      kv_backend=args.kv_backend, kv_host=args.kv_host, moves_kv=args.moves_kv,
+                      kv_backend=args.kv_backend, kv_host=args.kv_host, kv_port=args.kv_port, moves_kv=args.moves_kv,
                       kv_pacing=args.kv_pacing, tensor_parallel_size=args.tensor_parallel_size,
                       cluster_token=cluster_token(args))
 
@@ -166,16 +175,26 @@ def worker_config(spec: WorkerSpec, engine: EngineConfig) -> WorkerConfig:
     spec's tensor-parallel size is the engine's."""
     import dataclasses
 
+    from kvtransfer.faults import FAULTS_ENV, FAULTS_OPTION, parse_faults
     from kvtransfer.pacing_spec import PACER_OPTION
     from pdserve.worker.server import WorkerConfig
 
     if engine.tensor_parallel_size != spec.tensor_parallel_size:
         engine = dataclasses.replace(engine, tensor_parallel_size=spec.tensor_parallel_size)
-
+    kv_options: tuple[tuple[str, object], ...] = ((PACER_OPTION, spec.kv_pacing),) if spec.kv_pacing is not None else ()
+    faults = os.environ.get(FAULTS_ENV, "")  # fault injection (tests, benchmarks/faults.py); off unless set
+    if faults:
+        try:
+            parse_faults(faults)
+        except ValueError as e:
+            raise ValueError(f"{FAULTS_ENV}: {e}") from None
+        kv_options += ((FAULTS_OPTION, faults),)
+    if spec.kv_port:
+        kv_options += (("port", spec.kv_port),)
     return WorkerConfig(
         worker_id=spec.worker_id or default_worker_id(spec.role, spec.port), role=spec.role, engine=engine,
         host=spec.host, port=spec.port, kv_backend=spec.kv_backend, kv_host=spec.kv_host or spec.host,
-        kv_options=((PACER_OPTION, spec.kv_pacing),) if spec.kv_pacing is not None else (),
+        kv_options=kv_options,
         cluster_token=spec.cluster_token, moves_kv=spec.moves_kv)
 
 

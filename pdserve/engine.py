@@ -202,12 +202,15 @@ class LLMEngine:
         return list(self.scheduler.held[request_id].block_ids)
 
     def release(self, request_id: str) -> None:
-        """Prefill role: the KV has been handed off (or is no longer wanted). A request that is
-        not held (still waiting or prefilling) is left alone: `abort_request` ends it."""
+        """Prefill role: the KV has been handed off (or is no longer wanted). A request whose
+        prefill has not finished yet (its caller went away) is aborted: left running, it would
+        reach `held` after this call and keep its blocks forever."""
         seq = self.scheduler.held.get(request_id)
-        if seq is not None:
-            self.scheduler.finish(seq, seq.finish_reason or "stop")
-            self.requests.pop(request_id, None)
+        if seq is None:
+            self.abort_request(request_id)
+            return
+        self.scheduler.finish(seq, seq.finish_reason or "stop")
+        self.requests.pop(request_id, None)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                 on_granted: Callable[[list[int]], None] | None = None) -> list[int] | None:

@@ -134,6 +134,13 @@ class KVTransferDeadline(WorkerError, RequestTimeout):
     default_code = "kv_transfer_deadline"
 
 
+class KVTransferCorrupted(KVTransferDeadline):
+    """The prompt's KV failed its checksum on the decode worker and was not used (DATA_LOSS): the
+    router falls back as after a missed deadline (the decode worker prefills it again)."""
+
+    default_code = "kv_transfer_corrupt"
+
+
 class WorkerRejected(WorkerError, InvalidRequest):
     """A worker rejected the request as invalid (INVALID_ARGUMENT)."""
 
@@ -144,6 +151,7 @@ WORKER_STATUS_ERRORS: dict[str, type[WorkerError]] = {
     "OUT_OF_RANGE": WorkerRejected,
     "RESOURCE_EXHAUSTED": WorkerOverloaded,
     "DEADLINE_EXCEEDED": KVTransferDeadline,
+    "DATA_LOSS": KVTransferCorrupted,
     "UNAVAILABLE": WorkerFailed,
     "ABORTED": KVPushFailed,
 }

@@ -12,10 +12,17 @@ Disaggregated request, as seen by the workers (the router drives it):
    batch and streams the remaining tokens.
 4. Abort (or a cancelled stream) frees whatever the request holds, on either worker.
 
+Leases: nothing is held for a peer that stops answering. P holds the prompt's blocks until D
+acknowledged the KV, at most the transfer's deadline (then DEADLINE_EXCEEDED, blocks freed). D's
+reservation is a lease of the deadline plus `reservation_grace_s`: a reservation that no Decode
+(or Abort) claimed by then is cancelled and its blocks freed -- also when this process was
+stopped meanwhile (SIGSTOP) and wakes long after: its overdue timers fire first, late KV for the
+dropped transfer is NACKed and never landed, and a late Decode gets NOT_FOUND.
+
 Generate (the whole request on one worker) is served by every role: a decode worker prefills
 locally, and a prefill worker stands in for a decode worker that is down. A Prefill whose KV
 could not reach D fails with ABORTED (D's fault, not P's), one whose KV missed its deadline
-with DEADLINE_EXCEEDED.
+with DEADLINE_EXCEEDED, one whose KV failed its checksum on D with DATA_LOSS (D prefills again).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from kvtransfer import KVTransferError, KVTransferTimeout, WIRE_VERSION, create_receiver, create_sender
+from kvtransfer import KVTransferCorrupt, KVTransferError, KVTransferTimeout, WIRE_VERSION, KVLayout, create_receiver, create_sender
 from pdserve.config import ROLES, EngineConfig
 from pdserve.engine import LLMEngine
 from pdserve.proto import worker_pb2 as pb
@@ -272,6 +279,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.w.loop.submit(lambda e: (self.w.receiver.cancel(transfer_id), e.abort_request(rid)))
             raise
         self.w.transfers[rid] = transfer_id
+        self.w.lease_reservation(rid, transfer_id, deadline + self.w.reservation_grace_s)
         return pb.ReserveResponse(kv_address=self.w.kv_address, transfer_id=transfer_id, block_ids=blocks,
                                   wire_version=WIRE_VERSION, layout=self.w.layout_fingerprint)
 
@@ -333,6 +341,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             except KVTransferTimeout as exc:
                 await release()
                 await self._fail(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"KV transfer: {exc}")
+            except KVTransferCorrupt as exc:  # the decode worker did not use it: prefill again there
+                await release()
+                await self._fail(context, grpc.StatusCode.DATA_LOSS, f"KV transfer: {exc}")
             except KVTransferError as exc:
                 await release()
                 await self._fail(context, grpc.StatusCode.ABORTED, f"KV transfer to the decode worker failed: {exc}")
@@ -371,6 +382,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self.w.receiver.cancel(transfer_id)
             await self._engine(lambda e: e.abort_request(rid))
             code = (grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(exc, KVTransferTimeout)
+                    else grpc.StatusCode.DATA_LOSS if isinstance(exc, KVTransferCorrupt)
                     else grpc.StatusCode.UNAVAILABLE)
             await self._fail(context, code, f"KV transfer: {exc}")
             return
@@ -407,9 +419,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 class WorkerServer:
     """Loads the model, then serves it: `start()` returns the gRPC address."""
 
-    def __init__(self, config: WorkerConfig, default_deadline_s: float = 30.0) -> None:
+    def __init__(self, config: WorkerConfig, default_deadline_s: float = 30.0,
+                 reservation_grace_s: float = 10.0) -> None:
         self.config = config
         self.default_deadline_s = default_deadline_s
+        self.reservation_grace_s = reservation_grace_s  # a reservation's lease: its deadline plus this
+        self.reservations_expired = 0
         engine_config = config.engine
         if engine_config.scheduler.role != config.role:
             engine_config = replace(engine_config, scheduler=replace(engine_config.scheduler, role=config.role))
@@ -440,7 +455,14 @@ class WorkerServer:
         # workers at any two TP degrees of one model pair (their endpoints check the head ranges)
         ranks = rank_heads(self.engine)
         self.layout_fingerprint = f"{model_layout(ranks).fingerprint:016x}"
+        layout = model_layout(ranks)
+        # what a KV peer must share with this worker (the router pairs only equal keys; the
+        # transfer handshake refuses the rest); the whole model's KV layout, whatever the TP
+        self.kv_compat = (f"model={engine_config.model} dtype={layout.dtype} block_size={layout.block_size} "
+                          f"layers={layout.num_layers} kv_heads={layout.num_kv_heads} head_dim={layout.head_dim} "
+                          f"wire=v{WIRE_VERSION}")
         opts = dict(config.kv_options)
+        opts.setdefault("model", engine_config.model)
         self.sender = None
         self.receiver = None
         self.pusher: KVPusher | None = None
@@ -448,12 +470,14 @@ class WorkerServer:
             # a "pacer" option may be a pacing spec string (kvtransfer.pacing_spec)
             from kvtransfer.pacing_spec import sender_options
 
-            self.sender = RoutedSender(ranks, lambda caches: create_sender(config.kv_backend, caches,
-                                                                           **sender_options(opts)))
+            receiver_only = ("host", "port")  # where this worker's receiver listens
+            sender_opts = sender_options({k: v for k, v in opts.items() if k not in receiver_only})
+            self.sender = RoutedSender(ranks, lambda caches: create_sender(config.kv_backend, caches, **sender_opts))
             self.pusher = KVPusher(self.sender, self.block_size, self.engine.model_config.num_layers)
             self.engine.layer_hook = self.pusher.on_layer
         if config.receives_kv:
-            opts.pop("pacer", None)  # pacing is the sender's; one kv_options may serve both roles
+            for name in ("pacer", "faults", "checksum"):  # the sender's; one kv_options may serve both roles
+                opts.pop(name, None)
             if config.kv_backend != "fake":
                 opts.setdefault("host", config.kv_host)
             if len(ranks) == 1:
@@ -519,6 +543,22 @@ class WorkerServer:
         await self._stop_event.wait()
         await server.stop(self._grace)
 
+    def lease_reservation(self, request_id: str, transfer_id: str, lease_s: float) -> None:
+        """Frees the reservation `request_id` -> `transfer_id` after `lease_s` unless a Decode or an
+        Abort claimed it first (on the gRPC loop's thread)."""
+        asyncio.get_running_loop().call_later(lease_s, self._expire_reservation, request_id, transfer_id)
+
+    def _expire_reservation(self, request_id: str, transfer_id: str) -> None:
+        if self.transfers.get(request_id) != transfer_id:
+            return  # claimed by a Decode or an Abort
+        del self.transfers[request_id]
+        self.reservations_expired += 1
+        logger.warning("worker %s: the reservation of request %s expired unclaimed; its blocks are freed",
+                       self.config.worker_id, request_id)
+        if self.receiver is not None:
+            self.receiver.cancel(transfer_id)
+        self.loop.submit(lambda e: e.abort_request(request_id))
+
     def stats(self) -> pb.StatsResponse:
         s = self.engine.stats()
         elapsed = max(time.monotonic() - self.loop.started_at, 1e-9)
@@ -529,7 +569,7 @@ class WorkerServer:
             prefix_cache_hits=s["prefix_cache_hits"], prefix_cache_queries=s["prefix_cache_queries"],
             kv_transfer_bytes=self.kv_bytes, kv_transfer_seconds=self.kv_seconds, kv_address=self.kv_address,
             model=self.config.engine.model, max_model_len=self.engine.max_model_len,
-            num_preemptions=s["num_preemptions"],
+            num_preemptions=s["num_preemptions"], kv_compat=self.kv_compat,
             tokens_per_second=self.loop.num_generated_tokens / elapsed,
             engine_steps=self.loop.num_steps, engine_step_seconds=self.loop.step_seconds,
             engine_decode_only_steps=self.loop.num_decode_only_steps,

@@ -16,6 +16,8 @@ A request goes through:
    - no decode-capable worker left (the only one restarts): a prefill worker runs the whole
      request (degraded, `Decision.degraded`); a decode worker prefills locally when no prefill
      worker is left;
+   - prefill and decode workers up but none that may pair (`kv_compat` keys differ: model, dtype,
+     block size, wire version): ServiceUnavailable (503) at once, naming what differs;
    - nothing left to serve: the request waits for a worker to come back, up to `worker_wait_s`
      (`pdserve:requests_waiting_for_worker`, `pdserve:worker_wait_seconds`), then
      ServiceUnavailable (503, with Retry-After); no room anywhere: Overloaded (429);
@@ -78,6 +80,7 @@ from router.placement.base import (
     DecisionKind,
     MODES,
     ClusterSnapshot,
+    NoCompatiblePair,
     Decision,
     NoWorkersAvailable,
     Outcome,
@@ -430,6 +433,8 @@ class ClusterBackend:
             decision = self.policy.place(request, snapshot)
         except SLOUnattainable as exc:
             raise Overloaded(f"The cluster cannot serve the request within its SLOs now; retry later ({exc})") from exc
+        except NoCompatiblePair as exc:  # a misconfigured cluster: waiting would not help
+            raise ServiceUnavailable(f"No worker pair can serve the request: {exc}") from exc
         except NoWorkersAvailable as exc:
             self._check_ever_fits(request, snapshot)
             if isinstance(last_error, Overloaded):
@@ -465,7 +470,7 @@ class ClusterBackend:
         try:
             return self._place(flight, prompt, params, excluded, last_error)
         except ServiceUnavailable as exc:
-            if self.worker_wait_s <= 0 or self._closed:
+            if self.worker_wait_s <= 0 or self._closed or isinstance(exc.__cause__, NoCompatiblePair):
                 raise self._retry_later(exc) from exc
             first_error = exc
         # The workers this request excluded are down (marked so) or may come back restarted.

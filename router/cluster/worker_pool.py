@@ -62,6 +62,7 @@ class PooledWorker:
             max_model_len=s.max_model_len,
             tokens_per_second=s.tokens_per_second,
             tensor_parallel_size=max(1, s.tensor_parallel_size),  # 0: a worker from before the field
+            kv_compat=s.kv_compat,
         )
 
 

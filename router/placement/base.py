@@ -54,6 +54,11 @@ class NoWorkersAvailable(Exception):
     """No healthy worker can take the request."""
 
 
+class NoCompatiblePair(NoWorkersAvailable):
+    """Prefill and decode workers are up, but no prefill worker shares a decode worker's KV
+    layout, model or wire version (`WorkerSnapshot.kv_compat`): no KV can move between them."""
+
+
 class SLOUnattainable(Exception):
     """Admission control: no placement is predicted to meet the SLOs (the backend answers 429)."""
 
@@ -84,6 +89,9 @@ class WorkerSnapshot:
     # ranks of its engine: a tensor-parallel worker is one unit holding this many GPUs (its KV
     # capacity is already in num_blocks, which counts blocks of every rank's heads)
     tensor_parallel_size: int = 1
+    # what a KV peer must share with it (model, dtype, block size, wire version); "" unknown:
+    # pairs with any. Only workers of equal keys are paired for a KV hand-off.
+    kv_compat: str = ""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -294,6 +302,7 @@ class PoolPolicy(PlacementPolicy):
                 f"short prompt ({request.num_prompt_tokens} <= {self.local_prefill_max_tokens} tokens)",
             )
         prefills = [w for w in usable if w.can_prefill and w.fits(request.num_prompt_tokens)]
+        prefills, decodes = compatible_pools(prefills, decodes)
         return self.decide(prefills, decodes, request, snapshot)
 
     def decide(
@@ -315,6 +324,34 @@ class PoolPolicy(PlacementPolicy):
         self, decodes: Sequence[WorkerSnapshot], request: RequestInfo, snapshot: ClusterSnapshot, reason: str
     ) -> Decision:
         return Decision("local", None, self.pick(decodes, "local", request, snapshot).worker_id, reason)
+
+
+def compatible_pools(
+    prefills: Sequence[WorkerSnapshot], decodes: Sequence[WorkerSnapshot]
+) -> tuple[list[WorkerSnapshot], list[WorkerSnapshot]]:
+    """The prefill and decode workers that can be paired: those whose `kv_compat` keys match (an
+    empty key matches any). With several groups of matching keys, the group of the least-loaded
+    decode worker. Raises NoCompatiblePair when both pools are non-empty and no key is shared."""
+    prefills, decodes = list(prefills), list(decodes)
+    keys = {w.kv_compat for w in (*prefills, *decodes)} - {""}
+    if len(keys) <= 1 or not prefills:
+        return prefills, decodes
+
+    def pairs_with(key: str, w: WorkerSnapshot) -> bool:
+        return not w.kv_compat or not key or w.kv_compat == key
+
+    # a decode worker that can pair with some prefill worker other than itself
+    pairable = [d for d in decodes if any(pairs_with(d.kv_compat, p) for p in prefills if p.worker_id != d.worker_id)]
+    if not pairable:
+        mixed_only = all(p.worker_id in {d.worker_id for d in decodes} for p in prefills)
+        if mixed_only and len(prefills) == 1:
+            return prefills, decodes  # the one worker pairs with nobody anyway: the policy goes local
+        raise NoCompatiblePair(
+            "no prefill worker can hand KV to a decode worker: they differ in "
+            + "; ".join([f"prefill {p.worker_id} has {p.kv_compat or '?'}" for p in prefills]
+                        + [f"decode {d.worker_id} has {d.kv_compat or '?'}" for d in decodes]))
+    key = min(pairable, key=least_loaded_key).kv_compat
+    return ([p for p in prefills if pairs_with(key, p)], [d for d in decodes if pairs_with(key, d)])
 
 
 def _none_left(what: str, snapshot: ClusterSnapshot, request: RequestInfo) -> str:

@@ -99,3 +99,18 @@ def test_warm_up_runs_the_overlapped_decode_path():
     warm_up(engine)
     assert engine.num_steps_ahead >= 1 and engine._in_flight is None
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_release_before_the_prefill_finished_frees_every_block():
+    """A prefill worker's caller that goes away mid-prefill (its Prefill call cancelled) releases
+    the request before it reached `held`: it is aborted, not left to finish and hold its blocks."""
+    engine = make_engine("prefill", prefix=False)
+    free = engine.block_manager.num_free_blocks
+    engine.add_request("cut", list(range(1, 150)), SamplingParams(max_tokens=3, temperature=0), hand_off=True)
+    engine.step()  # the first 64-token chunk of 149
+    assert engine.block_manager.num_free_blocks < free
+    engine.release("cut")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not engine.requests and not engine.scheduler.held
+    assert engine.block_manager.num_free_blocks == free

@@ -72,7 +72,7 @@ class _Child:
         self.caches = None
         self.sender_caches = None
 
-    def open_receiver(self, spec: CacheSpec, wire_version: int | None = None):
+    def open_receiver(self, spec: CacheSpec, wire_version: int | None = None, **options):
         import kvtransfer
         from kvtransfer import layout
 
@@ -80,7 +80,7 @@ class _Child:
         if self.receiver is not None:
             self.receiver.close()
         self.caches = make_caches(spec, None)
-        self.receiver = kvtransfer.create_receiver("ucx", self.caches)
+        self.receiver = kvtransfer.create_receiver("ucx", self.caches, **options)
         return self.receiver.address()
 
     def open_sender(self, spec: CacheSpec, seed: int):
@@ -136,13 +136,13 @@ def _serve(conn) -> None:
     _WIRE_VERSION = layout.WIRE_VERSION
     child = _Child()
     while True:
-        cmd, args = conn.recv()
+        cmd, args, kwargs = conn.recv()
         if cmd == "exit":
             child.close()
             conn.send(("ok", None))
             return
         try:
-            conn.send(("ok", getattr(child, cmd)(*args)))
+            conn.send(("ok", getattr(child, cmd)(*args, **kwargs)))
         except Exception as e:
             conn.send(("err", (type(e).__name__, f"{e}\n{traceback.format_exc()}")))
 
@@ -157,8 +157,8 @@ class Peer:
         self.process.start()
         child_conn.close()
 
-    def call(self, cmd: str, *args, timeout: float = 30.0):
-        self._conn.send((cmd, args))
+    def call(self, cmd: str, *args, timeout: float = 30.0, **kwargs):
+        self._conn.send((cmd, args, kwargs))
         if not self._conn.poll(timeout):
             raise TimeoutError(f"peer did not answer {cmd!r} within {timeout}s")
         status, value = self._conn.recv()

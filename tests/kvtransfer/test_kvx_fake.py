@@ -109,6 +109,20 @@ def test_fake_layout_mismatch():
         assert receiver.metrics()["handshake_errors"] == 1
 
 
+@pytest.mark.timeout(20)
+def test_fake_model_mismatch_refused_at_handshake():
+    src = make_caches(SPEC, seed=1)
+    dst = make_caches(SPEC, seed=None)
+    with kvtransfer.create_receiver("fake", dst, model="a/model") as receiver, \
+            kvtransfer.create_sender("fake", src, model="b/model") as sender:
+        receiver.expect("m", [0], SPEC.num_layers, deadline_s=5)
+        sender.send_layer(receiver.address(), "m", 0, [0], [0])
+        with pytest.raises(KVTransferError, match="model mismatch: peer serves 'a/model', this process 'b/model'"):
+            sender.finish("m", timeout=5)
+        assert receiver.metrics()["handshake_errors"] == 1
+    assert all(not pool.any() for pair in dst for pool in pair)  # nothing landed
+
+
 def test_registry_errors():
     with pytest.raises(ValueError, match="unknown KV transfer backend 'nope'"):
         kvtransfer.create_sender("nope", make_caches(SPEC, None))

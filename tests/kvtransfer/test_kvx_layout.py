@@ -75,3 +75,35 @@ def test_handshake_checks_layout_and_version(monkeypatch):
     monkeypatch.setattr(wire, "WIRE_VERSION", 9)
     with pytest.raises(KVTransferError, match="version mismatch"):
         check_handshake(local, unpack_header(same, check_version=False), local)
+
+
+def test_handshake_names_every_mismatch(monkeypatch):
+    local = KVLayout(2, 16, 2, 8, "bfloat16")
+    peer = KVLayout(2, 32, 2, 8, "float16")
+    hello = pack_hello(MsgKind.HELLO, peer, model="org/other-model")
+    header = unpack_header(hello)
+    assert wire.hello_model(hello, header) == "org/other-model"
+    with pytest.raises(KVTransferError) as info:
+        check_handshake(local, header, unpack_layout(hello[wire.HEADER_BYTES:]), "org/model",
+                        wire.hello_model(hello, header))
+    text = str(info.value)
+    assert "model mismatch: peer serves 'org/other-model', this process 'org/model'" in text
+    assert "dtype=float16 (local dtype=bfloat16)" in text and "block_size=32 (local block_size=16)" in text
+    # a model stated on one side only is not checked; the same model and layout pass
+    same = pack_hello(MsgKind.HELLO, local, model="org/model", extra=b"xyz")
+    h = unpack_header(same)
+    check_handshake(local, h, local, "", wire.hello_model(same, h))
+    check_handshake(local, h, local, "org/model", wire.hello_model(same, h))
+    assert wire.hello_extra(same, h) == b"xyz"
+    monkeypatch.setattr(wire, "WIRE_VERSION", 9)
+    with pytest.raises(KVTransferError, match="wire version mismatch: peer speaks 2, this process speaks 9"):
+        check_handshake(local, unpack_header(same, check_version=False), local, "org/model", "org/model")
+
+
+def test_payload_checksum_catches_a_flipped_bit():
+    import torch
+
+    data = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+    crc = wire.payload_checksum(data)
+    data[1234] ^= 1
+    assert wire.payload_checksum(data) != crc

@@ -147,6 +147,20 @@ def test_ucx_layout_mismatch_rejected_at_handshake(peer):
     assert peer.call("read", 0, [0]) == block_bytes(make_caches(FP32, None), 0, [0])
 
 
+def test_ucx_model_mismatch_rejected_at_handshake(peer):
+    address = peer.call("open_receiver", FP32, model="org/decode-model")
+    try:
+        with kvtransfer.create_sender("ucx", make_caches(FP32, seed=1), model="org/prefill-model") as sender:
+            peer.call("expect", "model", [0], 3, 5.0)
+            sender.send_layer(address, "model", 0, [0], [0])
+            with pytest.raises(KVTransferError, match="model mismatch: peer serves 'org/decode-model'"):
+                sender.finish("model", timeout=10)
+        assert peer.call("metrics")["handshake_errors"] == 1
+        assert peer.call("read", 0, [0]) == block_bytes(make_caches(FP32, None), 0, [0])
+    finally:
+        peer.call("open_receiver", FP32)
+
+
 def test_ucx_wire_version_mismatch_rejected_at_handshake(peer):
     address = peer.call("open_receiver", FP32, 99)
     try:

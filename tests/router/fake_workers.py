@@ -49,6 +49,7 @@ class Script:
     push_kv: bool = True  # Prefill "pushes" the KV to D (False: D's Decode misses the deadline)
     healthy: bool = True  # what Health answers
     hang: bool = False  # Health, Stats and token streams stop answering (a hung process)
+    kv_compat: str = ""  # what Stats reports as the worker's KV compatibility key
 
 
 @dataclass
@@ -186,7 +187,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
         return pb.StatsResponse(
             worker_id=self.worker_id, role=self.role, num_running=len(self.live),
             num_awaiting_kv=len(self.reservations), num_blocks=1024, num_free_blocks=1024, block_size=4,
-            model="fake-model", max_model_len=4096,
+            model="fake-model", max_model_len=4096, kv_compat=self.script.kv_compat,
         )
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:

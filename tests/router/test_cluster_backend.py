@@ -478,3 +478,33 @@ def test_address_change_reconnects():
             check_complete(await collect(env.backend, "r1"), "r1", 6)
             assert moved.called("Decode") == ["r1"]
     run(main)
+
+
+# ---------------------------------------------------------------- peers that must not pair
+
+
+def test_workers_that_must_not_pair_get_a_clear_503_at_once():
+    async def main():
+        a, b = Script(kv_compat="model=m block_size=16 wire=v2"), Script(kv_compat="model=m block_size=32 wire=v2")
+        async with cluster(("p0", "prefill", a), ("d0", "decode", b), worker_wait_s=10.0) as env:
+            await until(lambda: env.backend.snapshot().worker("d0").kv_compat != "")
+            started = time.monotonic()
+            with pytest.raises(ServiceUnavailable, match="prefill p0 has model=m block_size=16.*decode d0 has "
+                                                         "model=m block_size=32") as info:
+                await collect(env.backend, "mismatch")
+            assert time.monotonic() - started < 2.0  # no wait for a worker: none would help
+            assert "Retry-After" in info.value.headers
+            assert env["p0"].calls == [] and env["d0"].calls == []
+
+    run(main)
+
+
+def test_corrupt_kv_falls_back_to_prefill_on_the_decode_worker():
+    async def main():
+        async with cluster(("p0", "prefill", Script(prefill_error=grpc.StatusCode.DATA_LOSS)), ("d0", "decode")) as env:
+            outputs = await collect(env.backend, "corrupt", max_tokens=5)
+            check_complete(outputs, "corrupt", 5)
+            assert env.metric("pdserve:request_recoveries_total", kind="local_fallback") == 1
+            assert env.healthy("p0") and env.healthy("d0")  # nobody is blamed
+
+    run(main)

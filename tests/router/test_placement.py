@@ -168,3 +168,25 @@ def test_snapshot_and_decision_validation():
     with pytest.raises(ValueError):
         Decision("local", "p0", "d0")
     assert Decision("disaggregated", "p0", "d0").workers == ("p0", "d0")
+
+
+def test_only_workers_of_one_kv_compat_key_are_paired():
+    from router.placement.base import NoCompatiblePair
+
+    a, b = "model=m dtype=bfloat16 block_size=16 wire=v2", "model=m dtype=float32 block_size=16 wire=v2"
+    snap = ClusterSnapshot((w("p0", "prefill", kv_compat=a), w("p1", "prefill", kv_compat=b),
+                            w("d0", "decode", kv_compat=b, num_running=5), w("d1", "decode", kv_compat=a)))
+    from tests.router.network_fixtures import PROFILE
+
+    for name in POLICIES:
+        policy = make_policy(name, profile=PROFILE) if name == "network-aware" else make_policy(name)
+        for _ in range(4):
+            d = policy.place(req(), snap)
+            assert d.kind == "disaggregated"
+            assert snap.worker(d.prefill).kv_compat == snap.worker(d.decode).kv_compat, (name, d)
+    mismatched = ClusterSnapshot((w("p0", "prefill", kv_compat=a), w("d0", "decode", kv_compat=b)))
+    with pytest.raises(NoCompatiblePair, match="prefill p0 has .*bfloat16.*decode d0 has .*float32"):
+        LeastLoaded().place(req(), mismatched)
+    # an unknown key ("") pairs with any: clusters of workers that do not report one are unchanged
+    unknown = ClusterSnapshot((w("p0", "prefill"), w("d0", "decode", kv_compat=b)))
+    assert LeastLoaded().place(req(), unknown).kind == "disaggregated"

@@ -221,6 +221,8 @@ class NetworkAware(PoolPolicy):
         if (snapshot.mode != "disaggregated" or request.num_resumed_tokens
                 or request.num_prompt_tokens <= self.local_prefill_max_tokens):
             return None
+        if len({w.kv_compat for w in snapshot.workers} - {""}) > 1:
+            return None  # workers that must not pair: the shared rules pair only compatible ones
         columns = self._columns
         healthy = columns.healthy()
         can_decode, can_prefill = columns.role != ROLE_PREFILL, columns.role != ROLE_DECODE

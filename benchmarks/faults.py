@@ -1,0 +1,572 @@
+"""The fault matrix: each fault below against a live cluster (CPU, SmolLM2) under a bounded load,
+from fresh processes, and one table row per fault.
+
+    python benchmarks/faults.py --quick                       # about 8 minutes here: three rows, short
+    python benchmarks/faults.py --out docs/results/faults     # every row, full length
+    python benchmarks/faults.py --only sigstop-decode,kv-loss
+
+Rows (the issue's numbers): 1 `kill-prefill` / `kill-decode` (kill -9 mid-load; Ray restarts
+the worker); 2 `restart-same-address` (a decode worker killed and started again on the same gRPC
+and KV ports, while the prefill worker holds its old UCX endpoint); 3 `sigstop-decode` (SIGSTOP
+for `--stop-s`, then SIGCONT); 4 `slow-link` (the prefill worker's KV link drops to 10 Mbit/s
+mid-run through its pacing file); 5 `kv-loss` (messages dropped, duplicated, reordered and
+corrupted in the transfer layer, PDSERVE_KV_FAULTS); 6 `mismatched-peers` (a decode worker of
+another block size beside a matching pair: never paired; then alone: 503); 7 `router-restart`
+(SIGTERM to the router under load, started again); 8 `gcs-kill` (kill -9 of Ray's GCS: bounded
+shutdown, no orphan). Rows 1, 3 and 8 run on `pdserve up` (Ray); 2, 4, 5, 6 and 7 on standalone
+`pdserve worker` processes behind `pdserve router` (fixed ports, a pacing file, the fault
+variable in the workers' environment, workers of different flags, a router of its own).
+
+Columns: requests sent; completed; failed, by what the client saw (HTTP status; `200, stream cut`: a
+stream that began and ended in an error; `conn`: connection refused, nothing listening); lost (a connection that dropped mid-request without
+an answer); hung (no answer within `--request-timeout-s`); KV blocks in use at the end on every
+worker (router /metrics `pdserve:kv_cache_usage_ratio` after the load drained: 0 is every block
+free); service back (fault to the end of the first request sent after the fault that completed);
+healthy again (fault to every worker healthy in the router's /health).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+
+from benchmarks.faultlib import (  # noqa: E402
+    REPO, HealthTimeline, cluster_env, health, start_up, stop_group, wait_all_healthy, worker_pid,
+)
+from loadgen.launcher import free_port  # noqa: E402
+
+ROWS = ("kill-prefill", "kill-decode", "restart-same-address", "sigstop-decode", "slow-link", "kv-loss",
+        "mismatched-peers", "router-restart", "gcs-kill")
+QUICK_ROWS = ("restart-same-address", "kv-loss", "mismatched-peers")
+MODEL_NAME = ["smollm2"]  # the served model name (--model), set by main
+KV_FAULTS = "drop=0.02,duplicate=0.05,reorder=0.05,corrupt=0.05,seed=1"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help=f"rows {','.join(QUICK_ROWS)} (unless --only), 8 requests of 256 tokens, a 10 s SIGSTOP")
+    p.add_argument("--only", default="", help=f"comma-separated rows (default all: {','.join(ROWS)})")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--rate", type=float, default=1.0, help="requests/s (constant arrivals)")
+    p.add_argument("--num-requests", type=int, default=None, help="per row (default 20; --quick 8)")
+    p.add_argument("--fault-at", type=float, default=None, help="seconds into the load (default 8; --quick 4)")
+    p.add_argument("--stop-s", type=float, default=None, help="SIGSTOP length (default 30; --quick 10)")
+    p.add_argument("--input-len", default=None, help="default fixed:512; --quick fixed:256")
+    p.add_argument("--output-len", default="fixed:16")
+    p.add_argument("--kv-deadline-s", type=float, default=5.0)
+    p.add_argument("--request-timeout-s", type=float, default=120.0)
+    p.add_argument("--kv-cache-gib", default="0.25")
+    p.add_argument("--startup-timeout-s", type=float, default=300.0)
+    p.add_argument("--out", default="", help="directory for rows.json, logs and records (default: a temp dir)")
+    args = p.parse_args(argv)
+    args.num_requests = args.num_requests or (8 if args.quick else 20)
+    args.input_len = args.input_len or ("fixed:256" if args.quick else "fixed:512")
+    args.fault_at = args.fault_at if args.fault_at is not None else (4.0 if args.quick else 8.0)
+    args.stop_s = args.stop_s if args.stop_s is not None else (10.0 if args.quick else 30.0)
+    args.rows = [r.strip() for r in args.only.split(",") if r.strip()] or list(QUICK_ROWS if args.quick else ROWS)
+    for row in args.rows:
+        if row not in ROWS:
+            p.error(f"--only: unknown row {row!r}; rows: {', '.join(ROWS)}")
+    return args
+
+
+# ---------------------------------------------------------------- clusters
+
+
+class Cluster:
+    """Processes we started (each in its own session), the router's base URL, how to stop them."""
+
+    def __init__(self, base: str, logdir: Path):
+        self.base = base
+        self.logdir = logdir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.argv: dict[str, list[str]] = {}
+        self.log_start: dict[str, int] = {}  # where the latest process of a name began its log
+
+    def start(self, name: str, argv: list[str], env_extra: dict | None = None) -> subprocess.Popen:
+        path = self.logdir / f"{name}.log"
+        self.log_start[name] = path.stat().st_size if path.exists() else 0
+        log = open(path, "a")
+        env = cluster_env(**(env_extra or {}))
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+        self.procs[name], self.argv[name] = proc, argv
+        return proc
+
+    def wait_line(self, name: str, pattern: str, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        path = self.logdir / f"{name}.log"
+        while time.monotonic() < deadline:
+            if self.procs[name].poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.procs[name].returncode}; see {path}")
+            m = re.search(pattern, path.read_text(errors="replace")[self.log_start[name]:])
+            if m:
+                return m.group(0)
+            time.sleep(0.3)
+        raise RuntimeError(f"{name}: {pattern!r} not seen within {timeout_s:.0f}s; see {path}")
+
+    def stop(self) -> float:
+        """Stops every process group we started; seconds it took (the longest)."""
+        took = 0.0
+        for proc in self.procs.values():
+            took = max(took, stop_group(proc))
+        return took
+
+
+def up_cluster(args, logdir: Path, env_extra: dict | None = None) -> Cluster:
+    port = free_port()
+    cluster = Cluster(f"http://127.0.0.1:{port}", logdir)
+    argv = [sys.executable, "-m", "launcher.cli", "up", "--model", args.model, "--port", str(port),
+            "--kv-cache-gib", args.kv_cache_gib, "--kv-deadline-s", str(args.kv_deadline_s),
+            "--worker-wait-s", "60", "--startup-timeout-s", str(args.startup_timeout_s)]
+    cluster.start("up", argv, env_extra)
+    wait_all_healthy(cluster.base, cluster.procs["up"], args.startup_timeout_s + 30, 2)
+    return cluster
+
+
+def worker_argv(args, role: str, port: int, kv_port: int = 0, extra: tuple[str, ...] = (),
+                kv_pacing: str | None = None) -> list[str]:
+    from launcher.workers import WorkerSpec, worker_argv as spec_argv
+
+    return spec_argv(WorkerSpec(role=role, worker_id=f"{role}-{port}", port=port, kv_port=kv_port, model=args.model,
+                                device="cpu", kv_pacing=kv_pacing,
+                                engine_args=("--kv-cache-gib", args.kv_cache_gib, *extra)))
+
+
+def standalone_cluster(args, logdir: Path, workers: list[tuple[str, list[str]]], env_extra: dict | None = None
+                       ) -> Cluster:
+    """`workers`: (name, argv) of each worker; their gRPC ports are read from the argv."""
+    port = free_port()
+    cluster = Cluster(f"http://127.0.0.1:{port}", logdir)
+    entries = []
+    for name, argv in workers:
+        cluster.start(name, argv, env_extra)
+    for name, argv in workers:
+        cluster.wait_line(name, r"listening on \S+", args.startup_timeout_s)
+        role = argv[argv.index("--role") + 1]
+        entries += ["--worker", f"{role}#{name}=127.0.0.1:{argv[argv.index('--port') + 1]}"]
+    cluster.start("router", router_argv(args, port, entries))
+    wait_all_healthy(cluster.base, cluster.procs["router"], 120, len(workers))
+    return cluster
+
+
+def router_argv(args, port: int, entries: list[str]) -> list[str]:
+    return [sys.executable, "-m", "launcher.cli", "router", *entries, "--model", args.model, "--port", str(port),
+            "--kv-deadline-s", str(args.kv_deadline_s), "--worker-wait-s", "60"]
+
+
+# ---------------------------------------------------------------- load and readings
+
+
+def run_with_fault(args, base: str, fault, warm: bool = True):
+    """Runs the load; `fault()` at --fault-at seconds (its return value kept). Returns
+    (records, load start unix time, fault unix time, fault's value)."""
+    from loadgen.client import ClientConfig
+    from loadgen.datasets import DatasetConfig, LengthDist
+    from loadgen.runner import LoadConfig, run_load
+
+    cfg = LoadConfig(
+        client=ClientConfig(base_url=base, endpoint="completions", ignore_eos=True, temperature=0.0,
+                            request_timeout_s=args.request_timeout_s),
+        rate=args.rate, arrival="constant", num_requests=args.num_requests, seed=0,
+        dataset=DatasetConfig(kind="synthetic", input=LengthDist.parse(args.input_len),
+                              output=LengthDist.parse(args.output_len)),
+        max_run_time_s=args.num_requests / args.rate + args.request_timeout_s + 60, scrape_metrics=False,
+    )
+    if warm:
+        run_load(dataclasses.replace(cfg, num_requests=2, rate=2.0), progress=False)
+    box: dict = {}
+
+    def fire() -> None:
+        box["at"] = time.time()
+        try:
+            box["value"] = fault()
+        except Exception as e:  # reported in the row
+            box["value"] = {"fault_error": f"{type(e).__name__}: {e}"}
+
+    timer = threading.Timer(args.fault_at, fire)
+    t0 = time.time()
+    timer.start()
+    result = run_load(cfg, progress=False)
+    timer.join()
+    start = result.summary.get("start_time_unix") or t0
+    return result.records, start, box.get("at"), box.get("value")
+
+
+def classify(records) -> dict:
+    failed: Counter = Counter()
+    lost = hung = completed = 0
+    for r in records:
+        if r.ok:
+            completed += 1
+        elif r.error and r.error.startswith("timeout after"):
+            hung += 1
+        elif r.status is None and r.error and re.search(r"refused|ConnectError|connect", r.error, re.I):
+            failed["conn"] += 1
+        elif r.status is None:
+            lost += 1
+        elif r.status == 200:  # the stream began, then broke off with an error event or a dropped connection
+            failed["200, stream cut"] += 1
+        else:
+            failed[str(r.status)] += 1
+    return {"sent": len(records), "completed": completed, "failed": dict(failed), "lost": lost, "hung": hung}
+
+
+def service_back(records, start: float, fault_at: float | None) -> float | None:
+    if fault_at is None:
+        return None
+    ends = [start + r.sent_s + r.e2e_s for r in records
+            if r.ok and r.sent_s is not None and start + r.sent_s >= fault_at]
+    return round(min(ends) - fault_at, 1) if ends else None
+
+
+def kv_in_use(base: str, timeout_s: float = 30.0) -> dict[str, float] | str:
+    """worker -> KV usage ratio from the router's /metrics once it reads 0 everywhere (or at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    usage: dict[str, float] = {}
+    while True:
+        try:
+            text = httpx.get(f"{base}/metrics", timeout=5).text
+            usage = {}
+            for m in re.finditer(r'^pdserve:kv_cache_usage_ratio\{([^}]*)\} (\S+)$', text, re.M):
+                worker = re.search(r'worker="([^"]*)"', m.group(1))
+                usage[worker.group(1) if worker else m.group(1)] = round(float(m.group(2)), 4)
+        except httpx.HTTPError as e:
+            usage = {"error": f"{type(e).__name__}"}
+        if (usage and all(v == 0 for v in usage.values())) or time.monotonic() > deadline:
+            return usage
+        time.sleep(1.0)
+
+
+def healthy_again(timeline: HealthTimeline, fault_at: float | None) -> float | None:
+    """Fault to every worker seen before it healthy again (a restarted one at any address)."""
+    if fault_at is None:
+        return None
+    before = [w for t, w in timeline.samples if t < fault_at]
+    expected = set(before[-1]) if before else set()
+    down = False
+    for t, workers in timeline.samples:
+        if t < fault_at:
+            continue
+        ok = bool(workers) and expected <= set(workers) and all(h for h, _ in workers.values())
+        if not ok:
+            down = True
+        elif down:
+            return round(t - fault_at, 1)
+    return 0.0 if not down and timeline.samples else None
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+# ---------------------------------------------------------------- rows
+
+
+def row_kill(args, logdir: Path, role: str) -> dict:
+    cluster = up_cluster(args, logdir)
+    timeline = HealthTimeline(cluster.base)
+    timeline.start()
+    try:
+        def fault():
+            wid, pid = worker_pid(cluster.base, role)
+            os.kill(pid, signal.SIGKILL)
+            return {"killed": wid}
+
+        records, start, at, info = run_with_fault(args, cluster.base, fault)
+        time.sleep(2)
+        kv = kv_in_use(cluster.base)
+    finally:
+        timeline.stop()
+        cluster.stop()
+    return classify(records) | {"kv_in_use": kv, "service_back_s": service_back(records, start, at),
+                                "healthy_again_s": healthy_again(timeline, at), "note": info}
+
+
+def row_sigstop(args, logdir: Path) -> dict:
+    cluster = up_cluster(args, logdir)
+    timeline = HealthTimeline(cluster.base)
+    timeline.start()
+    try:
+        def fault():
+            wid, pid = worker_pid(cluster.base, "decode")
+            os.kill(pid, signal.SIGSTOP)
+            threading.Timer(args.stop_s, os.kill, (pid, signal.SIGCONT)).start()
+            return {"stopped": wid, "for_s": args.stop_s}
+
+        records, start, at, info = run_with_fault(args, cluster.base, fault)
+        time.sleep(max(0.0, at + args.stop_s + 2 - time.time()) if at else 0)
+        kv = kv_in_use(cluster.base, timeout_s=40)
+    finally:
+        timeline.stop()
+        cluster.stop()
+    return classify(records) | {"kv_in_use": kv, "service_back_s": service_back(records, start, at),
+                                "healthy_again_s": healthy_again(timeline, at), "note": info}
+
+
+def row_kv_loss(args, logdir: Path) -> dict:
+    workers = [("prefill-0", worker_argv(args, "prefill", free_port())), ("decode-0", worker_argv(args, "decode", free_port()))]
+    cluster = standalone_cluster(args, logdir, workers, {"PDSERVE_KV_FAULTS": KV_FAULTS})
+    try:
+        records, start, at, _ = run_with_fault(args, cluster.base, lambda: None)
+        kv = kv_in_use(cluster.base)
+        recoveries = recovery_counts(cluster.base)
+    finally:
+        cluster.stop()
+    return classify(records) | {"kv_in_use": kv, "service_back_s": 0.0, "healthy_again_s": None,
+                                "note": {"PDSERVE_KV_FAULTS": KV_FAULTS, "router_recoveries": recoveries}}
+
+
+def recovery_counts(base: str) -> dict[str, float]:
+    try:
+        text = httpx.get(f"{base}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for m in re.finditer(r'^pdserve:request_recoveries_total\{([^}]*)\} (\S+)$', text, re.M):
+        kind = re.search(r'kind="([^"]*)"', m.group(1))
+        if float(m.group(2)):
+            out[kind.group(1) if kind else m.group(1)] = float(m.group(2))
+    return out
+
+
+def row_gcs_kill(args, logdir: Path) -> dict:
+    cluster = up_cluster(args, logdir)
+    up = cluster.procs["up"]
+    before = {p.pid: p for p in descendants(up.pid)}
+    try:
+        def fault():
+            gcs = [p for p in descendants(up.pid) if "gcs_server" in (p.name() or "")]
+            if not gcs:
+                raise RuntimeError("no gcs_server below `pdserve up`")
+            gcs[0].kill()
+            return {"killed": f"gcs_server pid {gcs[0].pid}"}
+
+        records, start, at, info = run_with_fault(args, cluster.base, fault)
+        try:
+            up.wait(60)
+            exited = round(time.time() - at, 1) if at else None
+        except subprocess.TimeoutExpired:
+            exited = None
+        time.sleep(3)
+        orphans = [f"{p.pid} {p.name()}" for p in before.values() if p.is_running() and p.status() != "zombie"]
+    finally:
+        cluster.stop()
+    note = dict(info or {}, up_exited_after_s=exited, orphans=orphans)
+    return classify(records) | {"kv_in_use": "cluster shut down", "service_back_s": None,
+                                "healthy_again_s": None, "note": note}
+
+
+def row_restart_same_address(args, logdir: Path) -> dict:
+    p_port, d_port, kv_port = free_port(), free_port(), free_port()
+    workers = [("prefill-0", worker_argv(args, "prefill", p_port)),
+               ("decode-0", worker_argv(args, "decode", d_port, kv_port))]
+    cluster = standalone_cluster(args, logdir, workers)
+    timeline = HealthTimeline(cluster.base)
+    timeline.start()
+    try:
+        def fault():
+            old = cluster.procs["decode-0"]
+            os.killpg(old.pid, signal.SIGKILL)
+            old.wait(10)
+            time.sleep(0.5)
+            cluster.start("decode-0", cluster.argv["decode-0"])  # the same --port and --kv-port
+            line = cluster.wait_line("decode-0", r"listening on \S+ kv=\S+", args.startup_timeout_s)
+            return {"restarted": "decode-0", "kv": line.rsplit("kv=", 1)[1]}
+
+        records, start, at, info = run_with_fault(args, cluster.base, fault)
+        wait_all_healthy(cluster.base, None, 120, len(workers))
+        first_after = probe_disaggregated(cluster.base)
+        kv = kv_in_use(cluster.base)
+    finally:
+        timeline.stop()
+        cluster.stop()
+    return classify(records) | {"kv_in_use": kv, "service_back_s": service_back(records, start, at),
+                                "healthy_again_s": healthy_again(timeline, at),
+                                "note": dict(info or {}, probe_after_restart=first_after)}
+
+
+def probe_disaggregated(base: str) -> str:
+    """One request after the load; where it ran, from the router's timing (usage.pdserve_timing)."""
+    try:
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+            "model": MODEL_NAME[0], "prompt": "The first transfer after a restart " * 20, "max_tokens": 4, "temperature": 0})
+        body = r.json()
+    except (httpx.HTTPError, ValueError) as e:
+        return f"error {type(e).__name__}"
+    timing = ((body.get("usage") or {}).get("pdserve_timing") or [{}])[0]
+    return f"HTTP {r.status_code} placement={timing.get('placement')} decode={timing.get('decode_worker')}"
+
+
+def row_slow_link(args, logdir: Path) -> dict:
+    pacing = logdir / "pacing.txt"
+    pacing.write_text("default=100\n")  # Gbit/s: fast
+    p_port, d_port = free_port(), free_port()
+    workers = [("prefill-0", worker_argv(args, "prefill", p_port, kv_pacing=f"file:{pacing}")),
+               ("decode-0", worker_argv(args, "decode", d_port))]
+    cluster = standalone_cluster(args, logdir, workers)
+    try:
+        def fault():
+            pacing.write_text("default=0.01\n")  # 10 Mbit/s
+            return {"link": "100 Gbit/s -> 10 Mbit/s"}
+
+        records, start, at, info = run_with_fault(args, cluster.base, fault)
+        kv = kv_in_use(cluster.base)
+        recoveries = recovery_counts(cluster.base)
+    finally:
+        cluster.stop()
+    return classify(records) | {"kv_in_use": kv, "service_back_s": service_back(records, start, at),
+                                "healthy_again_s": None, "note": dict(info or {}, router_recoveries=recoveries)}
+
+
+def row_mismatched(args, logdir: Path) -> dict:
+    p_port, d_port, d2_port = free_port(), free_port(), free_port()
+    workers = [("prefill-0", worker_argv(args, "prefill", p_port)),
+               ("decode-0", worker_argv(args, "decode", d_port)),
+               ("decode-bs32", worker_argv(args, "decode", d2_port, extra=("--block-size", "32")))]
+    cluster = standalone_cluster(args, logdir, workers)
+    try:
+        records, start, at, _ = run_with_fault(args, cluster.base, lambda: None)
+        kv = kv_in_use(cluster.base)
+        placed = decisions_by_decode(cluster.base)
+    finally:
+        cluster.stop()
+    # the odd one alone with the prefill worker: no pair exists
+    alone = standalone_cluster(args, logdir, [w for w in workers if w[0] != "decode-0"])
+    try:
+        r = httpx.post(f"{alone.base}/v1/completions", timeout=120,
+                       json={"model": MODEL_NAME[0], "prompt": "hello " * 50, "max_tokens": 4})
+        alone_answer = f"HTTP {r.status_code}: {r.json().get('error', {}).get('message', '')[:160]}"
+    finally:
+        alone.stop()
+    return classify(records) | {"kv_in_use": kv, "service_back_s": None, "healthy_again_s": None,
+                                "note": {"decode workers used": placed, "prefill + decode-bs32 alone": alone_answer}}
+
+
+def decisions_by_decode(base: str) -> dict[str, float]:
+    """Requests each worker served, from the router's /health (the in-flight counters are gone by
+    then), falling back to the workers' KV bytes received."""
+    try:
+        text = httpx.get(f"{base}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for m in re.finditer(r'^pdserve:worker_kv_transfer_bytes(?:_total)?\{([^}]*)\} (\S+)$', text, re.M):
+        worker = re.search(r'worker="([^"]*)"', m.group(1))
+        out[worker.group(1) if worker else m.group(1)] = float(m.group(2))
+    return out
+
+
+def row_router_restart(args, logdir: Path) -> dict:
+    p_port, d_port = free_port(), free_port()
+    workers = [("prefill-0", worker_argv(args, "prefill", p_port)), ("decode-0", worker_argv(args, "decode", d_port))]
+    cluster = standalone_cluster(args, logdir, workers)
+    try:
+        def fault():
+            router = cluster.procs["router"]
+            t0 = time.time()
+            os.killpg(router.pid, signal.SIGTERM)
+            router.wait(30)
+            stopped = time.time() - t0
+            cluster.start("router", cluster.argv["router"])
+            wait_all_healthy(cluster.base, cluster.procs["router"], 120, len(workers))
+            return {"router_stopped_in_s": round(stopped, 1), "router_back_after_s": round(time.time() - t0, 1)}
+
+        records, start, at, info = run_with_fault(args, cluster.base, fault)
+        kv = kv_in_use(cluster.base)
+    finally:
+        cluster.stop()
+    return classify(records) | {"kv_in_use": kv, "service_back_s": service_back(records, start, at),
+                                "healthy_again_s": None, "note": info}
+
+
+def run_row(name: str, args, logdir: Path) -> dict:
+    fn = {
+        "kill-prefill": lambda: row_kill(args, logdir, "prefill"),
+        "kill-decode": lambda: row_kill(args, logdir, "decode"),
+        "restart-same-address": lambda: row_restart_same_address(args, logdir),
+        "sigstop-decode": lambda: row_sigstop(args, logdir),
+        "slow-link": lambda: row_slow_link(args, logdir),
+        "kv-loss": lambda: row_kv_loss(args, logdir),
+        "mismatched-peers": lambda: row_mismatched(args, logdir),
+        "router-restart": lambda: row_router_restart(args, logdir),
+        "gcs-kill": lambda: row_gcs_kill(args, logdir),
+    }[name]
+    t0 = time.monotonic()
+    try:
+        row = fn()
+    except Exception as e:
+        row = {"error": f"{type(e).__name__}: {e}"}
+    return {"fault": name, **row, "row_s": round(time.monotonic() - t0)}
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| fault | sent | completed | failed (client saw) | lost | hung | KV in use at the end | "
+            "service back (s) | healthy again (s) |")
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['fault']} | row failed: {r['error']} |" + " |" * 7)
+            continue
+        failed = ", ".join(f"{n}x {s}" for s, n in sorted(r["failed"].items())) or "0"
+        kv = r["kv_in_use"]
+        kv = ", ".join(f"{w}: {v:g}" for w, v in kv.items()) if isinstance(kv, dict) else kv
+        lines.append(f"| {r['fault']} | {r['sent']} | {r['completed']} | {failed} | {r['lost']} | {r['hung']} | "
+                     f"{kv} | {r['service_back_s'] if r['service_back_s'] is not None else '-'} | "
+                     f"{r['healthy_again_s'] if r['healthy_again_s'] is not None else '-'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    MODEL_NAME[0] = args.model
+    out = Path(args.out) if args.out else Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-faults-{os.getpid()}"
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.rows:
+        logdir = out / name
+        logdir.mkdir(exist_ok=True)
+        print(f"== {name}", file=sys.stderr, flush=True)
+        row = run_row(name, args, logdir)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        (logdir / "row.json").write_text(json.dumps(row, indent=2) + "\n")
+        rows.append(row)
+    report = {
+        "command": "python benchmarks/faults.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": f"{platform.machine()} ({os.cpu_count()} CPUs), CPU only",
+        "settings": {k: getattr(args, k) for k in ("model", "rate", "num_requests", "fault_at", "stop_s",
+                                                     "input_len", "output_len", "kv_deadline_s")},
+        "rows": rows,
+    }
+    (out / "rows.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(table(rows))
+    for r in rows:
+        if r.get("note"):
+            print(f"- {r['fault']}: {json.dumps(r['note'])}")
+    print(f"(rows, logs: {out})", file=sys.stderr)
+    bad = [r for r in rows if "error" in r or r.get("lost") or r.get("hung")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
