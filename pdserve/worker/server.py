@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from kvtransfer import KVTransferError, KVTransferTimeout, WIRE_VERSION, KVLayout, create_receiver, create_sender
+from kvtransfer.layout import WIRE_PRECISIONS
 from pdserve.config import ROLES, EngineConfig
 from pdserve.engine import LLMEngine, NoKVSpaceError
 from pdserve.proto import worker_pb2 as pb
@@ -38,7 +39,7 @@ from pdserve.proto.convert import output_to_chunk, params_from_proto
 from pdserve.sampling_params import RequestOutput
 from pdserve.warmup import warm_up
 from pdserve.worker.engine_loop import EngineLoop
-from pdserve.worker.kv_push import Destination, KVPusher
+from pdserve.worker.kv_push import Destination, KVPusher, wire_precision
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +254,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
-        dest = Destination(request.kv_address, request.transfer_id, list(request.dst_block_ids))
+        precision = request.kv_precision or "full"
+        if precision not in WIRE_PRECISIONS:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT,
+                             f"kv_precision must be one of {', '.join(WIRE_PRECISIONS)}, got {precision!r}")
+        dest = Destination(request.kv_address, request.transfer_id, list(request.dst_block_ids), precision=precision)
         expected_blocks = -(-len(prompt) // self.w.block_size)
         if len(dest.dst_block_ids) != expected_blocks:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT,
@@ -310,9 +315,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 chunk.finish_reason = ""
             # queue: Prefill call in -> its first chunk's first layer done (waiting for the scheduler)
             queue_s = max(0.0, dest.started_at - t0) if dest.started_at else 0.0
+            wire, saved = wire_precision(self.w.kv_layout, precision, len(dest.dst_block_ids), result.num_bytes)
             return pb.PrefillResponse(first=chunk, kv_bytes=result.num_bytes, kv_seconds=result.seconds,
                                       queue_seconds=queue_s, prefill_seconds=t_first - t0, kv_phases=result.phases,
-                                      kv_link_bytes=result.link_bytes)
+                                      kv_link_bytes=result.link_bytes, kv_precision=wire, kv_bytes_saved=saved)
         except RuntimeError as exc:
             await release()
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -397,7 +403,8 @@ class WorkerServer:
         self.block_size = engine_config.cache.block_size
         self.loop = EngineLoop(self.engine, name=f"engine-{config.worker_id}")
         kv_caches = self.engine.runner.kv_caches
-        self.layout_fingerprint = f"{KVLayout.from_caches(kv_caches).fingerprint:016x}"
+        self.kv_layout = KVLayout.from_caches(kv_caches)
+        self.layout_fingerprint = f"{self.kv_layout.fingerprint:016x}"
         opts = dict(config.kv_options)
         self.sender = None
         self.receiver = None
