@@ -30,6 +30,7 @@ class RouterSettings:
     port: int = 8000
     api_key: str | None = None
     kv_deadline_s: float = 10.0
+    kv_wire_precision: str = "auto"  # the KV's precision on the wire: auto (the policy's) | full | fp8
     worker_wait_s: float = 30.0  # a request no worker can serve waits this long for one, then 503
     max_tokens_default: int | None = None  # max_tokens of a request that gives none (None: OpenAI's defaults)
     cluster_token: str | None = field(default=None, repr=False)  # sent with every call to a worker
@@ -92,7 +93,7 @@ def build_app(directory: Any, settings: RouterSettings, model: RouterModel, poli
     backend = ClusterBackend(directory, policy, model.tokenizer, model.name,
                              model.max_model_len, mode=settings.mode, kv_deadline_s=settings.kv_deadline_s,
                              metrics=metrics, worker_wait_s=settings.worker_wait_s,
-                             cluster_token=settings.cluster_token)
+                             cluster_token=settings.cluster_token, kv_wire_precision=settings.kv_wire_precision)
     app = create_app(backend, api_key=settings.api_key, metrics=metrics, max_tokens_default=settings.max_tokens_default)
     return app, backend
 

@@ -96,7 +96,9 @@ WAIT_POLL_S = 0.1  # while a request waits for a worker, placement is retried th
 # call returned: the transfer ran over [kv_done_at - kv, kv_done_at]), `kv_link` and `kv_link_bytes`
 # (paced links: the link's time on the messages it held back, those queued behind earlier bytes, and
 # their bytes; kv_link_bytes / kv_link is the rate the link delivered while it was the bottleneck;
-# None from a worker that does not report them); local: `queue` (the worker's Generate call in to
+# None from a worker that does not report them), `kv_precision` (the KV's precision on the wire, full |
+# fp8), `kv_bytes_saved` (the bytes FP8 saved; kv_bytes are the wire's), `kv_precision_reason` (the
+# policy's, Decision.kv_precision_reason; empty when a switch or a policy without a link model chose); local: `queue` (the worker's Generate call in to
 # the first engine step that took the prompt), `prefill` (that step to the first token, chunks
 # included), `worker_handoff` (the token ready on the engine thread to its chunk handed to gRPC);
 # both kinds: `first_token` (arrival at the backend to the first token out of the workers) and
@@ -104,8 +106,14 @@ WAIT_POLL_S = 0.1  # while a request waits for a worker, placement is retried th
 # e.g. part of a UTF-8 character, which a streaming client sees nothing of), `placement`
 # (disaggregated | local), `prefill_worker` / `decode_worker` (ids), `attempts`.
 TIMING_KEYS = ("place", "reserve", "queue", "prefill", "kv", "kv_wire", "kv_wait", "kv_tail", "prefill_rpc",
-               "first_decode", "kv_bytes", "kv_gbps", "kv_done_at", "kv_link", "kv_link_bytes", "worker_handoff",
+               "first_decode", "kv_bytes", "kv_gbps", "kv_done_at", "kv_link", "kv_link_bytes", "kv_precision",
+               "kv_bytes_saved", "kv_precision_reason", "worker_handoff",
                "first_token", "first_text", "placement", "prefill_worker", "decode_worker", "attempts")
+
+
+# --kv-wire-precision: the KV's precision on the wire, "auto" (the placement policy's Decision.kv_precision),
+# or "full" / "fp8" for every disaggregated request
+KV_WIRE_PRECISIONS = ("auto", "full", "fp8")
 
 
 # (client, worker-side request id) of one worker's part in a request
@@ -156,6 +164,7 @@ class ClusterBackend:
         network: NetworkOptions | None = None,
         worker_wait_s: float = 0.0,
         cluster_token: str | None = None,
+        kv_wire_precision: str = "auto",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -167,6 +176,10 @@ class ClusterBackend:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len!r}")
         if not isinstance(worker_wait_s, (int, float)) or worker_wait_s < 0:
             raise ValueError(f"worker_wait_s must be >= 0, got {worker_wait_s!r}")
+        if kv_wire_precision not in KV_WIRE_PRECISIONS:
+            raise ValueError(f"kv_wire_precision must be one of {', '.join(KV_WIRE_PRECISIONS)}, "
+                             f"got {kv_wire_precision!r}")
+        self.kv_wire_precision = kv_wire_precision
         self.worker_wait_s = float(worker_wait_s)
         self.pool = WorkerPool(
             directory, interval_s=stats_interval_s, health_timeout_s=health_timeout_s, rpc_timeout_s=rpc_timeout_s,
@@ -466,7 +479,7 @@ class ClusterBackend:
                 try:
                     result = await prefill.client.prefill(
                         wire_id, prompt, params, reservation, self.kv_deadline_s,
-                        timeout_s=self.kv_deadline_s + self.rpc_timeout_s,
+                        timeout_s=self.kv_deadline_s + self.rpc_timeout_s, kv_precision=self.precision_of(decision),
                     )
                 except KVPushFailed as exc:  # D did not take the KV: D failed, not P
                     raise WorkerFailed(f"{exc.message} (reported by {prefill.worker_id})",
@@ -478,6 +491,9 @@ class ClusterBackend:
                 prefill.num_inflight_tokens -= n
                 self.network.finish_flow(flow, result, n)
             self._record_transfer(flow.key, result.kv_bytes, result.kv_seconds, result.kv_phases)
+            if self.metrics is not None and result.kv_bytes:
+                self.metrics.kv_wire_bytes.labels(result.kv_precision).inc(result.kv_bytes)
+                self.metrics.kv_bytes_saved.inc(result.kv_bytes_saved)
             first = result.first
             if self._worker_aborted(flight, first):
                 raise WorkerFailed(f"worker {prefill.worker_id} aborted the request", worker_id=prefill.worker_id)
@@ -610,6 +626,13 @@ class ClusterBackend:
         task.add_done_callback(self._background.discard)
         return task
 
+    def precision_of(self, decision: Decision) -> str:
+        """The KV's precision on the wire for a disaggregated `decision`: the policy's choice
+        (`Decision.kv_precision`) under --kv-wire-precision auto, else the switch's."""
+        if self.kv_wire_precision != "auto":
+            return self.kv_wire_precision
+        return getattr(decision, "kv_precision", "full")  # a policy's own decision type may lack it
+
     def _record_transfer(self, link: str, kv_bytes: int, kv_seconds: float, phases: dict[str, float] | None = None) -> None:
         if self.metrics is not None and kv_bytes:
             self.metrics.kv_transfer_bytes.labels(link).inc(kv_bytes)
@@ -642,6 +665,8 @@ class ClusterBackend:
             "kv_gbps": result.kv_bytes * 8 / result.kv_seconds / 1e9 if result.kv_seconds > 0 else None,
             "kv_link": phases.get("link"),
             "kv_link_bytes": getattr(result, "kv_link_bytes", 0) if "link" in phases else None,
+            "kv_precision": result.kv_precision, "kv_bytes_saved": result.kv_bytes_saved,
+            "kv_precision_reason": getattr(decision, "kv_precision_reason", ""),
         }
 
     def _count_recovery(self, kind: str) -> None:
