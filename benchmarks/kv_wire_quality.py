@@ -1,6 +1,6 @@
 """Quality of FP8 on the KV wire: SmolLM2 teacher-forced with its prompt's KV through FP8.
 
-    python benchmarks/kv_wire_quality.py [--prompts 64] [--tokens 128] [--device cpu|cuda]
+    python benchmarks/kv_wire_quality.py [--prompts 64] [--tokens 128] [--device cpu|cuda] [--skip K]
 
 For each of N fixed prompts (chat-templated questions over a list of topics):
 1. the engine generates the model's greedy continuation (`--tokens`, EOS ignored), in the
@@ -44,12 +44,13 @@ TOPICS = (
 TEMPLATES = ("Explain {} to a ten-year-old.", "Write a short paragraph about {}.")
 
 
-def prompts(n: int) -> list[str]:
-    """n fixed questions: every topic with the first template, then with the second, ..."""
+def prompts(n: int, skip: int = 0) -> list[str]:
+    """n fixed questions after the first `skip`: every topic with the first template, then with
+    the second, ..."""
     out = [t.format(topic) for t in TEMPLATES for topic in TOPICS]
-    if n > len(out):
-        raise ValueError(f"at most {len(out)} prompts, asked for {n}")
-    return out[:n]
+    if skip + n > len(out):
+        raise ValueError(f"at most {len(out)} prompts, asked for {n} after {skip}")
+    return out[skip:skip + n]
 
 
 @torch.inference_mode()
@@ -127,6 +128,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--skip", type=int, default=0, help="start after this many of the prompts (a run in parts)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--target", type=float, default=0.99)
     args = ap.parse_args()
@@ -135,10 +137,10 @@ def main() -> int:
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     llm = LLM("smollm2", dtype=dtype, device=args.device, kv_cache_gib=0.5, enable_prefix_caching=False)
     try:
-        result = compare(llm, prompts(args.prompts), args.tokens, progress=True)
+        result = compare(llm, prompts(args.prompts, args.skip), args.tokens, progress=True)
     finally:
         llm.close()
-    result |= {"device": args.device, "dtype": dtype, "model": "smollm2 (embedded GGUF)"}
+    result |= {"skip": args.skip, "device": args.device, "dtype": dtype, "model": "smollm2 (embedded GGUF)"}
     print(json.dumps(result, indent=2))
     return 0 if result["argmax_agreement"] >= args.target else 1
 
