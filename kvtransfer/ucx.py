@@ -86,9 +86,9 @@ from kvtransfer.base import KVCaches, KVReceiver, KVSender, TransferResult, wire
 from kvtransfer.errors import KVTransferError
 from kvtransfer.layout import (
     BLOCK_ID_BYTES,
+    FP8_WIRE,
     HEADER_BYTES,
     LAYOUT_BYTES,
-    FP8_WIRE,
     MAX_BLOCKS_PER_MESSAGE,
     PULL,
     KVLayout,

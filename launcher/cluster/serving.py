@@ -78,7 +78,7 @@ def make_router_policy(settings: RouterSettings) -> Any:
         return build_policy(settings.policy, topology_path=settings.topology, profile_path=settings.profile,
                             slo_ttft=settings.slo_ttft, slo_tpot=settings.slo_tpot,
                             admission_control=settings.admission_control, calibrate=settings.calibrate, seed=settings.seed,
-                            max_batch=settings.max_batch)
+                            max_batch=settings.max_batch, kv_wire_precision=settings.kv_wire_precision)
     except ValueError as e:
         raise ValueError(f"--policy {settings.policy}: {e}") from None
 

@@ -82,6 +82,17 @@ def test_the_rule_in_numbers():
     assert choose_kv_precision(e, 0) == ("full", "no KV transfer")
 
 
+def test_the_switch_fixes_network_awares_pricing():
+    topo, workers = _pair(5.0)
+    full = NetworkAware(profile=PROFILE, kv_wire_precision="full").place(req(4096), snapshot(workers, topo))
+    assert (full.kind, full.kv_precision) == ("local", "full")  # 0.872 s over the pair: local wins
+    forced = NetworkAware(profile=PROFILE, kv_wire_precision="fp8").place(req(4096), snapshot(*_pair(100.0)[::-1]))
+    assert (forced.kind, forced.kv_precision, forced.kv_precision_reason) == (
+        "disaggregated", "fp8", "fp8: set by --kv-wire-precision")
+    with pytest.raises(ValueError, match="kv_wire_precision"):
+        NetworkAware(profile=PROFILE, kv_wire_precision="half")
+
+
 def test_decision_checks_its_precision():
     with pytest.raises(ValueError, match="kv_precision"):
         Decision("disaggregated", "p0", "d0", kv_precision="fp16")

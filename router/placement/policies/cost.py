@@ -191,13 +191,19 @@ def choose_kv_precision(
 
 def at_wire_precision(
     estimate: Estimate, kv_bytes: int, num_layers: int, *, device: str = "cuda", slo_ttft: float | None = None,
-    ratio: float = FP8_WIRE_RATIO, codec_gbps: float | None = None,
+    ratio: float = FP8_WIRE_RATIO, codec_gbps: float | None = None, switch: str = "auto",
 ) -> Estimate:
     """`estimate` (a pair priced at full precision) at the precision `choose_kv_precision` picks
-    for it: for FP8, kv = ratio x kv + the codec's time and the hidden part recomputed (module
-    docstring), so the pair competes with local runs and other pairs at what it will cost."""
-    precision, why = choose_kv_precision(estimate, kv_bytes, device=device, slo_ttft=slo_ttft, ratio=ratio,
-                                         codec_gbps=codec_gbps)
+    for it (or `switch`, --kv-wire-precision, when "full" or "fp8"): for FP8, kv = ratio x kv +
+    the codec's time and the hidden part recomputed (module docstring), so the pair competes
+    with local runs and other pairs at what it will cost."""
+    if switch == "auto":
+        precision, why = choose_kv_precision(estimate, kv_bytes, device=device, slo_ttft=slo_ttft, ratio=ratio,
+                                             codec_gbps=codec_gbps)
+    elif switch in KV_PRECISIONS:
+        precision, why = switch, f"{switch}: set by --kv-wire-precision"
+    else:
+        raise ValueError(f"kv_wire_precision must be auto, full or fp8, got {switch!r}")
     if precision == "full":
         return replace(estimate, kv_precision="full", kv_precision_reason=why)
     gbps = codec_gbps if codec_gbps is not None else CODEC_GBPS.get(device, CODEC_GBPS["cuda"])

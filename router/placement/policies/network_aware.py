@@ -23,7 +23,10 @@ The KV's precision on the wire: for the chosen pair, `Decision.kv_precision` is 
 link is the bound (router.placement.policies.cost.choose_kv_precision: the predicted transfer at
 full precision is more than twice the quantize + dequantize cost and its exposed part at least a
 tenth of the TTFT SLO, or of the predicted TTFT without one), "full" where it is not (same node,
-NVLink, a fast link); `Decision.kv_precision_reason` says why. The pair is priced at full precision.
+NVLink, a fast link); `Decision.kv_precision_reason` says why. The best pair (searched at full
+precision) is priced at its precision before it competes with the best local run, so FP8 can keep
+a prompt disaggregated over a slow link. `kv_wire_precision` "full" or "fp8" (the router's
+--kv-wire-precision) fixes the precision instead.
 
 Hybrid clusters (every candidate a mixed worker that also moves KV, `pdserve up --mode
 hybrid`): how many workers prefill for the others is chosen for the cluster from the recent
@@ -87,6 +90,7 @@ class NetworkAware(PoolPolicy):
         slo_ttft: float | None = None, slo_tpot: float | None = None, admission_control: bool = False,
         local_margin: float = 0.2, block_size: int = 16, local_prefill_max_tokens: int = 0,
         max_batch: int = 64, calibrate: bool = True, columnar: bool | None = None,
+        kv_wire_precision: str = "auto",
     ) -> None:
         super().__init__(local_prefill_max_tokens=local_prefill_max_tokens)
         if not isinstance(profile, Profile):
@@ -102,6 +106,9 @@ class NetworkAware(PoolPolicy):
             raise ValueError("admission control needs an SLO to enforce (--slo-ttft and/or --slo-tpot)")
         if isinstance(local_margin, bool) or not isinstance(local_margin, (int, float)) or not 0 <= local_margin < 1:
             raise ValueError(f"local_margin must be in [0, 1), got {local_margin!r}")
+        if kv_wire_precision not in ("auto", "full", "fp8"):
+            raise ValueError(f"kv_wire_precision must be auto, full or fp8, got {kv_wire_precision!r}")
+        self.kv_wire_precision = kv_wire_precision  # the backend's switch: "auto" lets the link decide
         self.profile = profile
         self.topology = topology
         self.slo_ttft = slo_ttft
@@ -310,7 +317,7 @@ class NetworkAware(PoolPolicy):
         if e.prefill is None or e.kv_precision_reason:
             return e
         return at_wire_precision(e, self._kv_bytes, self.profile.num_layers, device=self.profile.device,
-                                 slo_ttft=self.slo_ttft)
+                                 slo_ttft=self.slo_ttft, switch=self.kv_wire_precision)
 
     def _with_precision(self, decision: Decision, chosen: Estimate, request: RequestInfo) -> Decision:
         """`decision` with the chosen pair's KV precision on the wire and why."""
