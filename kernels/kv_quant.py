@@ -154,3 +154,47 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
             raise ValueError(f"kv_cache_dtype bf16 needs a bfloat16 model (--dtype bfloat16), not {model_dtype}")
         return torch.bfloat16
     return FP8_DTYPE
+
+
+# ---- FP8 on the KV wire: a block of any pool sent as the FP8 pool's block ------------------
+
+
+def fp8_block_rows(block_size: int, head_dim: int) -> int:
+    """Rows of one FP8 block (data rows + scale rows): what a block of BS tokens takes on the
+    wire in FP8, at one byte per row element."""
+    return block_size + scale_rows(block_size, head_dim)
+
+
+def pack_blocks(x: torch.Tensor) -> torch.Tensor:
+    """Blocks x [..., BS, Hkv, D] of a bf16/fp16/fp32 pool -> uint8 [..., BS + R, Hkv, D]: each
+    block quantized exactly as `write_fp8_ref` would store it in an FP8 pool (per token and
+    head scales in the block's trailing rows), so the bytes may land as is in an FP8 pool."""
+    *lead, bs, hk, d = x.shape
+    n = 1
+    for size in lead:
+        n *= size
+    out = torch.zeros(fp8_pool_shape(n, bs, hk, d), dtype=FP8_DTYPE, device=x.device)
+    data, scales = split_pool(out)
+    q, s = quantize(x.reshape(n, bs, hk, d))
+    data.view(torch.uint8).copy_(q.view(torch.uint8))
+    scales.copy_(s)
+    return out.view(torch.uint8).view(*lead, out.shape[1], hk, d)
+
+
+def unpack_blocks(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [..., BS + R, Hkv, D] (what `pack_blocks` made) -> [..., BS, Hkv, D] in `dtype`."""
+    *lead, rows, hk, d = raw.shape
+    pool = raw.reshape(-1, rows, hk, d).view(FP8_DTYPE)
+    data, scales = split_pool(pool)
+    return dequantize(data, scales, dtype).view(*lead, data.shape[1], hk, d)
+
+
+def round_trip(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """x [T, Hkv, D] through the FP8 wire (`pack_blocks` then `unpack_blocks`, in blocks of
+    `block_size` tokens, the last one padded): what a receiver of FP8 KV holds. Same dtype."""
+    t, hk, d = x.shape
+    nb = -(-t // block_size)
+    padded = torch.zeros(nb * block_size, hk, d, dtype=x.dtype, device=x.device)
+    padded[:t] = x
+    back = unpack_blocks(pack_blocks(padded.view(nb, block_size, hk, d)), x.dtype)
+    return back.reshape(nb * block_size, hk, d)[:t]

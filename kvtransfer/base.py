@@ -130,9 +130,15 @@ class KVSender(abc.ABC):
         layer: int,
         src_block_ids: Sequence[int],
         dst_block_ids: Sequence[int],
+        precision: str = "full",
     ) -> None:
         """Enqueue K and V of ``layer`` for blocks ``src_block_ids`` ``[n]`` (local ids) to
         land in ``dst_block_ids`` ``[n]`` (the receiver's ids), and return at once.
+
+        ``precision`` (per call, so per transfer): ``"full"`` sends the pool's bytes; ``"fp8"``
+        quantizes the blocks to FP8 e4m3 with per token and head scales (kvtransfer.layout,
+        ``FP8_WIRE``) and the receiver dequantizes them on landing. From an FP8 pool, or a
+        layout that cannot (``KVLayout.fp8_wire``), ``"fp8"`` sends the pool's bytes as is.
 
         The blocks are gathered at call time (on CUDA: enqueued on the current stream,
         so the call orders after the kernels that wrote them). Raises ValueError on bad
@@ -158,6 +164,14 @@ class KVSender(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def wire_fp8(layout, precision: str) -> bool:
+    """Whether a message at ``precision`` (kvtransfer.layout.WIRE_PRECISIONS) of a sender
+    with ``layout`` goes quantized to FP8: ValueError on an unknown precision."""
+    if precision not in ("full", "fp8"):
+        raise ValueError(f"KV wire precision must be 'full' or 'fp8', got {precision!r}")
+    return precision == "fp8" and layout.fp8_wire
 
 
 # name -> "module:SenderClass:ReceiverClass", imported on first use

@@ -15,9 +15,11 @@ from typing import Sequence
 
 import torch
 
-from kvtransfer.base import KVCaches, KVReceiver, KVSender, TransferResult
+from kernels.kv_quant import fp8_block_rows, pack_blocks
+from kvtransfer.base import KVCaches, KVReceiver, KVSender, TransferResult, wire_fp8
 from kvtransfer.errors import KVTransferError
 from kvtransfer.layout import (
+    FP8_WIRE,
     HEADER_BYTES,
     KVLayout,
     MsgKind,
@@ -29,7 +31,7 @@ from kvtransfer.layout import (
     unpack_header,
     unpack_layout,
 )
-from kvtransfer.ledger import ReceiveLedger, SendLedger
+from kvtransfer.ledger import FP8Payload, ReceiveLedger, SendLedger
 from kvtransfer.pacing import LinkPacer
 from kvtransfer.staging import as_bytes, block_index, from_bytes, gather_layer
 
@@ -92,14 +94,22 @@ class FakeReceiver(KVReceiver):
         if header.kind != MsgKind.LAYER:
             raise KVTransferError(f"expected a LAYER message, got {header.kind.name}")
         dst_ids = torch.frombuffer(bytearray(control[HEADER_BYTES:]), dtype=torch.int32).tolist()
-        if len(dst_ids) != header.num_blocks or header.num_bytes != self.layout.layer_message_bytes(header.num_blocks):
+        precision = "fp8" if header.status & FP8_WIRE else "full"
+        if (len(dst_ids) != header.num_blocks
+                or header.num_bytes != self.layout.layer_message_bytes(header.num_blocks, precision)):
             raise KVTransferError("LAYER message counts disagree with its header")
         raw = torch.empty(header.num_bytes, dtype=torch.uint8, device=self._caches[0][0].device)
         raw.copy_(payload)
+        if precision == "fp8":
+            rows = fp8_block_rows(self.layout.block_size, self.layout.head_dim)
+            return header, dst_ids, FP8Payload(raw.view(1, 2, header.num_blocks, rows, *self.layout.block_shape[1:]))
         return header, dst_ids, from_bytes(raw, self.layout, header.num_blocks)
 
-    def _land(self, sender: FakeSender, header: WireHeader, dst_ids: list[int], staged: torch.Tensor) -> None:
-        self._ledger.land(header.transfer_key, header.layer, dst_ids, staged, sender)
+    def _land(self, sender: FakeSender, header: WireHeader, dst_ids: list[int], staged) -> None:
+        if isinstance(staged, FP8Payload):
+            self._ledger.land_many([(header.transfer_key, header.layer, dst_ids, staged, sender)])
+        else:
+            self._ledger.land(header.transfer_key, header.layer, dst_ids, staged, sender)
 
     def _ack(self, peers: set, key: int, nbytes: int) -> None:
         for sender in peers:
@@ -135,7 +145,8 @@ class FakeSender(KVSender):
         self._thread = threading.Thread(target=self._run, name="kvtransfer-fake-sender", daemon=True)
         self._thread.start()
 
-    def send_layer(self, address, transfer_id, layer, src_block_ids, dst_block_ids) -> None:
+    def send_layer(self, address, transfer_id, layer, src_block_ids, dst_block_ids, precision="full") -> None:
+        fp8 = wire_fp8(self.layout, precision)
         if self._closed:
             raise KVTransferError("sender is closed")
         if not 0 <= layer < self.layout.num_layers:
@@ -147,14 +158,17 @@ class FakeSender(KVSender):
         dst = block_index(dst_block_ids, None, "dst_block_ids", torch.device("cpu"))
         due = time.monotonic()
         if self._pacer is not None:  # reserve the link slot now; gather and copy overlap the wait
-            nbytes = HEADER_BYTES + 4 * dst.numel() + self.layout.layer_message_bytes(dst.numel())
+            nbytes = HEADER_BYTES + 4 * dst.numel() + self.layout.layer_message_bytes(
+                dst.numel(), "fp8" if fp8 else "full")
             delay = self._pacer.reserve(address, nbytes)
             self._pacing_delay += delay
             due += delay
-        payload = as_bytes(gather_layer(self._caches, layer, src))
+        staged = gather_layer(self._caches, layer, src)
+        payload = as_bytes(pack_blocks(staged) if fp8 else staged)
         key = self._ledger.on_enqueue(transfer_id, address, payload.numel())
         self._ledger.on_staged(key)
-        header = WireHeader(MsgKind.LAYER, key, layer, dst.numel(), payload.numel(), self.layout.fingerprint)
+        header = WireHeader(MsgKind.LAYER, key, layer, dst.numel(), payload.numel(), self.layout.fingerprint,
+                            status=FP8_WIRE if fp8 else 0)
         control = header.pack() + dst.to(torch.int32).numpy().tobytes()
         self._queue.put(_Message(address, key, control, payload, due))
 

@@ -31,6 +31,11 @@ Wire format (little endian, ``WIRE_VERSION`` 3). Every message starts with a fix
   consecutive layers from ``layer`` on (v2; v1 had one), the K blocks then the V blocks,
   each ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous, i.e.
   ``[layers, 2, num_blocks, *block_shape]``.
+- LAYER with the ``FP8_WIRE`` bit in ``status`` (v3): the payload is the same blocks in FP8
+  e4m3, each ``[block_size + R, num_kv_heads, head_dim]`` bytes as an FP8 pool stores it
+  (kernels/kv_quant.py: the data rows, then R rows of per token and head float32 scales); the
+  receiver dequantizes on landing into its pools. The sender picks the precision per transfer
+  (``send_layer(..., precision=)``); never on a pulled message.
 - LAYER with ``status`` ``PULL`` (only on a link whose HELLO_OK said PULL): no payload
   message; the destination ids are followed by ``num_blocks`` int32 source block ids, and
   the receiver copies those blocks of those layers from the sender's mapped pools itself.
@@ -55,10 +60,11 @@ from typing import Sequence
 
 import torch
 
+from kernels.kv_quant import fp8_block_rows
 from kvtransfer.errors import KVTransferError
 
 WIRE_MAGIC = 0x3158564B  # b"KVX1" read as little-endian u32
-WIRE_VERSION = 3
+WIRE_VERSION = 3  # 3: the TP head range, the model's name, CHECKSUM and FP8_WIRE LAYER bits
 
 _HEADER = struct.Struct("<IHHQIIQQII")
 _LAYOUT = struct.Struct("<IIII16sII")
@@ -193,9 +199,26 @@ class KVLayout:
         """Bytes of one block of one layer's K (or V) pool."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
 
-    def layer_message_bytes(self, num_blocks: int) -> int:
-        """Payload bytes of one LAYER message: K then V for ``num_blocks`` blocks."""
-        return 2 * num_blocks * self.block_bytes
+    def layer_message_bytes(self, num_blocks: int, precision: str = "full") -> int:
+        """Payload bytes of one LAYER message: K then V for ``num_blocks`` blocks, in the
+        pool's dtype (``"full"``) or FP8 (``"fp8"``, see ``wire_block_bytes``)."""
+        return 2 * num_blocks * self.wire_block_bytes(precision)
+
+    @property
+    def fp8_wire(self) -> bool:
+        """Whether a transfer may go in FP8: a floating pool wider than a byte whose head_dim
+        holds the float32 scales (a multiple of 4). An FP8 pool's bytes are FP8 already."""
+        return self.dtype in ("float32", "float16", "bfloat16") and self.head_dim % 4 == 0
+
+    def wire_block_bytes(self, precision: str = "full") -> int:
+        """Bytes of one block of one layer's K (or V) on the wire at ``precision``."""
+        if precision not in WIRE_PRECISIONS:
+            raise ValueError(f"KV wire precision must be one of {WIRE_PRECISIONS}, got {precision!r}")
+        if precision == "full":
+            return self.block_bytes
+        if not self.fp8_wire:
+            raise ValueError(f"a {self.dtype} KV layout with head_dim {self.head_dim} cannot go in FP8 on the wire")
+        return fp8_block_rows(self.block_size, self.head_dim) * self.num_kv_heads * self.head_dim
 
     @property
     def fingerprint(self) -> int:
@@ -279,6 +302,8 @@ PULL = 1  # LAYER / HELLO_OK status: the receiver reads the blocks from the send
 CHECKSUM = 2  # LAYER status bit: a CRC-32 of the payload follows the block ids
 CHECKSUM_BYTES = 4
 MAX_MODEL_NAME_BYTES = 512
+FP8_WIRE = 4  # LAYER status bit: the payload's blocks are FP8 (module docstring)
+WIRE_PRECISIONS = ("full", "fp8")  # a transfer's KV precision on the wire
 
 
 def payload_checksum(payload) -> int:

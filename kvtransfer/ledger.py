@@ -19,6 +19,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
+from kernels.kv_quant import unpack_blocks
 from kvtransfer.base import RECEIVER_PHASES, SENDER_PHASES, KVCaches, TransferResult
 from kvtransfer.errors import KVTransferCorrupt, KVTransferError, KVTransferTimeout
 from kvtransfer.layout import KVLayout, NackReason, transfer_key
@@ -36,6 +37,7 @@ RECEIVER_COUNTERS = (
     "transfers_expected", "transfers_completed", "transfers_expired", "transfers_cancelled", "transfers_failed",
     "messages_received", "messages_dropped", "bytes_received", "bytes_dropped", "bytes_landed",
     "transfer_seconds", "handshake_errors", "protocol_errors", "pull_links", "messages_pulled", "checksum_failures",
+    "messages_fp8",
 ) + tuple(f"{phase}_seconds" for phase in RECEIVER_PHASES)
 SENDER_COUNTERS = (
     "transfers_started", "transfers_completed", "transfers_failed", "messages_sent", "bytes_sent", "transfer_seconds",
@@ -53,6 +55,15 @@ class PullSource:
     layers: int
 
 
+@dataclass(frozen=True)
+class FP8Payload:
+    """A message's blocks as they came over the wire in FP8 (layout ``FP8_WIRE``): ``raw`` uint8
+    ``[layers, 2, n, block_size + R, num_kv_heads, head_dim]``; ``land_many`` dequantizes them
+    into the pools' dtype (kernels.kv_quant.unpack_blocks) before the scatter."""
+
+    raw: torch.Tensor
+
+
 @dataclass
 class _Incoming:
     transfer_id: str
@@ -63,7 +74,8 @@ class _Incoming:
     landed: list[set[int]]
     state: str = _PENDING
     error: KVTransferError | None = None
-    num_bytes: int = 0
+    num_bytes: int = 0  # wire bytes landed
+    pool_bytes: int = 0  # what they filled in the pools (num_bytes, or more when they came in FP8)
     first_at: float | None = None
     done_at: float | None = None
     scatter_s: float = 0.0
@@ -208,7 +220,12 @@ class ReceiveLedger:
         try:
             for i, (key, layer, dst_ids, staged, peer) in enumerate(items):
                 pull = isinstance(staged, PullSource)
-                if pull:
+                fp8 = isinstance(staged, FP8Payload)
+                if fp8:
+                    nbytes = staged.raw.numel()
+                    layers = staged.raw.shape[0]
+                    self.count("messages_fp8")
+                elif pull:
                     layers = staged.layers
                     nbytes = layers * self._layout.layer_message_bytes(len(dst_ids))
                     self.count("messages_pulled")
@@ -231,6 +248,8 @@ class ReceiveLedger:
                     held.append(incoming)
                     if incoming.state == _PENDING:
                         index = self._index(incoming, dst_ids)
+                        if fp8:  # dequantized on landing, into the pools' dtype
+                            staged = unpack_blocks(staged.raw, self._layout.torch_dtype)
                         if pull:
                             src_index = self._index(incoming, staged.src_ids)
                             copy_layers(staged.pools, self.stacked, layer, layers, src_index, index)
@@ -239,7 +258,8 @@ class ReceiveLedger:
                         else:
                             for offset in range(layers):
                                 scatter_layer(self._caches, layer + offset, index, staged[offset])
-                        landed.append((incoming, range(layer, layer + layers), dst_ids, nbytes))
+                        landed.append((incoming, range(layer, layer + layers), dst_ids, nbytes,
+                                       layers * self._layout.layer_message_bytes(len(dst_ids))))
                         results[i] = True
                         continue
                     if incoming.state == _DONE:  # a duplicate after completion: harmless, nobody to tell
@@ -255,10 +275,10 @@ class ReceiveLedger:
                 torch.cuda.current_stream(self._device).synchronize()
             elapsed = time.perf_counter() - start
             received_at = self._clock()
-            for incoming, layer, dst_ids, nbytes in landed:
+            for incoming, layer, dst_ids, nbytes, pool_bytes in landed:
                 incoming.scatter_s += elapsed / len(landed)
                 incoming.received_at = received_at
-                self._record_landing(incoming, layer, dst_ids, nbytes)
+                self._record_landing(incoming, layer, dst_ids, nbytes, pool_bytes)
         finally:
             for incoming in held:
                 incoming.lock.release()
@@ -316,15 +336,19 @@ class ReceiveLedger:
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _record_landing(self, incoming: _Incoming, layers: range, dst_ids: Sequence[int], nbytes: int) -> None:
+    def _record_landing(self, incoming: _Incoming, layers: range, dst_ids: Sequence[int], nbytes: int,
+                        pool_bytes: int) -> None:
+        """``nbytes``: the wire bytes that landed; ``pool_bytes``: what they fill in the pools
+        (more when they came in FP8)."""
         with self._cond:
             for layer in layers:
                 incoming.landed[layer].update(dst_ids)
             incoming.num_bytes += nbytes
+            incoming.pool_bytes += pool_bytes
             if not incoming.complete:
                 return
             expected = incoming.num_layers * self._layout.layer_message_bytes(len(incoming.block_set))
-            assert incoming.num_bytes >= expected, "complete coverage implies the bytes landed"
+            assert incoming.pool_bytes >= expected, "complete coverage implies the bytes landed"
             incoming.state = _DONE
             incoming.done_at = self._clock()
             peers = set(incoming.peers)

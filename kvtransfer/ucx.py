@@ -82,10 +82,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvtransfer.base import KVCaches, KVReceiver, KVSender, TransferResult
+from kernels.kv_quant import fp8_block_rows, pack_blocks
+from kvtransfer.base import KVCaches, KVReceiver, KVSender, TransferResult, wire_fp8
 from kvtransfer.errors import KVTransferError
 from kvtransfer.layout import (
     BLOCK_ID_BYTES,
+    FP8_WIRE,
     HEADER_BYTES,
     LAYOUT_BYTES,
     MAX_BLOCKS_PER_MESSAGE,
@@ -107,7 +109,7 @@ from kvtransfer.layout import (
 )
 from kvtransfer.faults import FaultInjector, FaultSpec
 from kvtransfer.ipc import MAX_DESCRIPTOR_BYTES, export_pools, import_pools
-from kvtransfer.ledger import PullSource, ReceiveLedger, SendLedger
+from kvtransfer.ledger import FP8Payload, PullSource, ReceiveLedger, SendLedger
 from kvtransfer.pacing import LinkPacer
 from kvtransfer.staging import HostBuffers, block_index, gather_layer, gather_layers, stacked_pools, wire_buffer
 from kvtransfer.ucx_runtime import SCHEME, TaskSet, UcxRuntime, abort_endpoint, address_incarnation, parse_address
@@ -400,8 +402,9 @@ class UcxReceiver(KVReceiver):
                 if header.kind != MsgKind.LAYER:
                     raise KVTransferError(f"expected a LAYER message, got {header.kind.name}")
                 n, layers = header.num_blocks, header.layers
+                precision = "fp8" if header.status & FP8_WIRE and self.layout.fp8_wire else "full"
                 if (not 0 < n <= MAX_BLOCKS_PER_MESSAGE or not 0 < layers <= self.layout.num_layers
-                        or header.num_bytes != layers * self.layout.layer_message_bytes(n)):
+                        or header.num_bytes != layers * self.layout.layer_message_bytes(n, precision)):
                     raise KVTransferError(f"LAYER header with {n} blocks, {layers} layers and {header.num_bytes} "
                                           "bytes is inconsistent")
                 dst_ids = control[HEADER_BYTES:HEADER_BYTES + n * BLOCK_ID_BYTES].view("<i4").tolist()
@@ -447,7 +450,12 @@ class UcxReceiver(KVReceiver):
             done()
             return
 
-        staged = raw.view(self.layout.torch_dtype).view(header.layers, 2, header.num_blocks, *self.layout.block_shape)
+        if header.status & FP8_WIRE and self.layout.fp8_wire:  # dequantized by the lander, on landing
+            rows = fp8_block_rows(self.layout.block_size, self.layout.head_dim)
+            staged = FP8Payload(raw.view(header.layers, 2, header.num_blocks, rows, *self.layout.block_shape[1:]))
+        else:
+            staged = raw.view(self.layout.torch_dtype).view(header.layers, 2, header.num_blocks,
+                                                            *self.layout.block_shape)
         self._lander.put([(header.transfer_key, header.layer, dst_ids, staged, conn)], done)
 
     # ---- ledger callbacks (any thread) -------------------------------------------------
@@ -536,6 +544,7 @@ class _Group:
     src: torch.Tensor  # the gather index on the pools' device
     count: int = 0
     src_bytes: bytes = b""  # int32 source ids, when pulled
+    fp8: bool = False  # quantized to FP8 at flush (layout FP8_WIRE); never pulled
 
 
 class UcxSender(KVSender):
@@ -620,7 +629,8 @@ class UcxSender(KVSender):
             self._index_cache.popitem(last=False)
         return cached
 
-    def send_layer(self, address, transfer_id, layer, src_block_ids, dst_block_ids) -> None:
+    def send_layer(self, address, transfer_id, layer, src_block_ids, dst_block_ids, precision="full") -> None:
+        fp8 = wire_fp8(self.layout, precision)
         if self._closed:
             raise KVTransferError("sender is closed")
         if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
@@ -629,13 +639,13 @@ class UcxSender(KVSender):
         src, dst_bytes, ids = self._indices(src_block_ids, dst_block_ids, pool)
         with self._groups_lock:
             group = self._groups.get(transfer_id)
-            if group is not None and (group.address != address or group.ids != ids
+            if group is not None and (group.address != address or group.ids != ids or group.fp8 != fp8
                                       or layer != group.first_layer + group.count):
                 self._flush(self._groups.pop(transfer_id))
                 group = None
             if group is None:
                 parse_address(address)
-                group = self._open_group(address, transfer_id, layer, ids, dst_bytes, src)
+                group = self._open_group(address, transfer_id, layer, ids, dst_bytes, src, fp8)
             if group.buffer is not None and self._stacked is None:
                 layer_bytes = self.layout.layer_message_bytes(group.num_blocks)
                 gather_layer(self._caches, layer, src, group.buffer[group.count * layer_bytes:(group.count + 1) * layer_bytes])
@@ -644,7 +654,7 @@ class UcxSender(KVSender):
                 self._flush(self._groups.pop(transfer_id))
 
     def _open_group(self, address: str, transfer_id: str, layer: int, ids: tuple, dst_bytes: bytes,
-                    src: torch.Tensor) -> _Group:
+                    src: torch.Tensor, fp8: bool = False) -> _Group:
         num_blocks = len(ids[0])
         layer_bytes = self.layout.layer_message_bytes(num_blocks)
         limit = self._coalesce_bytes
@@ -653,7 +663,7 @@ class UcxSender(KVSender):
             limit = min(limit, int(bucket.bytes_per_second * 2e-3))
         capacity = max(1, min(self.layout.num_layers - layer, limit // layer_bytes))
         link = self._links.get(address)
-        if link is not None and link.pull and bucket is None:  # the receiver reads the pools: no buffer
+        if link is not None and link.pull and bucket is None and not fp8:  # the receiver reads the pools
             # and no buffer bound: a message costs a chain of thread hand-offs on both sides, the
             # copy ~0.1 ms per layer of 2k tokens, so a pulled message carries up to _PULL_BYTES
             capacity = max(1, min(self.layout.num_layers - layer, max(limit, _PULL_BYTES) // layer_bytes))
@@ -666,7 +676,7 @@ class UcxSender(KVSender):
                 buffer = self._host_buffers.take(capacity * layer_bytes)
         else:
             buffer = torch.empty(capacity * layer_bytes, dtype=torch.uint8, device=self._caches[0][0].device)
-        group = _Group(address, transfer_id, ids, dst_bytes, num_blocks, layer, capacity, buffer, src)
+        group = _Group(address, transfer_id, ids, dst_bytes, num_blocks, layer, capacity, buffer, src, fp8=fp8)
         self._groups[transfer_id] = group
         return group
 
@@ -685,12 +695,17 @@ class UcxSender(KVSender):
             payload = group.buffer[:nbytes]
             if self._stacked is not None:  # the group's layers are computed: gather them all at once
                 gather_layers(self._stacked, group.first_layer, group.count, group.src, payload)
+            if group.fp8:  # the gathered blocks, quantized: what goes on the wire
+                staged = payload.view(self.layout.torch_dtype).view(group.count, 2, group.num_blocks,
+                                                                     *self.layout.block_shape)
+                payload = pack_blocks(staged).view(-1)
+                nbytes = payload.numel()
         ready = None
         if device.type == "cuda":  # the gather or, pulled, the layers' compute
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
         key = self._ledger.on_enqueue(group.transfer_id, group.address, nbytes)
-        status, crc = (PULL, b"") if payload is None else (0, b"")
+        status, crc = (PULL, b"") if payload is None else (FP8_WIRE if group.fp8 else 0, b"")
         if payload is not None and self._checksum and device.type == "cpu":
             status |= CHECKSUM
             crc = payload_checksum(payload).to_bytes(CHECKSUM_BYTES, "little")

@@ -115,7 +115,8 @@ def cmd_router(args: argparse.Namespace) -> int:
     settings = RouterSettings(model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                               max_model_len=args.max_model_len, policy=args.policy, mode=args.mode,
                               host=args.host, port=args.port, api_key=args.api_key,
-                              kv_deadline_s=args.kv_deadline_s, log_level=args.log_level.lower(),
+                              kv_deadline_s=args.kv_deadline_s, kv_wire_precision=args.kv_wire_precision,
+                              log_level=args.log_level.lower(),
                               topology=args.topology, profile=args.profile, slo_ttft=args.slo_ttft,
                               slo_tpot=args.slo_tpot, admission_control=args.admission_control,
                               calibrate=not args.no_calibration, worker_wait_s=args.worker_wait_s,
@@ -228,6 +229,10 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
     p.add_argument("--served-model-name", default=d(None), help="model id of the API (default: --model)")
     p.add_argument("--kv-deadline-s", type=float_arg("--kv-deadline-s"), default=d(10.0),
                    help="a KV transfer past this falls back to prefill on the decode worker")
+    p.add_argument("--kv-wire-precision", choices=("auto", "full", "fp8"), default=d("auto"),
+                   help="the KV's precision between prefill and decode workers: auto (network-aware picks FP8 "
+                        "per request where the link is the bound, full elsewhere; other policies: full), "
+                        "full, or fp8 (e4m3, dequantized on landing) for every request (default auto)")
     p.add_argument("--worker-wait-s", type=float_arg("--worker-wait-s"), default=d(30.0),
                    help="a request that no worker can serve (e.g. the only one restarts) waits this long for "
                         "one, then gets 503 with Retry-After (default 30; 0: at once)")

@@ -59,6 +59,11 @@ class RequestTiming:
     # was the bottleneck; None from a worker that does not report them
     kv_link_s: float | None = _key("kv_link")
     kv_link_bytes: int | None = _key("kv_link_bytes")
+    # the KV's precision on the wire (full | fp8), the bytes FP8 saved (kv_bytes are the wire's) and
+    # the policy's reason (Decision.kv_precision_reason; None when a switch chose)
+    kv_precision: str | None = _key("kv_precision")
+    kv_bytes_saved: int | None = _key("kv_bytes_saved")
+    kv_precision_reason: str | None = _key("kv_precision_reason")
     first_decode_s: float | None = _key("first_decode")  # the Decode call in to its first token
     # local: the worker's hand-off of its first token (WorkerTiming.handoff_s)
     worker_handoff_s: float | None = _key("worker_handoff")

@@ -66,6 +66,15 @@ class RouterMetrics:
             "KV bytes pushed from prefill to decode workers, as reported by Prefill, per link (src_node->dst_node).",
             ["link"], registry=r,
         )
+        self.kv_wire_bytes = Counter(
+            "pdserve:kv_wire_bytes_total",
+            "KV bytes moved between workers, by their precision on the wire (full | fp8).",
+            ["precision"], registry=r,
+        )
+        self.kv_bytes_saved = Counter(
+            "pdserve:kv_bytes_saved_total",
+            "KV bytes that FP8 on the wire saved against full precision.", registry=r,
+        )
         self.kv_transfer_seconds = Histogram(
             "pdserve:kv_transfer_seconds", "Time a prefill worker spent pushing one request's KV, per link.",
             ["link"], registry=r, buckets=KV_TRANSFER_BUCKETS,

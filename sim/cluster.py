@@ -45,6 +45,7 @@ from router.placement.base import (
     WorkerSnapshot,
 )
 from router.placement.registry import make_policy
+from router.placement.policies.cost import FP8_WIRE_RATIO
 from router.placement.policies.network_aware import NetworkAware
 from sim.config import ClusterConfig
 from sim.events import EventLoop
@@ -226,7 +227,7 @@ class SimCluster:
         self._count(decode.worker_id, request, +1)
         self._count(prefill.worker_id, request, +1)
         link = self.topology.link(prefill.node, decode.node)
-        request.monitor_flow = self.monitor.start(link.key, request.num_prompt_tokens * self.kv_bytes_per_token_true)
+        request.monitor_flow = self.monitor.start(link.key, request.num_prompt_tokens * self._wire_bytes_per_token(request))
         self.loop.after(rpc, self._reserve, request)
 
     def _reserve(self, request: SimRequest) -> None:
@@ -251,6 +252,13 @@ class SimCluster:
 
     # ---------------------------------------------------------------- KV transfer
 
+    def _wire_bytes_per_token(self, request: SimRequest) -> float:
+        """KV bytes per prompt token on the wire: FP8 (Decision.kv_precision) moves FP8_WIRE_RATIO
+        of them (the quantize and dequantize time is not simulated: a few ms on a GPU)."""
+        if getattr(request.decision, "kv_precision", "full") == "fp8":
+            return self.kv_bytes_per_token_true * FP8_WIRE_RATIO
+        return self.kv_bytes_per_token_true
+
     def _link(self, src: str, dst: str) -> tuple[FluidResource, float]:
         link = self.topology.link(src, dst)
         resource = self.links.get(link.key)
@@ -262,10 +270,10 @@ class SimCluster:
     def _on_chunk(self, worker: SimWorker, request: SimRequest, num_new: int, seconds: float) -> None:
         if request.kv_flow is None:  # the first chunk: a prefix-cache hit's KV is ready to send with it
             num_new += request.num_computed_tokens
-        produced = num_new * self.kv_bytes_per_token_true / seconds if seconds > 0 else math.inf
+        produced = num_new * self._wire_bytes_per_token(request) / seconds if seconds > 0 else math.inf
         if request.kv_flow is None:
             resource, _ = self._link(worker.node, request.decode_worker.node)
-            request.kv_bytes = request.num_prompt_tokens * self.kv_bytes_per_token_true
+            request.kv_bytes = round(request.num_prompt_tokens * self._wire_bytes_per_token(request))
             request.kv_started = self.loop.now
             request.kv_flow = Flow(request.kv_bytes, self._on_kv_sent, cap=produced, owner=request)
             resource.add(request.kv_flow)

@@ -85,6 +85,7 @@ class UpConfig:
     api_key: str | None = None
     served_model_name: str | None = None  # default: the --model spec
     kv_deadline_s: float = 10.0
+    kv_wire_precision: str = "auto"  # the KV's precision on the wire: auto | full | fp8
     worker_wait_s: float = 30.0  # a request no worker can serve waits this long, then 503
     max_tokens_default: int | None = None  # max_tokens of a request that gives none (None: OpenAI's defaults)
     max_queued_requests: int = 1024  # requests without a first token yet (waiting for KV blocks); past it 429
@@ -143,6 +144,8 @@ class UpConfig:
             value = getattr(self, key)
             if not (value > 0 and math.isfinite(value)):
                 fail(key, f"must be > 0, got {value}")
+        if self.kv_wire_precision not in ("auto", "full", "fp8"):
+            fail("kv_wire_precision", f"must be one of auto, full, fp8, got {self.kv_wire_precision!r}")
         if not (self.worker_wait_s >= 0 and math.isfinite(self.worker_wait_s)):
             fail("worker_wait_s", f"must be >= 0, got {self.worker_wait_s}")
         if self.max_queued_requests < 1:

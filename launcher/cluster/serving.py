@@ -30,6 +30,7 @@ class RouterSettings:
     port: int = 8000
     api_key: str | None = None
     kv_deadline_s: float = 10.0
+    kv_wire_precision: str = "auto"  # the KV's precision on the wire: auto (the policy's) | full | fp8
     worker_wait_s: float = 30.0  # a request no worker can serve waits this long for one, then 503
     max_tokens_default: int | None = None  # max_tokens of a request that gives none (None: OpenAI's defaults)
     max_queued_requests: int = 1024  # requests without a first token yet; past it 429
@@ -80,7 +81,7 @@ def make_router_policy(settings: RouterSettings) -> Any:
         return build_policy(settings.policy, topology_path=settings.topology, profile_path=settings.profile,
                             slo_ttft=settings.slo_ttft, slo_tpot=settings.slo_tpot,
                             admission_control=settings.admission_control, calibrate=settings.calibrate, seed=settings.seed,
-                            max_batch=settings.max_batch)
+                            max_batch=settings.max_batch, kv_wire_precision=settings.kv_wire_precision)
     except ValueError as e:
         raise ValueError(f"--policy {settings.policy}: {e}") from None
 
@@ -96,7 +97,7 @@ def build_app(directory: Any, settings: RouterSettings, model: RouterModel, poli
                              model.max_model_len, mode=settings.mode, kv_deadline_s=settings.kv_deadline_s,
                              metrics=metrics, worker_wait_s=settings.worker_wait_s,
                              max_queued_requests=settings.max_queued_requests, queue_timeout_s=settings.queue_timeout_s,
-                             cluster_token=settings.cluster_token)
+                             cluster_token=settings.cluster_token, kv_wire_precision=settings.kv_wire_precision)
     app = create_app(backend, api_key=settings.api_key, metrics=metrics, max_tokens_default=settings.max_tokens_default,
                      usage_timing=settings.usage_timing)
     return app, backend

@@ -217,7 +217,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
                               max_model_len=config.max_model_len, policy=config.policy, mode=router_mode(config.mode),
                               max_batch=config.max_num_seqs,
                               host=config.host, port=config.port, api_key=config.api_key,
-                              kv_deadline_s=config.kv_deadline_s, worker_wait_s=config.worker_wait_s,
+                              kv_deadline_s=config.kv_deadline_s, kv_wire_precision=config.kv_wire_precision, worker_wait_s=config.worker_wait_s,
                               max_tokens_default=config.max_tokens_default, usage_timing=config.usage_timing,
                               max_queued_requests=config.max_queued_requests, queue_timeout_s=config.queue_timeout_s,
                               log_level=log_level.lower(),

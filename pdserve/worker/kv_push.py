@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvtransfer import KVSender
+from kvtransfer import KVLayout, KVSender
 from pdserve.scheduler import ScheduledBatch
 
 
@@ -23,6 +23,7 @@ class Destination:
     num_sent_blocks: int = 0  # blocks [0, n) are pushed for every layer
     error: BaseException | None = None  # a push failed; the prefill reports it
     started_at: float = 0.0  # time.monotonic() when the first layer of its first chunk was done (0: not yet)
+    precision: str = "full"  # the KV's precision on the wire (kvtransfer.layout.WIRE_PRECISIONS), per request
 
 
 @dataclass
@@ -58,7 +59,8 @@ class KVPusher:
             if push.dest.error is not None:
                 continue
             try:
-                self.sender.send_layer(push.dest.address, push.dest.transfer_id, layer, push.src, push.dst)
+                self.sender.send_layer(push.dest.address, push.dest.transfer_id, layer, push.src, push.dst,
+                                       precision=push.dest.precision)
             except Exception as exc:  # the request fails, the step goes on
                 push.dest.error = exc
         if layer == self.num_layers - 1:
@@ -85,3 +87,15 @@ class KVPusher:
             pushes.append(_Push(dest, [seq.block_ids[i] for i in blocks],
                                 [dest.dst_block_ids[i] for i in blocks], end_block))
         return pushes
+
+
+def wire_precision(layout: KVLayout, precision: str, num_blocks: int, wire_bytes: int) -> tuple[str, int]:
+    """(the precision a transfer's bytes had on the wire, the bytes FP8 saved against full
+    precision) for a transfer of ``num_blocks`` blocks asked for at ``precision`` that moved
+    ``wire_bytes``. An FP8 pool's bytes are FP8 whatever was asked, and save nothing."""
+    if layout.torch_dtype.itemsize == 1:
+        return "fp8", 0
+    if precision != "fp8" or not layout.fp8_wire:
+        return "full", 0
+    full = layout.num_layers * layout.layer_message_bytes(num_blocks)
+    return "fp8", max(0, full - wire_bytes)

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from kvtransfer import KVTransferCorrupt, KVTransferError, KVTransferTimeout, WIRE_VERSION, KVLayout, create_receiver, create_sender
+from kvtransfer.layout import WIRE_PRECISIONS
 from pdserve.config import ROLES, EngineConfig
 from pdserve.engine import LLMEngine
 from pdserve.proto import worker_pb2 as pb
@@ -48,7 +49,7 @@ from pdserve.proto.convert import output_to_chunk, params_from_proto
 from pdserve.sampling_params import RequestOutput
 from pdserve.warmup import warm_up
 from pdserve.worker.engine_loop import EngineLoop
-from pdserve.worker.kv_push import Destination, KVPusher
+from pdserve.worker.kv_push import Destination, KVPusher, wire_precision
 from pdserve.worker.kv_routes import RoutedReceiver, RoutedSender, model_layout, rank_heads
 
 logger = logging.getLogger(__name__)
@@ -296,7 +297,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
-        dest = Destination(request.kv_address, request.transfer_id, list(request.dst_block_ids))
+        precision = request.kv_precision or "full"
+        if precision not in WIRE_PRECISIONS:
+            await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT,
+                             f"kv_precision must be one of {', '.join(WIRE_PRECISIONS)}, got {precision!r}")
+        dest = Destination(request.kv_address, request.transfer_id, list(request.dst_block_ids), precision=precision)
         expected_blocks = -(-len(prompt) // self.w.block_size)
         if len(dest.dst_block_ids) != expected_blocks:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT,
@@ -356,9 +361,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 chunk.finish_reason = ""
             # queue: Prefill call in -> its first chunk's first layer done (waiting for the scheduler)
             queue_s = max(0.0, dest.started_at - t0) if dest.started_at else 0.0
+            wire, saved = wire_precision(self.w.kv_layout, precision, len(dest.dst_block_ids), result.num_bytes)
             return pb.PrefillResponse(first=chunk, kv_bytes=result.num_bytes, kv_seconds=result.seconds,
                                       queue_seconds=queue_s, prefill_seconds=t_first - t0, kv_phases=result.phases,
-                                      kv_link_bytes=result.link_bytes)
+                                      kv_link_bytes=result.link_bytes, kv_precision=wire, kv_bytes_saved=saved)
         except RuntimeError as exc:
             await release()
             await self._fail(context, grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -454,8 +460,8 @@ class WorkerServer:
         # every rank's KV heads (kv_routes); the fingerprint is the whole model's KV layout, so
         # workers at any two TP degrees of one model pair (their endpoints check the head ranges)
         ranks = rank_heads(self.engine)
-        self.layout_fingerprint = f"{model_layout(ranks).fingerprint:016x}"
-        layout = model_layout(ranks)
+        layout = self.kv_layout = model_layout(ranks)
+        self.layout_fingerprint = f"{layout.fingerprint:016x}"
         # what a KV peer must share with this worker (the router pairs only equal keys; the
         # transfer handshake refuses the rest); the whole model's KV layout, whatever the TP
         self.kv_compat = (f"model={engine_config.model} dtype={layout.dtype} block_size={layout.block_size} "

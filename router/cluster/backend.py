@@ -102,6 +102,11 @@ QUEUE_RETRY_AFTER_S = 5  # Retry-After of a request refused by the queue bounds 
 TIMING_KEYS = RequestTiming.json_keys()
 
 
+# --kv-wire-precision: the KV's precision on the wire, "auto" (the placement policy's Decision.kv_precision),
+# or "full" / "fp8" for every disaggregated request
+KV_WIRE_PRECISIONS = ("auto", "full", "fp8")
+
+
 # (client, worker-side request id) of one worker's part in a request
 _Part = tuple[WorkerClient, str]
 
@@ -158,6 +163,7 @@ class ClusterBackend:
         cluster_token: str | None = None,
         max_queued_requests: int = 1024,
         queue_timeout_s: float = 600.0,
+        kv_wire_precision: str = "auto",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -169,6 +175,10 @@ class ClusterBackend:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len!r}")
         if not isinstance(worker_wait_s, (int, float)) or worker_wait_s < 0:
             raise ValueError(f"worker_wait_s must be >= 0, got {worker_wait_s!r}")
+        if kv_wire_precision not in KV_WIRE_PRECISIONS:
+            raise ValueError(f"kv_wire_precision must be one of {', '.join(KV_WIRE_PRECISIONS)}, "
+                             f"got {kv_wire_precision!r}")
+        self.kv_wire_precision = kv_wire_precision
         self.worker_wait_s = float(worker_wait_s)
         if not isinstance(max_queued_requests, int) or max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be an integer >= 1, got {max_queued_requests!r}")
@@ -538,7 +548,7 @@ class ClusterBackend:
                 try:
                     result = await prefill.client.prefill(
                         wire_id, prompt, params, reservation, self.kv_deadline_s,
-                        timeout_s=queue_s + self.kv_deadline_s + self.rpc_timeout_s,
+                        timeout_s=queue_s + self.kv_deadline_s + self.rpc_timeout_s, kv_precision=self.precision_of(decision),
                     )
                 except KVPushFailed as exc:  # D did not take the KV: D failed, not P
                     raise WorkerFailed(f"{exc.message} (reported by {prefill.worker_id})",
@@ -550,6 +560,9 @@ class ClusterBackend:
                 prefill.num_inflight_tokens -= n
                 self.network.finish_flow(flow, result, n)
             self._record_transfer(flow.key, result.kv_bytes, result.kv_seconds, result.kv_phases)
+            if self.metrics is not None and result.kv_bytes:
+                self.metrics.kv_wire_bytes.labels(result.kv_precision).inc(result.kv_bytes)
+                self.metrics.kv_bytes_saved.inc(result.kv_bytes_saved)
             first = result.first
             if self._worker_aborted(flight, first):
                 raise WorkerFailed(f"worker {prefill.worker_id} aborted the request", worker_id=prefill.worker_id)
@@ -682,6 +695,13 @@ class ClusterBackend:
         task.add_done_callback(self._background.discard)
         return task
 
+    def precision_of(self, decision: Decision) -> str:
+        """The KV's precision on the wire for a disaggregated `decision`: the policy's choice
+        (`Decision.kv_precision`) under --kv-wire-precision auto, else the switch's."""
+        if self.kv_wire_precision != "auto":
+            return self.kv_wire_precision
+        return getattr(decision, "kv_precision", "full")  # a policy's own decision type may lack it
+
     def _record_transfer(self, link: str, kv_bytes: int, kv_seconds: float, phases: dict[str, float] | None = None) -> None:
         if self.metrics is not None and kv_bytes:
             self.metrics.kv_transfer_bytes.labels(link).inc(kv_bytes)
@@ -714,6 +734,8 @@ class ClusterBackend:
             kv_gbps=result.kv_bytes * 8 / result.kv_seconds / 1e9 if result.kv_seconds > 0 else None,
             kv_link_s=phases.get("link"),
             kv_link_bytes=getattr(result, "kv_link_bytes", 0) if "link" in phases else None,
+            kv_precision=result.kv_precision, kv_bytes_saved=result.kv_bytes_saved,
+            kv_precision_reason=getattr(decision, "kv_precision_reason", "") or None,
         )
 
     def _count_recovery(self, kind: str) -> None:

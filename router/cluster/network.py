@@ -92,8 +92,8 @@ class NetworkTracker:
         else:
             self.links.finish(flow, kv_bytes=result.kv_bytes, kv_seconds=result.kv_seconds,
                               prefill_seconds=result.prefill_seconds)
-            if result.kv_bytes and num_tokens:
-                self.kv_bytes_per_token = round(result.kv_bytes / num_tokens)
+            if result.kv_bytes and num_tokens:  # at full precision, whatever the wire carried
+                self.kv_bytes_per_token = round((result.kv_bytes + result.kv_bytes_saved) / num_tokens)
         self._export(flow.key)
 
     def _export(self, key: str) -> None:

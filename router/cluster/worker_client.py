@@ -61,6 +61,8 @@ class PrefillResult:
     prefill_seconds: float
     kv_phases: dict[str, float] = field(default_factory=dict)  # kvtransfer.SENDER_PHASES -> seconds
     kv_link_bytes: int = 0  # TransferResult.link_bytes: bytes over phase "link" (0 from older workers)
+    kv_precision: str = "full"  # the KV's precision on the wire ("full" | "fp8")
+    kv_bytes_saved: int = 0  # full-precision bytes minus kv_bytes (FP8 on the wire)
 
 
 class WorkerClient:
@@ -97,13 +99,15 @@ class WorkerClient:
 
     async def prefill(
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams, reservation: Reservation,
-        deadline_s: float, *, timeout_s: float | None = None,
+        deadline_s: float, *, timeout_s: float | None = None, kv_precision: str = "full",
     ) -> PrefillResult:
+        """`kv_precision`: the KV's precision on the wire, "full" or "fp8" (quantized by P,
+        dequantized by D on landing)."""
         msg = pb.PrefillRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, params=params_to_proto(params),
             kv_address=reservation.kv_address, transfer_id=reservation.transfer_id,
             dst_block_ids=reservation.block_ids, wire_version=reservation.wire_version, layout=reservation.layout,
-            deadline_s=deadline_s,
+            deadline_s=deadline_s, kv_precision=kv_precision,
         )
         r = await self._unary("Prefill", self._stub.Prefill, msg, request_id, timeout_s)
         try:
@@ -111,7 +115,7 @@ class WorkerClient:
         except ValueError as exc:
             raise self._failed(f"worker {self.worker_id} sent a bad first chunk: {exc}") from None
         return PrefillResult(first, r.kv_bytes, r.kv_seconds, r.queue_seconds, r.prefill_seconds, dict(r.kv_phases),
-                             r.kv_link_bytes)
+                             r.kv_link_bytes, r.kv_precision or "full", r.kv_bytes_saved)
 
     async def abort(self, request_id: str, *, timeout_s: float | None = None) -> bool:
         r = await self._unary("Abort", self._stub.Abort, pb.AbortRequest(request_id=request_id), request_id, timeout_s)

@@ -190,8 +190,14 @@ class Decision:
     decode: str
     reason: str = ""
     degraded: bool = False  # a prefill worker runs the whole request: no decode-capable worker is up
+    # disaggregated: the KV's precision on the wire ("full" | "fp8") and why (network-aware decides;
+    # other policies leave "full"); the backend's --kv-wire-precision full|fp8 overrides it
+    kv_precision: str = "full"
+    kv_precision_reason: str = ""
 
     def __post_init__(self) -> None:
+        if self.kv_precision not in ("full", "fp8"):
+            raise ValueError(f"kv_precision must be 'full' or 'fp8', got {self.kv_precision!r}")
         if self.kind == "disaggregated":
             if self.prefill is None or self.prefill == self.decode:
                 raise ValueError(f"a disaggregated decision needs a prefill worker other than {self.decode!r}")

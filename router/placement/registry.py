@@ -65,6 +65,7 @@ def build_policy(
     seed: int = 0,
     max_batch: int | None = None,
     calibrate: bool = True,
+    kv_wire_precision: str = "auto",
 ) -> PlacementPolicy:
     """The policy `name` from command-line settings; ValueError names the flag or file at fault.
 
@@ -76,6 +77,8 @@ def build_policy(
     - `max_batch`: the workers' --max-num-seqs, for network-aware's model of hybrid clusters.
     - `calibrate`: network-aware corrects its model from request outcomes
       (router.placement.policies.calibration); False (--no-calibration) keeps the offline profile alone.
+    - `kv_wire_precision` (--kv-wire-precision): network-aware prices transfers at it ("auto": the
+      precision it chooses per request); the backend applies it with any policy.
     """
     if name not in POLICIES:
         raise ValueError(f"--policy: unknown placement policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
@@ -85,7 +88,8 @@ def build_policy(
         if profile_path is None:
             raise ValueError("--profile: network-aware needs --profile (a file from `pdserve profile`)")
         options.update(profile=load_profile(profile_path), topology=topology, slo_ttft=slo_ttft,
-                       slo_tpot=slo_tpot, admission_control=admission_control, calibrate=calibrate)
+                       slo_tpot=slo_tpot, admission_control=admission_control, calibrate=calibrate,
+                       kv_wire_precision=kv_wire_precision)
         if max_batch is not None:
             options["max_batch"] = max_batch
     else:

@@ -318,3 +318,16 @@ def test_engine_switches_from_flags_file_and_environment(tmp_path, monkeypatch):
     path.write_text("warmup: 0\n")
     with pytest.raises(ValueError, match="field 'warmup': expected true or false"):
         load_up_config({}, str(path))
+
+
+def test_kv_wire_precision_from_the_file_and_checked(tmp_path):
+    from launcher.cluster.config import load_up_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("kv-wire-precision: fp8\n")
+    assert load_up_config({}, str(path)).kv_wire_precision == "fp8"
+    assert load_up_config({"kv_wire_precision": "full"}, str(path)).kv_wire_precision == "full"
+    assert load_up_config({}).kv_wire_precision == "auto"
+    path.write_text("kv-wire-precision: fp16\n")
+    with pytest.raises(ValueError, match="kv-wire-precision"):
+        load_up_config({}, str(path))

@@ -36,7 +36,7 @@ Without outcomes every factor is 1 and the numbers are the model's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from router.placement.congestion import transfer_seconds
 from router.placement.base import ClusterSnapshot, RequestInfo, WorkerSnapshot
@@ -59,6 +59,8 @@ class Estimate:
     ttft_factor: float = 1.0  # calibration residuals (module docstring); tpot_s includes tpot_factor
     tpot_factor: float = 1.0
     prefill_tokens: int = 0  # the uncached prompt tokens `prefill_s` prices (0: not recorded)
+    kv_precision: str = "full"  # the KV's precision on the wire `kv_s` prices (choose_kv_precision)
+    kv_precision_reason: str = ""
 
     @property
     def base_ttft_s(self) -> float:
@@ -146,3 +148,65 @@ def estimate_local(
         + (profile.prefill_seconds(min(uncached, chunk)) if batch else 0.0),
         room=has_room(decode, request.num_prompt_tokens),
     )
+
+
+# ---- the KV's precision on the wire --------------------------------------------------------------
+
+# FP8 bytes / full-precision bytes of a transfer (kvtransfer.layout, FP8_WIRE): a bf16 block of 16
+# tokens (head_dim >= 64) goes as 16 rows of e4m3 plus one row of float32 scales, 17/32 of its bytes.
+FP8_WIRE_RATIO = 17 / 32
+# Quantize on P plus dequantize on D, in Gbit/s of full-precision KV (kernels.kv_quant.pack_blocks /
+# unpack_blocks, torch ops). CPU: 0.13 measured on the 2-core development VM (float32 pools, 4 MB);
+# CUDA: an estimate for memory-bound elementwise passes (not yet measured).
+CODEC_GBPS = {"cpu": 0.13, "cuda": 1000.0}
+KV_PRECISIONS = ("full", "fp8")
+
+
+def choose_kv_precision(
+    estimate: Estimate, kv_bytes: int, *, device: str = "cuda", slo_ttft: float | None = None,
+    ratio: float = FP8_WIRE_RATIO, codec_gbps: float | None = None, min_ttft_fraction: float = 0.1,
+) -> tuple[str, str]:
+    """("fp8" | "full", reason) for a pair's transfer of `kv_bytes` (full precision) priced by
+    `estimate` (its `kv_s` at full precision).
+
+    FP8 when the transfer is the bound: its time is more than twice the quantize + dequantize
+    cost (kv_bytes at `codec_gbps`, by `device` from CODEC_GBPS), FP8 saves more than that cost
+    ((1 - ratio) x kv_s), and its exposed part (kv_s - hidden_s) is at least `min_ttft_fraction`
+    of the TTFT SLO (or, without one, of the predicted TTFT). Full precision otherwise: a fast
+    link (same node, NVLink) where the bytes are cheap, or compute that hides the transfer."""
+    if estimate.prefill is None or kv_bytes <= 0:
+        return "full", "no KV transfer"
+    gbps = codec_gbps if codec_gbps is not None else CODEC_GBPS.get(device, CODEC_GBPS["cuda"])
+    codec_s = kv_bytes * 8 / (gbps * 1e9)
+    kv_s = estimate.kv_s
+    exposed = max(0.0, kv_s - estimate.hidden_s)
+    saved = (1 - ratio) * kv_s - codec_s
+    budget, what = (slo_ttft, "TTFT SLO") if slo_ttft is not None else (estimate.base_ttft_s, "TTFT")
+    facts = (f"kv {kv_s * 1e3:.1f} ms at full precision ({exposed * 1e3:.1f} ms exposed, "
+             f"{exposed / budget:.0%} of the {what} {budget * 1e3:.0f} ms), codec {codec_s * 1e3:.1f} ms")
+    if kv_s > 2 * codec_s and saved > 0 and budget > 0 and exposed >= min_ttft_fraction * budget:
+        return "fp8", f"fp8: the link is the bound: {facts}, saves ~{saved * 1e3:.1f} ms"
+    return "full", f"full: the link is not the bound: {facts}"
+
+
+def at_wire_precision(
+    estimate: Estimate, kv_bytes: int, num_layers: int, *, device: str = "cuda", slo_ttft: float | None = None,
+    ratio: float = FP8_WIRE_RATIO, codec_gbps: float | None = None, switch: str = "auto",
+) -> Estimate:
+    """`estimate` (a pair priced at full precision) at the precision `choose_kv_precision` picks
+    for it (or `switch`, --kv-wire-precision, when "full" or "fp8"): for FP8, kv = ratio x kv +
+    the codec's time and the hidden part recomputed (module docstring), so the pair competes
+    with local runs and other pairs at what it will cost."""
+    if switch == "auto":
+        precision, why = choose_kv_precision(estimate, kv_bytes, device=device, slo_ttft=slo_ttft, ratio=ratio,
+                                             codec_gbps=codec_gbps)
+    elif switch in KV_PRECISIONS:
+        precision, why = switch, f"{switch}: set by --kv-wire-precision"
+    else:
+        raise ValueError(f"kv_wire_precision must be auto, full or fp8, got {switch!r}")
+    if precision == "full":
+        return replace(estimate, kv_precision="full", kv_precision_reason=why)
+    gbps = codec_gbps if codec_gbps is not None else CODEC_GBPS.get(device, CODEC_GBPS["cuda"])
+    kv_s = ratio * estimate.kv_s + kv_bytes * 8 / (gbps * 1e9)
+    hidden_s = (num_layers - 1) / num_layers * min(kv_s, estimate.prefill_s)
+    return replace(estimate, kv_s=kv_s, hidden_s=hidden_s, kv_precision="fp8", kv_precision_reason=why)

@@ -19,6 +19,15 @@ Short prompts, resumed requests and colocated mode keep the shared rules; there 
 worker with the lowest predicted local TTFT (within the TPOT SLO where possible) is taken.
 The `Decision.reason` carries the predicted numbers.
 
+The KV's precision on the wire: for the chosen pair, `Decision.kv_precision` is "fp8" when the
+link is the bound (router.placement.policies.cost.choose_kv_precision: the predicted transfer at
+full precision is more than twice the quantize + dequantize cost and its exposed part at least a
+tenth of the TTFT SLO, or of the predicted TTFT without one), "full" where it is not (same node,
+NVLink, a fast link); `Decision.kv_precision_reason` says why. The best pair (searched at full
+precision) is priced at its precision before it competes with the best local run, so FP8 can keep
+a prompt disaggregated over a slow link. `kv_wire_precision` "full" or "fp8" (the router's
+--kv-wire-precision) fixes the precision instead.
+
 Hybrid clusters (every candidate a mixed worker that also moves KV, `pdserve up --mode
 hybrid`): how many workers prefill for the others is chosen for the cluster from the recent
 load, the profile, the measured link and the SLOs (router.placement.policies.split); with k = 0 the
@@ -64,7 +73,7 @@ from router.placement.policies.baselines import PrefixIndex
 from router.placement.policies.calibration import Calibration, Prediction
 from router.placement.policies.search import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, Columns, Search
 from router.placement.congestion import transfer_seconds
-from router.placement.policies.cost import Estimate, estimate_local, estimate_pair
+from router.placement.policies.cost import Estimate, at_wire_precision, estimate_local, estimate_pair
 from router.placement.policies.split import SplitChooser, SplitPrediction
 from router.placement.profiles import Profile
 from router.placement.topology import Topology
@@ -81,6 +90,7 @@ class NetworkAware(PoolPolicy):
         slo_ttft: float | None = None, slo_tpot: float | None = None, admission_control: bool = False,
         local_margin: float = 0.2, block_size: int = 16, local_prefill_max_tokens: int = 0,
         max_batch: int = 64, calibrate: bool = True, columnar: bool | None = None,
+        kv_wire_precision: str = "auto",
     ) -> None:
         super().__init__(local_prefill_max_tokens=local_prefill_max_tokens)
         if not isinstance(profile, Profile):
@@ -96,6 +106,9 @@ class NetworkAware(PoolPolicy):
             raise ValueError("admission control needs an SLO to enforce (--slo-ttft and/or --slo-tpot)")
         if isinstance(local_margin, bool) or not isinstance(local_margin, (int, float)) or not 0 <= local_margin < 1:
             raise ValueError(f"local_margin must be in [0, 1), got {local_margin!r}")
+        if kv_wire_precision not in ("auto", "full", "fp8"):
+            raise ValueError(f"kv_wire_precision must be auto, full or fp8, got {kv_wire_precision!r}")
+        self.kv_wire_precision = kv_wire_precision  # the backend's switch: "auto" lets the link decide
         self.profile = profile
         self.topology = topology
         self.slo_ttft = slo_ttft
@@ -118,6 +131,7 @@ class NetworkAware(PoolPolicy):
         self._residuals = {kind: self.calibration.estimate_factors(kind) for kind in ("local", "disaggregated")}
         self._settle_until = -math.inf  # hybrid: the previous configuration's requests drain until then
         self._now = 0.0
+        self._kv_bytes = 0
         if columnar is not None:  # it chose between two searches; there is one now
             if not isinstance(columnar, bool):
                 raise ValueError(f"columnar must be true or false, got {columnar!r}")
@@ -132,6 +146,8 @@ class NetworkAware(PoolPolicy):
         cal = self.calibration  # the residuals of this placement, read once
         self._residuals = {kind: cal.estimate_factors(kind) for kind in ("local", "disaggregated")}
         self._now = snapshot.now
+        # the prompt's KV bytes at full precision (measured per token when known): what the link moves
+        self._kv_bytes = request.num_prompt_tokens * (snapshot.kv_bytes_per_token or self.profile.kv_bytes_per_token)
         self._columns.update(snapshot)
         decision = self._place_disaggregated(request, snapshot)
         if decision is None:
@@ -264,7 +280,7 @@ class NetworkAware(PoolPolicy):
     def _choose(self, options: Search, request: RequestInfo, keys: list[int],
                 load: Mapping[str, int], num_decodes: int) -> Decision:
         """Rules 2-5 of the module docstring over the priced (or searched) options."""
-        best_pair = _maybe(self._correct, options.best_pair(self._feasible_raw))
+        best_pair = _maybe(self._at_wire_precision, _maybe(self._correct, options.best_pair(self._feasible_raw)))
         best_local = _maybe(self._correct, options.best_local(self._feasible_raw))
 
         chosen, why = self._compete(best_pair, best_local)
@@ -273,7 +289,8 @@ class NetworkAware(PoolPolicy):
                        f"({options.num_pairs + num_decodes} estimated)")
             if self.admission_control:
                 raise SLOUnattainable(f"request {request.request_id}: {summary}")
-            everything = [self._correct(e) for e in (options.best_pair(), options.best_local()) if e is not None]
+            everything = [self._at_wire_precision(self._correct(e)) if e.prefill is not None else self._correct(e)
+                          for e in (options.best_pair(), options.best_local()) if e is not None]
             chosen = min(everything, key=lambda e: _order(e, load))
             why = f"best effort, {summary}"
         elif self.slo_ttft is not None and chosen.ttft_s > self.slo_ttft:
@@ -294,7 +311,21 @@ class NetworkAware(PoolPolicy):
         self.prefixes.record(keys, chosen.prefill if chosen.prefill is not None else chosen.decode)
         if chosen.prefill is None:
             return Decision("local", None, chosen.decode, reason)
-        return Decision("disaggregated", chosen.prefill, chosen.decode, reason)
+        return self._with_precision(Decision("disaggregated", chosen.prefill, chosen.decode, reason), chosen, request)
+
+    def _at_wire_precision(self, e: Estimate) -> Estimate:
+        """A pair priced at the KV precision the link calls for (cost.at_wire_precision), from
+        the link's predicted transfer time, the prompt's KV bytes and the TTFT SLO."""
+        if e.prefill is None or e.kv_precision_reason:
+            return e
+        return at_wire_precision(e, self._kv_bytes, self.profile.num_layers, device=self.profile.device,
+                                 slo_ttft=self.slo_ttft, switch=self.kv_wire_precision)
+
+    def _with_precision(self, decision: Decision, chosen: Estimate, request: RequestInfo) -> Decision:
+        """`decision` with the chosen pair's KV precision on the wire and why."""
+        chosen = self._at_wire_precision(chosen)
+        return dataclasses.replace(decision, kv_precision=chosen.kv_precision,
+                                   kv_precision_reason=chosen.kv_precision_reason)
 
     # ---------------------------------------------------------------- hybrid clusters
 
@@ -341,8 +372,8 @@ class NetworkAware(PoolPolicy):
                 self._chosen = chosen
                 self.prefixes.record(keys, chosen.prefill)  # type: ignore[arg-type]
                 note = "" if feasible else "; best effort: no pair within the TPOT SLO or with free KV blocks"
-                return Decision("disaggregated", chosen.prefill, chosen.decode,
-                                f"hybrid {why}; {chosen.describe()}{note}")
+                return self._with_precision(Decision("disaggregated", chosen.prefill, chosen.decode,
+                                                     f"hybrid {why}; {chosen.describe()}{note}"), chosen, request)
             why += "; no prefilling/decoding pair is available, so local"
         else:
             self._prefilling = ()

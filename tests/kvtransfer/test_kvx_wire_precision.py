@@ -1,0 +1,110 @@
+"""KV precision per transfer: one sender sends a transfer in full precision and the next in
+FP8 (send_layer(precision=)) to the same receiver. The full one lands bit-exact; the FP8 one
+lands as the FP8 round trip of the source (kernels.kv_quant.pack_blocks / unpack_blocks, the
+FP8 cache's own quantization), in (BS + R) / (BS x itemsize) of the bytes. Over the fake
+backend and UCX in one process, with plain and stacked (engine-like) pools, one layer per
+message and coalesced, pull path on (an FP8 message is never pulled)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvtransfer
+from kernels import kv_quant
+from kvtransfer.layout import KVLayout
+
+LAYERS, BLOCKS, BS, HK, D = 3, 16, 16, 2, 64
+
+
+def pools(dtype, seed, stacked):
+    gen = torch.Generator().manual_seed(seed)
+    all_ = (torch.randn((LAYERS, 2, BLOCKS, BS, HK, D), generator=gen) * 3).to(dtype)
+    if stacked:
+        return all_, [(all_[i, 0], all_[i, 1]) for i in range(LAYERS)]
+    caches = [(all_[i, 0].clone(), all_[i, 1].clone()) for i in range(LAYERS)]
+    return all_, caches
+
+
+def stack(caches):
+    return torch.stack([torch.stack(pair) for pair in caches])
+
+
+def round_trip(blocks):
+    return kv_quant.unpack_blocks(kv_quant.pack_blocks(blocks), blocks.dtype)
+
+
+CASES = [("fake", {}), ("ucx", {}), ("ucx", {"coalesce_bytes": 1 << 20})]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("backend, opts", CASES)
+def test_full_then_fp8_then_full_on_one_pair(backend, opts, dtype, stacked):
+    if backend == "ucx":
+        pytest.importorskip("ucxx")
+    src_all, src = pools(dtype, 1, stacked)
+    _, dst = pools(dtype, 2, stacked)
+    before = stack(dst).clone()
+    layout = KVLayout.from_caches(src)
+    full_bytes = LAYERS * layout.layer_message_bytes(3)
+    fp8_bytes = LAYERS * 2 * 3 * (BS + 1) * HK * D  # 16 rows of e4m3 + 1 row of float32 scales per block
+    plan = [("t0", "full", [1, 5, 9], [0, 2, 4]), ("t1", "fp8", [3, 7, 11], [6, 8, 10]),
+            ("t2", "full", [12, 13, 14], [11, 12, 13])]
+    with kvtransfer.create_receiver(backend, dst) as receiver, \
+            kvtransfer.create_sender(backend, src, **opts) as sender:
+        for tid, precision, src_ids, dst_ids in plan:
+            receiver.expect(tid, dst_ids, LAYERS, 20.0)
+            for layer in range(LAYERS):
+                sender.send_layer(receiver.address(), tid, layer, src_ids, dst_ids, precision=precision)
+            sent = sender.finish(tid, timeout=20)
+            got = receiver.wait(tid, timeout=20)
+            assert sent.num_bytes == got.num_bytes == (fp8_bytes if precision == "fp8" else full_bytes), tid
+        with pytest.raises(ValueError, match="precision"):
+            sender.send_layer(receiver.address(), "t3", 0, [0], [1], precision="fp4")
+        assert receiver.metrics()["messages_fp8"] == (LAYERS if not opts else 1)
+        assert receiver.metrics()["bytes_landed"] == 2 * full_bytes + fp8_bytes
+    after = stack(dst)
+    for tid, precision, src_ids, dst_ids in plan:
+        want = src_all[:, :, src_ids]
+        if precision == "fp8":
+            want = round_trip(want)
+            assert not torch.equal(want, src_all[:, :, src_ids])  # FP8 is lossy: the test can tell
+            err = (after[:, :, dst_ids].float() - src_all[:, :, src_ids].float()).abs()
+            assert float(err.max()) <= float(src_all.float().abs().max()) / 8  # e4m3: 3 mantissa bits
+        assert torch.equal(after[:, :, dst_ids], want), tid
+    untouched = [b for b in range(BLOCKS) if b not in {i for *_, d in plan for i in d}]
+    assert torch.equal(after[:, :, untouched], before[:, :, untouched])
+
+
+def test_fp8_bytes_land_as_is_in_an_fp8_pool():
+    """From an FP8 pool, "fp8" ships the pool's bytes: they are FP8 already (and scale rows too)."""
+    shape = kv_quant.fp8_pool_shape(8, BS, HK, D)
+    src = [tuple(torch.randint(0, 120, shape, dtype=torch.uint8).view(kv_quant.FP8_DTYPE) for _ in range(2))
+           for _ in range(2)]
+    dst = [tuple(torch.zeros(shape, dtype=kv_quant.FP8_DTYPE) for _ in range(2)) for _ in range(2)]
+    with kvtransfer.create_receiver("fake", dst) as receiver, kvtransfer.create_sender("fake", src) as sender:
+        receiver.expect("f", [4, 5], 2, 10.0)
+        for layer in range(2):
+            sender.send_layer(receiver.address(), "f", layer, [0, 3], [4, 5], precision="fp8")
+        assert sender.finish("f", timeout=10).num_bytes == 2 * 2 * 2 * (BS + 1) * HK * D
+        receiver.wait("f", timeout=10)
+        assert receiver.metrics()["messages_fp8"] == 0
+    for layer in range(2):
+        for pool in range(2):
+            assert torch.equal(dst[layer][pool][[4, 5]].view(torch.uint8), src[layer][pool][[0, 3]].view(torch.uint8))
+
+
+def test_pack_blocks_stores_what_the_fp8_cache_stores():
+    """The wire's FP8 bytes of a block are the bytes write_fp8_ref puts in an FP8 pool."""
+    gen = torch.Generator().manual_seed(3)
+    k, v = torch.randn(4 * BS, HK, D, generator=gen), torch.randn(4 * BS, HK, D, generator=gen)
+    k_pool = torch.zeros(kv_quant.fp8_pool_shape(4, BS, HK, D), dtype=kv_quant.FP8_DTYPE)
+    v_pool = k_pool.clone()
+    kv_quant.write_fp8_ref(k, v, k_pool, v_pool, torch.arange(4 * BS))
+    assert torch.equal(kv_quant.pack_blocks(k.view(4, BS, HK, D)), k_pool.view(torch.uint8))
+    assert torch.equal(kv_quant.pack_blocks(v.view(4, BS, HK, D)), v_pool.view(torch.uint8))
+    back = kv_quant.unpack_blocks(kv_quant.pack_blocks(k.view(4, BS, HK, D)), torch.float32)
+    assert torch.equal(back, kv_quant.gather_blocks(k_pool, torch.arange(4), torch.float32))
+    assert torch.equal(kv_quant.round_trip(k[:37], BS), back.reshape(-1, HK, D)[:37])
