@@ -92,12 +92,12 @@ class RoutedSender(KVSender):
                 self._routes[address] = routes
             return routes
 
-    def send_layer(self, address, transfer_id, layer, src_block_ids, dst_block_ids) -> None:
+    def send_layer(self, address, transfer_id, layer, src_block_ids, dst_block_ids, precision="full") -> None:
         routes = self.routes(address)
         with self._lock:
             self._open.setdefault(transfer_id, [s for s, _ in routes])
         for sender, addr in routes:
-            sender.send_layer(addr, transfer_id, layer, src_block_ids, dst_block_ids)
+            sender.send_layer(addr, transfer_id, layer, src_block_ids, dst_block_ids, precision)
 
     def finish(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
         with self._lock:

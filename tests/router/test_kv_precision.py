@@ -141,7 +141,8 @@ def test_the_switch_reaches_the_worker_the_timing_and_the_metrics(cluster, switc
     start, _ = cluster
     url, backend = start(switch)
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=10)
-    done = client.completions.create(model=MODEL, prompt="hello there, wire", max_tokens=3)
+    done = client.completions.create(model=MODEL, prompt="hello there, wire", max_tokens=3,
+                                     extra_headers={"x-pdserve-timing": "1"})  # the timing is opt-in
     timing = done.usage.model_extra["pdserve_timing"][0]
     full = done.usage.prompt_tokens * PREFILL_KV_BYTES_PER_TOKEN
     precision = "fp8" if switch == "fp8" else "full"  # round-robin leaves auto at full

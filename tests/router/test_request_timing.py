@@ -186,10 +186,10 @@ def test_local_timing_has_the_workers_part_and_the_first_token(mixed_url):
 
 
 def test_timing_json_keys_are_the_documented_ones():
-    """The 22 keys loadgen reads from `usage.pdserve_timing` (loadgen.metrics.BREAKDOWN_KEYS among them)."""
+    """The 25 keys loadgen reads from `usage.pdserve_timing` (loadgen.metrics.BREAKDOWN_KEYS among them)."""
     from loadgen.metrics import BREAKDOWN_KEYS
 
-    assert TIMING_KEYS == RequestTiming.json_keys() and len(set(TIMING_KEYS)) == 22
+    assert TIMING_KEYS == RequestTiming.json_keys() and len(set(TIMING_KEYS)) == 25
     assert set(BREAKDOWN_KEYS) | {"kv_gbps", "placement"} <= set(TIMING_KEYS)
     timing = RequestTiming(placement="local", decode_worker="m0", attempts=1, place_s=0.1, kv_done_at_unix_s=5.0)
     assert timing.to_json() == {"placement": "local", "decode_worker": "m0", "attempts": 1, "place": 0.1,
