@@ -3,7 +3,8 @@
 1. Check the config and load the router's tokenizer (a bad --model fails before Ray starts).
 2. Start a local Ray (small footprint, no dashboard), or join `--address`.
 3. Place the pools and create the worker actors; wait for every worker, with a progress bar.
-4. Serve the router (HTTP) over a `RayDirectory` of the actors.
+4. Serve the router (HTTP) over a `RayDirectory` of the actors; with `--autoscale`, the planner
+   loop runs beside it on the router's event loop (`launcher.autoscale.loop`) and resizes the pools.
 5. On Ctrl-C or SIGTERM, at any step, to this process or to its whole process group, or when
    Ray dies under it: stop the router, stop and kill the actors, remove the placement groups,
    shut Ray down if we started it; every step is bounded, and whatever is left of the
@@ -232,14 +233,22 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
         from launcher.cluster.directory import RayDirectory
 
         directory = RayDirectory(config.namespace, config.cluster_name, pools.names)
-        app, backend = build_app(directory, settings, model, policy)
+        wrap_backend, background = None, ()
+        if config.autoscale is not None:
+            from launcher.autoscale.loop import attach
+
+            wrap_backend, background = attach(
+                config.autoscale, pools, directory, slo_ttft=config.slo_ttft, slo_tpot=config.slo_tpot,
+                max_num_seqs=specs[0].engine.scheduler.max_num_seqs,
+                on_change=lambda what: print(f"pdserve up: autoscale: {what}", file=sys.stderr, flush=True))
+        app, backend = build_app(directory, settings, model, policy, wrap_backend=wrap_backend)
         scheme_host = f"http://{config.host}:{config.port}"
 
         def ready() -> None:
             print(f"pdserve up: serving {model.name} at {scheme_host}/v1 ({total} workers, {config.mode}, "
                   f"policy {config.policy}); Ctrl-C to stop", file=sys.stderr, flush=True)
 
-        serve_router(app, backend, settings, on_ready=ready)
+        serve_router(app, backend, settings, on_ready=ready, background=background)
     except KeyboardInterrupt:
         pass
     except ClusterStartError as e:
