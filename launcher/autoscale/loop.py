@@ -191,6 +191,11 @@ class Autoscaler:
         if name is None:
             self._ended(f"no {decision.pool} worker to remove")
             return
+        await self.drain_and_remove(name)
+
+    async def drain_and_remove(self, name: str) -> None:
+        """Drains `name` (placement skips it), waits until it is empty for EMPTY_POLLS polls in
+        a row, then removes it; undrains it instead when that takes over `drain_timeout_s`."""
         self.resizer.drain(name)
         worker = self.backend.pool.workers.get(name)
         if worker is not None:
