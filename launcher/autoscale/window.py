@@ -20,6 +20,7 @@ from typing import Any
 @dataclass(frozen=True)
 class Finished:
     at: float  # when it ended (monotonic)
+    arrived: float  # when it arrived
     ttft_s: float | None  # None: it failed before a first token
     tpot_s: float | None  # None: one token, or failed
     failed: bool = False
@@ -49,8 +50,10 @@ class RequestWindow:
         self.arrivals.append(self.clock())
         self._trim()
 
-    def finish(self, ttft_s: float | None, tpot_s: float | None, failed: bool = False) -> None:
-        self.finished.append(Finished(self.clock(), ttft_s, tpot_s, failed))
+    def finish(self, ttft_s: float | None, tpot_s: float | None, failed: bool = False,
+               arrived: float | None = None) -> None:
+        now = self.clock()
+        self.finished.append(Finished(now, now if arrived is None else arrived, ttft_s, tpot_s, failed))
         self.failures += failed
         self._trim()
 
@@ -69,8 +72,9 @@ class RequestWindow:
         return sum(1 for t in self.arrivals if t >= since) / (now - since)
 
     def attainment(self, since: float) -> Attainment:
-        """Over the requests that ended at or after `since` (1.0 each when there are none)."""
-        done = [f for f in self.finished if f.at >= since]
+        """Over the requests that arrived at or after `since` and have ended (1.0 each when there
+        are none): after a change, only requests that met the new pools count."""
+        done = [f for f in self.finished if f.arrived >= since]
         if not done:
             return Attainment(0, 1.0, 1.0, 1.0)
         ttft_ok = [not f.failed and self._ttft_ok(f) for f in done]
@@ -116,10 +120,10 @@ class ObservedBackend:
                     ended = True
                     window.finish(first - arrival if first is not None else None,
                                   (last - first) / (tokens - 1) if first is not None and last is not None and tokens > 1
-                                  else None)
+                                  else None, arrived=arrival)
                 yield output
         except Exception:
             if not ended:
-                window.finish(first - arrival if first is not None else None, None, failed=True)
+                window.finish(first - arrival if first is not None else None, None, failed=True, arrived=arrival)
                 ended = True
             raise
