@@ -95,6 +95,14 @@ def pool_specs(config: UpConfig, gpus_in_cluster: float, cluster_token: str | No
     ]
 
 
+def _policy_slos(config: UpConfig) -> dict:
+    """The SLOs the placement policy gets: all given, except that with --autoscale they are the
+    autoscaler's, and a policy that does not use them (all but network-aware) gets none."""
+    if config.autoscale is not None and config.policy != "network-aware":
+        return {"slo_ttft": None, "slo_tpot": None}
+    return {"slo_ttft": config.slo_ttft, "slo_tpot": config.slo_tpot}
+
+
 def check_listen(host: str, port: int, flag: str = "--port") -> None:
     """ValueError naming `flag` when host:port cannot be listened on (in use, bad host)."""
     try:
@@ -182,8 +190,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
                               host=config.host, port=config.port, api_key=config.api_key,
                               kv_deadline_s=config.kv_deadline_s, worker_wait_s=config.worker_wait_s,
                               max_tokens_default=config.max_tokens_default, log_level=log_level.lower(),
-                              topology=config.topology, profile=config.profile, slo_ttft=config.slo_ttft,
-                              slo_tpot=config.slo_tpot, admission_control=config.admission_control,
+                              topology=config.topology, profile=config.profile, **_policy_slos(config), admission_control=config.admission_control,
                               calibrate=not config.no_calibration, graceful_shutdown_s=ROUTER_DRAIN_S, cluster_token=cluster_token)
     policy = make_router_policy(settings)
 
