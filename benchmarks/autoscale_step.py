@@ -204,15 +204,22 @@ async def run_load(args, url: str) -> tuple[list[dict], list[dict], float]:
 
 
 def attainment_series(requests: list[dict], args, until: float, step: float = 2.0) -> list[tuple[float, float | None]]:
-    def ok(r):
-        return (r["status"] == "ok" and r["ttft"] is not None and r["ttft"] <= args.slo_ttft
-                and (r["tpot"] is None or r["tpot"] <= args.slo_tpot))
+    """At each t: over the requests that arrived in the last window_s and whose outcome is known
+    by t (the router's rule, launcher.autoscale.window): ended, or past the TTFT SLO without a
+    first token by then. None when there are none."""
+    def verdict(r) -> tuple[float, bool]:
+        """(when it is known, met both SLOs)"""
+        end = r.get("end", r["arrival"] + 1e9)
+        if r["status"] != "ok" or r["ttft"] is None or r["ttft"] > args.slo_ttft:
+            return min(end, r["arrival"] + args.slo_ttft), False
+        return end, r["tpot"] is None or r["tpot"] <= args.slo_tpot
 
+    judged = [(r["arrival"], *verdict(r)) for r in requests]
     out = []
     t = step
     while t <= until:
-        done = [r for r in requests if t - args.window_s <= r["arrival"] and r.get("end", 1e18) <= t]
-        out.append((t, sum(map(ok, done)) / len(done) if done else None))
+        done = [ok for arrival, known, ok in judged if t - args.window_s <= arrival and known <= t]
+        out.append((t, sum(done) / len(done) if done else None))
         t += step
     return out
 
@@ -220,8 +227,9 @@ def attainment_series(requests: list[dict], args, until: float, step: float = 2.
 def summarize(requests, samples, series, args) -> dict:
     phases = [float(x) for x in args.phases.split(",")]
     up_at, down_at = phases[0], phases[0] + phases[1]
-    recovered = next((t for t, a in series if t > up_at + args.window_s / 2 and t <= down_at and a is not None
-                      and a >= 0.9), None)
+    high = [(t, a) for t, a in series if up_at < t <= down_at and a is not None]
+    # from when on it stays at or above 0.9 until the step down
+    recovered = next((t for i, (t, a) in enumerate(high) if all(b >= 0.9 for _, b in high[i:])), None)
     dipped = any(a is not None and a < 0.9 for t, a in series if up_at < t <= down_at)
     back = next((s["t"] for s in samples if s["t"] >= down_at and sum(s["workers"].values()) <= 2
                  and not sum(s["draining"].values())), None)

@@ -6,6 +6,11 @@ arrival; one that ends is a finished request, with its TTFT (arrival at the back
 first token) and TPOT (mean time between the later tokens); one that raises (503, 429, a
 worker error past its retries) is a failure, which misses the SLOs. A request the client
 abandons counts for neither. Everything else is delegated to the wrapped backend.
+
+A request still running counts as soon as it can no longer meet the SLO: no first token past
+the TTFT SLO, a first token that came late, or a running TPOT over the SLO after
+`LIVE_TPOT_TOKENS` tokens. Otherwise an overloaded cluster, whose requests take longer than
+the window, would show no finished requests and so no misses.
 """
 
 from __future__ import annotations
@@ -15,6 +20,17 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
+
+
+LIVE_TPOT_TOKENS = 5
+
+
+@dataclass
+class Live:
+    arrived: float
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,7 @@ class RequestWindow:
         self.arrivals: deque[float] = deque()
         self.finished: deque[Finished] = deque()
         self.failures = 0  # since the start
+        self.live: dict[int, Live] = {}  # requests running now
 
     def arrive(self) -> None:
         self.arrivals.append(self.clock())
@@ -72,9 +89,21 @@ class RequestWindow:
         return sum(1 for t in self.arrivals if t >= since) / (now - since)
 
     def attainment(self, since: float) -> Attainment:
-        """Over the requests that arrived at or after `since` and have ended (1.0 each when there
-        are none): after a change, only requests that met the new pools count."""
+        """Over the requests that arrived at or after `since` and have ended, or already missed
+        while running (1.0 each when there are none): after a change, only requests that met the
+        new pools count."""
         done = [f for f in self.finished if f.arrived >= since]
+        now = self.clock()
+        for live in self.live.values():
+            if live.arrived < since:
+                continue
+            ttft = (live.first if live.first is not None else now) - live.arrived
+            late = self.slo_ttft is not None and ttft > self.slo_ttft
+            slow = (self.slo_tpot is not None and live.tokens >= LIVE_TPOT_TOKENS
+                    and (live.last - live.first) / (live.tokens - 1) > self.slo_tpot)
+            if late or slow:
+                done.append(Finished(now, live.arrived, ttft if late else 0.0,
+                                     (live.last - live.first) / (live.tokens - 1) if slow else None))
         if not done:
             return Attainment(0, 1.0, 1.0, 1.0)
         ttft_ok = [not f.failed and self._ttft_ok(f) for f in done]
@@ -109,6 +138,8 @@ class ObservedBackend:
         last: float | None = None
         tokens = 0
         ended = False
+        live = Live(arrival)
+        window.live[id(live)] = live
         try:
             async for output in self._backend.generate(request_id, prompt_token_ids, params):
                 if output.new_token_ids:
@@ -116,6 +147,9 @@ class ObservedBackend:
                     if first is None:
                         first = last
                     tokens += len(output.new_token_ids)
+                    live.first, live.last, live.tokens = first, last, tokens
+                if output.finished:
+                    window.live.pop(id(live), None)
                 if output.finished and output.finish_reason != "abort":
                     ended = True
                     window.finish(first - arrival if first is not None else None,
@@ -127,3 +161,5 @@ class ObservedBackend:
                 window.finish(first - arrival if first is not None else None, None, failed=True, arrived=arrival)
                 ended = True
             raise
+        finally:
+            window.live.pop(id(live), None)

@@ -81,4 +81,21 @@ def test_observed_backend_records_ttft_tpot_and_failures():
     assert window.finished[-1].failed and window.failures == 1
     run(FakeBackend(clock, finish_reason="abort"), window)  # the client went away: not counted
     assert len(window.finished) == 2 and len(window.arrivals) == 3
-    assert window.attainment(0).attainment == pytest.approx(0.5)
+    assert window.attainment(0).attainment == pytest.approx(0.5) and not window.live
+
+
+def test_running_requests_count_once_they_have_missed():
+    clock = Clock()
+    w = RequestWindow(slo_ttft=1.0, slo_tpot=0.1, clock=clock)
+    from launcher.autoscale.window import Live
+
+    w.live[1] = Live(arrived=clock.t)  # no first token yet
+    w.live[2] = Live(arrived=clock.t, first=clock.t + 0.2, last=clock.t + 1.0, tokens=5)  # 0.2 s per token
+    w.live[3] = Live(arrived=clock.t, first=clock.t + 0.2, last=clock.t + 0.4, tokens=5)  # on time
+    clock.t += 0.5
+    a = w.attainment(0)
+    assert (a.finished, a.attainment, a.tpot) == (1, 0.0, 0.0)  # only the slow decode so far
+    clock.t += 1.0  # request 1 is now past the TTFT SLO without a first token
+    a = w.attainment(0)
+    assert (a.finished, a.attainment, a.ttft, a.tpot) == (2, 0.0, 0.5, 0.5)
+    assert w.attainment(clock.t).finished == 0  # arrived before `since`: not counted
