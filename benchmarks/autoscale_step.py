@@ -53,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cooldown-s", type=float, default=10.0)
     p.add_argument("--worker-cpus", type=float, default=0.25)
     p.add_argument("--kv-cache-gib", type=float, default=0.3, help="per worker (a small cache turns load into 429s)")
+    p.add_argument("--settle-s", type=float, default=180.0, help="after the load, wait this long at most for "
+                                                                  "the pools to be back at 1P+1D")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "autoscale_step.json"))
     p.add_argument("--plot", default=os.path.join(REPO, "docs", "autoscale.png"))
@@ -126,6 +128,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
         async with client.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
             if r.status_code != 200:
                 rec["status"] = f"http {r.status_code}"
+                rec["end"] = time.monotonic() - t0
                 return rec
             done = False
             async for line in r.aiter_lines():
@@ -138,6 +141,7 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                 chunk = json.loads(data)
                 if "error" in chunk:
                     rec["status"] = "error: " + str(chunk["error"].get("message", ""))[:80]
+                    rec["end"] = time.monotonic() - t0
                     return rec
                 now = time.monotonic()
                 if chunk["choices"] and chunk["choices"][0].get("text") is not None:
@@ -194,9 +198,10 @@ async def run_load(args, url: str) -> tuple[list[dict], list[dict], float]:
             start += duration
             await asyncio.sleep(max(0.0, start - (time.monotonic() - t0)))
         requests = await asyncio.gather(*tasks)
-        # watch the pools settle after the last request (extra workers leave)
-        settle_until = time.monotonic() + 30
-        while time.monotonic() < settle_until and samples and sum(samples[-1]["workers"].values()) > 2:
+        # watch the pools settle after the last request (extra workers leave), up to settle_s
+        settle_until = time.monotonic() + args.settle_s
+        while time.monotonic() < settle_until and samples and (
+                sum(samples[-1]["workers"].values()) > 2 or sum(samples[-1]["draining"].values())):
             await asyncio.sleep(1)
         stop.set()
         await sampling
@@ -235,10 +240,12 @@ def summarize(requests, samples, series, args) -> dict:
                  and not sum(s["draining"].values())), None)
     peak = max((sum(s["workers"].values()) for s in samples), default=0)
     failed = [r for r in requests if r["status"] != "ok"]
+    first_drain = next((s["t"] for s in samples if sum(s["draining"].values())), float("inf"))
     return {
         "requests": len(requests), "failed": len(failed), "failures": sorted({r["status"] for r in failed}),
-        # in flight at the step down or sent after it: what a scale-down could cut
-        "failed_through_scale_down": sum(r.get("end", 1e18) >= down_at for r in failed),
+        # ended after the first drain began: what a scale-down could have cut
+        "failed_through_scale_down": sum(r.get("end", 1e18) >= first_drain for r in failed),
+        "first_drain_at_s": None if first_drain == float("inf") else round(first_drain, 1),
         "peak_workers": peak, "attainment_dipped_below_0.9": dipped,
         "attainment_back_above_0.9_s_after_step_up": None if recovered is None else round(recovered - up_at, 1),
         "pools_back_to_1p1d_s_after_step_down": None if back is None else round(back - down_at, 1),

@@ -208,6 +208,11 @@ class Autoscaler:
             if worker is None:
                 break
             empty = empty + 1 if worker.is_empty else 0
+            if int(self.clock() - start) % 30 == 0 and not worker.is_empty:
+                st = worker.stats
+                logger.info("autoscale: %s drains: %d in flight, %s", name, worker.num_inflight,
+                            "no stats" if st is None else f"{st.num_waiting} waiting, {st.num_running} running, "
+                            f"{st.num_held} held, {st.num_awaiting_kv} awaiting KV")
             if self.clock() - start > self.config.drain_timeout_s:
                 self.resizer.undrain(name)
                 worker.draining = False
