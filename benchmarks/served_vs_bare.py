@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -36,10 +35,8 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_serving import Cluster, log  # noqa: E402
 
 
 def free_port() -> int:
@@ -64,57 +61,21 @@ def metric_total(url: str, name: str) -> float:
     return total
 
 
-class Server:
-    """A `pdserve up` in its own process group, stopped with SIGINT (then SIGKILL)."""
+class Server(Cluster):
+    """`pdserve up` (gpu_serving.Cluster: its own process group, SIGINT then SIGKILL) with this
+    benchmark's model and device, logging to OUT/server-LABEL.log."""
 
     def __init__(self, args: argparse.Namespace, extra: list[str], label: str, out_dir: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.logfile = os.path.join(out_dir, f"server-{label}.log")
-        cmd = [sys.executable, "-m", "launcher.cli", "up", "--model", args.model, "--device", args.device,
-               "--host", "127.0.0.1", "--port", str(self.port), "--startup-timeout-s", str(args.startup_timeout),
-               *extra]
-        log(f"{label}: " + " ".join(cmd[2:]))
-        self._log = open(self.logfile, "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        t0 = time.monotonic()
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve up exited with {self.proc.returncode}: {self.tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() - t0 > args.startup_timeout:
-                self.stop()
-                raise TimeoutError(f"pdserve up not ready within {args.startup_timeout:.0f}s: {self.tail()}")
-            time.sleep(1.0)
-        self.startup_s = time.monotonic() - t0
-        log(f"{label}: ready after {self.startup_s:.1f}s")
+        log(f"{label}: pdserve up {' '.join(extra)}")
+        super().__init__(["--model", args.model, "--device", args.device, "--host", "127.0.0.1",
+                          "--startup-timeout-s", str(args.startup_timeout), *extra],
+                         free_port(), self.logfile, args.startup_timeout)
 
     def chosen(self) -> list[str]:
         """The lines where `pdserve up` says which engine settings it chose."""
         with open(self.logfile) as f:
             return [line.strip() for line in f if "engine:" in line and "max_num_batched_tokens" in line]
-
-    def tail(self, n: int = 15) -> str:
-        with open(self.logfile) as f:
-            return "\n  ".join([""] + f.read().splitlines()[-n:])
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
 
 
 def loadgen(url: str, args: argparse.Namespace, seed: int) -> dict:

@@ -4,15 +4,22 @@ Engine layout: per layer a K pool and a V pool, each a contiguous tensor
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Two workers may exchange KV only
 if their layouts match (``num_blocks`` may differ; it is not part of the layout).
 
-Wire format (little endian, ``WIRE_VERSION`` 2). Every message starts with a fixed
+Tensor parallelism: a worker at TP > 1 holds its KV heads on several ranks; each rank's pools
+are one endpoint's, and ``kv_head_start`` / ``kv_heads_total`` say which heads of the model
+they hold (``[kv_head_start, kv_head_start + num_kv_heads)`` of ``kv_heads_total``; a TP=1
+worker holds ``[0, num_kv_heads)`` of ``num_kv_heads``). Both are part of the layout and of its
+fingerprint: a sender whose pieces gather other heads than the receiver holds refuses to pair.
+
+Wire format (little endian, ``WIRE_VERSION`` 3). Every message starts with a fixed
 48-byte header::
 
     magic u32 | version u16 | kind u16 | transfer_key u64 | layer u32 | num_blocks u32
     | num_bytes u64 | fingerprint u64 | status u32 | layers u32
 
 - HELLO / HELLO_OK / HELLO_REJECT (handshake, first message each way on a new
-  connection): header followed by the 32-byte layout descriptor
-  ``num_layers u32 | block_size u32 | num_kv_heads u32 | head_dim u32 | dtype 16s``.
+  connection): header followed by the 40-byte layout descriptor
+  ``num_layers u32 | block_size u32 | num_kv_heads u32 | head_dim u32 | dtype 16s
+  | kv_head_start u32 | kv_heads_total u32`` (v3; v2's had no head range).
   A transport may append data to HELLO_OK (UCX: the receiver's worker address, its
   length in ``num_bytes``, and the data-path tag in ``transfer_key``). UCX also appends the
   sender's pool descriptor to HELLO (``kvtransfer.ipc``, may be empty); a HELLO_OK with
@@ -33,6 +40,7 @@ Wire format (little endian, ``WIRE_VERSION`` 2). Every message starts with a fix
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import struct
@@ -44,12 +52,12 @@ import torch
 from kvtransfer.errors import KVTransferError
 
 WIRE_MAGIC = 0x3158564B  # b"KVX1" read as little-endian u32
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 _HEADER = struct.Struct("<IHHQIIQQII")
-_LAYOUT = struct.Struct("<IIII16s")
+_LAYOUT = struct.Struct("<IIII16sII")
 HEADER_BYTES = _HEADER.size  # 48
-LAYOUT_BYTES = _LAYOUT.size  # 32
+LAYOUT_BYTES = _LAYOUT.size  # 40
 BLOCK_ID_BYTES = 4
 MAX_BLOCKS_PER_MESSAGE = 1 << 16
 
@@ -101,6 +109,8 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    kv_head_start: int = 0  # tensor parallelism: the first of the model's KV heads these pools hold
+    kv_heads_total: int = 0  # the model's KV heads (0: num_kv_heads, the pools hold them all)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "block_size", "num_kv_heads", "head_dim"):
@@ -109,11 +119,34 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(_DTYPES)}")
+        if self.kv_heads_total == 0:
+            object.__setattr__(self, "kv_heads_total", self.num_kv_heads)
+        if not (isinstance(self.kv_head_start, int) and 0 <= self.kv_head_start
+                and self.kv_head_start + self.num_kv_heads <= self.kv_heads_total):
+            raise ValueError(f"KVLayout: KV heads [{self.kv_head_start}, {self.kv_head_start + self.num_kv_heads}) "
+                             f"outside the model's {self.kv_heads_total}")
+
+    @property
+    def kv_heads(self) -> tuple[int, int]:
+        """[start, end) of the model's KV heads these pools hold."""
+        return self.kv_head_start, self.kv_head_start + self.num_kv_heads
+
+    def with_heads(self, start: int, total: int) -> KVLayout:
+        """This layout as the pools of KV heads [start, start + num_kv_heads) of `total`."""
+        return dataclasses.replace(self, kv_head_start=start, kv_heads_total=total)
+
+    def whole(self) -> KVLayout:
+        """The layout of the model's every KV head (a TP=1 worker's)."""
+        return dataclasses.replace(self, num_kv_heads=self.kv_heads_total, kv_head_start=0)
 
     @classmethod
     def from_caches(cls, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> KVLayout:
         """Layout of ``kv_caches``: per layer ``(K, V)``, each ``[num_blocks, block_size,
-        num_kv_heads, head_dim]``, contiguous, one dtype and device for all."""
+        num_kv_heads, head_dim]``, contiguous, one dtype and device for all. Pools that say
+        which heads they hold (``kvtransfer.shards.HeadShards``) give their own layout."""
+        own = getattr(kv_caches, "layout", None)
+        if isinstance(own, KVLayout):
+            return own
         if len(kv_caches) == 0:
             raise ValueError("kv_caches is empty")
         first_k = kv_caches[0][0]
@@ -161,6 +194,8 @@ class KVLayout:
     def fingerprint(self) -> int:
         """64-bit digest of the layout; equal layouts give equal fingerprints."""
         text = f"{self.num_layers}|{self.block_size}|{self.num_kv_heads}|{self.head_dim}|{self.dtype}"
+        if self.kv_heads != (0, self.kv_heads_total):  # a TP rank's share: TP=1 fingerprints are unchanged
+            text += f"|heads {self.kv_head_start}+{self.num_kv_heads} of {self.kv_heads_total}"
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
 
 
@@ -218,16 +253,17 @@ def unpack_header(buf, expected_fingerprint: int | None = None, check_version: b
 
 
 def pack_layout(layout: KVLayout) -> bytes:
-    return _LAYOUT.pack(layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype.encode())
+    return _LAYOUT.pack(layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype.encode(),
+                        layout.kv_head_start, layout.kv_heads_total)
 
 
 def unpack_layout(buf) -> KVLayout:
     view = memoryview(buf).cast("B")
     if view.nbytes < LAYOUT_BYTES:
         raise KVTransferError(f"short KV layout descriptor: {view.nbytes} bytes, need {LAYOUT_BYTES}")
-    num_layers, block_size, heads, head_dim, dtype = _LAYOUT.unpack_from(view)
+    num_layers, block_size, heads, head_dim, dtype, start, total = _LAYOUT.unpack_from(view)
     try:
-        return KVLayout(num_layers, block_size, heads, head_dim, dtype.rstrip(b"\0").decode())
+        return KVLayout(num_layers, block_size, heads, head_dim, dtype.rstrip(b"\0").decode(), start, total)
     except (ValueError, UnicodeDecodeError) as e:
         raise KVTransferError(f"peer sent an invalid KV layout: {e}") from None
 
@@ -245,5 +281,9 @@ def check_handshake(local: KVLayout, header: WireHeader, peer: KVLayout) -> None
     """Raise KVTransferError naming what differs between this side and the peer."""
     if header.version != WIRE_VERSION:
         raise KVTransferError(f"KV wire version mismatch: peer speaks {header.version}, this process speaks {WIRE_VERSION}")
+    if peer.kv_heads != local.kv_heads or peer.kv_heads_total != local.kv_heads_total:
+        raise KVTransferError(
+            f"KV tensor-parallel layout mismatch: peer holds KV heads [{peer.kv_heads[0]}, {peer.kv_heads[1]}) of "
+            f"{peer.kv_heads_total}, this side [{local.kv_heads[0]}, {local.kv_heads[1]}) of {local.kv_heads_total}")
     if peer != local or header.fingerprint != local.fingerprint:
         raise KVTransferError(f"KV layout mismatch: peer {peer}, local {local}")

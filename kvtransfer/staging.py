@@ -41,7 +41,10 @@ def _indexable(pool: torch.Tensor) -> torch.Tensor:
 def gather_layer(kv_caches: KVCaches, layer: int, src_index: torch.Tensor,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy blocks ``src_index`` of ``layer`` into ``[2, n, *block_shape]``: ``out`` (flat
-    uint8 of the right size, reused memory) or a new tensor."""
+    uint8 of the right size, reused memory) or a new tensor. Pools made of several ranks'
+    heads (``kvtransfer.shards.HeadShards``) gather their pieces."""
+    if getattr(kv_caches, "whole", True) is False:
+        return kv_caches.gather_layer(layer, src_index, out)
     k_pool, v_pool = (_indexable(p) for p in kv_caches[layer])
     shape = (2, src_index.numel(), *k_pool.shape[1:])
     if out is None:
@@ -75,7 +78,10 @@ class HostBuffers:
 def stacked_pools(kv_caches: KVCaches) -> torch.Tensor | None:
     """``[num_layers, 2, num_blocks, *block_shape]`` over the pools when they are views of
     one allocation in that order (the engine allocates them so), else None. Then a message of
-    several layers is gathered or scattered in one op instead of two per layer."""
+    several layers is gathered or scattered in one op instead of two per layer. None for pools
+    made of several ranks' heads (``kvtransfer.shards.HeadShards``)."""
+    if getattr(kv_caches, "whole", True) is False:
+        return None
     k0 = kv_caches[0][0]
     numel = k0.numel()
     step = numel * k0.element_size()

@@ -11,7 +11,7 @@ import time
 from launcher.token_args import add_cluster_token_arg, cluster_token
 from launcher.workers import add_worker_args
 from pdserve.engine_args import ENGINE_DEFAULTS, add_engine_args, engine_config, engine_kwargs, float_arg, int_arg
-from pdserve.engine_args import add_tensor_parallel_arg
+from pdserve.engine_args import add_tensor_parallel_arg, positive_int_arg
 
 __all__ = ["ENGINE_DEFAULTS", "add_engine_args", "build_parser", "engine_config", "engine_kwargs", "main"]
 
@@ -108,6 +108,10 @@ def cmd_router(args: argparse.Namespace) -> int:
         raise CliError(f"--max-model-len must be > 0, got {args.max_model_len}")
     if args.max_tokens_default is not None and args.max_tokens_default < 1:
         raise CliError(f"--max-tokens-default must be >= 1, got {args.max_tokens_default}")
+    if args.max_queued_requests < 1:
+        raise CliError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
+    if not 0 < args.queue_timeout_s < float("inf"):
+        raise CliError(f"--queue-timeout-s must be > 0, got {args.queue_timeout_s}")
     settings = RouterSettings(model=args.model, tokenizer=args.tokenizer, served_model_name=args.served_model_name,
                               max_model_len=args.max_model_len, policy=args.policy, mode=args.mode,
                               host=args.host, port=args.port, api_key=args.api_key,
@@ -115,7 +119,9 @@ def cmd_router(args: argparse.Namespace) -> int:
                               topology=args.topology, profile=args.profile, slo_ttft=args.slo_ttft,
                               slo_tpot=args.slo_tpot, admission_control=args.admission_control,
                               calibrate=not args.no_calibration, worker_wait_s=args.worker_wait_s,
-                              max_tokens_default=args.max_tokens_default, cluster_token=cluster_token(args))
+                              max_tokens_default=args.max_tokens_default, usage_timing=args.usage_timing,
+                              cluster_token=cluster_token(args),
+                              max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s)
     return run_router(args.worker, settings)
 
 
@@ -189,6 +195,13 @@ def _add_up_args(u: argparse.ArgumentParser) -> None:
     g.add_argument("--placement-strategy", default=S, help="placement group strategy per pool: PACK (default), "
                                                           "SPREAD, STRICT_PACK, STRICT_SPREAD")
     g.add_argument("--kv-backend", default=S, help="KV transfer backend (default ucx)")
+    g.add_argument("-tp", "--tensor-parallel-size", type=positive_int_arg("--tensor-parallel-size"), default=S,
+                   metavar="N", help="ranks per worker, every pool (default 1): one worker to the router, N GPUs "
+                                     "(or N CPU processes) on one node")
+    g.add_argument("--prefill-tp", type=positive_int_arg("--prefill-tp"), default=S, metavar="N",
+                   help="ranks per prefill worker (default --tensor-parallel-size)")
+    g.add_argument("--decode-tp", type=positive_int_arg("--decode-tp"), default=S, metavar="N",
+                   help="ranks per decode worker (default --tensor-parallel-size)")
     r = u.add_argument_group("ray")
     r.add_argument("--address", default=S, help="Ray cluster to join (auto, ray://host:10001); "
                                                 "default: start a local Ray")
@@ -226,6 +239,16 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
                    help="max_tokens of a request that gives none, on both endpoints (the room left in the context "
                         "still bounds it). Default: OpenAI's, 16 for /v1/completions and for chat the rest of the "
                         "context, which on a CPU can take minutes")
+    p.add_argument("--max-queued-requests", type=int_arg("--max-queued-requests"), default=d(1024),
+                   help="requests waiting for their first token (e.g. for KV blocks in a burst) beyond "
+                        "this get 429 with Retry-After (default 1024)")
+    p.add_argument("--queue-timeout-s", type=float_arg("--queue-timeout-s"), default=d(600.0),
+                   help="a request without its first token after this long gets 503 with Retry-After "
+                        "(default 600)")
+    p.add_argument("--usage-timing", action="store_true", default=d(False),
+                   help="add usage.pdserve_timing (where each request's time went) to every response; without "
+                        "it only requests that ask for it get it (header x-pdserve-timing: 1 or "
+                        "\"pdserve_timing\": true in the body)")
     p.add_argument("--topology", default=d(None), metavar="FILE",
                    help="YAML of nodes, workers and links (Gbit/s, latency) for placement")
     p.add_argument("--profile", default=d(None), metavar="FILE",

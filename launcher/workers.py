@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from launcher.token_args import add_cluster_token_arg, cluster_token
-from pdserve.engine_args import int_arg
+from pdserve.engine_args import add_tensor_parallel_arg, int_arg
 
 if TYPE_CHECKING:
     from pdserve.config import EngineConfig
@@ -53,6 +53,9 @@ class WorkerSpec:
     kv_host: str | None = None  # KV listen host; None: host
     moves_kv: bool = False  # a mixed worker that also sends and receives KV (hybrid)
     kv_pacing: str | None = None  # a pacing spec or file:PATH (kvtransfer.pacing_spec)
+    # ranks of the worker's engine (pdserve.parallel): rank 0 serves the gRPC and the KV plane and
+    # starts ranks 1..N-1 as local processes (same node by construction); the router sees one worker
+    tensor_parallel_size: int = 1
     cluster_token: str | None = field(default=None, repr=False)
 
     model: str | None = None  # --model (None: the CLI's default, or one in engine_args)
@@ -64,6 +67,9 @@ class WorkerSpec:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"worker role must be one of {ROLES}, got {self.role!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"--tensor-parallel-size must be a positive integer, got {tp!r}")
 
 
 def default_worker_id(role: str, port: int) -> str:
@@ -89,6 +95,8 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
         flags += ["--moves-kv"]
     if spec.kv_pacing is not None:
         flags += ["--kv-pacing", spec.kv_pacing]
+    if spec.tensor_parallel_size != 1:
+        flags += ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
     return [spec.python, "-m", WORKER_MODULE, "worker", *flags, *spec.engine_args]
 
 
@@ -122,6 +130,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="pace this worker's KV sends per destination: a pacing spec (e.g. "
                         "'10.0.0.3=1,default=10', kvtransfer.pacing_spec) or file:PATH of a file holding one, "
                         "re-read when it changes")
+    add_tensor_parallel_arg(p)
     add_cluster_token_arg(p)
 
 
@@ -135,7 +144,8 @@ def spec_from_args(args: argparse.Namespace) -> WorkerSpec:
         check_pacing(args.kv_pacing)
     return WorkerSpec(role=args.role, worker_id=args.worker_id, host=args.host, port=args.port,
                       kv_backend=args.kv_backend, kv_host=args.kv_host, moves_kv=args.moves_kv,
-                      kv_pacing=args.kv_pacing, cluster_token=cluster_token(args))
+                      kv_pacing=args.kv_pacing, tensor_parallel_size=args.tensor_parallel_size,
+                      cluster_token=cluster_token(args))
 
 
 def check_pacing(text: str) -> None:
@@ -152,9 +162,15 @@ def check_pacing(text: str) -> None:
 
 
 def worker_config(spec: WorkerSpec, engine: EngineConfig) -> WorkerConfig:
-    """The `WorkerConfig` a worker serves with (in its own process or in a Ray actor)."""
+    """The `WorkerConfig` a worker serves with (in its own process or in a Ray actor); the
+    spec's tensor-parallel size is the engine's."""
+    import dataclasses
+
     from kvtransfer.pacing_spec import PACER_OPTION
     from pdserve.worker.server import WorkerConfig
+
+    if engine.tensor_parallel_size != spec.tensor_parallel_size:
+        engine = dataclasses.replace(engine, tensor_parallel_size=spec.tensor_parallel_size)
 
     return WorkerConfig(
         worker_id=spec.worker_id or default_worker_id(spec.role, spec.port), role=spec.role, engine=engine,
@@ -169,11 +185,17 @@ def ray_actor(spec: WorkerSpec, engine: EngineConfig, *, namespace: str, num_cpu
               resources: Mapping[str, float], scheduling_strategy: Any) -> tuple[dict[str, Any], tuple]:
     """(options for ``ray.remote(WorkerActor).options(...)``, arguments for its ``.remote(...)``) of
     a pool worker named ``spec.worker_id``. Ray restarts it when it dies; a GPU worker sees every
-    GPU of its node (``NOSET_VISIBLE_ENV``), for CUDA IPC between workers."""
+    GPU of its node (``NOSET_VISIBLE_ENV``), for CUDA IPC between workers.
+
+    `num_cpus` and `num_gpus` are per rank: a worker at tensor-parallel size N is one actor that
+    asks for N times them (one Ray resource request, so one node) and starts its ranks 1..N-1 as
+    local processes; Ray then masks CUDA_VISIBLE_DEVICES to its N GPUs, which rank r uses as
+    cuda:r."""
     if spec.worker_id is None:
         raise ValueError("a Ray worker needs its actor name as worker_id")
+    tp = spec.tensor_parallel_size
     options = dict(name=spec.worker_id, namespace=namespace, lifetime=None, max_restarts=-1, max_task_retries=0,
-                   num_cpus=num_cpus, num_gpus=num_gpus, resources=dict(resources),
-                   runtime_env={"env_vars": {NOSET_VISIBLE_ENV: "1"}} if num_gpus else None,
+                   num_cpus=num_cpus * tp, num_gpus=num_gpus * tp, resources=dict(resources),
+                   runtime_env={"env_vars": {NOSET_VISIBLE_ENV: "1"}} if num_gpus and tp == 1 else None,
                    scheduling_strategy=scheduling_strategy)
     return options, (worker_config(spec, engine),)

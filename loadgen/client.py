@@ -4,7 +4,9 @@ Each request is sent with `stream: true` and `stream_options: {include_usage: tr
 client records the arrival time of every SSE chunk that carries output text, the final
 `usage` counts (falling back to the number of text chunks when the server sends none),
 the HTTP status, and any error. Optional `x-pdserve-kv-bytes` / `x-pdserve-kv-seconds`
-response headers are recorded when present.
+response headers are recorded when present. Each request asks a pdserve router for its timing
+(header `x-pdserve-timing: 1`, which other servers ignore); `usage.pdserve_timing`, when it
+comes, breaks the TTFT down (`loadgen.metrics.server_breakdown`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from loadgen.records import RequestRecord
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 KV_BYTES_HEADER = "x-pdserve-kv-bytes"
 KV_SECONDS_HEADER = "x-pdserve-kv-seconds"
+TIMING_HEADER = "x-pdserve-timing"  # asks a pdserve router for usage.pdserve_timing
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ class StreamingClient:
         record.prompt_tokens_est = spec.prompt_tokens_est
         record.max_tokens = spec.max_tokens
         record.group = spec.group
-        headers = self.cfg.headers() | {"X-Request-Id": record.request_id}
+        headers = self.cfg.headers() | {"X-Request-Id": record.request_id, TIMING_HEADER: "1"}
         start = time.perf_counter()
         record.sent_s = start - t0
         usage = None

@@ -83,6 +83,8 @@ class LLMEngine:
         if config.seed is not None:
             torch.manual_seed(config.seed)
         self.tp_group = None  # pdserve.parallel.local.LocalTPGroup: ranks 1..N-1 (TP > 1)
+        # every rank's KV pools, rank 0's first (TP > 1 in the prefill and decode roles: the KV plane's)
+        self.rank_kv_caches: list | None = None
         if config.tensor_parallel_size == 1:
             self.runner = ModelRunner(self.model_config, source.iter_weights(self.device), config.cache,
                                       self.device, self.dtype, config.seed)
@@ -120,15 +122,17 @@ class LLMEngine:
         config, size = self.config, self.config.tensor_parallel_size
         num_gpus = torch.cuda.device_count() if self.device.type == "cuda" else None
         check_tensor_parallel(self.model_config, size, device_type=self.device.type, num_gpus=num_gpus)
-        if config.scheduler.role != "mixed":
-            raise ValueError(f"{TP_FLAG} {size} needs role mixed: the KV plane does not ship "
-                             "tensor-parallel shards yet")
         if config.cache.compile_cpu_decode:
             raise ValueError(f"--compile (the CPU torch.compile decode) does not support {TP_FLAG} > 1")
-        self.tp_group = LocalTPGroup.start(config)
+        share_kv = config.scheduler.role != "mixed"  # its KV moves: rank 0's KV plane needs every rank's pools
+        self.tp_group = LocalTPGroup.start(config, share_kv=share_kv)
         try:
             self.device = rank_device(config, 0)
-            return load_rank_runner(config, source, self.device, self.tp_group.comm, self.tp_group.channel)
+            runner = load_rank_runner(config, source, self.device, self.tp_group.comm, self.tp_group.channel)
+            if share_kv:
+                peers = self.tp_group.peer_kv_caches()
+                self.rank_kv_caches = [runner.kv_caches] + [peers[r] for r in sorted(peers)]
+            return runner
         except RuntimeError as exc:
             self.tp_group.close()
             if isinstance(exc, TPRankError):
@@ -198,21 +202,55 @@ class LLMEngine:
         return list(self.scheduler.held[request_id].block_ids)
 
     def release(self, request_id: str) -> None:
-        """Prefill role: the KV has been handed off (or is no longer wanted)."""
+        """Prefill role: the KV has been handed off (or is no longer wanted). A request that is
+        not held (still waiting or prefilling) is left alone: `abort_request` ends it."""
         seq = self.scheduler.held.get(request_id)
         if seq is not None:
             self.scheduler.finish(seq, seq.finish_reason or "stop")
-        self.requests.pop(request_id, None)
+            self.requests.pop(request_id, None)
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
-        """Decode role: block ids where the prompt's KV, computed elsewhere, must land."""
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                on_granted: Callable[[list[int]], None] | None = None) -> list[int] | None:
+        """Decode role: block ids where the prompt's KV, computed elsewhere, must land.
+
+        Without `on_granted`, a reservation that does not fit now raises NoKVSpaceError. With
+        it, the reservation waits in line for blocks (first come, first served) and
+        `on_granted(block_ids)` runs on the engine's thread once they are reserved: at once
+        (and this returns the block ids) or at the start of a later step (this returns None).
+        `abort_request` takes a waiting reservation out of the line. A prompt that cannot fit
+        in the whole cache fails validation (ValueError) either way."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = self._new_sequence(request_id, prompt_token_ids, params)
-        if not self.block_manager.can_append(seq.table, seq.num_prompt_tokens):
-            raise NoKVSpaceError(f"not enough free KV blocks to reserve {seq.num_prompt_tokens} tokens")
+        if on_granted is None:
+            if not self.block_manager.can_append(seq.table, seq.num_prompt_tokens):
+                raise NoKVSpaceError(f"not enough free KV blocks to reserve {seq.num_prompt_tokens} tokens")
+            self.requests[request_id] = seq
+            return self.scheduler.reserve(seq, seq.num_prompt_tokens)
         self.requests[request_id] = seq
-        return self.scheduler.reserve(seq, seq.num_prompt_tokens)
+        seq.on_granted = on_granted
+        if self.scheduler.can_reserve(seq, seq.num_prompt_tokens):
+            blocks = self.scheduler.reserve(seq, seq.num_prompt_tokens)
+            self._granted(seq)
+            return blocks
+        self.scheduler.queue_reservation(seq)
+        return None
+
+    def grant_reservations(self) -> None:
+        """Reserves blocks for waiting reservations that fit now, in arrival order."""
+        if self.scheduler.pending_reservations:
+            for seq in self.scheduler.grant_reservations():
+                self._granted(seq)
+
+    def _granted(self, seq: Sequence) -> None:
+        callback, seq.on_granted = seq.on_granted, None
+        if callback is None:
+            return
+        try:
+            callback(list(seq.block_ids))
+        except Exception:
+            logger.exception("reservation callback of %s failed; the reservation is dropped", seq.request_id)
+            self.abort_request(seq.request_id)
 
     def commit(self, request_id: str, first_token_id: int) -> RequestOutput | None:
         """Decode role: the KV landed; continue from the token the prefill worker sampled.
@@ -243,6 +281,7 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         current, self._in_flight = self._in_flight, None
+        self.grant_reservations()
         if current is None:
             batch = self.scheduler.schedule()
             if not batch.seqs:
@@ -413,7 +452,7 @@ class LLMEngine:
     def stats(self) -> dict[str, float]:
         bm = self.block_manager
         return {
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": len(self.scheduler.waiting) + len(self.scheduler.pending_reservations),
             "num_running": len(self.scheduler.running),
             "num_held": len(self.scheduler.held),
             "num_awaiting_kv": len(self.scheduler.awaiting_kv),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pdserve.timing import RequestTiming, WorkerTiming
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -82,9 +84,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     # where the request's time went, set by the router's cluster backend on the finished delta
-    # (router.cluster.backend.TIMING_KEYS); from a worker's client, the worker's own part of the
-    # first token (`queue`, `prefill`, `handoff`) on the delta that carries it; None elsewhere
-    timing: dict | None = None
+    timing: RequestTiming | None = None
+    # from a worker's client: the worker's own part of the first token, on the delta that carries it
+    worker_timing: WorkerTiming | None = None
     # engine side, on the delta with the request's first output token: (time.monotonic() when a
     # step first took the prompt, when the token was ready); None on every other delta
     first_token_times: tuple[float, float] | None = None

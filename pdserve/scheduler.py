@@ -9,6 +9,11 @@ and it goes back to the front of the waiting queue.
 Roles: `mixed` runs requests to completion; `prefill` stops a request after its first token
 and holds its KV (status HELD) until `release`; `decode` also admits requests whose KV is
 already in reserved blocks (`reserve` then `commit`).
+
+A reservation that finds too few free blocks waits (`queue_reservation`) instead of failing:
+`grant_reservations` hands blocks to the waiting ones in arrival order once they are free,
+leaving one block per running request for its growth, so that a granted reservation does not
+preempt a running decode at its next block boundary.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.held: dict[str, Sequence] = {}  # prefill role: KV kept for hand-off
         self.awaiting_kv: dict[str, Sequence] = {}  # decode role: KV in flight
+        self.pending_reservations: deque[Sequence] = deque()  # decode role: waiting for blocks (FIFO)
         self.num_preemptions = 0
 
     # ---- queue management ----------------------------------------------------------------
@@ -64,7 +70,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.pending_reservations)
 
     @property
     def num_unfinished(self) -> int:
@@ -76,6 +82,32 @@ class Scheduler:
         seq.status = SequenceStatus.AWAITING_KV
         self.awaiting_kv[seq.request_id] = seq
         return list(seq.block_ids)
+
+    def can_reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for `num_tokens` now, without cutting into the running requests' next blocks,
+        and no earlier reservation waiting (first come, first served)."""
+        if self.pending_reservations and self.pending_reservations[0] is not seq:
+            return False
+        bm = self.block_manager
+        needed = bm.blocks_needed(num_tokens) - len(seq.block_ids)
+        return needed + len(self.running) <= bm.num_free_blocks or (not self.running and needed <= bm.num_free_blocks)
+
+    def queue_reservation(self, seq: Sequence) -> None:
+        """Decode role: `seq` waits for its blocks (granted by `grant_reservations`)."""
+        seq.status = SequenceStatus.AWAITING_KV
+        self.pending_reservations.append(seq)
+
+    def grant_reservations(self) -> list[Sequence]:
+        """Reserves blocks for the waiting reservations at the head of the queue that fit now."""
+        granted = []
+        while self.pending_reservations:
+            seq = self.pending_reservations[0]
+            if not self.can_reserve(seq, seq.num_prompt_tokens):
+                break
+            self.pending_reservations.popleft()
+            self.reserve(seq, seq.num_prompt_tokens)
+            granted.append(seq)
+        return granted
 
     def commit(self, request_id: str) -> Sequence:
         """Decode role: the reserved KV landed; the request joins the decode batch."""
@@ -94,6 +126,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.AWAITING_KV and seq in self.pending_reservations:
+            self.pending_reservations.remove(seq)
         self.held.pop(seq.request_id, None)
         self.awaiting_kv.pop(seq.request_id, None)
         self.block_manager.free(seq.table)

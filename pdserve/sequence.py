@@ -43,6 +43,7 @@ class Sequence:
     detokenizer: object | None = None
     num_emitted_tokens: int = 0
     hand_off: bool = False  # prefill role: stop after the first token, hold the KV for another worker
+    on_granted: object | None = None  # decode role: called with the block ids once a waiting reservation gets them
     first_scheduled_time: float | None = None  # time.monotonic() when a step first took its prompt
 
     @property

@@ -74,11 +74,17 @@ class PayloadTooLarge(APIError):
 
 
 class Overloaded(APIError):
-    """The backend has no room for the request now; the client may retry later."""
+    """The backend has no room for the request now; the client may retry later (a Retry-After
+    header says when: RETRY_AFTER_S unless the raiser names one)."""
 
     status_code = 429
     error_type = "rate_limit_error"
     default_code = "overloaded"
+    RETRY_AFTER_S = 1
+
+    def __init__(self, message: str, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.headers.setdefault("Retry-After", str(self.RETRY_AFTER_S))
 
 
 class InternalError(APIError):

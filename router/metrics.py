@@ -23,6 +23,7 @@ KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075
                        0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0, 600.0)
 WORKER_WAIT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 RECOVERY_KINDS = ("replace", "local_fallback", "migrate", "degraded")
@@ -103,6 +104,24 @@ class RouterMetrics:
             "pdserve:worker_wait_timeouts_total",
             "Requests that got 503 after waiting the whole --worker-wait-s for a worker.", registry=r,
         )
+        self.requests_waiting = Gauge(
+            "pdserve:requests_waiting",
+            "Requests the router has accepted that have no first token yet: waiting for KV blocks on a "
+            "worker (a burst beyond the KV capacity queues), for a worker, or in prefill. Bounded by "
+            "--max-queued-requests (past it: 429).", registry=r,
+        )
+        self.queue_wait_seconds = Histogram(
+            "pdserve:queue_wait_seconds",
+            "Time from a request's arrival at the router to its first token (or to its end without one), "
+            "queueing for KV blocks included.", registry=r, buckets=QUEUE_WAIT_BUCKETS,
+        )
+        self.requests_rejected = Counter(
+            "pdserve:requests_rejected_total",
+            "Requests refused by the router's queue bounds: queue_full (429, --max-queued-requests), "
+            "queue_timeout (503, no first token within --queue-timeout-s).", ["reason"], registry=r,
+        )
+        for reason in ("queue_full", "queue_timeout"):
+            self.requests_rejected.labels(reason)
         self.link_bytes_in_flight = Gauge(
             "pdserve:link_bytes_in_flight", "KV bytes of the transfers the router has started on a link and not seen end.",
             ["link"], registry=r,

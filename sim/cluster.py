@@ -81,17 +81,23 @@ class SimCluster:
         self.topology = config.topology
         self.kv_bytes_per_token_true = config.profile.kv_bytes_per_token
         self.kv_bytes_per_token_seen = 0
-        prefill_costs = StepCosts(config.profile)
-        decode_costs = StepCosts(config.decode_profile) if config.decode_profile else prefill_costs
+        costs: dict[tuple[str, int], StepCosts] = {}  # (profile role, tp) -> memoized costs
+
+        def costs_of(role: str, tp: int) -> StepCosts:
+            which = "prefill" if role == "prefill" or not config.decode_profile else "decode"
+            if (which, tp) not in costs:
+                costs[which, tp] = StepCosts(config.profile if which == "prefill" else config.decode_profile, tp)
+            return costs[which, tp]
+
         self.hosts = {name: FluidResource(loop, cores, f"host {name}") for name, cores in config.hosts.items()}
         limits = config.engine
         self.workers: dict[str, SimWorker] = {}
         for w in config.workers:
             worker = SimWorker(
                 loop, w.worker_id, w.role, node=self.topology.node_of(w.worker_id, w.node),
-                num_blocks=limits.num_blocks, block_size=limits.block_size,
+                num_blocks=limits.num_blocks * w.tp, block_size=limits.block_size,
                 max_num_batched_tokens=limits.max_num_batched_tokens, max_num_seqs=limits.max_num_seqs,
-                overlap_steps=limits.overlap_steps, costs=prefill_costs if w.role == "prefill" else decode_costs,
+                overlap_steps=limits.overlap_steps, costs=costs_of(w.role, w.tp),
                 host=self.hosts[w.host] if w.host else None,
             )
             worker.on_token = self._on_token
@@ -107,6 +113,7 @@ class SimCluster:
         self._inflight = {wid: [0, 0] for wid in self.workers}
         self._stats = {wid: (0, 0, limits.num_blocks) for wid in self.workers}
         self._ids = sorted(self.workers)
+        self._tp = {w.worker_id: w.tp for w in config.workers}
         self._index = {wid: i for i, wid in enumerate(self._ids)}
         self._snaps: list[WorkerSnapshot | None] = [None] * len(self._ids)
         self._snap_tuple: tuple[WorkerSnapshot, ...] | None = None
@@ -167,6 +174,7 @@ class SimCluster:
             worker_id=worker_id, role=worker.role, node=worker.node, healthy=worker.healthy,  # type: ignore[arg-type]
             num_waiting=waiting, num_running=running, num_free_blocks=free, num_blocks=worker.num_blocks,
             block_size=worker.block_size, num_inflight=count, num_inflight_tokens=tokens,
+            tensor_parallel_size=self._tp[worker_id],
         )
 
     def snapshot(self) -> ClusterSnapshot:

@@ -10,6 +10,7 @@
                                     # (+ overlap_steps: true for a GPU engine's overlapped decode steps)
     workers:                        # or `cluster: 2P2D` (prefill-0.., decode-0.., one node each)
       - {id: p0, role: prefill, node: node0, host: box}
+                                    # (+ tp: N, a tensor-parallel worker of N GPUs: sim.worker.tp_step_scale)
     hosts: {box: 2}                 # optional: workers sharing this many CPU cores
     router:
       stats_interval_s: 0.5         # how often the router polls worker stats
@@ -19,7 +20,8 @@
       policy_options:               # per policy, as `make_policy` takes them
         network-aware: {slo_ttft: 2.5, slo_tpot: 0.5}
 
-Unknown keys and bad values raise ValueError naming the file and the key.
+Read through yamlconfig (schema: `ClusterFile`); unknown keys and bad values raise ValueError
+naming the file, the line and the key.
 """
 
 from __future__ import annotations
@@ -30,16 +32,13 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-import yaml
-
+from loadgen import yamlconfig
 from router.placement.profiles import Profile, load_profile
-from router.placement.topology import Topology, load_topology, parse_topology
+from router.placement.topology import Topology, load_topology, topology_from
 
-_TOP = ("profile", "decode_profile", "hardware", "topology", "mode", "engine", "workers", "cluster", "hosts", "router")
-_ENGINE = ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "overlap_steps")
-_ROUTER = ("stats_interval_s", "rpc_s", "front_s", "max_retries", "policy_options")
-_WORKER = ("id", "role", "node", "host")
 _SHAPE = re.compile(r"^\s*(\d+)\s*P\s*(\d+)\s*D\s*$", re.IGNORECASE)
+_PositiveInt = yamlconfig.whole(ge=1)
+_Seconds = yamlconfig.number(ge=0)
 
 
 @dataclass(frozen=True)
@@ -48,6 +47,7 @@ class WorkerConfig:
     role: str
     node: str = ""
     host: str | None = None
+    tp: int = 1  # ranks (GPUs) of the worker's engine
 
 
 @dataclass(frozen=True)
@@ -112,109 +112,89 @@ def shape_workers(prefill: int, decode: int) -> tuple[WorkerConfig, ...]:
                  + [WorkerConfig(f"decode-{i}", "decode", f"node-d{i}") for i in range(decode)])
 
 
-def _fail(path: str, key: str, message: str) -> ValueError:
-    return ValueError(f"{path}: {key}: {message}")
+# ---------------------------------------------------------------- the file's schema
+
+class _WorkerEntry(yamlconfig.Schema):
+    id: yamlconfig.text
+    role: yamlconfig.text
+    node: yamlconfig.text = ""
+    host: yamlconfig.text | None = None
+    tp: _PositiveInt = 1  # ranks (GPUs) of the worker's engine
 
 
-def _check_keys(path: str, where: str, data: Any, allowed: tuple[str, ...]) -> dict:
-    if not isinstance(data, dict):
-        raise _fail(path, where or "the file", "must be a mapping")
-    for key in data:
-        if key not in allowed:
-            raise _fail(path, f"{where}.{key}" if where else str(key), f"unknown key; allowed: {', '.join(allowed)}")
-    return data
+class _EngineEntry(yamlconfig.Schema):
+    num_blocks: _PositiveInt = EngineLimits.num_blocks
+    block_size: _PositiveInt = EngineLimits.block_size
+    max_num_batched_tokens: _PositiveInt = EngineLimits.max_num_batched_tokens
+    max_num_seqs: _PositiveInt = EngineLimits.max_num_seqs
+    overlap_steps: yamlconfig.Bool = False
 
 
-def _positive_int(path: str, key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise _fail(path, key, f"must be a positive integer, got {value!r}")
-    return value
+class _RouterEntry(yamlconfig.Schema):
+    stats_interval_s: _Seconds = RouterConfig.stats_interval_s
+    rpc_s: _Seconds = RouterConfig.rpc_s
+    front_s: _Seconds = RouterConfig.front_s
+    max_retries: yamlconfig.whole(ge=0) = RouterConfig.max_retries
+    policy_options: dict[str, dict[str, Any]] = {}
 
 
-def _non_negative(path: str, key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise _fail(path, key, f"must be a number >= 0, got {value!r}")
-    return float(value)
+class ClusterFile(yamlconfig.Schema):
+    """The cluster file (module docstring), as written."""
+
+    profile: yamlconfig.text
+    decode_profile: yamlconfig.text | None = None
+    hardware: yamlconfig.text = ""  # a device name as `pdserve profile` writes it
+    topology: Any = None  # a file name or an inline topology (router.placement.topology.TopologyFile)
+    mode: yamlconfig.text = "disaggregated"
+    engine: _EngineEntry = _EngineEntry()
+    workers: list[_WorkerEntry] | None = None
+    cluster: yamlconfig.text | None = None
+    hosts: dict[str, Any] = {}
+    router: _RouterEntry = _RouterEntry()
 
 
 def load_cluster(path: str | Path) -> ClusterConfig:
     """Reads a cluster file (module docstring); ValueError names the file and the key."""
     path = str(path)
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read the cluster file: {exc.strerror or exc}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from None
-    data = _check_keys(path, "", data, _TOP)
+    doc = yamlconfig.read(path, what="the cluster file")
+    spec = yamlconfig.validate(doc, ClusterFile)
     base = Path(path).resolve().parent
-    if "profile" not in data:
-        raise _fail(path, "profile", "missing (a file from `pdserve profile`)")
-    profile_path = str(base / str(data["profile"]))
+    profile_path = str(base / spec.profile)
     profile = load_profile(profile_path)
-    decode_profile_path = str(base / str(data["decode_profile"])) if data.get("decode_profile") else ""
+    decode_profile_path = str(base / spec.decode_profile) if spec.decode_profile else ""
     decode_profile = load_profile(decode_profile_path) if decode_profile_path else None
-    hardware = data.get("hardware", "")
-    if not isinstance(hardware, str):
-        raise _fail(path, "hardware", f"must be a string (a device name as `pdserve profile` writes it), got {hardware!r}")
 
-    topo = data.get("topology")
-    if topo is None:
+    if spec.topology is None:
         topology = Topology()
-    elif isinstance(topo, str):
-        topology = load_topology(str(base / topo))
-    elif isinstance(topo, dict):
-        topology = parse_topology(yaml.safe_dump(topo), f"{path}: topology")
+    elif isinstance(spec.topology, str):
+        topology = load_topology(str(base / spec.topology))
+    elif isinstance(spec.topology, dict):
+        topology = topology_from(doc, spec.topology, ("topology",))
     else:
-        raise _fail(path, "topology", "must be a file name or a mapping")
+        raise doc.error(("topology",), "must be a file name or a mapping")
 
-    engine_data = _check_keys(path, "engine", data.get("engine") or {}, _ENGINE)
-    for k, v in engine_data.items():
-        if k == "overlap_steps" and not isinstance(v, bool):
-            raise _fail(path, "engine.overlap_steps", f"must be true or false, got {v!r}")
-    engine = EngineLimits(**{k: v if k == "overlap_steps" else _positive_int(path, f"engine.{k}", v)
-                             for k, v in engine_data.items()})
-
-    hosts = _check_keys(path, "hosts", data.get("hosts") or {}, tuple(data.get("hosts") or {}))
-    if "workers" in data and "cluster" in data:
-        raise _fail(path, "workers", "give workers or cluster, not both")
-    if "workers" in data:
-        if not isinstance(data["workers"], list):
-            raise _fail(path, "workers", "must be a list")
-        workers = []
-        for i, item in enumerate(data["workers"]):
-            item = _check_keys(path, f"workers[{i}]", item, _WORKER)
-            if "id" not in item or "role" not in item:
-                raise _fail(path, f"workers[{i}]", "needs id and role")
-            workers.append(WorkerConfig(str(item["id"]), str(item["role"]), str(item.get("node") or ""),
-                                        item.get("host")))
-        workers = tuple(workers)
+    if spec.workers is not None and spec.cluster is not None:
+        raise doc.error(("workers",), "give workers or cluster, not both")
+    if spec.workers is not None:
+        workers = tuple(WorkerConfig(w.id, w.role, w.node, w.host, w.tp) for w in spec.workers)
     else:
-        shape = _SHAPE.match(str(data.get("cluster", "1P1D")))
+        shape = _SHAPE.match(spec.cluster or "1P1D")
         if not shape:
-            raise _fail(path, "cluster", f"expected a shape like 2P2D, got {data.get('cluster')!r}")
+            raise doc.error(("cluster",), f"expected a shape like 2P2D, got {spec.cluster!r}")
         workers = shape_workers(int(shape[1]), int(shape[2]))
 
-    router_data = _check_keys(path, "router", data.get("router") or {}, _ROUTER)
-    options = router_data.get("policy_options") or {}
-    if not isinstance(options, dict) or not all(isinstance(v, dict) for v in options.values()):
-        raise _fail(path, "router.policy_options", "must map policy names to option mappings")
+    r = spec.router
     router = RouterConfig(
-        stats_interval_s=_non_negative(path, "router.stats_interval_s", router_data.get("stats_interval_s", 0.5)),
-        rpc_s=_non_negative(path, "router.rpc_s", router_data.get("rpc_s", 0.0)),
-        front_s=_non_negative(path, "router.front_s", router_data.get("front_s", 0.0)),
-        max_retries=int(_non_negative(path, "router.max_retries", router_data.get("max_retries", 2))),
-        policy_options=MappingProxyType({k: MappingProxyType(dict(v)) for k, v in options.items()}),
+        stats_interval_s=r.stats_interval_s, rpc_s=r.rpc_s, front_s=r.front_s, max_retries=r.max_retries,
+        policy_options=MappingProxyType({k: MappingProxyType(dict(v)) for k, v in r.policy_options.items()}),
     )
+    engine = EngineLimits(**spec.engine.model_dump())
     try:
         return ClusterConfig(profile=profile, decode_profile=decode_profile, workers=workers, topology=topology,
-                             mode=str(data.get("mode", "disaggregated")), engine=engine,
-                             hosts=MappingProxyType(dict(hosts)), router=router, hardware=hardware,
-                             profile_path=profile_path, decode_profile_path=decode_profile_path)
+                             mode=spec.mode, engine=engine, hosts=MappingProxyType(dict(spec.hosts)), router=router,
+                             hardware=spec.hardware, profile_path=profile_path, decode_profile_path=decode_profile_path)
     except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        raise yamlconfig.ConfigError(path, None, None, str(exc)) from None
 
 
 def scale_profile(profile: Profile, *, time_factor: float = 1.0, kv_bytes_per_token: int | None = None,

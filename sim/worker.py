@@ -127,13 +127,33 @@ class SimRequest:
         return self.num_prompt_tokens + self.num_output_tokens
 
 
+# Tensor-parallel workers. A profile is measured at TP=1; a worker of N ranks steps in
+#     t_N = t_1 * (s + (1 - s) / N)
+# (Amdahl): the weights' and KV's reads and the matmuls split N ways, while a fraction s of the
+# step does not (the sampler and scheduler on rank 0, norms, the two all-reduces per layer and
+# the step's publication to the other ranks). s = TP_SERIAL_FRACTION unless a profile measured at
+# TP=N is given instead. Its KV capacity is N times the blocks (each rank holds 1/N of the KV
+# heads in the same memory per GPU; a model with fewer KV heads than ranks replicates them and
+# gains less, which this model does not see).
+TP_SERIAL_FRACTION = 0.1
+
+
+def tp_step_scale(tp: int, serial_fraction: float = TP_SERIAL_FRACTION) -> float:
+    """Step time at `tp` ranks over the step time at one (1.0 at tp 1)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive integer, got {tp!r}")
+    return serial_fraction + (1.0 - serial_fraction) / tp
+
+
 class StepCosts:
-    """Memoized profile queries (the profile interpolates on every call)."""
+    """Memoized profile queries (the profile interpolates on every call), scaled to a worker of
+    `tp` ranks (`tp_step_scale`)."""
 
-    __slots__ = ("profile", "has_mixed", "_prefill", "_decode", "_chunk", "_mixed")
+    __slots__ = ("profile", "has_mixed", "_prefill", "_decode", "_chunk", "_mixed", "scale")
 
-    def __init__(self, profile: Profile) -> None:
+    def __init__(self, profile: Profile, tp: int = 1) -> None:
         self.profile = profile
+        self.scale = tp_step_scale(tp)
         self.has_mixed = profile.has_mixed
         self._prefill: dict[int, float] = {}
         self._decode: dict[tuple[int, int], float] = {}
@@ -143,7 +163,7 @@ class StepCosts:
     def prefill(self, num_tokens: int) -> float:
         t = self._prefill.get(num_tokens)
         if t is None:
-            t = self._prefill[num_tokens] = self.profile.prefill_seconds(num_tokens)
+            t = self._prefill[num_tokens] = self.profile.prefill_seconds(num_tokens) * self.scale
         return t
 
     def decode(self, batch: int, context: int) -> float:
@@ -152,7 +172,7 @@ class StepCosts:
         if t is None:
             if len(self._decode) > 500_000:
                 self._decode.clear()
-            t = self._decode[key] = self.profile.decode_step_seconds(batch, context)
+            t = self._decode[key] = self.profile.decode_step_seconds(batch, context) * self.scale
         return t
 
     def chunk(self, start: int, num_new: int) -> float:
@@ -173,7 +193,7 @@ class StepCosts:
         if t is None:
             if len(self._mixed) > 500_000:
                 self._mixed.clear()
-            t = self._mixed[key] = self.profile.mixed_step_seconds(batch, chunk_tokens, context)
+            t = self._mixed[key] = self.profile.mixed_step_seconds(batch, chunk_tokens, context) * self.scale
         return t
 
 

@@ -84,7 +84,19 @@ def test_router_settings_pass_max_tokens_default_to_the_app(monkeypatch):
         return real(backend, **kwargs)
 
     monkeypatch.setattr(router.http.server, "create_app", create_app)
-    settings = RouterSettings(model="m", max_tokens_default=42)
+    settings = RouterSettings(model="m", max_tokens_default=42, usage_timing=True)
     build_app(StaticDirectory([]), settings, RouterModel(tokenizer=object(), max_model_len=64, name="m"),
               make_policy("round-robin"))
-    assert seen["max_tokens_default"] == 42
+    assert seen["max_tokens_default"] == 42 and seen["usage_timing"] is True
+
+
+def test_usage_timing_flag_on_up_and_router(tmp_path):
+    assert build_parser().parse_args(["up", "--usage-timing"]).usage_timing is True
+    assert "usage_timing" not in vars(build_parser().parse_args(["up"]))  # unset: the file may set it
+    assert load_up_config({"usage_timing": True}).usage_timing is True
+    assert load_up_config({}).usage_timing is False
+    path = tmp_path / "c.yaml"
+    path.write_text("usage-timing: true\n")
+    assert load_up_config({}, str(path)).usage_timing is True
+    router = build_parser().parse_args(["router", "--worker", "prefill=h:1"])
+    assert router.usage_timing is False

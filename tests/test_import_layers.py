@@ -9,10 +9,13 @@
     5. the engine and everything else in pdserve/ (protocol, shared request types, loaders, ...)
     6. kernels/
 
+Below them all, `loadgen.yamlconfig`, the one reader of configuration files: it imports only
+pydantic and yaml, and lives in loadgen/ (the load generator, which imports nothing of the
+server) so that every package, loadgen included, may use it without a new top-level package.
+
 Every `import` and `from ... import` is read with `ast`, wherever it stands (module level, in a
 function, under TYPE_CHECKING); importing `a.b.c` also runs the packages `a` and `a.b`, so
-those count too. loadgen/ imports none of these packages (it measures any OpenAI server); sim/
-imports router.placement and nothing else of the router. No file of these packages (sim/ too)
+those count too. loadgen/ imports none of these packages (it measures any OpenAI server); sim/ imports router.placement and nothing else of the router. No file of these packages (sim/ too)
 is in an import circle.
 """
 
@@ -133,6 +136,13 @@ def test_loadgen_imports_none_of_the_server_packages():
         if target.split(".")[0] in PACKAGES
     ]
     assert not violations
+
+
+def test_the_config_reader_imports_only_pydantic_and_yaml():
+    allowed = {"pydantic", "yaml", "__future__"} | set(sys.stdlib_module_names)
+    path = os.path.join(REPO, "loadgen", "yamlconfig.py")
+    found = {target for target, _ in imported_modules("loadgen.yamlconfig", path)}
+    assert {t.split(".")[0] for t in found} <= allowed, found
 
 
 def _imports_of(package: str) -> list[tuple[str, str, str, int]]:

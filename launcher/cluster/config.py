@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
+from pydantic import AliasChoices, Field, StrictStr, create_model
 
+from loadgen import yamlconfig
 from pdserve.engine_args import ENGINE_DEFAULTS
 
 MODES = ("disaggregated", "colocated", "hybrid")
@@ -67,6 +68,10 @@ class UpConfig:
     decode_resources: Mapping[str, float] = field(default_factory=dict)
     placement_strategy: str = "PACK"
     kv_backend: str = "ucx"
+    # tensor parallelism: ranks per worker (every pool), and per pool (None: tensor_parallel_size)
+    tensor_parallel_size: int = 1
+    prefill_tp: int | None = None
+    decode_tp: int | None = None
     # Ray
     address: str | None = None  # None: start a local Ray; "auto" or "ray://host:port": join one
     namespace: str = "pdserve"
@@ -82,6 +87,9 @@ class UpConfig:
     kv_deadline_s: float = 10.0
     worker_wait_s: float = 30.0  # a request no worker can serve waits this long, then 503
     max_tokens_default: int | None = None  # max_tokens of a request that gives none (None: OpenAI's defaults)
+    max_queued_requests: int = 1024  # requests without a first token yet (waiting for KV blocks); past it 429
+    queue_timeout_s: float = 600.0  # a request without a first token after this gets 503
+    usage_timing: bool = False  # usage.pdserve_timing in every response (else only when a request asks)
     topology: str | None = None
     profile: str | None = None
     slo_ttft: float | None = None
@@ -117,6 +125,14 @@ class UpConfig:
             fail("worker_cpus", f"must be >= 0, got {self.worker_cpus}")
         if self.worker_gpus is not None and not (self.worker_gpus >= 0 and math.isfinite(self.worker_gpus)):
             fail("worker_gpus", f"must be >= 0, got {self.worker_gpus}")
+        for key in ("tensor_parallel_size", "prefill_tp", "decode_tp"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                fail(key, f"must be a positive integer, got {value!r}")
+        if self.mode != "disaggregated":
+            for key in ("prefill_tp", "decode_tp"):
+                if getattr(self, key) is not None:
+                    fail(key, f"applies to --mode disaggregated (--mode {self.mode}: use --tensor-parallel-size)")
         for key in _RESOURCE_KEYS:
             object.__setattr__(self, key, check_resources(flag(key), getattr(self, key)))
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
@@ -132,6 +148,10 @@ class UpConfig:
                 fail(key, f"must be > 0, got {value}")
         if not (self.worker_wait_s >= 0 and math.isfinite(self.worker_wait_s)):
             fail("worker_wait_s", f"must be >= 0, got {self.worker_wait_s}")
+        if self.max_queued_requests < 1:
+            fail("max_queued_requests", f"must be >= 1, got {self.max_queued_requests}")
+        if not (self.queue_timeout_s > 0 and math.isfinite(self.queue_timeout_s)):
+            fail("queue_timeout_s", f"must be > 0, got {self.queue_timeout_s}")
         if self.ray_object_store_mb < 75:
             fail("ray_object_store_mb", f"must be >= 75 (Ray's minimum), got {self.ray_object_store_mb}")
         for key in ("namespace", "cluster_name"):
@@ -167,6 +187,15 @@ class UpConfig:
             return {"mixed": self.replicas if self.replicas is not None else self.prefill + self.decode}
         return {"prefill": self.prefill, "decode": self.decode}
 
+    def pool_tp(self, role: str) -> int:
+        """Ranks per worker of `role` (--prefill-tp / --decode-tp, else --tensor-parallel-size)."""
+        own = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
+        return own if own is not None else self.tensor_parallel_size
+
+    def num_ranks(self) -> int:
+        """Engine ranks over every pool (a GPU each on CUDA)."""
+        return sum(size * self.pool_tp(role) for role, size in self.pool_sizes().items())
+
     def pool_resources(self, role: str) -> dict[str, float]:
         """Custom Ray resources each worker of `role` asks for."""
         own = {"prefill": self.prefill_resources, "decode": self.decode_resources}.get(role, {})
@@ -178,14 +207,16 @@ class UpConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(UpConfig)}
 _INTS = {"max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs", "prefill", "decode", "replicas",
-         "port", "ray_object_store_mb", "max_tokens_default"}
+         "port", "ray_object_store_mb", "max_tokens_default", "max_queued_requests", "tensor_parallel_size",
+         "prefill_tp", "decode_tp"}
 _FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s",
-           "worker_wait_s", "slo_ttft", "slo_tpot"}
-_BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration",
+           "worker_wait_s", "slo_ttft", "slo_tpot", "queue_timeout_s"}
+_BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration", "usage_timing",
           "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv"}
 _OPTIONAL = {"tokenizer", "dtype", "device", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
              "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv", "replicas", "worker_gpus", "address", "api_key",
-             "served_model_name", "topology", "profile", "slo_ttft", "slo_tpot", "max_tokens_default", "autoscale"}
+             "served_model_name", "topology", "profile", "slo_ttft", "slo_tpot", "max_tokens_default",
+             "prefill_tp", "decode_tp", "autoscale"}
 
 
 def check_policy(name: str) -> None:
@@ -212,55 +243,36 @@ def check_resources(name: str, value: Any) -> dict[str, float]:
     return out
 
 
-def _check_type(key: str, value: Any) -> str | None:
-    """None when `value` fits the key's type, else what it should be."""
-    if value is None:
-        return None if key in _OPTIONAL else "must not be empty"
-    if key in _BOOLS:
-        return None if isinstance(value, bool) else "must be true or false"
-    if key in _INTS:
-        return None if isinstance(value, int) and not isinstance(value, bool) else "must be an integer"
-    if key in _FLOATS:
-        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "must be a number"
-    if key == "autoscale":
-        return None if isinstance(value, (bool, Mapping)) else "must be true, false or a mapping of settings"
-    if key in _RESOURCE_KEYS:
-        return None if isinstance(value, Mapping) else "must be a mapping of resource name to amount"
-    return None if isinstance(value, str) else "must be a string"
+def _file_type(key: str) -> Any:
+    """The type a key of the YAML file takes (yamlconfig's types never coerce)."""
+    if key == "autoscale":  # true/false, or the mapping launcher.autoscale.rule.AutoscaleConfig reads
+        return yamlconfig.Bool | dict[str, Any] | None
+    kind = (yamlconfig.Bool if key in _BOOLS else yamlconfig.whole() if key in _INTS
+            else yamlconfig.number() if key in _FLOATS else dict[str, Any] if key in _RESOURCE_KEYS else StrictStr)
+    return kind | None if key in _OPTIONAL else kind
+
+
+UpConfigFile = create_model(
+    "UpConfigFile", __base__=yamlconfig.Schema,
+    **{key: (_file_type(key), Field(None, validation_alias=AliasChoices(key, key.replace("_", "-"))))
+       for key in _FIELDS},
+)
+"""`pdserve up --config`'s schema: every UpConfig field, as `max_model_len` or `max-model-len`."""
 
 
 def read_config_file(path: str) -> dict[str, Any]:
-    """The YAML file's settings, keys normalized to field names; ValueError naming the file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ValueError(f"{path}: config file not found") from None
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read config file: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ValueError(f"{path}: invalid YAML{where}: {problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping of settings at the top level")
-    settings: dict[str, Any] = {}
-    for raw_key, value in data.items():
-        key = str(raw_key).replace("-", "_")
-        if key not in _FIELDS:
-            raise ValueError(f"{path}: unknown key {raw_key!r}")
-        if key in settings:
-            raise ValueError(f"{path}: key {raw_key!r} is given twice")
-        problem = _check_type(key, value)
-        if problem is not None:
-            raise ValueError(f"{path}: {raw_key} {problem}, got {value!r}")
-        if key in _FLOATS and value is not None:
-            value = float(value)
-        settings[key] = value
-    return settings
+    """The YAML file's settings (only those it gives), keys normalized to field names;
+    ValueError naming the file, the line and the key."""
+    doc = yamlconfig.read(path, what="the config file")
+    if isinstance(doc.data, dict):
+        seen: dict[str, Any] = {}
+        for raw in doc.data:
+            key = str(raw).replace("-", "_")
+            if key in seen:
+                raise doc.error((raw,), f"given twice (as {seen[key]!r})", at_key=True)
+            seen[key] = raw
+    settings = yamlconfig.validate(doc, UpConfigFile)
+    return {key: getattr(settings, key) for key in settings.model_fields_set}
 
 
 def load_up_config(flags: Mapping[str, Any], config_file: str | None = None) -> UpConfig:

@@ -58,11 +58,15 @@ class PoolSpec:
     kv_backend: str = "ucx"
     cluster_token: str | None = field(default=None, repr=False)  # handed to each worker
     moves_kv: bool = False  # mixed workers that also send and receive KV (--mode hybrid)
+    # ranks per worker: num_cpus and num_gpus are per rank, a worker's bundle holds all its ranks
+    # (one bundle is placed on one node)
+    tensor_parallel_size: int = 1
 
     def bundle(self) -> dict[str, float]:
-        bundle = {"CPU": float(self.num_cpus), **self.resources}
+        tp = self.tensor_parallel_size
+        bundle = {"CPU": float(self.num_cpus) * tp, **self.resources}
         if self.num_gpus:
-            bundle["GPU"] = float(self.num_gpus)
+            bundle["GPU"] = float(self.num_gpus) * tp
         return {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.001}
 
 
@@ -126,7 +130,8 @@ class ClusterPools:
             for index in range(spec.size):
                 name = actor_name(self.cluster, spec.role, index)
                 worker = WorkerSpec(role=spec.role, worker_id=name, kv_backend=spec.kv_backend,
-                                    cluster_token=spec.cluster_token, moves_kv=spec.moves_kv)
+                                    cluster_token=spec.cluster_token, moves_kv=spec.moves_kv,
+                                    tensor_parallel_size=spec.tensor_parallel_size)
                 options, args = ray_actor(
                     worker, spec.engine, namespace=self.namespace, num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
                     resources=spec.resources, scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -175,8 +180,11 @@ class ClusterPools:
         if not ray.is_initialized():
             return
         stops = [w.handle.stop.remote(grace_s / 2) for w in self.workers]
-        if stops:
-            ray.wait(stops, num_returns=len(stops), timeout=grace_s)
+        if stops:  # milliseconds when nothing is in flight (WorkerActor.stop leaves the KV plane to the kill)
+            done, _ = ray.wait(stops, num_returns=len(stops), timeout=grace_s)
+            if len(done) < len(stops):
+                logger.warning("%d of %d workers did not stop within %.1fs; killing them",
+                               len(stops) - len(done), len(stops), grace_s)
         for w in self.workers:
             try:
                 ray.kill(w.handle, no_restart=True)

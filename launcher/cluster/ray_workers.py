@@ -128,5 +128,7 @@ class WorkerActor:
         return {**self.info(), "healthy": alive, "detail": "" if alive else "engine loop stopped"}
 
     def stop(self, grace: float = 5.0) -> None:
-        """Stops the gRPC server and frees the engine and KV plane; the process stays until killed."""
-        self._server.stop(grace)
+        """Stops the gRPC server and the engine loop; the process stays until killed (`ray.kill`),
+        which frees the KV plane with it: tearing UCX down first only delays the kill (a full
+        garbage collection of the worker, 1-2 s on a loaded CPU, raced the driver's bound)."""
+        self._server.stop(grace, close_kv=False)

@@ -32,6 +32,9 @@ class RouterSettings:
     kv_deadline_s: float = 10.0
     worker_wait_s: float = 30.0  # a request no worker can serve waits this long for one, then 503
     max_tokens_default: int | None = None  # max_tokens of a request that gives none (None: OpenAI's defaults)
+    max_queued_requests: int = 1024  # requests without a first token yet; past it 429
+    queue_timeout_s: float = 600.0  # no first token after this: 503 (a burst beyond the KV waits)
+    usage_timing: bool = False  # usage.pdserve_timing in every response (else only when a request asks)
     cluster_token: str | None = field(default=None, repr=False)  # sent with every call to a worker
     log_level: str = "warning"
     graceful_shutdown_s: float = 10.0
@@ -93,9 +96,11 @@ def build_app(directory: Any, settings: RouterSettings, model: RouterModel, poli
     backend = ClusterBackend(directory, policy, model.tokenizer, model.name,
                              model.max_model_len, mode=settings.mode, kv_deadline_s=settings.kv_deadline_s,
                              metrics=metrics, worker_wait_s=settings.worker_wait_s,
+                             max_queued_requests=settings.max_queued_requests, queue_timeout_s=settings.queue_timeout_s,
                              cluster_token=settings.cluster_token)
     served = wrap_backend(backend, metrics) if wrap_backend is not None else backend
-    app = create_app(served, api_key=settings.api_key, metrics=metrics, max_tokens_default=settings.max_tokens_default)
+    app = create_app(served, api_key=settings.api_key, metrics=metrics, max_tokens_default=settings.max_tokens_default,
+                     usage_timing=settings.usage_timing)
     return app, backend
 
 

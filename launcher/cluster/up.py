@@ -19,6 +19,7 @@ import math
 import os
 import socket
 import sys
+import time
 
 from launcher.cluster.config import UpConfig, router_mode
 
@@ -27,10 +28,11 @@ logger = logging.getLogger(__name__)
 ROUTER_DRAIN_S = 2.5  # in-flight requests get this long to finish at shutdown
 
 def gpu_share(config: UpConfig, gpus_in_cluster: float) -> float:
-    """GPUs per worker: ``--worker-gpus`` when given, else one each when the cluster has that
-    many, else an even share of them (two workers on one GPU: 0.5 each). ValueError, naming
-    the flags that fit, when the pools cannot fit at all: Ray would wait for them forever."""
-    workers = sum(config.pool_sizes().values())
+    """GPUs per engine rank (a worker at tensor-parallel size N has N ranks): ``--worker-gpus``
+    when given, else one each when the cluster has that many, else an even share of them (two
+    workers on one GPU: 0.5 each). ValueError, naming the flags that fit, when the pools cannot
+    fit at all: Ray would wait for them forever."""
+    workers = config.num_ranks()
     if config.worker_gpus is None:
         if gpus_in_cluster <= 0:
             return 0.0
@@ -87,7 +89,9 @@ def pool_specs(config: UpConfig, gpus_in_cluster: float, cluster_token: str | No
     scheduler, _ = resolve_scheduler(engine_config(values).scheduler, worker_device_type(values["device"], num_gpus))
     values["max_num_batched_tokens"], values["max_num_seqs"] = scheduler.max_num_batched_tokens, scheduler.max_num_seqs
     return [
-        PoolSpec(role=role, size=size, engine=engine_config(values, role), num_cpus=config.worker_cpus,
+        PoolSpec(role=role, size=size, engine=engine_config({**values, "tensor_parallel_size": config.pool_tp(role)},
+                                                            role),
+                 tensor_parallel_size=config.pool_tp(role), num_cpus=config.worker_cpus,
                  num_gpus=num_gpus, resources=config.pool_resources(role), strategy=config.placement_strategy,
                  kv_backend=config.kv_backend, cluster_token=cluster_token,
                  moves_kv=config.mode == "hybrid")
@@ -101,6 +105,28 @@ def _policy_slos(config: UpConfig) -> dict:
     if config.autoscale is not None and config.policy != "network-aware":
         return {"slo_ttft": None, "slo_tpot": None}
     return {"slo_ttft": config.slo_ttft, "slo_tpot": config.slo_tpot}
+
+
+def check_tensor_parallel_pools(config: UpConfig, num_local_gpus: int | None = None) -> None:
+    """One-line ValueError naming the flag when a pool's tensor-parallel size cannot split the
+    model, or (CUDA workers) asks for more GPUs than one node has: run before Ray starts.
+    `num_local_gpus`: the GPUs of this machine, checked when we start the Ray ourselves."""
+    from pdserve.loaders import load_model_source
+    from pdserve.parallel.layout import check_tensor_parallel
+
+    sizes = {role: config.pool_tp(role) for role in config.pool_sizes()}
+    if all(tp == 1 for tp in sizes.values()):
+        return
+    model = load_model_source(config.model, config.tokenizer).config
+    device = worker_device_type(config.device, 1.0 if num_local_gpus else 0.0)
+    for role, tp in sizes.items():
+        own = {"prefill": "--prefill-tp", "decode": "--decode-tp"}.get(role)
+        named = own if own and getattr(config, f"{role}_tp") is not None else "--tensor-parallel-size"
+        try:
+            check_tensor_parallel(model, tp, device_type=device,
+                                  num_gpus=num_local_gpus if config.address is None else None)
+        except ValueError as e:
+            raise ValueError(str(e).replace("--tensor-parallel-size", named, 1)) from None
 
 
 def check_listen(host: str, port: int, flag: str = "--port") -> None:
@@ -138,6 +164,15 @@ def _reason(e: OSError) -> str:
     return os.strerror(e.errno) if e.errno else str(e) or type(e).__name__
 
 
+def _local_gpus(config: UpConfig) -> int | None:
+    """The GPUs a Ray we start would have (None: CPU workers, or a Ray we join)."""
+    if config.address is not None or (config.device or "").startswith("cpu") or config.worker_gpus == 0:
+        return None
+    import torch
+
+    return torch.cuda.device_count() or None
+
+
 def _start_ray(config: UpConfig) -> bool:
     """Starts or joins Ray; True when we started it (and so must shut it down)."""
     import ray
@@ -153,7 +188,7 @@ def _start_ray(config: UpConfig) -> bool:
         except ConnectionError as e:
             raise ValueError(f"--address: cannot connect to Ray at {config.address}: {e}") from None
         return False
-    needed_cpus = config.worker_cpus * sum(config.pool_sizes().values())
+    needed_cpus = config.worker_cpus * config.num_ranks()
     # A Ray we start is this machine alone: keep its nodes, gRPC and KV on loopback.
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, int(needed_cpus + 0.999)),
              object_store_memory=config.ray_object_store_mb * 1024 * 1024, _node_ip_address="127.0.0.1",
@@ -162,6 +197,8 @@ def _start_ray(config: UpConfig) -> bool:
 
 
 def run_up(config: UpConfig, log_level: str = "warning") -> int:
+    """Starts the workers and serves the router until SIGINT/SIGTERM; then stops everything it
+    started and exits the process with its status (returns only for a configuration error)."""
     from tqdm import tqdm
 
     from launcher.cluster.pools import ClusterPools, ClusterStartError
@@ -178,6 +215,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
     from pdserve.engine_args import engine_config
 
     engine_config(config.engine_values())  # bad engine values fail here, before Ray starts
+    check_tensor_parallel_pools(config, _local_gpus(config))
     check_listen(config.host, config.port)
     model = load_router_model(config.model, config.max_model_len, config.served_model_name,
                               tokenizer=config.tokenizer)
@@ -189,8 +227,11 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
                               max_batch=config.max_num_seqs,
                               host=config.host, port=config.port, api_key=config.api_key,
                               kv_deadline_s=config.kv_deadline_s, worker_wait_s=config.worker_wait_s,
-                              max_tokens_default=config.max_tokens_default, log_level=log_level.lower(),
-                              topology=config.topology, profile=config.profile, **_policy_slos(config), admission_control=config.admission_control,
+                              max_tokens_default=config.max_tokens_default, usage_timing=config.usage_timing,
+                              max_queued_requests=config.max_queued_requests, queue_timeout_s=config.queue_timeout_s,
+                              log_level=log_level.lower(),
+                              topology=config.topology, profile=config.profile, **_policy_slos(config),
+                              admission_control=config.admission_control,
                               calibrate=not config.no_calibration, graceful_shutdown_s=ROUTER_DRAIN_S, cluster_token=cluster_token)
     policy = make_router_policy(settings)
 
@@ -263,13 +304,15 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
         code = 1
     finally:
         ignore_shutdown_signals()
-        clean = _shutdown(pools, watchdog, tracker, started_ray)
+        _shutdown(pools, watchdog, tracker, started_ray)
         restore_signals()
-    if not clean:
-        from launcher.cluster.shutdown import hard_exit
+    from launcher.cluster.shutdown import hard_exit
 
-        hard_exit(code)  # Ray's atexit hook would wait a minute for a dead GCS
-    return code
+    # What we started is gone: exit now, clean or not. Ray's atexit hook would wait a minute for
+    # a dead GCS, and the interpreter's own teardown (a full garbage collection of a heap holding
+    # torch, the tokenizer and Ray's client) takes 5-10 s on a loaded 2-core machine.
+    hard_exit(code)
+    return code  # not reached
 
 
 # Time budget of the shutdown after the router has stopped (the router's own drain is
@@ -294,11 +337,14 @@ def _shutdown(pools, watchdog, tracker, started_ray: bool) -> bool:
     clean = ray_gone is None
     if ray.is_initialized():
         print("pdserve up: shutting down" + (f" ({ray_gone})" if ray_gone else ""), file=sys.stderr, flush=True)
+    start = time.monotonic()
     if pools is not None and clean:
         clean = run_bounded(lambda: pools.shutdown(grace_s=SHUTDOWN_WORKERS_S / 2), SHUTDOWN_WORKERS_S,
                             "stopping the workers")
+        logger.info("workers stopped in %.2fs", time.monotonic() - start)
     if started_ray and ray.is_initialized() and clean:
         clean = run_bounded(ray.shutdown, SHUTDOWN_RAY_S, "ray.shutdown")
+        logger.info("ray.shutdown done %.2fs into the shutdown", time.monotonic() - start)
     if tracker is not None:
         tracker.stop()
         left = wait_gone(tracker.alive(), 1.0 if clean else 0.0)

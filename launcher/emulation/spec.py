@@ -1,16 +1,19 @@
-"""Topology spec of an emulated cluster: YAML in, a frozen dataclass out; errors read
-``file:line: field 'links[0].gbps': problem``. Unknown keys are rejected.
+"""Topology spec of an emulated cluster: YAML in (through yamlconfig, schema `EmulationFile`),
+a frozen dataclass out; errors read ``file:line: field 'topology.links[0].gbps': problem``.
+Unknown keys are rejected.
 
     name: str = file stem
     model: str                       # `pdserve worker --model` (and the router's tokenizer)
     method: tc | pacing = tc         # who holds the links (shaping.py / pacing_spec.py)
     worker_args: [str] = []          # extra `pdserve worker` flags, e.g. [--kv-cache-gib, "0.05"]
-    nodes: [str]                     # node names (letters, digits, . _ -)
     workers:                         # at least one prefill and one decode
       - {id: p0, role: prefill | decode | mixed, node: <node>}
-    links:                           # node pairs; a pair not listed takes default_link
-      - {a: <node>, b: <node>, gbps: number > 0, latency_ms: number >= 0 = 0}
-    default_link: {gbps, latency_ms} # optional; without it unlisted pairs are unshaped
+    topology:                        # the router's topology schema (router/placement/topology.py)
+      nodes: [str]                   # node names (letters, digits, . _ -)
+      links:                         # node pairs (tc holds both directions); others take the default
+        - {between: [<node>, <node>], gbps: number > 0, latency_ms: number >= 0 = remote_latency_ms}
+      defaults: {remote_gbps, remote_latency_ms}   # without remote_gbps unlisted pairs are unshaped;
+                                     # remote_latency_ms defaults to 0.1 as in the router
     router:
       port: int = 8000
       policy: str = round-robin
@@ -28,12 +31,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
-import yaml
+from pydantic import field_validator
 
+from loadgen import yamlconfig
 from launcher.emulation.errors import EmulationSpecError
 from launcher.emulation.netns import LinkSpec
+from router.placement.topology import TopologyFile
 
 METHODS = ("tc", "pacing")
 ROLES = ("prefill", "decode", "mixed")
@@ -93,190 +98,105 @@ class TopologySpec:
         return replace(self, links=links, default_link=default)
 
 
-class _Doc:
-    """The composed YAML tree: values plus their lines, addressed by dotted paths."""
+# ---------------------------------------------------------------- the file's schema
 
-    def __init__(self, path: str, text: str):
-        self.path = path
-        try:
-            self.root = yaml.compose(text, Loader=yaml.SafeLoader)
-        except yaml.MarkedYAMLError as e:
-            mark = e.problem_mark or e.context_mark
-            raise EmulationSpecError(path, mark.line + 1 if mark else None, None,
-                                     f"invalid YAML: {e.problem or e.context}") from None
-        except yaml.YAMLError as e:
-            raise EmulationSpecError(path, None, None, f"invalid YAML: {e}") from None
+_Name = yamlconfig.name(_NAME.pattern)
 
-    def error(self, node: yaml.Node | None, field_: str | None, message: str) -> EmulationSpecError:
-        return EmulationSpecError(self.path, node.start_mark.line + 1 if node is not None else None, field_, message)
 
-    def mapping(self, node: yaml.Node, where: str, allowed: tuple[str, ...]) -> dict[str, tuple[yaml.Node, yaml.Node]]:
-        if not isinstance(node, yaml.MappingNode):
-            raise self.error(node, where or None, "expected a mapping")
-        out = {}
-        for key, value in node.value:
-            name = key.value
-            if name not in allowed:
-                raise self.error(key, _join(where, name), f"unknown key; expected one of: {', '.join(allowed)}")
-            if name in out:
-                raise self.error(key, _join(where, name), "given twice")
-            out[name] = (key, value)
-        return out
+class _WorkerEntry(yamlconfig.Schema):
+    id: _Name
+    role: Literal["prefill", "decode", "mixed"]
+    node: yamlconfig.name()
 
-    def scalar(self, node: yaml.Node, where: str) -> Any:
-        if not isinstance(node, yaml.ScalarNode):
-            raise self.error(node, where, "expected a single value")
-        return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
 
-    def string(self, node: yaml.Node, where: str, pattern: re.Pattern | None = None) -> str:
-        value = self.scalar(node, where)
-        if not isinstance(value, str) or not value:
-            raise self.error(node, where, f"expected a non-empty string, got {value!r}")
-        if pattern is not None and not pattern.match(value):
-            raise self.error(node, where, f"{value!r}: use letters, digits, '.', '_' and '-'")
+class _RouterEntry(yamlconfig.Schema):
+    port: yamlconfig.whole(ge=1) = RouterSpec.port
+    policy: yamlconfig.name() = RouterSpec.policy
+    args: yamlconfig.flags = ()
+    policy_args: dict[str, yamlconfig.flags] = {}
+    log_level: yamlconfig.name() | None = None
+
+    @field_validator("port")
+    @classmethod
+    def _port(cls, value: int) -> int:
+        if not 1 <= value <= 65535:
+            raise ValueError(f"expected a port in 1..65535, got {value!r}")
         return value
 
-    def number(self, node: yaml.Node, where: str, minimum: float, strict: bool) -> float:
-        value = self.scalar(node, where)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.error(node, where, f"expected a number, got {value!r}")
-        if value < minimum or (strict and value == minimum):
-            raise self.error(node, where, f"must be {'>' if strict else '>='} {minimum:g}, got {value!r}")
-        return float(value)
-
-    def sequence(self, node: yaml.Node, where: str) -> list[yaml.Node]:
-        if not isinstance(node, yaml.SequenceNode):
-            raise self.error(node, where, "expected a list")
-        return node.value
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, value: str | None) -> str | None:
+        if value is not None and value.upper() not in LOG_LEVELS:
+            raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {value.upper()!r}")
+        return None if value is None else value.upper()
 
 
-def _join(where: str, key: str | int) -> str:
-    return f"{where}[{key}]" if isinstance(key, int) else (f"{where}.{key}" if where else key)
+class EmulationFile(yamlconfig.Schema):
+    """The emulation spec (module docstring), as written."""
 
-
-def _link(doc: _Doc, node: yaml.Node, where: str, with_nodes: bool) -> tuple[tuple[str, str] | None, LinkSpec]:
-    keys = ("a", "b", "gbps", "latency_ms") if with_nodes else ("gbps", "latency_ms")
-    m = doc.mapping(node, where, keys)
-    pair = None
-    if with_nodes:
-        for k in ("a", "b"):
-            if k not in m:
-                raise doc.error(node, _join(where, k), "required")
-        pair = (doc.string(m["a"][1], _join(where, "a")), doc.string(m["b"][1], _join(where, "b")))
-    if "gbps" not in m:
-        raise doc.error(node, _join(where, "gbps"), "required (the link's set rate in Gbit/s)")
-    gbps = doc.number(m["gbps"][1], _join(where, "gbps"), 0.0, strict=True)
-    latency = doc.number(m["latency_ms"][1], _join(where, "latency_ms"), 0.0, strict=False) if "latency_ms" in m else 0.0
-    return pair, LinkSpec(gbps, latency)
-
-
-def _args(doc: _Doc, node: yaml.Node, where: str) -> tuple[str, ...]:
-    out = []
-    for i, item in enumerate(doc.sequence(node, where)):
-        value = doc.scalar(item, _join(where, i))
-        if isinstance(value, (dict, list)) or value is None:
-            raise doc.error(item, _join(where, i), "expected a flag or value")
-        out.append(str(value).lower() if isinstance(value, bool) else str(value))
-    return tuple(out)
+    name: _Name | None = None
+    model: yamlconfig.name()
+    method: Literal["tc", "pacing"] = "tc"
+    worker_args: yamlconfig.flags = ()
+    workers: list[_WorkerEntry]
+    topology: TopologyFile
+    router: _RouterEntry = _RouterEntry()
 
 
 def load_topology(path: str | Path) -> TopologySpec:
     """Parse and validate a topology spec; EmulationSpecError names file, line and field."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise EmulationSpecError(str(path), None, None, f"cannot read: {e.strerror or e}") from None
-    doc = _Doc(str(path), text)
-    if doc.root is None:
+    doc = yamlconfig.read(path, EmulationSpecError)
+    if doc.data is None:
         raise EmulationSpecError(str(path), None, None, "the spec is empty")
-    top = doc.mapping(doc.root, "", ("name", "model", "method", "worker_args", "nodes", "workers", "links",
-                                     "default_link", "router"))
-    for key in ("model", "nodes", "workers"):
-        if key not in top:
-            raise doc.error(doc.root, key, "required")
-    name = doc.string(top["name"][1], "name", _NAME) if "name" in top else path.stem
-    model = doc.string(top["model"][1], "model")
-    method = doc.string(top["method"][1], "method") if "method" in top else "tc"
-    if method not in METHODS:
-        raise doc.error(top["method"][1], "method", f"expected one of {', '.join(METHODS)}, got {method!r}")
-    worker_args = _args(doc, top["worker_args"][1], "worker_args") if "worker_args" in top else ()
+    spec = yamlconfig.validate(doc, EmulationFile)
+    topo = spec.topology
 
-    nodes: list[str] = []
-    for i, item in enumerate(doc.sequence(top["nodes"][1], "nodes")):
-        node = doc.string(item, f"nodes[{i}]", _NAME)
-        if node in nodes:
-            raise doc.error(item, f"nodes[{i}]", f"node {node!r} is listed twice")
-        nodes.append(node)
+    nodes = tuple(topo.nodes)
+    for i, node in enumerate(nodes):
+        if not _NAME.match(node):
+            raise doc.error(("topology", "nodes", i), f"{node!r}: use letters, digits, '.', '_' and '-'")
+        if node in nodes[:i]:
+            raise doc.error(("topology", "nodes", i), f"node {node!r} is listed twice")
     if not nodes:
-        raise doc.error(top["nodes"][1], "nodes", "needs at least one node")
+        raise doc.error(("topology", "nodes"), "needs at least one node", at_key=True)
+    if topo.workers:
+        raise doc.error(("topology", "workers"), "give each worker's node in workers[i].node", at_key=True)
 
     workers: list[WorkerSpec] = []
-    for i, item in enumerate(doc.sequence(top["workers"][1], "workers")):
-        where = f"workers[{i}]"
-        m = doc.mapping(item, where, ("id", "role", "node"))
-        for k in ("id", "role", "node"):
-            if k not in m:
-                raise doc.error(item, f"{where}.{k}", "required")
-        wid = doc.string(m["id"][1], f"{where}.id", _NAME)
-        role = doc.string(m["role"][1], f"{where}.role")
-        node = doc.string(m["node"][1], f"{where}.node")
-        if role not in ROLES:
-            raise doc.error(m["role"][1], f"{where}.role", f"expected one of {', '.join(ROLES)}, got {role!r}")
-        if node not in nodes:
-            raise doc.error(m["node"][1], f"{where}.node", f"unknown node {node!r}; nodes: {', '.join(nodes)}")
-        if any(w.id == wid for w in workers):
-            raise doc.error(m["id"][1], f"{where}.id", f"worker id {wid!r} is used twice")
-        workers.append(WorkerSpec(wid, role, node))
+    for i, w in enumerate(spec.workers):
+        if w.node not in nodes:
+            raise doc.error(("workers", i, "node"), f"unknown node {w.node!r}; nodes: {', '.join(nodes)}")
+        if any(other.id == w.id for other in workers):
+            raise doc.error(("workers", i, "id"), f"worker id {w.id!r} is used twice")
+        workers.append(WorkerSpec(w.id, w.role, w.node))
     roles = {w.role for w in workers}
     if not ({"prefill", "decode"} <= roles or roles == {"mixed"}):
-        raise doc.error(top["workers"][1], "workers", "needs at least one prefill and one decode worker "
-                                                      "(or only mixed workers)")
+        raise doc.error(("workers",), "needs at least one prefill and one decode worker (or only mixed workers)")
 
+    # tc holds a link in both directions: node pairs only, each once
     links: dict[tuple[str, str], LinkSpec] = {}
-    if "links" in top:
-        for i, item in enumerate(doc.sequence(top["links"][1], "links")):
-            where = f"links[{i}]"
-            (a, b), spec = _link(doc, item, where, with_nodes=True)
-            for end, value in (("a", a), ("b", b)):
-                if value not in nodes:
-                    raise doc.error(item, f"{where}.{end}", f"unknown node {value!r}; nodes: {', '.join(nodes)}")
-            if a == b:
-                raise doc.error(item, where, f"a link needs two different nodes, got {a!r} twice")
-            key = tuple(sorted((a, b)))
-            if key in links:
-                raise doc.error(item, where, f"the link {a}-{b} is given twice")
-            links[key] = spec
-    default_link = _link(doc, top["default_link"][1], "default_link", with_nodes=False)[1] \
-        if "default_link" in top else None
+    default_latency = topo.defaults.remote_latency_ms
+    for i, entry in enumerate(topo.links):
+        where = ("topology", "links", i)
+        if entry.between is None:
+            raise doc.error(where, "an emulated link holds both directions: give between: [a, b], not from:/to:")
+        a, b = entry.between
+        for end, value in enumerate((a, b)):
+            if value not in nodes:
+                raise doc.error(where + ("between", end), f"unknown node {value!r}; nodes: {', '.join(nodes)}")
+        if a == b:
+            raise doc.error(where, f"a link needs two different nodes, got {a!r} twice")
+        key = tuple(sorted((a, b)))
+        if key in links:
+            raise doc.error(where, f"the link {a}-{b} is given twice")
+        links[key] = LinkSpec(entry.gbps, default_latency if entry.latency_ms is None else entry.latency_ms)
+    # unlisted pairs are shaped only when the file gives defaults.remote_gbps
+    default_link = (LinkSpec(topo.defaults.remote_gbps, default_latency)
+                    if "remote_gbps" in topo.defaults.model_fields_set else None)
 
-    router = RouterSpec()
-    if "router" in top:
-        m = doc.mapping(top["router"][1], "router", ("port", "policy", "args", "policy_args", "log_level"))
-        port = router.port
-        if "port" in m:
-            port = doc.scalar(m["port"][1], "router.port")
-            if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-                raise doc.error(m["port"][1], "router.port", f"expected a port in 1..65535, got {port!r}")
-        policy = doc.string(m["policy"][1], "router.policy") if "policy" in m else router.policy
-        args = _args(doc, m["args"][1], "router.args") if "args" in m else ()
-        policy_args: dict[str, tuple[str, ...]] = {}
-        if "policy_args" in m:
-            node = m["policy_args"][1]
-            if not isinstance(node, yaml.MappingNode):
-                raise doc.error(node, "router.policy_args", "expected a mapping of policy name -> list of flags")
-            for key, value in node.value:
-                name = doc.string(key, "router.policy_args")
-                if name in policy_args:
-                    raise doc.error(key, f"router.policy_args.{name}", "given twice")
-                policy_args[name] = _args(doc, value, f"router.policy_args.{name}")
-        log_level = None
-        if "log_level" in m:
-            log_level = doc.string(m["log_level"][1], "router.log_level").upper()
-            if log_level not in LOG_LEVELS:
-                raise doc.error(m["log_level"][1], "router.log_level",
-                                f"expected one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
-        router = RouterSpec(port, policy, args, policy_args, log_level)
-    return TopologySpec(name=name, model=model, nodes=tuple(nodes), workers=tuple(workers), links=links,
-                        default_link=default_link, method=method, worker_args=worker_args, router=router,
-                        path=str(path))
+    r = spec.router
+    router = RouterSpec(r.port, r.policy, r.args, dict(r.policy_args), r.log_level)
+    return TopologySpec(name=spec.name or path.stem, model=spec.model, nodes=nodes, workers=tuple(workers),
+                        links=links, default_link=default_link, method=spec.method, worker_args=spec.worker_args,
+                        router=router, path=str(path))

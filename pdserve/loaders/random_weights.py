@@ -80,6 +80,12 @@ TINY_TP_SHAPES: dict[str, ModelConfig] = {
                                    intermediate_size=192, num_heads=12, num_kv_heads=6, head_dim=8,
                                    max_position_embeddings=512, tie_word_embeddings=True,
                                    name="random:tiny-mistral-tp"),
+    # Served through the router (which needs a tokenizer): SmolLM2's vocabulary, so that
+    # `--tokenizer <SmolLM2 GGUF>` fits; 2 KV heads (TP 2 splits them, TP 1 <-> 2 regroups them).
+    "tiny-serve-tp": ModelConfig(architecture="llama", vocab_size=49152, num_layers=2, hidden_size=96,
+                                 intermediate_size=192, num_heads=6, num_kv_heads=2, head_dim=16,
+                                 max_position_embeddings=512, tie_word_embeddings=True,
+                                 name="random:tiny-serve-tp"),
 }
 logger = logging.getLogger(__name__)
 RANDOM_SHAPES: dict[str, ModelConfig] = {**REAL_SHAPES, **TINY_SHAPES, **TINY_TP_SHAPES}

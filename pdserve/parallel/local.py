@@ -10,6 +10,10 @@ free TCP port for the `torch.distributed` rendezvous. Each says hello once its i
 done; rank 0 waits for every hello (seeing a follower that dies or reports an error), then all
 ranks join the process group, load their shard and agree on the number of KV blocks.
 
+KV pools: for a worker whose KV moves (prefill and decode roles), each follower then shares
+its KV pools with rank 0 (shared memory on CPU, CUDA IPC on GPU; `LocalTPGroup.peer_kv_caches`),
+so that rank 0's KV plane reads and writes every rank's heads (kvtransfer.shards).
+
 Steps: rank 0 publishes each step on the pipes (`PipeChannel`, one pickle per step); each
 follower runs `ModelRunner.follow` on its end. Nothing of the step goes through a collective
 outside the forward, so an idle engine has no timeout to run into.
@@ -91,6 +95,7 @@ class _RankSpec:
     size: int
     port: int
     timeout_s: float
+    share_kv: bool = False  # send this rank's KV pools to rank 0 once loaded
 
 
 class PipeChannel:
@@ -135,8 +140,9 @@ class LocalTPGroup:
 
     @classmethod
     def start(cls, config: EngineConfig, *, start_timeout_s: float = START_TIMEOUT_S,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> "LocalTPGroup":
-        """Spawns ranks 1..N-1, waits for them, and joins the process group as rank 0."""
+              timeout_s: float = DEFAULT_TIMEOUT_S, share_kv: bool = False) -> "LocalTPGroup":
+        """Spawns ranks 1..N-1, waits for them, and joins the process group as rank 0.
+        `share_kv`: the followers share their KV pools (`peer_kv_caches`) once loaded."""
         size = config.tensor_parallel_size
         device = rank_device(config, 0)
         port = free_port()
@@ -144,7 +150,7 @@ class LocalTPGroup:
         procs, conns = {}, {}
         for rank in range(1, size):
             parent, child = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=follower_main, args=(_RankSpec(config, rank, size, port, timeout_s), child),
+            proc = ctx.Process(target=follower_main, args=(_RankSpec(config, rank, size, port, timeout_s, share_kv), child),
                                name=f"pdserve-tp-rank{rank}", daemon=True)
             proc.start()
             child.close()
@@ -177,6 +183,28 @@ class LocalTPGroup:
             if waiting and time.monotonic() > deadline:
                 raise TPRankError(f"tensor-parallel ranks {sorted(waiting)} did not start within "
                                   f"{timeout_s:.0f} s")
+
+    def peer_kv_caches(self, timeout_s: float = START_TIMEOUT_S) -> dict[int, list]:
+        """Rank -> the KV pools of that follower (`share_kv`), mapped into this process: per
+        layer (K, V), the same memory the follower's forward reads and writes."""
+        out: dict[int, list] = {}
+        deadline = time.monotonic() + timeout_s
+        for rank, conn in self.conns.items():
+            while not conn.poll(0.05):
+                if not self.procs[rank].is_alive() or time.monotonic() > deadline:
+                    raise self.failure(None)
+            try:
+                kind, detail = conn.recv()
+            except (EOFError, OSError) as exc:
+                raise self.failure(exc) from exc
+            if kind == "error":
+                self.error = TPRankError(f"tensor-parallel engine stopped: rank {rank}: {detail}")
+                self._stop_all()
+                raise self.error
+            if kind != "kv":
+                raise TPRankError(f"tensor-parallel rank {rank} sent {kind!r}, expected its KV pools")
+            out[rank] = detail
+        return out
 
     # ---- failures --------------------------------------------------------------------------
     def check_alive(self) -> None:
@@ -263,6 +291,12 @@ def follower_main(spec: _RankSpec, conn: Connection) -> None:
         comm = TPComm.init(backend_for(device), HOST, spec.port, spec.rank, spec.size, spec.timeout_s)
         source = load_model_source(spec.config.model, spec.config.tokenizer)
         runner = load_rank_runner(spec.config, source, device, comm)
+        if spec.share_kv:
+            for k, v in runner.kv_caches:  # on CPU: into shared memory (in place); CUDA: IPC handles
+                if not k.is_cuda:
+                    k.share_memory_()
+                    v.share_memory_()
+            conn.send(("kv", [(k, v) for k, v in runner.kv_caches]))
         runner.follow(PipeSource(conn))
     except (EOFError, BrokenPipeError):  # rank 0 is gone: so is this engine
         os._exit(0)

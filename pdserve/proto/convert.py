@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.sampling_params import RequestOutput, SamplingParams, TokenLogprob
+from pdserve.timing import WorkerTiming
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -78,9 +79,9 @@ def chunk_to_output(chunk: pb.TokenChunk) -> RequestOutput:
         raise ValueError(f"unknown finish_reason {reason!r} in chunk of {chunk.request_id}")
     if chunk.finished and reason is None:
         reason = "stop"
-    timing = None
+    worker_timing = None
     if chunk.prefill_seconds > 0:  # the worker's part of a Generate call's first token
-        timing = {"queue": chunk.queue_seconds, "prefill": chunk.prefill_seconds, "handoff": chunk.handoff_seconds}
+        worker_timing = WorkerTiming(chunk.queue_seconds, chunk.prefill_seconds, chunk.handoff_seconds)
     return RequestOutput(
         request_id=chunk.request_id,
         new_token_ids=list(chunk.token_ids),
@@ -94,5 +95,5 @@ def chunk_to_output(chunk: pb.TokenChunk) -> RequestOutput:
             TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top=[(t.token_id, t.logprob) for t in lp.top])
             for lp in chunk.logprobs
         ] or None,
-        timing=timing,
+        worker_timing=worker_timing,
     )

@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable
 
 from pdserve.engine import LLMEngine
+from pdserve.parallel.errors import TPRankError
 from pdserve.sampling_params import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ class EngineLoop:
         self.idle_seconds = 0.0
         self.cpu_seconds = 0.0  # the engine thread's CPU time in its steps
         self.started_at = time.monotonic()
+        # called (on the engine thread) when a tensor-parallel rank died and the loop stopped
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self.last_error: BaseException | None = None
 
     def start(self) -> None:
@@ -142,6 +145,13 @@ class EngineLoop:
         while not self._stop.is_set():
             self._drain()
             if not engine.has_unfinished_requests():
+                group = getattr(engine, "tp_group", None)
+                if group is not None:  # a rank that dies while idle takes the worker out too
+                    try:
+                        group.check_alive()
+                    except TPRankError as exc:
+                        self._fatal(exc)
+                        return
                 t = clock()
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -152,6 +162,9 @@ class EngineLoop:
             cpu = time.thread_time()
             try:
                 outputs = engine.step()
+            except TPRankError as exc:  # a rank died: the engine cannot step again
+                self._fatal(exc)
+                return
             except Exception as exc:  # a failed step fails its requests, not the worker
                 logger.exception("engine step failed")
                 self.last_error = exc
@@ -174,6 +187,16 @@ class EngineLoop:
             self.deliver_many(outputs)
         self._drain()
         self._fail_all(RuntimeError("worker is shutting down"))
+
+    def _fatal(self, exc: TPRankError) -> None:
+        """A tensor-parallel rank died: fail every request, stop, and tell `on_fatal` (the
+        worker then exits: its peers are stopped, the router sees a dead worker, Ray restarts it)."""
+        logger.error("engine stopped: %s", exc)
+        self.last_error = exc
+        self._stop.set()
+        self._fail_all(exc)
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

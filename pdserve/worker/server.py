@@ -2,7 +2,9 @@
 
 Disaggregated request, as seen by the workers (the router drives it):
 
-1. D.Reserve: D allocates blocks for the prompt and expects a transfer into them.
+1. D.Reserve: D allocates blocks for the prompt and expects a transfer into them. When too few
+   blocks are free the call waits in line (first come, first served) until other requests free
+   them, bounded by the caller's deadline.
 2. P.Prefill: P computes the prompt in chunks; after each layer of each chunk it pushes the
    blocks that chunk completed to D (kv_push); it samples the first token, waits until D
    acknowledged every layer, frees its blocks and returns the first token.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import secrets
 import threading
 import time
@@ -28,9 +31,9 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from kvtransfer import KVTransferError, KVTransferTimeout, WIRE_VERSION, KVLayout, create_receiver, create_sender
+from kvtransfer import KVTransferError, KVTransferTimeout, WIRE_VERSION, create_receiver, create_sender
 from pdserve.config import ROLES, EngineConfig
-from pdserve.engine import LLMEngine, NoKVSpaceError
+from pdserve.engine import LLMEngine
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto.auth import TokenInterceptor, check_token
 from pdserve.proto import worker_pb2_grpc as pb_grpc
@@ -39,8 +42,11 @@ from pdserve.sampling_params import RequestOutput
 from pdserve.warmup import warm_up
 from pdserve.worker.engine_loop import EngineLoop
 from pdserve.worker.kv_push import Destination, KVPusher
+from pdserve.worker.kv_routes import RoutedReceiver, RoutedSender, model_layout, rank_heads
 
 logger = logging.getLogger(__name__)
+
+EXIT_RANK_DIED = 3  # the process status of a worker whose tensor-parallel rank died
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,13 @@ class _Stream:
     (`RequestOutput.merge`): when the consumer falls behind the engine (many streams, fast
     steps), it sends one gRPC message for several steps' tokens instead of one per token, so the
     worker's streaming cost per token falls as its load rises. An error is raised after the
-    outputs before it; nothing is merged past a finished one."""
+    outputs before it; nothing is merged past a finished one.
+
+    A consumer that stops reading (a slow client holds the gRPC stream back) does not make the
+    queue grow by one item per step: past MERGE_AT items they are merged into one, so a
+    request holds at most MERGE_AT items, whose tokens are bounded by its max_tokens."""
+
+    MERGE_AT = 64
 
     __slots__ = ("loop", "_items", "_waiter")
 
@@ -96,7 +108,12 @@ class _Stream:
 
     def put_nowait(self, item: RequestOutput | BaseException) -> None:
         """On the loop's thread (EngineLoop.deliver_many hands a step's outputs here)."""
-        self._items.append(item)
+        items = self._items
+        items.append(item)
+        if len(items) > self.MERGE_AT and all(isinstance(i, RequestOutput) and not i.finished for i in items):
+            merged = RequestOutput.merge(list(items))
+            items.clear()
+            items.append(merged)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -119,6 +136,10 @@ class _Stream:
         while items and not batch[-1].finished and not isinstance(items[0], BaseException):
             batch.append(items.popleft())
         return RequestOutput.merge(batch)
+
+    def __len__(self) -> int:
+        """Items waiting for the consumer."""
+        return len(self._items)
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -221,21 +242,35 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         transfer_id = f"{rid}/{secrets.token_hex(16)}"
         deadline = request.deadline_s if request.deadline_s > 0 else self.w.default_deadline_s
 
-        def reserve(engine: LLMEngine) -> list[int]:
-            blocks = engine.reserve(rid, prompt, params)
-            try:
-                self.w.receiver.expect(transfer_id, blocks, engine.model_config.num_layers, deadline)
-            except Exception:
-                engine.abort_request(rid)
-                raise
-            return blocks
+        loop = asyncio.get_running_loop()
+        granted: asyncio.Future = loop.create_future()
 
+        def resolve(result: list[int] | BaseException) -> None:  # on the asyncio loop
+            if granted.done():
+                return
+            if isinstance(result, BaseException):
+                granted.set_exception(result)
+            else:
+                granted.set_result(result)
+
+        def on_granted(blocks: list[int]) -> None:  # on the engine thread, once the blocks are ours
+            try:
+                self.w.receiver.expect(transfer_id, blocks, self.w.engine.model_config.num_layers, deadline)
+            except Exception as exc:
+                loop.call_soon_threadsafe(resolve, exc)
+                raise  # the engine drops the reservation
+            loop.call_soon_threadsafe(resolve, blocks)
+
+        # A reservation that does not fit now waits in the engine's line for blocks (KV that
+        # other requests free), bounded by the caller's deadline; a cancelled call leaves it.
         try:
-            blocks = await self._engine(reserve)
-        except NoKVSpaceError as exc:
-            await self._fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await self._engine(lambda e: e.reserve(rid, prompt, params, on_granted=on_granted))
+            blocks = await granted
         except ValueError as exc:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except BaseException:  # cancelled, or the expectation failed: on the engine thread, after any grant
+            self.w.loop.submit(lambda e: (self.w.receiver.cancel(transfer_id), e.abort_request(rid)))
+            raise
         self.w.transfers[rid] = transfer_id
         return pb.ReserveResponse(kv_address=self.w.kv_address, transfer_id=transfer_id, block_ids=blocks,
                                   wire_version=WIRE_VERSION, layout=self.w.layout_fingerprint)
@@ -384,6 +419,8 @@ class WorkerServer:
             # this thread builds and warms the engine (CUDA graphs are captured here): on the
             # engine's GPU when the process sees several
             torch.cuda.set_device(torch.device(engine_config.device))
+        if config.moves_kv and engine_config.tensor_parallel_size > 1:
+            raise ValueError("--moves-kv (hybrid) workers run at --tensor-parallel-size 1 for now")
         t0 = time.perf_counter()
         self.engine = LLMEngine(engine_config)
         load_s = time.perf_counter() - t0
@@ -396,8 +433,13 @@ class WorkerServer:
         logger.info("worker %s (%s): %s", config.worker_id, config.role, self.startup)
         self.block_size = engine_config.cache.block_size
         self.loop = EngineLoop(self.engine, name=f"engine-{config.worker_id}")
+        if engine_config.tensor_parallel_size > 1:
+            self.loop.on_fatal = self._rank_died
         kv_caches = self.engine.runner.kv_caches
-        self.layout_fingerprint = f"{KVLayout.from_caches(kv_caches).fingerprint:016x}"
+        # every rank's KV heads (kv_routes); the fingerprint is the whole model's KV layout, so
+        # workers at any two TP degrees of one model pair (their endpoints check the head ranges)
+        ranks = rank_heads(self.engine)
+        self.layout_fingerprint = f"{model_layout(ranks).fingerprint:016x}"
         opts = dict(config.kv_options)
         self.sender = None
         self.receiver = None
@@ -406,14 +448,18 @@ class WorkerServer:
             # a "pacer" option may be a pacing spec string (kvtransfer.pacing_spec)
             from kvtransfer.pacing_spec import sender_options
 
-            self.sender = create_sender(config.kv_backend, kv_caches, **sender_options(opts))
+            self.sender = RoutedSender(ranks, lambda caches: create_sender(config.kv_backend, caches,
+                                                                           **sender_options(opts)))
             self.pusher = KVPusher(self.sender, self.block_size, self.engine.model_config.num_layers)
             self.engine.layer_hook = self.pusher.on_layer
         if config.receives_kv:
             opts.pop("pacer", None)  # pacing is the sender's; one kv_options may serve both roles
             if config.kv_backend != "fake":
                 opts.setdefault("host", config.kv_host)
-            self.receiver = create_receiver(config.kv_backend, kv_caches, **opts)
+            if len(ranks) == 1:
+                self.receiver = create_receiver(config.kv_backend, kv_caches, **opts)
+            else:
+                self.receiver = RoutedReceiver(ranks, lambda caches: create_receiver(config.kv_backend, caches, **opts))
         self.kv_address = self.receiver.address() if self.receiver is not None else ""
         self.transfers: dict[str, str] = {}  # request id -> transfer id (decode role)
         self.kv_bytes = 0
@@ -488,9 +534,22 @@ class WorkerServer:
             engine_steps=self.loop.num_steps, engine_step_seconds=self.loop.step_seconds,
             engine_decode_only_steps=self.loop.num_decode_only_steps,
             engine_decode_only_seconds=self.loop.decode_only_seconds, engine_idle_seconds=self.loop.idle_seconds,
-            engine_cpu_seconds=self.loop.cpu_seconds, process_cpu_seconds=time.process_time())
+            engine_cpu_seconds=self.loop.cpu_seconds, process_cpu_seconds=time.process_time(),
+            tensor_parallel_size=self.engine.config.tensor_parallel_size)
 
-    def stop(self, grace: float = 5.0) -> None:
+    def _rank_died(self, exc: BaseException) -> None:
+        """One rank of this tensor-parallel worker died: the whole worker goes (its other ranks
+        are stopped by the engine's group), as a worker's death does; under Ray it comes back."""
+        logger.error("worker %s: %s; exiting", self.config.worker_id, exc)
+        self.engine.shutdown()
+        logging.shutdown()
+        os._exit(EXIT_RANK_DIED)
+
+    def stop(self, grace: float = 5.0, close_kv: bool = True) -> None:
+        """Stops the gRPC server (in-flight calls get `grace` seconds) and the engine loop, then
+        closes the KV plane. `close_kv=False` leaves the KV plane to the end of the process, for a
+        process that is killed next: closing the last UCX endpoint resets ucxx after a full garbage
+        collection, seconds in a process that holds a model."""
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -503,12 +562,13 @@ class WorkerServer:
         if self._thread is not None:
             self._thread.join(grace + 5)
         self.loop.stop()
-        for part in (self.sender, self.receiver):
+        for part in (self.sender, self.receiver) if close_kv else ():
             if part is not None:
                 try:
                     part.close()
                 except Exception:
                     logger.warning("closing the KV transfer backend failed", exc_info=True)
+        self.engine.shutdown()  # the other tensor-parallel ranks (nothing at TP=1)
 
     def wait_for_termination(self) -> None:
         if self._thread is not None:

@@ -19,7 +19,14 @@ A request goes through:
    - nothing left to serve: the request waits for a worker to come back, up to `worker_wait_s`
      (`pdserve:requests_waiting_for_worker`, `pdserve:worker_wait_seconds`), then
      ServiceUnavailable (503, with Retry-After); no room anywhere: Overloaded (429);
-4. the end: a finished request frees itself on the workers; any other exit (error, client
+4. queueing: a burst beyond the workers' KV capacity waits, it is not an error. A decode
+   worker's Reserve waits in line for blocks (pdserve/worker/server.py), a worker's engine
+   queues what it cannot admit yet; the router bounds the wait. A request counts as queued
+   (`pdserve:requests_waiting`) from its arrival to its first token: past `max_queued_requests`
+   queued requests a new one gets Overloaded (429) at once, and one without a first token after
+   `queue_timeout_s` is aborted on the workers and gets ServiceUnavailable (503); both carry
+   Retry-After (`pdserve:requests_rejected_total{reason}`, `pdserve:queue_wait_seconds`);
+5. the end: a finished request frees itself on the workers; any other exit (error, client
    abort, cancellation) sends Abort to every worker that holds a part of it, bounded in time.
 
 The `WorkerPool` (router.cluster.worker_pool) keeps the view of the workers: it re-reads the directory
@@ -53,9 +60,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, get_args
 
 from pdserve.sampling_params import RequestOutput, SamplingParams
+from pdserve.timing import RequestTiming
 from router.backend import Tokenizer
 from router.cluster.directory import WorkerDirectory
 from router.errors import (
+    InvalidRequest,
     KVPushFailed,
     KVTransferDeadline,
     Overloaded,
@@ -83,29 +92,11 @@ from router.cluster.worker_pool import WorkerPool
 logger = logging.getLogger(__name__)
 
 WAIT_POLL_S = 0.1  # while a request waits for a worker, placement is retried this often
+QUEUE_RETRY_AFTER_S = 5  # Retry-After of a request refused by the queue bounds (full, waited too long)
 
-# What `RequestOutput.timing` of a finished request holds (seconds unless named otherwise), for
-# the attempt that produced its first token: `place` (arrival at the backend to the placement
-# decision, waits for a worker included); disaggregated: `reserve` (D's Reserve call), `queue`
-# (P's queue: the Prefill call in to its first chunk's first layer done), `prefill` (then to the
-# first token), `kv` (the transfer, first layer to acknowledgement), `kv_wire` (first message
-# posted to the last one completed), `kv_wait` (time before the first message was posted:
-# connecting, in-flight slots, pacing), `kv_tail` (KV still in flight after the first token),
-# `prefill_rpc` (the whole Prefill call, as the router saw it), `first_decode` (D's Decode call to
-# its first token), `kv_bytes`, `kv_gbps`, `kv_done_at` (wall clock, time.time(), when the Prefill
-# call returned: the transfer ran over [kv_done_at - kv, kv_done_at]), `kv_link` and `kv_link_bytes`
-# (paced links: the link's time on the messages it held back, those queued behind earlier bytes, and
-# their bytes; kv_link_bytes / kv_link is the rate the link delivered while it was the bottleneck;
-# None from a worker that does not report them); local: `queue` (the worker's Generate call in to
-# the first engine step that took the prompt), `prefill` (that step to the first token, chunks
-# included), `worker_handoff` (the token ready on the engine thread to its chunk handed to gRPC);
-# both kinds: `first_token` (arrival at the backend to the first token out of the workers) and
-# `first_text` (to the first delta with text: later when the first tokens decode to no text yet,
-# e.g. part of a UTF-8 character, which a streaming client sees nothing of), `placement`
-# (disaggregated | local), `prefill_worker` / `decode_worker` (ids), `attempts`.
-TIMING_KEYS = ("place", "reserve", "queue", "prefill", "kv", "kv_wire", "kv_wait", "kv_tail", "prefill_rpc",
-               "first_decode", "kv_bytes", "kv_gbps", "kv_done_at", "kv_link", "kv_link_bytes", "worker_handoff",
-               "first_token", "first_text", "placement", "prefill_worker", "decode_worker", "attempts")
+# What `RequestOutput.timing` of a finished request holds: pdserve.timing.RequestTiming, built
+# here as the request runs (the attempt that produced its first token); its JSON keys:
+TIMING_KEYS = RequestTiming.json_keys()
 
 
 # (client, worker-side request id) of one worker's part in a request
@@ -122,7 +113,12 @@ class _Flight:
     num_attempts: int = 0
     parts: dict[str, _Part] = field(default_factory=dict)  # worker id -> part
     sent_token_ids: list[int] = field(default_factory=list)
-    timing: dict[str, Any] = field(default_factory=dict)  # of the attempt that produced the first token
+    timing: RequestTiming | None = None  # of the attempt that produced the first token
+    placed_at: float | None = None  # time.monotonic() when the current attempt was placed
+
+    def time(self, **measured: Any) -> None:
+        """Adds `measured` (RequestTiming fields) to the request's timing."""
+        self.timing = replace(self.timing or RequestTiming(), **measured)
 
     def next_wire_id(self) -> str:
         n = self.num_attempts
@@ -134,7 +130,8 @@ class ClusterBackend:
     """Serves requests on the workers of `directory`, placed by `policy` (module docstring).
 
     `kv_deadline_s` is the time the KV has to land on D; `rpc_timeout_s` bounds every other
-    unary call (Reserve, Abort); Prefill gets kv_deadline_s + rpc_timeout_s; Health and Stats
+    unary call (Abort); Reserve and Prefill, which may wait in line (module docstring, 4), get
+    queue_timeout_s more, and D waits queue_timeout_s + kv_deadline_s for the KV; Health and Stats
     get `health_timeout_s`. Starts on first use if `start()` was not awaited.
     """
 
@@ -156,6 +153,8 @@ class ClusterBackend:
         network: NetworkOptions | None = None,
         worker_wait_s: float = 0.0,
         cluster_token: str | None = None,
+        max_queued_requests: int = 1024,
+        queue_timeout_s: float = 600.0,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -168,6 +167,13 @@ class ClusterBackend:
         if not isinstance(worker_wait_s, (int, float)) or worker_wait_s < 0:
             raise ValueError(f"worker_wait_s must be >= 0, got {worker_wait_s!r}")
         self.worker_wait_s = float(worker_wait_s)
+        if not isinstance(max_queued_requests, int) or max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be an integer >= 1, got {max_queued_requests!r}")
+        if not isinstance(queue_timeout_s, (int, float)) or not 0 < queue_timeout_s < math.inf:
+            raise ValueError(f"queue_timeout_s must be > 0, got {queue_timeout_s!r}")
+        self.max_queued_requests = max_queued_requests
+        self.queue_timeout_s = float(queue_timeout_s)
+        self.num_queued = 0  # requests without a first token yet (module docstring, 4)
         self.pool = WorkerPool(
             directory, interval_s=stats_interval_s, health_timeout_s=health_timeout_s, rpc_timeout_s=rpc_timeout_s,
             cluster_token=cluster_token,
@@ -263,32 +269,74 @@ class ClusterBackend:
         await self._ensure_started()
         if request_id in self._flights:
             raise ValueError(f"request id {request_id!r} is already live")
+        if self.num_queued >= self.max_queued_requests:
+            self._count_rejected("queue_full")
+            raise Overloaded(f"The server is busy: {self.num_queued} requests are queued (the limit is "
+                             f"{self.max_queued_requests}); retry later.",
+                             headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)})
         flight = _Flight(request_id, len(prompt_token_ids))
         self._flights[request_id] = flight
         arrival = time.monotonic()
         first_token: float | None = None
         num_tokens = 0
+        queued = self._enter_queue()
+        serve = self._serve(flight, list(prompt_token_ids), params)
         try:
-            async for output in self._serve(flight, list(prompt_token_ids), params):
-                if output.new_token_ids:
-                    now = time.monotonic()
-                    if first_token is None:
-                        first_token = now
-                        flight.timing["first_token"] = now - arrival
-                    num_tokens += len(output.new_token_ids)
-                if output.new_text and "first_text" not in flight.timing:
-                    flight.timing["first_text"] = time.monotonic() - arrival
-                if "place" not in flight.timing and "placed_at" in flight.timing:
-                    flight.timing["place"] = flight.timing.pop("placed_at") - arrival
-                if output.finished and flight.timing:
-                    output.timing = {k: flight.timing[k] for k in TIMING_KEYS if k in flight.timing}
-                    output.timing["attempts"] = flight.num_attempts
-                if output.finished and output.finish_reason != "abort" and not flight.aborted:
-                    self._report_outcome(flight, arrival, first_token, num_tokens)
-                yield output
+            async with contextlib.aclosing(serve):
+                while True:
+                    try:
+                        if queued:  # the wait for a first token is bounded; a cancelled step aborts its parts
+                            left = arrival + self.queue_timeout_s - time.monotonic()
+                            output = await asyncio.wait_for(anext(serve), max(0.0, left))
+                        else:
+                            output = await anext(serve)
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        self._count_rejected("queue_timeout")
+                        raise ServiceUnavailable(
+                            f"The server is busy: the request waited {self.queue_timeout_s:g}s without being "
+                            "served; retry later.", headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)}) from None
+                    if queued and (output.new_token_ids or output.finished):
+                        queued = self._leave_queue(arrival)
+                    if output.new_token_ids:
+                        now = time.monotonic()
+                        if first_token is None:
+                            first_token = now
+                            flight.time(first_token_s=now - arrival)
+                        num_tokens += len(output.new_token_ids)
+                    if output.new_text and (flight.timing is None or flight.timing.first_text_s is None):
+                        flight.time(first_text_s=time.monotonic() - arrival)
+                    if flight.placed_at is not None:
+                        flight.time(place_s=flight.placed_at - arrival)
+                        flight.placed_at = None
+                    if output.finished and flight.timing is not None:
+                        output.timing = replace(flight.timing, attempts=flight.num_attempts)
+                    if output.finished and output.finish_reason != "abort" and not flight.aborted:
+                        self._report_outcome(flight, arrival, first_token, num_tokens)
+                    yield output
         finally:
+            if queued:
+                self._leave_queue(arrival)
             if self._flights.get(request_id) is flight:
                 del self._flights[request_id]
+
+    def _enter_queue(self) -> bool:
+        self.num_queued += 1
+        if self.metrics is not None:
+            self.metrics.requests_waiting.set(self.num_queued)
+        return True
+
+    def _leave_queue(self, arrival: float) -> bool:
+        self.num_queued -= 1
+        if self.metrics is not None:
+            self.metrics.requests_waiting.set(self.num_queued)
+            self.metrics.queue_wait_seconds.observe(time.monotonic() - arrival)
+        return False
+
+    def _count_rejected(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests_rejected.labels(reason).inc()
 
     async def abort(self, request_id: str) -> None:
         flight = self._flights.get(request_id)
@@ -318,7 +366,7 @@ class ClusterBackend:
                     yield self._aborted_output(flight)
                     return
             if not flight.sent_token_ids:
-                flight.timing = {"placed_at": time.monotonic()}
+                flight.timing, flight.placed_at = RequestTiming(), time.monotonic()
             if decision.kind == "disaggregated" and not flight.sent_token_ids:
                 attempt = self._run_disaggregated(flight, decision, prompt, params)
             else:
@@ -377,11 +425,13 @@ class ClusterBackend:
             num_resumed_tokens=len(flight.sent_token_ids),
             excluded=frozenset(excluded),
         )
+        snapshot = self.snapshot()
         try:
-            decision = self.policy.place(request, self.snapshot())
+            decision = self.policy.place(request, snapshot)
         except SLOUnattainable as exc:
             raise Overloaded(f"The cluster cannot serve the request within its SLOs now; retry later ({exc})") from exc
         except NoWorkersAvailable as exc:
+            self._check_ever_fits(request, snapshot)
             if isinstance(last_error, Overloaded):
                 raise last_error from exc  # every worker left is full: the client may retry later
             cause = f"; last error: {last_error.message}" if last_error is not None else ""
@@ -392,6 +442,19 @@ class ClusterBackend:
             self._count_recovery("degraded")
         logger.debug("request %s -> %s", flight.request_id, decision)
         return decision
+
+    @staticmethod
+    def _check_ever_fits(request: RequestInfo, snapshot: ClusterSnapshot) -> None:
+        """InvalidRequest (400) when healthy workers can decode but none could ever hold the
+        request (its context length or its KV cache is too small): waiting would not help."""
+        workers = [w for w in snapshot.workers if w.healthy and w.can_decode]
+        if not workers or any(w.fits(request.num_tokens) for w in workers):
+            return
+        limit = max(min(w.max_model_len or math.inf, (w.num_blocks * w.block_size) or math.inf) for w in workers)
+        raise InvalidRequest(
+            f"This model's maximum context length is {limit:g} tokens (the largest KV cache among the workers); "
+            f"the request needs {request.num_tokens} ({request.num_prompt_tokens} in the prompt, "
+            f"{request.max_tokens} max_tokens).", param="max_tokens", code="context_length_exceeded")
 
     async def _place_or_wait(
         self, flight: _Flight, prompt: list[int], params: SamplingParams, excluded: set[str],
@@ -460,19 +523,23 @@ class ClusterBackend:
             result: PrefillResult | None = None
             try:
                 started = time.monotonic()
-                reservation = await decode.client.reserve(wire_id, prompt, params, self.kv_deadline_s)
+                # D's Reserve waits in line for blocks and P's Prefill in P's queue: the queue
+                # bound (generate) limits both, so D also waits that long for the KV
+                queue_s = self.queue_timeout_s
+                reservation = await decode.client.reserve(wire_id, prompt, params, queue_s + self.kv_deadline_s,
+                                                          timeout_s=queue_s + self.rpc_timeout_s)
                 reserved = time.monotonic()
                 flight.parts[prefill.worker_id] = (prefill.client, wire_id)
                 try:
                     result = await prefill.client.prefill(
                         wire_id, prompt, params, reservation, self.kv_deadline_s,
-                        timeout_s=self.kv_deadline_s + self.rpc_timeout_s,
+                        timeout_s=queue_s + self.kv_deadline_s + self.rpc_timeout_s,
                     )
                 except KVPushFailed as exc:  # D did not take the KV: D failed, not P
                     raise WorkerFailed(f"{exc.message} (reported by {prefill.worker_id})",
                                        worker_id=decode.worker_id) from exc
                 self._record_first_token_phases(reserved - started, time.monotonic() - reserved, result)
-                flight.timing |= self._timing(decision, reserved - started, time.monotonic() - reserved, result)
+                flight.time(**self._timing(decision, reserved - started, time.monotonic() - reserved, result))
             finally:
                 prefill.num_inflight -= 1
                 prefill.num_inflight_tokens -= n
@@ -489,8 +556,8 @@ class ClusterBackend:
             yield first
             decode_started = time.monotonic()
             async for output in decode.client.decode(wire_id, first):
-                if "first_decode" not in flight.timing and output.new_token_ids:
-                    flight.timing["first_decode"] = time.monotonic() - decode_started
+                if flight.timing.first_decode_s is None and output.new_token_ids:
+                    flight.time(first_decode_s=time.monotonic() - decode_started)
                 if self._worker_aborted(flight, output):
                     if output.new_token_ids:  # keep what it produced; the retry resumes after it
                         yield replace(output, finished=False, finish_reason=None)
@@ -515,16 +582,16 @@ class ClusterBackend:
         flight.parts = {worker_id: (worker.client, wire_id)}
         n = len(prompt) + len(flight.sent_token_ids)
         if not flight.sent_token_ids:
-            flight.timing |= {"placement": "local", "decode_worker": worker_id}
+            flight.time(placement="local", decode_worker=worker_id)
         worker.num_inflight += 1
         worker.num_inflight_tokens += n
         try:
             async for output in worker.client.generate(wire_id, prompt, params, flight.sent_token_ids):
-                if output.timing is not None:  # the worker's part of the first token
-                    if "first_token" not in flight.timing and output.new_token_ids:
-                        flight.timing |= {k: output.timing[k] for k in ("queue", "prefill") if k in output.timing}
-                        flight.timing["worker_handoff"] = output.timing.get("handoff")
-                    output.timing = None
+                if output.worker_timing is not None:  # the worker's part of the first token
+                    if flight.timing.first_token_s is None and output.new_token_ids:
+                        w = output.worker_timing
+                        flight.time(queue_s=w.queue_s, prefill_s=w.prefill_s, worker_handoff_s=w.handoff_s)
+                    output.worker_timing = None
                 if self._worker_aborted(flight, output):
                     if output.new_token_ids:
                         yield replace(output, finished=False, finish_reason=None)
@@ -557,16 +624,16 @@ class ClusterBackend:
     def _report_outcome(self, flight: _Flight, arrival: float, first_token: float | None, num_tokens: int) -> None:
         """Tells the policy how a finished request went (module docstring); never raises."""
         try:
-            timing = flight.timing
-            placement = timing.get("placement")
-            decode = timing.get("decode_worker")
+            timing = flight.timing or RequestTiming()
+            placement = timing.placement
+            decode = timing.decode_worker
             if placement not in ("local", "disaggregated") or decode is None:
                 return
             now = time.monotonic()
-            prefill_s = timing.get("prefill") if placement == "disaggregated" else None
-            queue_s = timing.get("queue") if placement == "disaggregated" else None
+            prefill_s = timing.prefill_s if placement == "disaggregated" else None
+            queue_s = timing.queue_s if placement == "disaggregated" else None
             outcome = Outcome(
-                request_id=flight.request_id, placement=placement, prefill_worker=timing.get("prefill_worker"),
+                request_id=flight.request_id, placement=placement, prefill_worker=timing.prefill_worker,
                 decode_worker=decode, prompt_tokens=flight.num_prompt_tokens, output_tokens=num_tokens,
                 ttft_s=None if first_token is None else first_token - arrival,
                 tpot_s=(now - first_token) / (num_tokens - 1) if first_token is not None and num_tokens > 1 else None,
@@ -630,19 +697,19 @@ class ClusterBackend:
 
     @staticmethod
     def _timing(decision: Decision, reserve_s: float, prefill_rpc_s: float, result: PrefillResult) -> dict[str, Any]:
-        """The disaggregated part of `RequestOutput.timing` (TIMING_KEYS)."""
+        """The disaggregated part of `RequestOutput.timing` (RequestTiming's fields)."""
         phases = result.kv_phases
         queue = min(result.queue_seconds, result.prefill_seconds)
-        return {
-            "placement": "disaggregated", "prefill_worker": decision.prefill, "decode_worker": decision.decode,
-            "reserve": reserve_s, "queue": queue, "prefill": result.prefill_seconds - queue,
-            "kv": result.kv_seconds, "kv_wire": phases.get("wire"), "kv_wait": phases.get("queue"),
-            "kv_tail": max(0.0, result.kv_seconds - phases.get("stage", result.kv_seconds)),
-            "prefill_rpc": prefill_rpc_s, "kv_bytes": result.kv_bytes, "kv_done_at": time.time(),
-            "kv_gbps": result.kv_bytes * 8 / result.kv_seconds / 1e9 if result.kv_seconds > 0 else None,
-            "kv_link": phases.get("link"),
-            "kv_link_bytes": getattr(result, "kv_link_bytes", 0) if "link" in phases else None,
-        }
+        return dict(
+            placement="disaggregated", prefill_worker=decision.prefill, decode_worker=decision.decode,
+            reserve_s=reserve_s, queue_s=queue, prefill_s=result.prefill_seconds - queue,
+            kv_s=result.kv_seconds, kv_wire_s=phases.get("wire"), kv_wait_s=phases.get("queue"),
+            kv_tail_s=max(0.0, result.kv_seconds - phases.get("stage", result.kv_seconds)),
+            prefill_rpc_s=prefill_rpc_s, kv_bytes=result.kv_bytes, kv_done_at_unix_s=time.time(),
+            kv_gbps=result.kv_bytes * 8 / result.kv_seconds / 1e9 if result.kv_seconds > 0 else None,
+            kv_link_s=phases.get("link"),
+            kv_link_bytes=getattr(result, "kv_link_bytes", 0) if "link" in phases else None,
+        )
 
     def _count_recovery(self, kind: str) -> None:
         if self.metrics is not None:

@@ -74,6 +74,7 @@ class PooledWorker:
             num_inflight_tokens=self.num_inflight_tokens,
             max_model_len=s.max_model_len,
             tokens_per_second=s.tokens_per_second,
+            tensor_parallel_size=max(1, s.tensor_parallel_size),  # 0: a worker from before the field
         )
 
 

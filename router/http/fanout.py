@@ -1,6 +1,9 @@
 """Runs the backend requests of one HTTP request (one per choice) and merges their deltas.
 
 1. `start` opens one backend stream per `Job`, each pumped by its own task into one queue.
+   The queue holds at most QUEUE_PER_JOB deltas per job: a client that reads slowly holds the
+   pumps back, so the backend stream (and, through gRPC flow control, the worker, which merges
+   what waits) is read only as fast as the client takes it; nothing piles up here.
 2. `next` hands out (choice index, delta) in arrival order, raising the first backend error or
    `RequestTimeout` past the deadline; it returns None once every job has finished.
 3. `close` aborts every job that has not finished (client gone, error, timeout) and stops the
@@ -18,12 +21,14 @@ from dataclasses import dataclass, field
 import anyio
 
 from pdserve.sampling_params import RequestOutput, SamplingParams
+from pdserve.timing import RequestTiming
 from router.backend import GenerationBackend
 from router.errors import InternalError, RequestTimeout, ServiceUnavailable
 
 logger = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 5.0
+QUEUE_PER_JOB = 2
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ class JobProgress:
     first_token_at: float | None = None  # time.monotonic()
     last_token_at: float | None = None
     finish_reason: str | None = None
-    timing: dict | None = None  # RequestOutput.timing of the finished delta
+    timing: RequestTiming | None = None  # RequestOutput.timing of the finished delta
     num_cached_tokens: int = 0  # prompt tokens its worker found in its prefix cache (the most any delta said)
 
     @property
@@ -60,7 +65,7 @@ class FanOut:
 
     def __post_init__(self) -> None:
         self.progress = {job.index: JobProgress() for job in self.jobs}
-        self._queue: asyncio.Queue[tuple[Job, object]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[Job, object]] = asyncio.Queue(QUEUE_PER_JOB * max(1, len(self.jobs)))
         self._tasks: list[asyncio.Task[None]] = []
         self._closed = False
 
@@ -75,20 +80,25 @@ class FanOut:
         stream = self.backend.generate(job.request_id, job.prompt_token_ids, job.params)
         try:
             async for output in stream:
-                self._queue.put_nowait((job, output))
+                await self._queue.put((job, output))
                 if output.finished:
                     return
-            self._queue.put_nowait((job, _END))
+            await self._queue.put((job, _END))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # handed to the consumer, which maps it to a response
-            self._queue.put_nowait((job, exc))
+            await self._queue.put((job, exc))
         finally:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:
                 await aclose()
 
-    def timings(self) -> dict[int, dict | None]:
+    @property
+    def num_buffered(self) -> int:
+        """Deltas received from the backend that the client has not taken yet."""
+        return self._queue.qsize()
+
+    def timings(self) -> dict[int, RequestTiming | None]:
         """choice index -> the backend's timing of that choice (None when it gave none)."""
         return {index: p.timing for index, p in self.progress.items()}
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from pdserve.sampling_params import RequestOutput, TokenLogprob
+from pdserve.timing import RequestTiming
 from router.http.preparation import Prepared
 from router.http.protocol import (
     AssistantMessage,
@@ -42,12 +43,12 @@ class Formatter:
         self.model = model
         self.token_to_str = token_to_str
 
-    def usage(self, num_output_tokens: int, timings: dict[int, dict | None] | None = None) -> Usage:
+    def usage(self, num_output_tokens: int, timings: dict[int, RequestTiming | None] | None = None) -> Usage:
         """`timings`: choice index -> RequestOutput.timing; given and non-empty, they go into the
-        extension field `pdserve_timing` ([{"index": i, ...}], by index)."""
+        extension field `pdserve_timing` ([{"index": i, ...}], by index; RequestTiming.to_json)."""
         prompt = self.prepared.num_prompt_tokens
         extra = {}
-        entries = [{"index": i} | t for i, t in sorted((timings or {}).items()) if t]
+        entries = [{"index": i} | t.to_json() for i, t in sorted((timings or {}).items()) if t and t.to_json()]
         if entries:
             extra["pdserve_timing"] = entries
         return Usage(prompt_tokens=prompt, completion_tokens=num_output_tokens, total_tokens=prompt + num_output_tokens,

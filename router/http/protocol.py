@@ -118,6 +118,10 @@ class _SamplingFields(_Request):
     stop_token_ids: list[_TokenId] = Field(
         default_factory=list, description="Extension: token ids that end the generation.", json_schema_extra={"default": []}
     )
+    pdserve_timing: bool = _doc(
+        "Extension: add `pdserve_timing` to `usage`, where each choice's time went (placement, queue, prefill, "
+        "KV transfer, first token). Also asked for by the header `x-pdserve-timing: 1`, or for every request by the "
+        "router's --usage-timing. Without it `usage` has only OpenAI's fields.", False)
 
     @field_validator("stop", mode="plain", json_schema_input_type=_Text | list[_Text] | None)
     @classmethod
@@ -248,8 +252,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class Usage(BaseModel):
-    """OpenAI's usage; a pdserve cluster adds `pdserve_timing` (one entry per choice: where the
-    request's time went, router.cluster.backend.TIMING_KEYS), absent when the backend has none."""
+    """OpenAI's usage. A request that asks for it (its `pdserve_timing` field, the x-pdserve-timing
+    header or the router's --usage-timing) also gets `pdserve_timing`: one entry per choice, where
+    its time went (pdserve.timing.RequestTiming.to_json), absent when the backend has none."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -57,11 +57,13 @@ def create_app(
     health_timeout_s: float = 5.0,
     metrics: RouterMetrics | None = None,
     max_tokens_default: int | None = None,
+    usage_timing: bool = False,
 ) -> FastAPI:
     """Builds the app. `request_timeout_s` bounds a whole generation (504 or an SSE error past it);
     `metrics` defaults to a fresh RouterMetrics with its own registry; `max_tokens_default` is the
     max_tokens of a request that gives none, on both endpoints (None: 16 for completions, the room
-    left in the context for chat)."""
+    left in the context for chat); `usage_timing` adds usage.pdserve_timing to every response (else
+    only requests that ask for it get it: router.http.serving.OpenAIServing.wants_timing)."""
     if max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes!r}")
     if request_timeout_s is not None and request_timeout_s <= 0:
@@ -70,7 +72,7 @@ def create_app(
                                            or max_tokens_default < 1):
         raise ValueError(f"max_tokens_default must be an integer >= 1, got {max_tokens_default!r}")
     metrics = metrics or RouterMetrics()
-    serving = OpenAIServing(backend, metrics, request_timeout_s, max_tokens_default)
+    serving = OpenAIServing(backend, metrics, request_timeout_s, max_tokens_default, usage_timing)
     created = int(time.time())
 
     app = FastAPIOffline(

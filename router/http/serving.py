@@ -39,6 +39,7 @@ from router.http.protocol import ChatCompletionRequest, CompletionRequest, parse
 logger = logging.getLogger(__name__)
 
 Endpoint = Literal["completions", "chat"]
+TIMING_HEADER = "x-pdserve-timing"  # "1" (or "true"): the request asks for usage.pdserve_timing
 T = TypeVar("T")
 
 
@@ -118,11 +119,17 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 class OpenAIServing:
     def __init__(self, backend: GenerationBackend, metrics: RouterMetrics, request_timeout_s: float | None = None,
-                 max_tokens_default: int | None = None) -> None:
+                 max_tokens_default: int | None = None, usage_timing: bool = False) -> None:
         self.backend = backend
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
         self.max_tokens_default = max_tokens_default  # a request's max_tokens when it gives none (None: OpenAI's)
+        self.usage_timing = usage_timing  # usage.pdserve_timing for every request, asked for or not
+
+    def wants_timing(self, request: Request, req: ChatCompletionRequest | CompletionRequest) -> bool:
+        """usage.pdserve_timing is opt-in: clients that validate `usage` see only OpenAI's fields."""
+        header = request.headers.get(TIMING_HEADER, "").strip().lower()
+        return self.usage_timing or req.pdserve_timing or header in ("1", "true", "yes", "on")
 
     async def handle(self, endpoint: Endpoint, request: Request, request_id: str) -> Response:
         arrival = time.monotonic()
@@ -134,11 +141,13 @@ class OpenAIServing:
                 prepared = await anyio.to_thread.run_sync(
                     prepare_chat, chat_req, self.backend, request_id, self.max_tokens_default)
                 formatter: Formatter = ChatFormatter(prepared, self.backend.model_name, self.backend.tokenizer.token_to_str)
+                timing = self.wants_timing(request, chat_req)
             else:
                 completion_req = parse_request(CompletionRequest, body)
                 prepared = await anyio.to_thread.run_sync(
                     prepare_completion, completion_req, self.backend, request_id, self.max_tokens_default)
                 formatter = CompletionFormatter(prepared, self.backend.model_name, self.backend.tokenizer.token_to_str)
+                timing = self.wants_timing(request, completion_req)
         except APIError:
             self.metrics.requests.labels(endpoint, RequestStatus.ERROR).inc()
             raise
@@ -161,7 +170,7 @@ class OpenAIServing:
             raise
         if not prepared.stream:
             await self._finish(endpoint, fanout, arrival, RequestStatus.OK)
-            usage = formatter.usage(fanout.num_output_tokens, fanout.timings())
+            usage = formatter.usage(fanout.num_output_tokens, fanout.timings() if timing else None)
             return JSONResponse(formatter.response(choices, usage).model_dump(mode="json"))
 
         outcome = {"status": RequestStatus.OK}
@@ -170,7 +179,7 @@ class OpenAIServing:
             await self._finish(endpoint, fanout, arrival, outcome["status"] if completed else RequestStatus.ABORTED)
 
         assert first is not None
-        events = self._events(formatter, fanout, first, outcome)
+        events = self._events(formatter, fanout, first, outcome, timing)
         return EventStreamResponse(events, on_close)
 
     async def _collect(self, fanout: FanOut) -> dict[int, ChoiceText]:
@@ -184,7 +193,8 @@ class OpenAIServing:
         return choices
 
     async def _events(
-        self, formatter: Formatter, fanout: FanOut, first: tuple[int, RequestOutput], outcome: dict[str, str]
+        self, formatter: Formatter, fanout: FanOut, first: tuple[int, RequestOutput], outcome: dict[str, str],
+        timing: bool = False,
     ) -> AsyncIterator[bytes]:
         exclude = None if formatter.prepared.include_usage else {"usage"}
 
@@ -204,7 +214,8 @@ class OpenAIServing:
             yield sse(json.dumps(as_api_error(exc).to_dict()))
             return
         if formatter.prepared.include_usage:
-            yield encode(formatter.usage_chunk(formatter.usage(fanout.num_output_tokens, fanout.timings())))
+            timings = fanout.timings() if timing else None
+            yield encode(formatter.usage_chunk(formatter.usage(fanout.num_output_tokens, timings)))
         yield SSE_DONE
 
     async def _finish(self, endpoint: Endpoint, fanout: FanOut, arrival: float, status: str) -> None:

@@ -81,10 +81,21 @@ class WorkerSnapshot:
     max_model_len: int = 0
     tokens_per_second: float = 0.0
     num_inflight_tokens: int = 0  # prompt tokens of the router's in-flight requests there
+    # ranks of its engine: a tensor-parallel worker is one unit holding this many GPUs (its KV
+    # capacity is already in num_blocks, which counts blocks of every rank's heads)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"worker {self.worker_id!r}: role must be one of {ROLES}, got {self.role!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"worker {self.worker_id!r}: tensor_parallel_size must be a positive integer, got {tp!r}")
+
+    @property
+    def num_gpus(self) -> int:
+        """GPUs (ranks) the worker holds: the unit placement counts capacity in."""
+        return self.tensor_parallel_size
 
     @property
     def can_prefill(self) -> bool:
@@ -346,5 +357,7 @@ class LeastLoaded(PoolPolicy):
         return min(candidates, key=least_loaded_key)
 
 
-def least_loaded_key(w: WorkerSnapshot) -> tuple[int, float, str]:
-    return (w.load, -w.free_fraction, w.worker_id)
+def least_loaded_key(w: WorkerSnapshot) -> tuple[float, float, str]:
+    """Load per GPU (a tensor-parallel worker of N GPUs takes N times the requests), then the
+    free KV fraction, then the id."""
+    return (w.load / w.num_gpus, -w.free_fraction, w.worker_id)

@@ -1,6 +1,7 @@
 """Topology: nodes, the worker -> node map, and the links between nodes (capacity, latency).
 
-Pure data: frozen dataclasses, no I/O except `load_topology`, which reads the YAML file.
+Pure data: frozen dataclasses, no I/O except `load_topology`, which reads the YAML file
+(through yamlconfig, with the schema `TopologyFile` below).
 
     defaults:                 # all optional
       local_gbps: 200         # two workers on one node (NVLink, shared memory)
@@ -31,7 +32,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import yaml
+from pydantic import Field, field_validator, model_validator
+
+from loadgen import yamlconfig
 
 
 @dataclass(frozen=True)
@@ -108,134 +111,89 @@ def _check_non_negative(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a number >= 0, got {value!r}")
 
 
-# ---------------------------------------------------------------- YAML
+# ---------------------------------------------------------------- the file's schema
+# One topology schema for every file that describes links: the router's topology file, the
+# `topology:` section of a simulated cluster (sim/config.py) and of an emulation spec
+# (launcher/emulation/spec.py).
 
-_TOP_KEYS = ("defaults", "nodes", "workers", "links")
-_DEFAULT_KEYS = ("local_gbps", "local_latency_ms", "remote_gbps", "remote_latency_ms")
-_LINK_KEYS = ("between", "from", "to", "gbps", "latency_ms")
+Gbps = yamlconfig.number(gt=0)
+Millis = yamlconfig.number(ge=0)
+NodeName = yamlconfig.name()
 
 
-class _Reader:
-    """Walks the composed YAML nodes, so that every error names the line of the bad field."""
+class LinkEntry(yamlconfig.Schema):
+    """`{between: [a, b], gbps, latency_ms}` (both directions) or `{from: a, to: b, ...}`."""
 
-    def __init__(self, path: str, text: str) -> None:
-        self.path = path
-        self.loader = yaml.SafeLoader(text)
+    between: list[NodeName] | None = None
+    src: NodeName | None = Field(None, alias="from")
+    dst: NodeName | None = Field(None, alias="to")
+    gbps: Gbps
+    latency_ms: Millis | None = None  # None: defaults.remote_latency_ms
 
-    def root(self) -> yaml.Node | None:
-        try:
-            return self.loader.get_single_node()
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{self.path}: not valid YAML: {exc}") from None
-
-    def fail(self, node: yaml.Node, field_name: str, message: str) -> ValueError:
-        return ValueError(f"{self.path}:{node.start_mark.line + 1}: {field_name}: {message}")
-
-    def mapping(
-        self, node: yaml.Node, field_name: str, allowed: tuple[str, ...] | None,
-    ) -> list[tuple[str, yaml.Node, yaml.Node]]:
-        if not isinstance(node, yaml.MappingNode):
-            raise self.fail(node, field_name, "must be a mapping")
-        items = []
-        seen = set()
-        for key_node, value_node in node.value:
-            key = self.scalar(key_node, field_name)
-            name = f"{field_name}.{key}" if field_name else str(key)
-            if not isinstance(key, str):
-                raise self.fail(key_node, name, "keys must be strings")
-            if allowed is not None and key not in allowed:
-                raise self.fail(key_node, name, f"unknown key; allowed: {', '.join(allowed)}")
-            if key in seen:
-                raise self.fail(key_node, name, "given twice")
-            seen.add(key)
-            items.append((key, key_node, value_node))
-        return items
-
-    def sequence(self, node: yaml.Node, field_name: str) -> list[yaml.Node]:
-        if not isinstance(node, yaml.SequenceNode):
-            raise self.fail(node, field_name, "must be a list")
-        return list(node.value)
-
-    def scalar(self, node: yaml.Node, field_name: str) -> Any:
-        if not isinstance(node, yaml.ScalarNode):
-            raise self.fail(node, field_name, "must be a single value")
-        return self.loader.construct_object(node, deep=True)
-
-    def name(self, node: yaml.Node, field_name: str) -> str:
-        value = self.scalar(node, field_name)
-        if not isinstance(value, str) or not value:
-            raise self.fail(node, field_name, f"must be a non-empty name, got {value!r}")
+    @field_validator("between")
+    @classmethod
+    def _two_ends(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and len(value) != 2:
+            raise ValueError(f"must name 2 nodes, got {len(value)}")
         return value
 
-    def number(self, node: yaml.Node, field_name: str, *, positive: bool) -> float:
-        value = self.scalar(node, field_name)
-        check = _check_positive if positive else _check_non_negative
-        try:
-            check(field_name, value)
-        except ValueError as exc:
-            raise self.fail(node, field_name, str(exc).removeprefix(f"{field_name} ")) from None
-        return float(value)
+    @model_validator(mode="after")
+    def _ends(self) -> "LinkEntry":
+        if self.between is not None and (self.src is not None or self.dst is not None):
+            raise ValueError("give either between: [a, b] or from:/to:, not both")
+        if self.between is None and (self.src is None or self.dst is None):
+            raise ValueError("needs between: [a, b] or both from: and to:")
+        return self
+
+    def links(self, default_latency_ms: float) -> list[Link]:
+        latency = default_latency_ms if self.latency_ms is None else self.latency_ms
+        if self.between is None:
+            return [Link(self.src, self.dst, self.gbps, latency)]
+        a, b = self.between
+        return [Link(a, b, self.gbps, latency)] + ([Link(b, a, self.gbps, latency)] if a != b else [])
+
+
+class TopologyDefaults(yamlconfig.Schema):
+    local_gbps: Gbps = 200.0
+    local_latency_ms: Millis = 0.005
+    remote_gbps: Gbps = 10.0
+    remote_latency_ms: Millis = 0.1
+
+
+class TopologyFile(yamlconfig.Schema):
+    """The topology file (module docstring), as written."""
+
+    defaults: TopologyDefaults = TopologyDefaults()
+    nodes: list[NodeName] = []
+    workers: dict[str, NodeName] = {}
+    links: list[LinkEntry] = []
+
+    def build(self) -> Topology:
+        """The Topology; ValueError (a link given twice) without the file's name."""
+        d = self.defaults
+        links = [link for entry in self.links for link in entry.links(d.remote_latency_ms)]
+        nodes = list(self.nodes)
+        for name in [*self.workers.values(), *(n for link in links for n in (link.src, link.dst))]:
+            if name not in nodes:
+                nodes.append(name)
+        return Topology(links=tuple(links), workers=self.workers, nodes=tuple(nodes), local_gbps=d.local_gbps,
+                        local_latency_ms=d.local_latency_ms, remote_gbps=d.remote_gbps,
+                        remote_latency_ms=d.remote_latency_ms)
+
+
+def topology_from(doc: yamlconfig.Document, data: Any = None, loc: tuple = ()) -> Topology:
+    """The topology at `loc` of a read YAML document (the whole file by default)."""
+    spec = yamlconfig.validate(doc, TopologyFile, data, loc)
+    try:
+        return spec.build()
+    except ValueError as exc:
+        raise doc.error(loc + ("links",), str(exc)) from None
 
 
 def load_topology(path: str) -> Topology:
     """Reads a topology YAML file (module docstring); ValueError names the file, line and field."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read the topology file: {exc.strerror or exc}") from None
-    return parse_topology(text, path)
+    return topology_from(yamlconfig.read(path, what="the topology file"))
 
 
 def parse_topology(text: str, path: str = "<topology>") -> Topology:
-    r = _Reader(path, text)
-    root = r.root()
-    if root is None:
-        return Topology()
-    kwargs: dict[str, Any] = {}
-    nodes: list[str] = []
-    workers: dict[str, str] = {}
-    links: list[Link] = []
-    for key, _, value in r.mapping(root, "", _TOP_KEYS):
-        if key == "defaults":
-            for sub, _, v in r.mapping(value, "defaults", _DEFAULT_KEYS):
-                kwargs[sub] = r.number(v, f"defaults.{sub}", positive=sub.endswith("gbps"))
-        elif key == "nodes":
-            for i, item in enumerate(r.sequence(value, "nodes")):
-                nodes.append(r.name(item, f"nodes[{i}]"))
-        elif key == "workers":
-            for worker_id, _, v in r.mapping(value, "workers", None):
-                workers[worker_id] = r.name(v, f"workers.{worker_id}")
-        else:
-            for i, item in enumerate(r.sequence(value, "links")):
-                links.extend(_parse_link(r, item, f"links[{i}]", kwargs.get("remote_latency_ms", 0.1)))
-    for name in [*workers.values(), *(n for link in links for n in (link.src, link.dst))]:
-        if name not in nodes:
-            nodes.append(name)
-    try:
-        return Topology(links=tuple(links), workers=workers, nodes=tuple(nodes), **kwargs)
-    except ValueError as exc:
-        raise ValueError(f"{path}: links: {exc}") from None
-
-
-def _parse_link(r: _Reader, node: yaml.Node, where: str, default_latency_ms: float) -> list[Link]:
-    items = {key: (key_node, value) for key, key_node, value in r.mapping(node, where, _LINK_KEYS)}
-    if "gbps" not in items:
-        raise r.fail(node, f"{where}.gbps", "missing (the link capacity in Gbit/s)")
-    gbps = r.number(items["gbps"][1], f"{where}.gbps", positive=True)
-    latency = default_latency_ms
-    if "latency_ms" in items:
-        latency = r.number(items["latency_ms"][1], f"{where}.latency_ms", positive=False)
-    if "between" in items:
-        if "from" in items or "to" in items:
-            raise r.fail(node, where, "give either between: [a, b] or from:/to:, not both")
-        ends = r.sequence(items["between"][1], f"{where}.between")
-        if len(ends) != 2:
-            raise r.fail(items["between"][1], f"{where}.between", f"must name 2 nodes, got {len(ends)}")
-        a, b = (r.name(e, f"{where}.between") for e in ends)
-        if a == b:
-            return [Link(a, a, gbps, latency)]
-        return [Link(a, b, gbps, latency), Link(b, a, gbps, latency)]
-    if "from" not in items or "to" not in items:
-        raise r.fail(node, where, "needs between: [a, b] or both from: and to:")
-    return [Link(r.name(items["from"][1], f"{where}.from"), r.name(items["to"][1], f"{where}.to"), gbps, latency)]
+    return topology_from(yamlconfig.Document(path, text))

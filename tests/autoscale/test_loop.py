@@ -123,7 +123,7 @@ def test_up_config_autoscale(tmp_path):
     with pytest.raises(ValueError, match="--autoscale: needs the SLOs"):
         load_up_config({"autoscale": True})
     path.write_text("slo-ttft: 2\nautoscale: 3\n")
-    with pytest.raises(ValueError, match="autoscale must be true, false or a mapping"):
+    with pytest.raises(ValueError, match=r"cluster.yaml:2: field 'autoscale'"):
         load_up_config({}, str(path))
     path.write_text("slo-ttft: 2\nautoscale: {max: {decode: 0}}\n")
     with pytest.raises(ValueError, match=r"autoscale.max_workers: decode 0 is below"):

@@ -96,20 +96,21 @@ def test_policy_choices_come_from_the_routers_registry():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("prefil: 2\n", "unknown key 'prefil'"),
-    ("prefill: two\n", "prefill must be an integer, got 'two'"),
-    ("no_prefix_caching: 1\n", "no_prefix_caching must be true or false"),
-    ("prefill_resources: node_a\n", "prefill_resources must be a mapping"),
-    ("- a\n- b\n", "expected a mapping of settings"),
+    ("prefil: 2\n", "field 'prefil': unknown key"),
+    ("prefill: two\n", "field 'prefill': expected a whole number, got 'two'"),
+    ("no_prefix_caching: 1\n", "field 'no_prefix_caching': expected true or false"),
+    ("prefill_resources: node_a\n", "field 'prefill_resources': expected a mapping"),
+    ("- a\n- b\n", "expected a mapping, got a list"),
     ("prefill: [1\n", "invalid YAML"),
-    ("prefill: 1\nprefill-: 2\n", "unknown key 'prefill-'"),
+    ("prefill: 1\nprefill-: 2\n", "field 'prefill-': unknown key"),
+    ("max-model-len: 2\nmax_model_len: 3\n", "field 'max_model_len': given twice"),
 ])
 def test_bad_files_name_the_file_and_key(tmp_path, text, message):
     path = tmp_path / "bad.yaml"
     path.write_text(text)
     with pytest.raises(ValueError) as info:
         read_config_file(str(path))
-    assert str(info.value).startswith(f"{path}: ") and message in str(info.value)
+    assert str(info.value).startswith(f"{path}:") and message in str(info.value)
 
 
 def test_bad_value_from_file_names_the_file(tmp_path):
@@ -174,13 +175,13 @@ def test_cli_unknown_policy(capsys):
 
 def test_cli_missing_config_file(capsys, tmp_path):
     missing = tmp_path / "missing.yaml"
-    assert_one_line_error(*run_cli(capsys, "up", "--config", str(missing)), str(missing), "not found")
+    assert_one_line_error(*run_cli(capsys, "up", "--config", str(missing)), str(missing), "cannot read")
 
 
 def test_cli_unknown_key_in_config_file(capsys, tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("decode: 2\nworkers: 3\n")
-    assert_one_line_error(*run_cli(capsys, "up", "--config", str(path)), str(path), "unknown key 'workers'")
+    assert_one_line_error(*run_cli(capsys, "up", "--config", str(path)), str(path), "field 'workers': unknown key")
 
 
 def test_cli_model_without_tokenizer(capsys):
@@ -315,5 +316,5 @@ def test_engine_switches_from_flags_file_and_environment(tmp_path, monkeypatch):
     (env, _) = engines(load_up_config({"cuda_graphs": True}, None))
     assert env.warmup is False and env.cache.enforce_eager is False  # the flag over the variable
     path.write_text("warmup: 0\n")
-    with pytest.raises(ValueError, match="warmup must be true or false"):
+    with pytest.raises(ValueError, match="field 'warmup': expected true or false"):
         load_up_config({}, str(path))

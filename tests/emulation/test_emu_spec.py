@@ -12,13 +12,14 @@ GOOD = """\
 name: two
 model: random:smollm2-135m
 worker_args: [--kv-cache-gib, 0.05]
-nodes: [n0, n1, n2]
 workers:
   - {id: p0, role: prefill, node: n0}
   - {id: d0, role: decode, node: n1}
-links:
-  - {a: n1, b: n0, gbps: 5, latency_ms: 0.2}
-default_link: {gbps: 1}
+topology:
+  nodes: [n0, n1, n2]
+  links:
+    - {between: [n1, n0], gbps: 5, latency_ms: 0.2}
+  defaults: {remote_gbps: 1, remote_latency_ms: 0}
 router: {port: 9000, policy: least-loaded}
 """
 
@@ -50,16 +51,18 @@ def test_topology_for_the_router_loads_with_its_loader(tmp_path):
 
 
 @pytest.mark.parametrize("old, new, line, field, message", [
-    ("gbps: 5,", "gbps: -5,", 9, "links[0].gbps", "must be > 0"),
-    ("gbps: 5,", "gbps: fast,", 9, "links[0].gbps", "expected a number"),
-    ("{a: n1, b: n0", "{a: n1, b: n7", 9, "links[0].b", "unknown node 'n7'"),
-    ("role: decode", "role: dekode", 7, "workers[1].role", "expected one of"),
-    ("node: n1}", "node: nX}", 7, "workers[1].node", "unknown node"),
-    ("router: {port: 9000", "router: {port: 99999", 11, "router.port", "1..65535"),
-    ("default_link: {gbps: 1}", "default_link: {gbps: 1, rate: 2}", 10, "default_link.rate", "unknown key"),
+    ("gbps: 5,", "gbps: -5,", 10, "topology.links[0].gbps", "must be > 0"),
+    ("gbps: 5,", "gbps: fast,", 10, "topology.links[0].gbps", "expected a number"),
+    ("[n1, n0]", "[n1, n7]", 10, "topology.links[0].between[1]", "unknown node 'n7'"),
+    ("between: [n1, n0]", "from: n1, to: n0", 10, "topology.links[0]", "give between"),
+    ("role: decode", "role: dekode", 6, "workers[1].role", "expected one of"),
+    ("node: n1}", "node: nX}", 6, "workers[1].node", "unknown node"),
+    ("router: {port: 9000", "router: {port: 99999", 12, "router.port", "1..65535"),
+    ("{remote_gbps: 1,", "{remote_gbps: 1, rate: 2,", 11, "topology.defaults.rate", "unknown key"),
     ("name: two", "name: two\ncolor: blue", 2, "color", "unknown key"),
-    ("  - {id: d0, role: decode, node: n1}\n", "", 6, "workers", "at least one prefill and one decode"),
-    ("{a: n1, b: n0", "{a: n1, b: n1", 9, "links[0]", "two different nodes"),
+    ("  - {id: d0, role: decode, node: n1}\n", "", 5, "workers", "at least one prefill and one decode"),
+    ("[n1, n0]", "[n1, n1]", 10, "topology.links[0]", "two different nodes"),
+    ("nodes: [n0, n1, n2]", "nodes: [n0, n1, n0]", 8, "topology.nodes[2]", "listed twice"),
 ])
 def test_errors_name_file_line_and_field(tmp_path, old, new, line, field, message):
     assert old in GOOD
@@ -75,8 +78,8 @@ def test_missing_and_invalid_files(tmp_path):
     with pytest.raises(EmulationSpecError, match="cannot read"):
         load_topology(tmp_path / "nope.yaml")
     with pytest.raises(EmulationSpecError, match=r"topo.yaml:3: invalid YAML"):
-        load_topology(_write(tmp_path, "model: x\nnodes: [a\n"))
-    with pytest.raises(EmulationSpecError, match="field 'nodes': required"):
+        load_topology(_write(tmp_path, "model: x\ntopology: {nodes: [a\n"))
+    with pytest.raises(EmulationSpecError, match="field 'topology': required"):
         load_topology(_write(tmp_path, "model: x\nworkers: []\n"))
 
 

@@ -19,12 +19,14 @@ from tests.emulation.conftest import assert_gone, needs_netns
 SPEC = """\
 model: random:smollm2-135m
 worker_args: [--kv-cache-gib, "0.05"]
-nodes: [n0, n1]
 workers:
   - {id: p0, role: prefill, node: n0}
   - {id: d0, role: decode, node: n1}
-links:
-  - {a: n0, b: n1, gbps: 2}
+topology:
+  nodes: [n0, n1]
+  defaults: {remote_latency_ms: 0}
+  links:
+    - {between: [n0, n1], gbps: 2}
 """
 
 

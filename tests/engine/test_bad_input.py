@@ -113,3 +113,21 @@ def test_cli_missing_file_exits_non_zero():
                            "/no/such/model.gguf"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "/no/such/model.gguf" in proc.stderr
+
+
+def test_a_prefill_released_while_still_waiting_is_left_for_abort_to_end():
+    # a cancelled Prefill runs release then abort_request: release must not orphan a request
+    # that was never held (it would be admitted later and hold its KV for good)
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine import LLMEngine
+    from pdserve.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model="random:tiny-qwen2", device="cpu", dtype="float32",
+                                    cache=CacheConfig(block_size=4, num_blocks=16),
+                                    scheduler=SchedulerConfig(role="prefill")))
+    engine.add_request("w", [5] * 10, SamplingParams(max_tokens=4))
+    engine.release("w")
+    assert "w" in engine.requests and len(engine.scheduler.waiting) == 1
+    assert engine.abort_request("w")
+    assert not engine.scheduler.has_work() and not engine.requests
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -132,3 +132,29 @@ def test_engine_resolves_and_logs_its_sizes(caplog):
     assert (engine.config.scheduler.max_num_batched_tokens, engine.config.scheduler.max_num_seqs) == (512, 64)
     assert engine.scheduler.config is engine.config.scheduler
     assert "engine: max_num_batched_tokens=512 max_num_seqs=64 (defaults for cpu)" in caplog.text
+
+
+def test_waiting_reservations_are_granted_in_arrival_order_with_room_for_running_growth():
+    s, bm = make(num_blocks=8, role="decode")
+    a, b, c = seq("a", 16), seq("b", 8, start=100), seq("c", 8, start=200)
+    assert s.can_reserve(a, 16)
+    s.reserve(a, 16)  # 4 of 8 blocks
+    s.commit("a")
+    assert s.can_reserve(b, 8)
+    s.queue_reservation(b)
+    s.queue_reservation(c)
+    assert [q.request_id for q in s.grant_reservations()] == ["b"]  # 2 blocks; 2 left
+    assert not s.can_reserve(c, 8)  # 2 needed, 2 free, but a (running) keeps one for its growth
+    assert s.pending_reservations[0] is c and c.block_ids == []
+    s.finish(c, "abort")  # a waiting reservation that is aborted leaves the line
+    assert not s.pending_reservations and s.has_work()  # a is running
+    d, e = seq("d", 8, start=300), seq("e", 4, start=400)
+    s.queue_reservation(d)
+    s.queue_reservation(e)
+    assert not s.can_reserve(e, 4)  # not before d, even though e alone would fit
+    s.finish(a, "stop")
+    assert [q.request_id for q in s.grant_reservations()] == ["d", "e"]
+    assert d.status is SequenceStatus.AWAITING_KV and s.awaiting_kv.keys() == {"b", "d", "e"}
+    for rid in ("b", "d", "e"):
+        s.finish(s.awaiting_kv[rid], "abort")
+    assert bm.num_free_blocks == bm.num_blocks

@@ -16,8 +16,10 @@ TIMING = {"index": 0, "placement": "disaggregated", "prefill_worker": "p0", "dec
           "kv_gbps": 1.2}
 
 
-def _serve(usage_extra):
+def _serve(usage_extra, seen=None):
     def handler(request: httpx.Request) -> httpx.Response:
+        if seen is not None:
+            seen.append(request)
         chunks = [{"id": "x", "choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in ("a", "b")]
         chunks.append({"id": "x", "choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
         chunks.append({"id": "x", "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2,
@@ -33,6 +35,15 @@ def _serve(usage_extra):
             return record
 
     return asyncio.run(go())
+
+
+def test_requests_ask_for_the_timing_in_a_header():
+    """A header, not a body field: a server that does not know it ignores it (a body field
+    could be refused as unknown)."""
+    seen = []
+    _serve({}, seen)
+    assert seen[0].headers["x-pdserve-timing"] == "1"
+    assert "pdserve_timing" not in json.loads(seen[0].content)
 
 
 def test_record_takes_choice_zero_timing():

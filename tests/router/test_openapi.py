@@ -118,7 +118,7 @@ def test_requests_generated_from_the_schema_get_documented_answers(doc, router_u
     op = doc["paths"][path]["post"]
     request_schema = op["requestBody"]["content"]["application/json"]["schema"]
     check_request = validator(doc, request_schema)
-    gen = SchemaInstances(doc, random.Random(14))
+    gen = SchemaInstances(doc, random.Random(1))
     statuses: dict[tuple[int, bool], int] = {}
     headers = {"authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=router_url, headers=headers, timeout=20) as client:

@@ -52,21 +52,22 @@ def test_empty_file_is_all_defaults():
 
 
 @pytest.mark.parametrize("text, match", [
-    ("colour: red\n", r"topo.yaml:1: colour: unknown key"),
-    ("defaults:\n  local_gbps: 100\n  remote_gpbs: 5\n", r"topo.yaml:3: defaults.remote_gpbs: unknown key"),
-    ("defaults:\n  remote_gbps: -1\n", r"topo.yaml:2: defaults.remote_gbps: must be a number > 0, got -1"),
+    ("colour: red\n", r"topo.yaml:1: field 'colour': unknown key"),
+    ("defaults:\n  local_gbps: 100\n  remote_gpbs: 5\n", r"topo.yaml:3: field 'defaults.remote_gpbs': unknown key"),
+    ("defaults:\n  remote_gbps: -1\n", r"topo.yaml:2: field 'defaults.remote_gbps': must be > 0, got -1"),
     ("links:\n  - between: [a, b]\n    gbps: fast\n",
-     r"topo.yaml:3: links\[0\].gbps: must be a number > 0, got 'fast'"),
-    ("links:\n  - between: [a, b]\n", r"topo.yaml:2: links\[0\].gbps: missing"),
-    ("links:\n  - between: [a, b, c]\n    gbps: 1\n", r"topo.yaml:2: links\[0\].between: must name 2 nodes, got 3"),
-    ("links:\n  - from: a\n    gbps: 1\n", r"topo.yaml:2: links\[0\]: needs between"),
+     r"topo.yaml:3: field 'links\[0\].gbps': expected a number, got 'fast'"),
+    ("links:\n  - between: [a, b]\n", r"topo.yaml:2: field 'links\[0\].gbps': required"),
+    ("links:\n  - between: [a, b, c]\n    gbps: 1\n", r"topo.yaml:2: field 'links\[0\].between': must name 2 nodes, got 3"),
+    ("links:\n  - from: a\n    gbps: 1\n", r"topo.yaml:2: field 'links\[0\]': needs between"),
     ("links:\n  - between: [a, b]\n    gbps: 1\n    latency_ms: -2\n",
-     r"topo.yaml:4: links\[0\].latency_ms: must be a number >= 0"),
-    ("workers:\n  p0: [a]\n", r"topo.yaml:2: workers.p0: must be a single value"),
-    ("links: {a: b}\n", r"topo.yaml:1: links: must be a list"),
+     r"topo.yaml:4: field 'links\[0\].latency_ms': must be >= 0"),
+    ("workers:\n  p0: [a]\n", r"topo.yaml:2: field 'workers.p0': expected a non-empty string"),
+    ("links: {a: b}\n", r"topo.yaml:1: field 'links': expected a list"),
     ("links:\n  - {between: [a, b], gbps: 1}\n  - {from: a, to: b, gbps: 2}\n",
-     r"topo.yaml: links: link a->b is given twice"),
-    ("links: [\n", r"topo.yaml: not valid YAML"),
+     r"topo.yaml:2: field 'links': link a->b is given twice"),
+    ("links:\n  - {between: [a, b], gbps: 1, gbps: 2}\n", r"topo.yaml:2: field 'links\[0\].gbps': given twice"),
+    ("links: [\n", r"topo.yaml:2: invalid YAML"),
 ])
 def test_errors_name_file_line_and_field(text, match):
     with pytest.raises(ValueError, match=match):

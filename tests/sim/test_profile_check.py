@@ -110,6 +110,6 @@ def test_a_bad_hardware_key_is_named(tmp_path):
     from sim.config import load_cluster
 
     save_profile(replace(_profile()), str(tmp_path / "p.json"))
-    (tmp_path / "c.yaml").write_text("profile: p.json\nhardware: 3\n")
-    with pytest.raises(ValueError, match="c.yaml: hardware: must be a string"):
+    (tmp_path / "c.yaml").write_text("profile: p.json\nhardware: [a, b]\n")
+    with pytest.raises(ValueError, match="c.yaml:2: field 'hardware': expected a string"):
         load_cluster(tmp_path / "c.yaml")

@@ -101,9 +101,9 @@ def test_replaying_a_runs_records_reproduces_it(files, tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("profile: profile.json\nworkerz: []\n", "workerz: unknown key"),
+    ("profile: profile.json\nworkerz: []\n", "field 'workerz': unknown key"),
     ("profile: missing.json\n", "missing.json: cannot read the profile"),
-    ("profile: profile.json\nengine: {num_blocks: -1}\n", "engine.num_blocks: must be a positive integer"),
+    ("profile: profile.json\nengine: {num_blocks: -1}\n", "field 'engine.num_blocks': must be >= 1"),
     ("profile: profile.json\nworkers: [{id: a, role: chef}]\n", "workers.a.role must be prefill, decode or mixed"),
     ("profile: profile.json\nworkers: [{id: a, role: decode, host: h}]\n", "unknown host 'h'"),
 ])

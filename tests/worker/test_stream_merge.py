@@ -52,3 +52,23 @@ def test_a_lagging_reader_gets_one_delta_and_an_error_after_the_outputs_before_i
         assert (await asyncio.wait_for(reader, 2)).new_token_ids == [7]
 
     asyncio.run(main())
+
+
+def test_a_reader_that_stops_reading_holds_a_bounded_number_of_items():
+    # a slow client holds the gRPC stream back: one output per engine step must not pile up
+    async def main():
+        stream = _Stream(asyncio.get_running_loop())
+        most = 0
+        for t in range(1000):
+            stream.put_nowait(out(t))
+            most = max(most, len(stream))
+        assert most == _Stream.MERGE_AT
+        stream.put_nowait(out(1000, finished=True))
+        tokens = []
+        while not tokens or not delta.finished:
+            delta = await stream.next()
+            tokens.extend(delta.new_token_ids)
+        assert tokens == list(range(1001))  # all of them, in order
+        assert delta.num_output_tokens == 1000 and delta.finish_reason == "length"
+
+    asyncio.run(main())
