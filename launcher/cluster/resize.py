@@ -78,7 +78,8 @@ class PoolResizer:
                 raise ClusterStartError(f"cannot place one more {role} worker ({spec.bundle()}) within "
                                         f"{self.start_timeout_s:.0f}s")
             worker = WorkerSpec(role=role, worker_id=name, kv_backend=spec.kv_backend,
-                                cluster_token=spec.cluster_token, moves_kv=spec.moves_kv)
+                                cluster_token=spec.cluster_token, moves_kv=spec.moves_kv,
+                                tensor_parallel_size=spec.tensor_parallel_size)
             options, args = ray_actor(
                 worker, spec.engine, namespace=self.pools.namespace, num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
                 resources=spec.resources, scheduling_strategy=PlacementGroupSchedulingStrategy(
