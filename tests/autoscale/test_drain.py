@@ -24,7 +24,7 @@ from router.placement.registry import make_policy  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 NAMESPACE = "pdserve-test-autoscale"
-TOKENS = 120
+TOKENS = 400
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def test_drain_cuts_no_streaming_request_and_the_worker_leaves(local_ray):
         group_id = resizer._groups[added].id.hex()
 
         async def scenario() -> tuple[list, list, set]:
-            backend = ClusterBackend(directory, make_policy("round-robin"), object(), "tiny", 256, mode="colocated",
+            backend = ClusterBackend(directory, make_policy("round-robin"), object(), "tiny", 512, mode="colocated",
                                      stats_interval_s=0.2, health_timeout_s=2.0)
             window = RequestWindow(slo_ttft=60.0, slo_tpot=60.0)
             served = ObservedBackend(backend, window)
@@ -73,7 +73,7 @@ def test_drain_cuts_no_streaming_request_and_the_worker_leaves(local_ray):
                         count += len(out.new_token_ids)
                         if out.finished:
                             reason = out.finish_reason
-                            where = (out.timing or {}).get("decode_worker")
+                            where = out.timing.decode_worker if out.timing is not None else None
                     return count, reason, where
 
                 first = [asyncio.create_task(one(i)) for i in range(6)]
@@ -85,7 +85,7 @@ def test_drain_cuts_no_streaming_request_and_the_worker_leaves(local_ray):
                 assert autoscaler.pick_to_remove("mixed") in backend.pool.workers
                 drain = asyncio.create_task(autoscaler.drain_and_remove(added))
                 await asyncio.sleep(0.3)
-                assert backend.pool.workers[added].draining and backend.pool.workers[added].num_inflight >= 1
+                assert backend.pool.workers[added].draining and not drain.done()  # its requests still run
                 assert [w.worker_id for w in backend.snapshot().workers] == ["pdserve:drain:mixed:0"]
                 later = [asyncio.create_task(one(10 + i)) for i in range(3)]  # placed while it drains
                 results = await asyncio.gather(*first, *later)
