@@ -214,6 +214,10 @@ def _add_up_args(u: argparse.ArgumentParser) -> None:
                    help="give up when the workers are not all ready after this many seconds (default 600)")
     h = u.add_argument_group("router")
     _add_router_args(h, suppress=True)
+    a = u.add_argument_group("autoscaling")
+    a.add_argument("--autoscale", action="store_true", default=S,
+                   help="resize the pools from the SLO attainment (needs --slo-ttft/--slo-tpot); bounds, cooldown, "
+                        "interval and target from the --config file's autoscale: mapping (docs/planner.md)")
 
 
 def _add_router_args(p, *, suppress: bool = False) -> None:

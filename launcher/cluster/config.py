@@ -97,6 +97,9 @@ class UpConfig:
     slo_tpot: float | None = None
     admission_control: bool = False
     no_calibration: bool = False
+    # autoscaling: None/False off; True (--autoscale) or the file's `autoscale:` mapping
+    # (launcher.autoscale.rule.AutoscaleConfig.from_mapping), made an AutoscaleConfig here
+    autoscale: Any = None
 
     def __post_init__(self) -> None:
         def fail(key: str, message: str) -> None:
@@ -163,6 +166,18 @@ class UpConfig:
         if self.max_tokens_default is not None and self.max_tokens_default < 1:
             fail("max_tokens_default", f"must be >= 1, got {self.max_tokens_default}")
         check_policy(self.policy)
+        if self.autoscale is not None and self.autoscale is not False:
+            from launcher.autoscale.rule import AutoscaleConfig
+
+            if not isinstance(self.autoscale, AutoscaleConfig):
+                try:
+                    object.__setattr__(self, "autoscale", AutoscaleConfig.from_mapping(self.autoscale))
+                except (ValueError, TypeError) as e:
+                    fail("autoscale", str(e).removeprefix("autoscale: "))
+            if self.slo_ttft is None and self.slo_tpot is None:
+                fail("autoscale", "needs the SLOs it scales for: --slo-ttft and/or --slo-tpot")
+        else:
+            object.__setattr__(self, "autoscale", None)
 
     # ---- derived ---------------------------------------------------------------------------
     @property
@@ -204,7 +219,7 @@ _BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_contro
 _OPTIONAL = {"tokenizer", "dtype", "device", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
              "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv", "replicas", "worker_gpus", "address", "api_key",
              "served_model_name", "topology", "profile", "slo_ttft", "slo_tpot", "max_tokens_default",
-             "prefill_tp", "decode_tp"}
+             "prefill_tp", "decode_tp", "autoscale"}
 
 
 def check_policy(name: str) -> None:
@@ -233,6 +248,8 @@ def check_resources(name: str, value: Any) -> dict[str, float]:
 
 def _file_type(key: str) -> Any:
     """The type a key of the YAML file takes (yamlconfig's types never coerce)."""
+    if key == "autoscale":  # true/false, or the mapping launcher.autoscale.rule.AutoscaleConfig reads
+        return yamlconfig.Bool | dict[str, Any] | None
     kind = (yamlconfig.Bool if key in _BOOLS else yamlconfig.whole() if key in _INTS
             else yamlconfig.number() if key in _FLOATS else dict[str, Any] if key in _RESOURCE_KEYS else StrictStr)
     return kind | None if key in _OPTIONAL else kind
@@ -267,6 +284,8 @@ def load_up_config(flags: Mapping[str, Any], config_file: str | None = None) -> 
     if unknown:
         raise ValueError(f"unknown settings: {unknown}")
     settings = read_config_file(config_file) if config_file else {}
+    if flags.get("autoscale") is True and isinstance(settings.get("autoscale"), Mapping):
+        flags = {k: v for k, v in flags.items() if k != "autoscale"}  # --autoscale with the file's settings
     settings.update(flags)
     try:
         return UpConfig(**settings)

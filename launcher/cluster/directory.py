@@ -5,6 +5,10 @@ An actor that is dead, restarting or slow is left out of that answer (the router
 around it) and is asked again on the next refresh; once Ray has restarted it, it answers with
 its new address. At most one query per actor is in flight, so a hung actor never piles up
 calls. Answers are cached for `refresh_interval_s`; concurrent callers share one refresh.
+
+Resizing (`launcher.cluster.resize`): `add_worker(name)` follows one more actor; `drain(name)`
+puts it in `draining`, which the router's worker pool reads to keep placement off it while its
+requests finish; `remove_worker(name)` forgets it (the router then drops it).
 """
 
 from __future__ import annotations
@@ -41,6 +45,26 @@ class RayDirectory:
         self._cache_time = 0.0
         self._lock: asyncio.Lock | None = None
         self.last_info: dict[str, dict[str, Any]] = {}  # name -> last info() answer
+        self.draining: set[str] = set()  # worker ids placement must skip (router.cluster.worker_pool)
+
+    def add_worker(self, name: str) -> None:
+        """Follow the actor `name` from the next refresh on (a fixed list only; discovery finds it)."""
+        if self._names is not None and name not in self._names:
+            self._names.append(name)
+        self._cache = None
+
+    def drain(self, name: str) -> None:
+        """New requests go elsewhere; the worker's own requests run to their end."""
+        self.draining.add(name)
+
+    def remove_worker(self, name: str) -> None:
+        """Forget the actor `name` (drained, or about to be killed)."""
+        if self._names is not None and name in self._names:
+            self._names.remove(name)
+        # it stays in `draining`: the router's pool must not place on it until it drops it
+        self._handles.pop(name, None)
+        self.last_info.pop(name, None)
+        self._cache = None
 
     async def endpoints(self) -> list[WorkerEndpoint]:
         if self._lock is None:

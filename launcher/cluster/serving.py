@@ -86,8 +86,9 @@ def make_router_policy(settings: RouterSettings) -> Any:
         raise ValueError(f"--policy {settings.policy}: {e}") from None
 
 
-def build_app(directory: Any, settings: RouterSettings, model: RouterModel, policy: Any):
-    """(app, backend) for `directory`."""
+def build_app(directory: Any, settings: RouterSettings, model: RouterModel, policy: Any, wrap_backend=None):
+    """(app, backend) for `directory`; `wrap_backend(backend, metrics)`, when given, is what the
+    HTTP app calls instead of the backend (the autoscaler's observer)."""
     from router.cluster.backend import ClusterBackend
     from router.metrics import RouterMetrics
     from router.http.server import create_app
@@ -98,7 +99,8 @@ def build_app(directory: Any, settings: RouterSettings, model: RouterModel, poli
                              metrics=metrics, worker_wait_s=settings.worker_wait_s,
                              max_queued_requests=settings.max_queued_requests, queue_timeout_s=settings.queue_timeout_s,
                              cluster_token=settings.cluster_token, kv_wire_precision=settings.kv_wire_precision)
-    app = create_app(backend, api_key=settings.api_key, metrics=metrics, max_tokens_default=settings.max_tokens_default,
+    served = wrap_backend(backend, metrics) if wrap_backend is not None else backend
+    app = create_app(served, api_key=settings.api_key, metrics=metrics, max_tokens_default=settings.max_tokens_default,
                      usage_timing=settings.usage_timing)
     return app, backend
 
@@ -124,8 +126,10 @@ def restore_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def serve_router(app: Any, backend: Any, settings: RouterSettings, on_ready=None) -> None:
-    """Serves in the foreground until a signal (see the module docstring)."""
+def serve_router(app: Any, backend: Any, settings: RouterSettings, on_ready=None, background=()) -> None:
+    """Serves in the foreground until a signal (see the module docstring). `background`: async
+    callables run as tasks beside the server once the backend has started (the autoscaler),
+    cancelled when the server stops."""
     import uvicorn
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
@@ -143,7 +147,14 @@ def serve_router(app: Any, backend: Any, settings: RouterSettings, on_ready=None
         await backend.start()
         try:
             announcer = asyncio.create_task(announce()) if on_ready is not None else None
-            await server.serve()
+            tasks = [asyncio.create_task(run_task()) for run_task in background]
+            try:
+                await server.serve()
+            finally:
+                for task in tasks:
+                    task.cancel()
+                if tasks:
+                    await asyncio.gather(*tasks, return_exceptions=True)
             if announcer is not None:
                 announcer.cancel()
         finally:

@@ -3,7 +3,8 @@
 1. Check the config and load the router's tokenizer (a bad --model fails before Ray starts).
 2. Start a local Ray (small footprint, no dashboard), or join `--address`.
 3. Place the pools and create the worker actors; wait for every worker, with a progress bar.
-4. Serve the router (HTTP) over a `RayDirectory` of the actors.
+4. Serve the router (HTTP) over a `RayDirectory` of the actors; with `--autoscale`, the planner
+   loop runs beside it on the router's event loop (`launcher.autoscale.loop`) and resizes the pools.
 5. On Ctrl-C or SIGTERM, at any step, to this process or to its whole process group, or when
    Ray dies under it: stop the router, stop and kill the actors, remove the placement groups,
    shut Ray down if we started it; every step is bounded, and whatever is left of the
@@ -96,6 +97,14 @@ def pool_specs(config: UpConfig, gpus_in_cluster: float, cluster_token: str | No
                  moves_kv=config.mode == "hybrid")
         for role, size in config.pool_sizes().items()
     ]
+
+
+def _policy_slos(config: UpConfig) -> dict:
+    """The SLOs the placement policy gets: all given, except that with --autoscale they are the
+    autoscaler's, and a policy that does not use them (all but network-aware) gets none."""
+    if config.autoscale is not None and config.policy != "network-aware":
+        return {"slo_ttft": None, "slo_tpot": None}
+    return {"slo_ttft": config.slo_ttft, "slo_tpot": config.slo_tpot}
 
 
 def check_tensor_parallel_pools(config: UpConfig, num_local_gpus: int | None = None) -> None:
@@ -221,8 +230,8 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
                               max_tokens_default=config.max_tokens_default, usage_timing=config.usage_timing,
                               max_queued_requests=config.max_queued_requests, queue_timeout_s=config.queue_timeout_s,
                               log_level=log_level.lower(),
-                              topology=config.topology, profile=config.profile, slo_ttft=config.slo_ttft,
-                              slo_tpot=config.slo_tpot, admission_control=config.admission_control,
+                              topology=config.topology, profile=config.profile, **_policy_slos(config),
+                              admission_control=config.admission_control,
                               calibrate=not config.no_calibration, graceful_shutdown_s=ROUTER_DRAIN_S, cluster_token=cluster_token)
     policy = make_router_policy(settings)
 
@@ -272,14 +281,22 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
         from launcher.cluster.directory import RayDirectory
 
         directory = RayDirectory(config.namespace, config.cluster_name, pools.names)
-        app, backend = build_app(directory, settings, model, policy)
+        wrap_backend, background = None, ()
+        if config.autoscale is not None:
+            from launcher.autoscale.loop import attach
+
+            wrap_backend, background = attach(
+                config.autoscale, pools, directory, slo_ttft=config.slo_ttft, slo_tpot=config.slo_tpot,
+                max_num_seqs=specs[0].engine.scheduler.max_num_seqs,
+                on_change=lambda what: print(f"pdserve up: autoscale: {what}", file=sys.stderr, flush=True))
+        app, backend = build_app(directory, settings, model, policy, wrap_backend=wrap_backend)
         scheme_host = f"http://{config.host}:{config.port}"
 
         def ready() -> None:
             print(f"pdserve up: serving {model.name} at {scheme_host}/v1 ({total} workers, {config.mode}, "
                   f"policy {config.policy}); Ctrl-C to stop", file=sys.stderr, flush=True)
 
-        serve_router(app, backend, settings, on_ready=ready)
+        serve_router(app, backend, settings, on_ready=ready, background=background)
     except KeyboardInterrupt:
         pass
     except ClusterStartError as e:

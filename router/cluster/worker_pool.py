@@ -9,6 +9,11 @@ Each `refresh` (every `interval_s` in the background once started):
    dead worker is detected mid-stream); one that answers "unhealthy" is avoided but its streams
    are left to end on their own; one that answers healthy is used again.
 Request paths also `mark_down` a worker when a call to it fails; the next good poll restores it.
+
+Draining: a directory may name workers to drain (a `draining` set of worker ids, e.g.
+`launcher.cluster.directory.RayDirectory` while the autoscaler removes one). A draining worker
+keeps its connection and its live requests, but `snapshots()` leave it out, so that placement
+sends it nothing new.
 """
 
 from __future__ import annotations
@@ -40,6 +45,14 @@ class PooledWorker:
     num_inflight: int = 0  # requests the router has sent here and not seen end
     num_inflight_tokens: int = 0  # their prompt tokens
     role_mismatch_logged: bool = False
+    draining: bool = False  # placement skips it; its requests run to their end
+
+    @property
+    def is_empty(self) -> bool:
+        """No request of the router's on it and none in its engine (queued, running, KV held or awaited)."""
+        s = self.stats
+        return self.num_inflight == 0 and s is not None and (
+            s.num_waiting + s.num_running + s.num_held + s.num_awaiting_kv == 0)
 
     @property
     def worker_id(self) -> str:
@@ -105,7 +118,7 @@ class WorkerPool:
         await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
 
     def snapshots(self) -> tuple[WorkerSnapshot, ...]:
-        return tuple(w.snapshot() for w in self.workers.values())
+        return tuple(w.snapshot() for w in self.workers.values() if not w.draining)
 
     def describe(self) -> dict[str, dict[str, Any]]:
         """Per worker: role, address, node, healthy, inflight and (when unhealthy) why."""
@@ -113,6 +126,8 @@ class WorkerPool:
         for w in self.workers.values():
             info[w.worker_id] = {"role": w.endpoint.role, "address": w.endpoint.address, "node": w.endpoint.node,
                                  "healthy": w.healthy, "inflight": w.num_inflight}
+            if w.draining:
+                info[w.worker_id]["draining"] = True
             if w.detail:
                 info[w.worker_id]["detail"] = w.detail
         return info
@@ -132,6 +147,7 @@ class WorkerPool:
             logger.warning("worker directory failed (%s); keeping the last view of %d workers", exc, len(self.workers))
             return
         seen = {e.worker_id for e in endpoints}
+        draining = getattr(self.directory, "draining", ())
         for endpoint in endpoints:
             worker = self.workers.get(endpoint.worker_id)
             if worker is None:
@@ -143,6 +159,10 @@ class WorkerPool:
                 worker.endpoint, worker.client = endpoint, self._connect(endpoint)
                 worker.healthy, worker.detail, worker.stats = False, "moved, not checked yet", None
                 await old.close()  # its streams raise WorkerFailed and migrate
+        for worker in self.workers.values():
+            if worker.draining != (worker.worker_id in draining):
+                worker.draining = worker.worker_id in draining
+                logger.info("worker %s %s", worker.worker_id, "is draining" if worker.draining else "serves again")
         for worker_id in [w for w in self.workers if w not in seen]:
             logger.info("worker %s left the directory", worker_id)
             await self.workers.pop(worker_id).client.close()

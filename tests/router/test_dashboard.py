@@ -34,6 +34,7 @@ REQUIRED_PANELS = (
     "Time to first token", "Time per output token", "Requests per second", "Tokens per second",
     "Queue depth per worker", "KV cache usage per worker", "KV transfer GB/s per link", "KV transfer seconds per link",
     "Deadline fallbacks, re-placements, migrations", "Preemptions per second", "Placement decisions by policy",
+    "Workers per pool", "SLO attainment", "Autoscaler decisions",
 )
 
 
@@ -58,6 +59,10 @@ def scraped() -> dict[str, list[dict[str, str]]]:
         for worker in workers:
             loop.call(worker.start())
         metrics = RouterMetrics()
+        # what `pdserve up --autoscale` adds to the same registry (the dashboard's autoscaling row)
+        from launcher.autoscale.metrics import AutoscaleMetrics
+
+        AutoscaleMetrics(metrics.registry, ("prefill", "decode")).decisions.labels("add", "decode", "tpot_miss").inc()
         backend = ClusterBackend(
             StaticDirectory([w.endpoint for w in workers]), make_policy("round-robin"), CharTokenizer(), MODEL, 128,
             stats_interval_s=0.05, health_timeout_s=0.5, rpc_timeout_s=2.0, kv_deadline_s=2.0, metrics=metrics,

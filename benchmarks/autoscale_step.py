@@ -1,0 +1,324 @@
+"""A load step against a live `pdserve up --autoscale`: rate, workers per pool and SLO attainment over time.
+
+Starts `pdserve up --autoscale` from 1P+1D (or attaches to a running one with --url), sends
+Poisson streaming /v1/completions requests at `--low` req/s, steps to `--high`, then back to
+`--low`, scrapes the router's /metrics every `--scrape-s` (pdserve:pool_workers,
+pdserve:slo_attainment), and measures each request on the client (TTFT, TPOT, status). Then:
+
+- the time from the step up until the client-side attainment (requests that arrived in the
+  last `--window-s`, both SLOs met, failures missing) is back at or above 0.9;
+- the time from the step down until the pools are back at their starting size;
+- the requests that failed or never ended (the issue's target: 0 through the scale-down);
+
+and writes the record (JSON) to --out and the plot to --plot (docs/autoscale.png).
+
+    PYTHONPATH=$PWD python benchmarks/autoscale_step.py --model random:smollm2-135m \\
+        --low 0.2 --high 1.0 --phases 60,120,120 --slo-ttft 2 --slo-tpot 0.25
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", default=None, help="a running `pdserve up --autoscale` (default: start one)")
+    p.add_argument("--model", default="random:smollm2-135m")
+    p.add_argument("--port", type=int, default=8123)
+    p.add_argument("--low", type=float, default=0.2, help="req/s before and after the step")
+    p.add_argument("--high", type=float, default=1.0, help="req/s during the step")
+    p.add_argument("--phases", default="60,120,120", help="seconds at low, high, low")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--slo-ttft", type=float, default=2.0)
+    p.add_argument("--slo-tpot", type=float, default=0.25)
+    p.add_argument("--window-s", type=float, default=20.0, help="sliding window of the client-side attainment")
+    p.add_argument("--scrape-s", type=float, default=2.0)
+    p.add_argument("--max-workers", type=int, default=3, help="autoscale max per pool (min 1)")
+    p.add_argument("--interval-s", type=float, default=3.0)
+    p.add_argument("--cooldown-s", type=float, default=10.0)
+    p.add_argument("--worker-cpus", type=float, default=0.25)
+    p.add_argument("--kv-cache-gib", type=float, default=0.3, help="per worker (a small cache turns load into 429s)")
+    p.add_argument("--settle-s", type=float, default=180.0, help="after the load, wait this long at most for "
+                                                                  "the pools to be back at 1P+1D")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "autoscale_step.json"))
+    p.add_argument("--plot", default=os.path.join(REPO, "docs", "autoscale.png"))
+    return p.parse_args(argv)
+
+
+def start_cluster(args) -> tuple[subprocess.Popen, str]:
+    config = {"autoscale": {"min": {"prefill": 1, "decode": 1}, "max": {"prefill": args.max_workers,
+                                                                           "decode": args.max_workers},
+                            "interval": args.interval_s, "cooldown": args.cooldown_s, "window": args.window_s,
+                            "target": 0.9}}
+    path = os.path.join(tempfile.mkdtemp(prefix="autoscale-"), "cluster.json")  # JSON is YAML
+    with open(path, "w") as f:
+        json.dump(config, f)
+    log = open(os.path.join(os.path.dirname(path), "up.log"), "w")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "launcher.cli", "up", "--autoscale", "--config", path, "--model", args.model,
+           "--prefill", "1", "--decode", "1", "--worker-cpus", str(args.worker_cpus), "--port", str(args.port),
+           "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot), "--max-model-len", "512",
+           "--kv-cache-gib", str(args.kv_cache_gib), "--cluster-name", "autoscale-step", "--namespace", "pdserve-autoscale-step"]
+    print("starting:", " ".join(cmd[1:]), f"(log {log.name})", file=sys.stderr)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{args.port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"pdserve up exited with {proc.returncode}; see {log.name}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop_cluster(proc)
+    raise SystemExit("pdserve up not healthy within 600 s")
+
+
+def stop_cluster(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def scrape(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {"workers": {}, "draining": {}, "attainment": None}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "pdserve:pool_workers":
+                key = "workers" if s.labels.get("state") == "serving" else "draining"
+                out[key][s.labels["pool"]] = s.value
+            elif s.name == "pdserve:slo_attainment" and s.labels.get("slo") == "both":
+                out["attainment"] = s.value
+    return out
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int, t0: float) -> dict:
+    arrival = time.monotonic()
+    rec = {"arrival": arrival - t0, "ttft": None, "tpot": None, "status": "ok"}
+    first = last = None
+    tokens = 0
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+            if r.status_code != 200:
+                rec["status"] = f"http {r.status_code}"
+                rec["end"] = time.monotonic() - t0
+                return rec
+            done = False
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec["status"] = "error: " + str(chunk["error"].get("message", ""))[:80]
+                    rec["end"] = time.monotonic() - t0
+                    return rec
+                now = time.monotonic()
+                if chunk["choices"] and chunk["choices"][0].get("text") is not None:
+                    tokens += 1
+                    first = first or now
+                    last = now
+            if not done:
+                rec["status"] = "cut"
+    except httpx.HTTPError as e:
+        rec["status"] = f"{type(e).__name__}"
+    if first is not None:
+        rec["ttft"] = first - arrival
+        if tokens > 1:
+            rec["tpot"] = (last - first) / (tokens - 1)
+    rec["end"] = time.monotonic() - t0
+    return rec
+
+
+async def run_load(args, url: str) -> tuple[list[dict], list[dict], float]:
+    phases = [float(x) for x in args.phases.split(",")]
+    rates = [args.low, args.high, args.low]
+    rng = random.Random(args.seed)
+    words = "the quick brown fox jumps over a lazy dog while".split()
+    model = httpx.get(url + "/v1/models", timeout=5).json()["data"][0]["id"]
+    t0 = time.monotonic()
+    samples: list[dict] = []
+    tasks: list[asyncio.Task] = []
+    stop = asyncio.Event()
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=200)) as client:
+        async def sampler() -> None:
+            while not stop.is_set():
+                try:
+                    text = (await client.get(url + "/metrics", timeout=5)).text
+                    samples.append({"t": time.monotonic() - t0, **scrape(text)})
+                except httpx.HTTPError:
+                    pass
+                try:
+                    await asyncio.wait_for(stop.wait(), args.scrape_s)
+                except asyncio.TimeoutError:
+                    pass
+
+        sampling = asyncio.create_task(sampler())
+        start = 0.0
+        for duration, rate in zip(phases, rates):
+            t = start
+            while True:
+                t += rng.expovariate(rate)
+                if t >= start + duration:
+                    break
+                await asyncio.sleep(max(0.0, t - (time.monotonic() - t0)))
+                prompt = " ".join(rng.choice(words) for _ in range(args.prompt_tokens))
+                tasks.append(asyncio.create_task(one_request(client, url, model, prompt, args.max_tokens, t0)))
+            start += duration
+            await asyncio.sleep(max(0.0, start - (time.monotonic() - t0)))
+        requests = await asyncio.gather(*tasks)
+        # watch the pools settle after the last request (extra workers leave), up to settle_s
+        settle_until = time.monotonic() + args.settle_s
+        while time.monotonic() < settle_until and samples and (
+                sum(samples[-1]["workers"].values()) > 2 or sum(samples[-1]["draining"].values())):
+            await asyncio.sleep(1)
+        stop.set()
+        await sampling
+    return list(requests), samples, time.monotonic() - t0
+
+
+def attainment_series(requests: list[dict], args, until: float, step: float = 2.0) -> list[tuple[float, float | None]]:
+    """At each t: over the requests that arrived in the last window_s and whose outcome is known
+    by t (the router's rule, launcher.autoscale.window): ended, or past the TTFT SLO without a
+    first token by then. None when there are none."""
+    def verdict(r) -> tuple[float, bool]:
+        """(when it is known, met both SLOs)"""
+        end = r.get("end", r["arrival"] + 1e9)
+        if r["status"] != "ok" or r["ttft"] is None or r["ttft"] > args.slo_ttft:
+            return min(end, r["arrival"] + args.slo_ttft), False
+        return end, r["tpot"] is None or r["tpot"] <= args.slo_tpot
+
+    judged = [(r["arrival"], *verdict(r)) for r in requests]
+    out = []
+    t = step
+    while t <= until:
+        done = [ok for arrival, known, ok in judged if t - args.window_s <= arrival and known <= t]
+        out.append((t, sum(done) / len(done) if done else None))
+        t += step
+    return out
+
+
+def summarize(requests, samples, series, args) -> dict:
+    phases = [float(x) for x in args.phases.split(",")]
+    up_at, down_at = phases[0], phases[0] + phases[1]
+    high = [(t, a) for t, a in series if up_at < t <= down_at and a is not None]
+    # from when on it stays at or above 0.9 until the step down
+    recovered = next((t for i, (t, a) in enumerate(high) if all(b >= 0.9 for _, b in high[i:])), None)
+    dipped = any(a is not None and a < 0.9 for t, a in series if up_at < t <= down_at)
+    back = next((s["t"] for s in samples if s["t"] >= down_at and sum(s["workers"].values()) <= 2
+                 and not sum(s["draining"].values())), None)
+    peak = max((sum(s["workers"].values()) for s in samples), default=0)
+    failed = [r for r in requests if r["status"] != "ok"]
+    first_drain = next((s["t"] for s in samples if sum(s["draining"].values())), float("inf"))
+    return {
+        "requests": len(requests), "failed": len(failed), "failures": sorted({r["status"] for r in failed}),
+        # ended after the first drain began: what a scale-down could have cut
+        "failed_through_scale_down": sum(r.get("end", 1e18) >= first_drain for r in failed),
+        "first_drain_at_s": None if first_drain == float("inf") else round(first_drain, 1),
+        "peak_workers": peak, "attainment_dipped_below_0.9": dipped,
+        "attainment_back_above_0.9_s_after_step_up": None if recovered is None else round(recovered - up_at, 1),
+        "pools_back_to_1p1d_s_after_step_down": None if back is None else round(back - down_at, 1),
+    }
+
+
+def plot(requests, samples, series, args, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = [float(x) for x in args.phases.split(",")]
+    fig, axes = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True)
+    edges = [0, phases[0], phases[0] + phases[1], sum(phases)]
+    rates = [args.low, args.high, args.low]
+    ax = axes[0]
+    ax.step([edges[0], edges[1], edges[2], edges[3]], [rates[0], rates[1], rates[2], rates[2]], where="post",
+            label="offered rate")
+    arrivals = sorted(r["arrival"] for r in requests)
+    ts = [t for t, _ in series]
+    measured = [sum(1 for a in arrivals if t - 10 < a <= t) / 10 for t in ts]
+    ax.plot(ts, measured, alpha=0.6, label="arrivals (10 s)")
+    ax.set_ylabel("req/s")
+    ax.legend(loc="upper right")
+    ax = axes[1]
+    pools = sorted({p for s in samples for p in s["workers"]})
+    for pool in pools:
+        ax.step([s["t"] for s in samples], [s["workers"].get(pool, 0) for s in samples], where="post", label=pool)
+    ax.step([s["t"] for s in samples], [sum(s["draining"].values()) for s in samples], where="post", linestyle=":",
+            label="draining")
+    ax.set_ylabel("workers")
+    ax.legend(loc="upper right")
+    ax = axes[2]
+    ax.plot([t for t, a in series if a is not None], [a for t, a in series if a is not None],
+            label=f"client, requests of the last {args.window_s:g} s")
+    ax.plot([s["t"] for s in samples if s["attainment"] is not None],
+            [s["attainment"] for s in samples if s["attainment"] is not None], alpha=0.6, label="router's gauge")
+    ax.axhline(0.9, color="grey", linestyle="--", linewidth=1)
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_ylabel("SLO attainment")
+    ax.set_xlabel("seconds")
+    ax.legend(loc="lower right")
+    for a in axes:
+        for e in edges[1:3]:
+            a.axvline(e, color="grey", linewidth=0.8)
+    fig.suptitle(f"pdserve up --autoscale, {args.model}, {args.low:g} -> {args.high:g} -> {args.low:g} req/s "
+                 f"(TTFT <= {args.slo_ttft:g} s, TPOT <= {args.slo_tpot:g} s)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    proc = None
+    url = args.url
+    try:
+        if url is None:
+            proc, url = start_cluster(args)
+        requests, samples, elapsed = asyncio.run(run_load(args, url))
+    finally:
+        if proc is not None:
+            stop_cluster(proc)
+    series = attainment_series(requests, args, elapsed)
+    summary = summarize(requests, samples, series, args)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "summary": summary, "requests": requests, "samples": samples,
+                   "attainment": series}, f)
+    plot(requests, samples, series, args, args.plot)
+    print(json.dumps(summary, indent=1))
+    print(f"record: {args.out}; plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""The planner loop: an asyncio task in the `pdserve up` process, on the router's event loop.
+
+Why there and not in a process of its own: the signals it needs are the router's own (its
+window of requests, its worker pool with each worker's polled stats and the router's in-flight
+counts), read directly rather than scraped and parsed; the drain needs the router's in-flight
+count of the worker, which only the router knows exactly; and it shares the router's fate (one
+Ctrl-C stops both, no orphan resizing a cluster whose router is gone). The Ray calls that
+block (placing and starting a worker, killing one) run in threads (`asyncio.to_thread`), so
+the router keeps serving meanwhile.
+
+Every `interval_s`: read a `ClusterState` (`observe`), ask the rule (`launcher.autoscale.rule`),
+count the decision, and start the change it asks for as a task of its own: add (start a worker,
+wait until the router sees it healthy) or remove (pick the pool's least loaded worker, its own
+placement group first; drain it, wait until it is empty for three polls in a row, then remove
+it). One change at a time; the rule's cooldown counts from the end of the last one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from launcher.autoscale.metrics import AutoscaleMetrics
+from launcher.autoscale.rule import AutoscaleConfig, ClusterState, Decision, PoolState, RuleMemory, decide
+from launcher.autoscale.window import RequestWindow
+
+logger = logging.getLogger(__name__)
+
+DRAIN_POLL_S = 0.5
+EMPTY_POLLS = 3  # consecutive empty observations before a drained worker leaves
+
+
+class Autoscaler:
+    """`backend`: the router's `ClusterBackend` (its `pool.workers`); `resizer`: a
+    `launcher.cluster.resize.PoolResizer` (or a fake with `specs`, `add`, `drain`, `undrain`,
+    `remove`, `own_group`); `max_num_seqs`: the workers' batch limit (a full decode batch)."""
+
+    def __init__(self, config: AutoscaleConfig, backend: Any, window: RequestWindow, resizer: Any, *,
+                 max_num_seqs: int, metrics: AutoscaleMetrics | None = None,
+                 on_change: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.backend = backend
+        self.window = window
+        self.resizer = resizer
+        self.max_num_seqs = max(1, max_num_seqs)
+        self.metrics = metrics
+        self.on_change = on_change
+        self.clock = clock
+        self.roles = tuple(resizer.specs)
+        self.memory = RuleMemory()
+        self.last_change_end = -float("inf")
+        self._busy: deque[tuple[float, dict[str, float]]] = deque()
+        self._change: asyncio.Task[None] | None = None
+        self.decisions: list[tuple[float, Decision]] = []
+
+    # ---------------------------------------------------------------- reading the router
+
+    def _pool_workers(self, role: str) -> list[Any]:
+        return [w for w in self.backend.pool.workers.values() if w.endpoint.role == role]
+
+    def observe(self) -> ClusterState:
+        now = self.clock()
+        since = max(now - self.config.window_s, self.last_change_end)
+        pools: dict[str, PoolState] = {}
+        busy_now: dict[str, float] = {}
+        for role in self.roles:
+            workers = self._pool_workers(role)
+            serving = [w for w in workers if not w.draining]
+            waiting = running = 0.0
+            full = 0.0
+            busy = 0
+            for w in serving:
+                s = w.stats
+                if s is not None:
+                    waiting += s.num_waiting + s.num_awaiting_kv
+                    running += s.num_running
+                    usage = 1.0 - s.num_free_blocks / s.num_blocks if s.num_blocks else 0.0
+                    full = max(full, s.num_running / self.max_num_seqs, usage)
+                if w.num_inflight > 0 or (s is not None and s.num_waiting + s.num_running + s.num_held > 0):
+                    busy += 1
+            busy_now[role] = busy / len(serving) if serving else 0.0
+            pools[role] = PoolState(workers=len(serving), draining=len(workers) - len(serving), waiting=waiting,
+                                    running=running, batch_full=full)
+        self._busy.append((now, busy_now))
+        while self._busy and self._busy[0][0] < since:
+            self._busy.popleft()
+        samples = [b for t, b in self._busy if t >= since]
+        pools = {role: replace(p, busy=sum(s.get(role, 0.0) for s in samples) / len(samples))
+                 for role, p in pools.items()}
+        att = self.window.attainment(since)
+        return ClusterState(now=now, pools=pools, finished=att.finished, attainment=att.attainment,
+                            ttft_attainment=att.ttft, tpot_attainment=att.tpot,
+                            arrival_rate=self.window.arrival_rate(now - self.config.window_s),
+                            changing=self._change is not None and not self._change.done())
+
+    # ---------------------------------------------------------------- deciding and acting
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval_s)
+            try:
+                await self.step()
+            except Exception:
+                logger.exception("autoscaler step failed")
+
+    async def step(self) -> Decision:
+        state = self.observe()
+        decision, self.memory = decide(state, self.config, self.memory)
+        self.decisions.append((state.now, decision))
+        self._record(state, decision)
+        if decision.action == "add":
+            self._change = asyncio.create_task(self._add(decision), name="autoscale-add")
+        elif decision.action == "remove":
+            self._change = asyncio.create_task(self._remove(decision), name="autoscale-remove")
+        return decision
+
+    async def wait_change(self) -> None:
+        if self._change is not None:
+            await self._change
+
+    async def close(self) -> None:
+        if self._change is not None and not self._change.done():
+            self._change.cancel()
+            try:
+                await self._change
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    def _record(self, state: ClusterState, decision: Decision) -> None:
+        if decision.action != "hold":
+            logger.warning("autoscale: %s %s: %s", decision.action, decision.pool, decision.reason)
+            if self.on_change is not None:
+                self.on_change(f"{decision.action} a {decision.pool} worker: {decision.reason}")
+        else:
+            logger.info("autoscale: hold (%s)", decision.reason)
+        if self.metrics is None:
+            return
+        self.metrics.decisions.labels(decision.action, decision.pool or "none", decision.code).inc()
+        self.metrics.attainment.labels("both").set(state.attainment)
+        self.metrics.attainment.labels("ttft").set(state.ttft_attainment)
+        self.metrics.attainment.labels("tpot").set(state.tpot_attainment)
+        self.metrics.arrival_rate.set(state.arrival_rate)
+        for role, pool in state.pools.items():
+            self.metrics.pool_workers.labels(role, "serving").set(pool.workers)
+            self.metrics.pool_workers.labels(role, "draining").set(pool.draining)
+
+    def _ended(self, what: str) -> None:
+        self.last_change_end = self.clock()
+        self.memory = replace(self.memory, last_change_at=self.last_change_end)
+        if self.on_change is not None:
+            self.on_change(what)
+
+    async def _add(self, decision: Decision) -> None:
+        assert decision.pool is not None
+        try:
+            name = await asyncio.to_thread(self.resizer.add, decision.pool)
+        except Exception as exc:
+            logger.warning("autoscale: adding a %s worker failed: %s", decision.pool, exc)
+            self._ended(f"adding a {decision.pool} worker failed: {exc}")
+            return
+        deadline = self.clock() + 60.0
+        while self.clock() < deadline:  # until the router serves with it
+            worker = self.backend.pool.workers.get(name)
+            if worker is not None and worker.healthy:
+                break
+            await asyncio.sleep(DRAIN_POLL_S)
+        self._ended(f"{name} serves")
+
+    def pick_to_remove(self, role: str) -> str | None:
+        """The pool's worker to drain: one with its own placement group first, then the least
+        loaded, then the newest."""
+        candidates = [w for w in self._pool_workers(role) if not w.draining]
+        if not candidates:
+            return None
+
+        def key(w: Any) -> tuple:
+            s = w.stats
+            load = w.num_inflight + (s.num_waiting + s.num_running + s.num_held if s is not None else 0)
+            return (not self.resizer.own_group(w.worker_id), load, _index_desc(w.worker_id))
+
+        return min(candidates, key=key).worker_id
+
+    async def _remove(self, decision: Decision) -> None:
+        assert decision.pool is not None
+        name = self.pick_to_remove(decision.pool)
+        if name is None:
+            self._ended(f"no {decision.pool} worker to remove")
+            return
+        await self.drain_and_remove(name)
+
+    async def drain_and_remove(self, name: str) -> None:
+        """Drains `name` (placement skips it), waits until it is empty for EMPTY_POLLS polls in
+        a row, then removes it; undrains it instead when that takes over `drain_timeout_s`."""
+        self.resizer.drain(name)
+        worker = self.backend.pool.workers.get(name)
+        if worker is not None:
+            worker.draining = True  # at once; the pool's next sync reads the same from the directory
+        start = self.clock()
+        empty = 0
+        while empty < EMPTY_POLLS:
+            await asyncio.sleep(DRAIN_POLL_S)
+            worker = self.backend.pool.workers.get(name)
+            if worker is None:
+                break
+            empty = empty + 1 if worker.is_empty else 0
+            if int(self.clock() - start) % 30 == 0 and not worker.is_empty:
+                st = worker.stats
+                logger.info("autoscale: %s drains: %d in flight, %s", name, worker.num_inflight,
+                            "no stats" if st is None else f"{st.num_waiting} waiting, {st.num_running} running, "
+                            f"{st.num_held} held, {st.num_awaiting_kv} awaiting KV")
+            if self.clock() - start > self.config.drain_timeout_s:
+                self.resizer.undrain(name)
+                worker.draining = False
+                logger.warning("autoscale: %s did not empty within %.0fs; it stays", name, self.config.drain_timeout_s)
+                self._ended(f"{name} did not drain; it stays")
+                return
+        await asyncio.to_thread(self.resizer.remove, name)
+        self._ended(f"{name} drained in {self.clock() - start:.1f}s and left")
+
+
+def _index_desc(name: str) -> int:
+    tail = name.rsplit(":", 1)[-1]
+    return -int(tail) if tail.isdigit() else 0
+
+
+def attach(config: AutoscaleConfig, pools: Any, directory: Any, *, slo_ttft: float | None, slo_tpot: float | None,
+           max_num_seqs: int, on_change: Callable[[str], None] | None = None):
+    """What `pdserve up --autoscale` hands the router: (wrap_backend, background) for
+    `launcher.cluster.serving.build_app` and `serve_router`. The wrapper records each request
+    in the window and, once the app is built, makes the `Autoscaler` over the real backend;
+    the background task runs its loop."""
+    from launcher.cluster.resize import PoolResizer
+
+    window = RequestWindow(slo_ttft, slo_tpot, horizon_s=max(300.0, 2 * config.window_s))
+    resizer = PoolResizer(pools, directory)
+    made: dict[str, Autoscaler] = {}
+
+    def wrap_backend(backend: Any, metrics: Any) -> Any:
+        from launcher.autoscale.window import ObservedBackend
+
+        made["autoscaler"] = Autoscaler(config, backend, window, resizer, max_num_seqs=max_num_seqs,
+                                        metrics=AutoscaleMetrics(metrics.registry, tuple(resizer.specs)),
+                                        on_change=on_change)
+        return ObservedBackend(backend, window)
+
+    async def run() -> None:
+        autoscaler = made["autoscaler"]
+        try:
+            await autoscaler.run()
+        finally:
+            await autoscaler.close()
+
+    return wrap_backend, (run,)

@@ -1,0 +1,35 @@
+"""The planner's Prometheus series, on the router's registry (one scrape of the router covers it).
+
+- `pdserve:autoscale_decisions_total{action,pool,reason}`: every decision the loop took, holds
+  included (`pool` "none"), with the rule's short reason code;
+- `pdserve:pool_workers{pool,state}`: workers per pool, `state` serving or draining;
+- `pdserve:slo_attainment{slo}`: the window's SLO attainment, `slo` both, ttft or tpot;
+- `pdserve:autoscale_arrival_rate`: requests per second over the window.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class AutoscaleMetrics:
+    def __init__(self, registry: CollectorRegistry, pools: tuple[str, ...] = ()) -> None:
+        self.decisions = Counter(
+            "pdserve:autoscale_decisions_total",
+            "Autoscaler decisions by action (add, remove, hold), pool and reason code.",
+            ["action", "pool", "reason"], registry=registry)
+        self.pool_workers = Gauge(
+            "pdserve:pool_workers", "Workers per pool as the autoscaler sees them, by state (serving, draining).",
+            ["pool", "state"], registry=registry)
+        self.attainment = Gauge(
+            "pdserve:slo_attainment",
+            "Fraction of the requests finished in the autoscaler's window that met the SLO (slo: both, ttft, tpot).",
+            ["slo"], registry=registry)
+        self.arrival_rate = Gauge(
+            "pdserve:autoscale_arrival_rate", "Requests per second arriving, over the autoscaler's window.",
+            registry=registry)
+        for pool in pools:  # every series a dashboard queries exists before its first event
+            for state in ("serving", "draining"):
+                self.pool_workers.labels(pool, state)
+        for slo in ("both", "ttft", "tpot"):
+            self.attainment.labels(slo).set(1.0)

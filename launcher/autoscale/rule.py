@@ -1,0 +1,232 @@
+"""The autoscaling rule: `decide(state, config, memory) -> (Decision, memory)`, pure.
+
+No I/O and no clock: the caller passes the time in the state. What it decides, in order:
+
+1. a change under way (a worker starting or draining), or the cooldown since the last change
+   not over: hold;
+2. a pool below its minimum: add one there; above its maximum: drain one there;
+3. the SLO attainment of the window below `target_attainment` (with at least `min_requests`
+   finished since the last change): scale up the pool that is the bound:
+   - decode-bound: TPOT misses, or the decode batches full (running near `max_num_seqs`, or the
+     KV cache nearly used);
+   - prefill-bound: TTFT misses with requests queued at the prefill workers (or none at the
+     decode workers: a first token is the prefill's work);
+   - otherwise decode (TTFT misses with the queue at the decode workers: reservations wait);
+   in colocated and hybrid mode there is one pool, `mixed`;
+   the bound pool at its maximum: hold, saying so;
+4. attainment at least `down_attainment` and a pool whose busy workers would stay under
+   `down_utilisation` with one worker fewer, for `down_stable` consecutive intervals: drain one
+   worker of it (the pool with the lowest such utilisation first).
+
+Hysteresis: a scale-up needs attainment under `target_attainment`, a scale-down attainment over
+the higher `down_attainment` *and* low utilisation for several intervals *and* utilisation that
+stays low after the removal; and a cooldown follows every change. A steady load therefore
+settles: it adds what it needs and does not take it back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+POOLS = ("prefill", "decode", "mixed")
+Action = Literal["add", "remove", "hold"]
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    """Bounds and thresholds of the rule and the loop (the `autoscale:` mapping of a cluster file)."""
+
+    min_workers: Mapping[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1, "mixed": 1})
+    max_workers: Mapping[str, int] = field(default_factory=lambda: {"prefill": 3, "decode": 3, "mixed": 4})
+    interval_s: float = 5.0  # how often the loop decides
+    cooldown_s: float = 20.0  # no change within this long after the last one ended
+    window_s: float = 30.0  # the sliding window of finished requests (and of utilisation samples)
+    target_attainment: float = 0.9  # scale up below this
+    down_attainment: float = 0.97  # scale down only at or above this ...
+    down_utilisation: float = 0.5  # ... and when the pool would stay below this busy with one worker fewer
+    down_stable: int = 3  # ... for this many consecutive intervals
+    min_requests: int = 5  # finished requests in the window before attainment counts
+    full_batch: float = 0.9  # decode batch (running / max_num_seqs) or KV usage counted as full
+    prefill_queue: float = 1.0  # requests queued per prefill worker that make prefill the bound
+    drain_timeout_s: float = 600.0  # a drain that has not emptied the worker by then is abandoned (it stays)
+
+    def __post_init__(self) -> None:
+        def fail(key: str, message: str) -> None:
+            raise ValueError(f"autoscale.{key}: {message}")
+
+        for key in ("min_workers", "max_workers"):
+            value = getattr(self, key)
+            if not isinstance(value, Mapping):
+                fail(key, f"must be a mapping of pool ({', '.join(POOLS)}) to a number of workers, got {value!r}")
+            for pool, n in value.items():
+                if pool not in POOLS:
+                    fail(key, f"unknown pool {pool!r}; pools are {', '.join(POOLS)}")
+                if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                    fail(key, f"{pool} must be an integer >= 0, got {n!r}")
+        defaults = AutoscaleConfig.__dataclass_fields__
+        object.__setattr__(self, "min_workers", {**defaults["min_workers"].default_factory(), **self.min_workers})
+        object.__setattr__(self, "max_workers", {**defaults["max_workers"].default_factory(), **self.max_workers})
+        for pool in POOLS:
+            if self.max_workers[pool] < self.min_workers[pool]:
+                fail("max_workers", f"{pool} {self.max_workers[pool]} is below autoscale.min_workers "
+                                    f"{self.min_workers[pool]}")
+        for key in ("interval_s", "window_s", "drain_timeout_s"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                fail(key, f"must be a number > 0, got {value!r}")
+        if not (isinstance(self.cooldown_s, (int, float)) and self.cooldown_s >= 0 and math.isfinite(self.cooldown_s)):
+            fail("cooldown_s", f"must be a number >= 0, got {self.cooldown_s!r}")
+        for key in ("target_attainment", "down_attainment", "down_utilisation", "full_batch"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and 0 < value <= 1):
+                fail(key, f"must be in (0, 1], got {value!r}")
+        if self.down_attainment < self.target_attainment:
+            fail("down_attainment", f"must be >= autoscale.target_attainment ({self.target_attainment}), "
+                                    f"got {self.down_attainment} (the gap is the hysteresis)")
+        for key in ("down_stable", "min_requests"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                fail(key, f"must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.prefill_queue, (int, float)) and self.prefill_queue >= 0):
+            fail("prefill_queue", f"must be a number >= 0, got {self.prefill_queue!r}")
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any] | bool | None) -> AutoscaleConfig:
+        """From the cluster file's `autoscale:` (true, or a mapping with `min`/`max` per pool and
+        the fields above, `-` or `_` in the keys); ValueError naming the key."""
+        if data is None or data is True:
+            return cls()
+        if not isinstance(data, Mapping):
+            raise ValueError(f"autoscale: must be true or a mapping of settings, got {data!r}")
+        names = {f for f in cls.__dataclass_fields__}
+        aliases = {"min": "min_workers", "max": "max_workers", "cooldown": "cooldown_s", "interval": "interval_s",
+                   "window": "window_s", "target": "target_attainment"}
+        values: dict[str, Any] = {}
+        for raw, value in data.items():
+            key = str(raw).replace("-", "_")
+            key = aliases.get(key, key)
+            if key not in names:
+                raise ValueError(f"autoscale: unknown key {raw!r}; keys are min, max, "
+                                 + ", ".join(sorted(names - {'min_workers', 'max_workers'})))
+            values[key] = value
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """One pool as the router sees it now (draining workers apart)."""
+
+    workers: int  # serving (not draining) workers
+    draining: int = 0
+    waiting: float = 0.0  # requests queued at its workers now (the workers' queues + awaiting KV)
+    running: float = 0.0  # requests in its workers' batches now
+    busy: float = 0.0  # mean fraction of its workers busy over the window (0..1)
+    batch_full: float = 0.0  # the fullest worker's max(running / max_num_seqs, KV usage), 0..1
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """What the loop reads each interval; times are the caller's clock (seconds)."""
+
+    now: float
+    pools: Mapping[str, PoolState]
+    finished: int = 0  # requests finished (or failed) since max(now - window, the last change)
+    attainment: float = 1.0  # fraction of them that met both SLOs (failures miss)
+    ttft_attainment: float = 1.0
+    tpot_attainment: float = 1.0
+    arrival_rate: float = 0.0  # requests per second over the window
+    changing: bool = False  # a worker is starting or draining
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    pool: str | None  # None for hold
+    code: str  # short label (the metric's `reason`): e.g. ttft_miss_prefill_queue, idle, cooldown
+    reason: str  # the sentence, with the figures
+
+
+@dataclass(frozen=True)
+class RuleMemory:
+    """What the rule carries from one interval to the next."""
+
+    last_change_at: float = -math.inf
+    calm: Mapping[str, int] = field(default_factory=dict)  # pool -> consecutive intervals it could shrink
+
+
+def _hold(code: str, reason: str) -> Decision:
+    return Decision("hold", None, code, reason)
+
+
+def _bound_pool(state: ClusterState, config: AutoscaleConfig) -> tuple[str, str, str]:
+    """(pool, code, reason) of the pool that bounds the SLO attainment."""
+    pools = state.pools
+    head = (f"attainment {state.attainment:.2f} < {config.target_attainment:.2f} "
+            f"(TTFT {state.ttft_attainment:.2f}, TPOT {state.tpot_attainment:.2f}, {state.finished} requests)")
+    if "mixed" in pools and "decode" not in pools:
+        return "mixed", "slo_miss", head
+    decode = pools.get("decode", PoolState(0))
+    prefill = pools.get("prefill", PoolState(0))
+    if state.tpot_attainment < config.target_attainment:
+        return "decode", "tpot_miss", f"{head}: TPOT misses, decode-bound"
+    if decode.batch_full >= config.full_batch:
+        return "decode", "decode_full", f"{head}: decode batches full ({decode.batch_full:.2f}), decode-bound"
+    queue_p = prefill.waiting / max(prefill.workers, 1)
+    queue_d = decode.waiting / max(decode.workers, 1)
+    if queue_p >= config.prefill_queue or queue_p >= queue_d:
+        return ("prefill", "ttft_miss_prefill_queue",
+                f"{head}: TTFT misses, {queue_p:.1f} queued per prefill worker, prefill-bound")
+    return ("decode", "ttft_miss_decode_queue",
+            f"{head}: TTFT misses, {queue_d:.1f} queued per decode worker (prefill {queue_p:.1f}), decode-bound")
+
+
+def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | None = None) -> tuple[Decision, RuleMemory]:
+    """The decision for `state` (module docstring) and the memory for the next call."""
+    memory = memory or RuleMemory()
+    pools = state.pools
+    # how long each pool could have lost a worker (counted every interval, whatever else happens)
+    calm: dict[str, int] = {}
+    shrinkable: dict[str, float] = {}
+    for name, pool in pools.items():
+        if pool.workers > config.min_workers[name] and pool.draining == 0:
+            after = pool.busy * pool.workers / (pool.workers - 1)
+            if after < config.down_utilisation and state.attainment >= config.down_attainment:
+                calm[name] = memory.calm.get(name, 0) + 1
+                shrinkable[name] = after
+    memory = replace(memory, calm=calm)
+
+    if state.changing:
+        return _hold("changing", "a worker is starting or draining"), memory
+    since = state.now - memory.last_change_at
+    if since < config.cooldown_s:
+        return _hold("cooldown", f"cooldown: {since:.0f}s of {config.cooldown_s:.0f}s since the last change"), memory
+    for name, pool in sorted(pools.items()):
+        if pool.workers < config.min_workers[name]:
+            return Decision("add", name, "below_min", f"{name}: {pool.workers} workers < min "
+                                                      f"{config.min_workers[name]}"), _changed(memory, state)
+        if pool.workers > config.max_workers[name] and pool.draining == 0:
+            return Decision("remove", name, "above_max", f"{name}: {pool.workers} workers > max "
+                                                         f"{config.max_workers[name]}"), _changed(memory, state)
+    if state.finished >= config.min_requests and state.attainment < config.target_attainment:
+        name, code, reason = _bound_pool(state, config)
+        pool = pools.get(name, PoolState(0))
+        if pool.workers + pool.draining >= config.max_workers[name]:
+            return _hold("at_max", f"{reason}; {name} is at its max {config.max_workers[name]}"), memory
+        return Decision("add", name, code, reason), _changed(memory, state)
+    ready = {name: after for name, after in shrinkable.items() if calm[name] >= config.down_stable}
+    if ready:
+        name = min(ready, key=lambda n: (ready[n], n))
+        pool = pools[name]
+        return Decision("remove", name, "idle",
+                        f"attainment {state.attainment:.2f} >= {config.down_attainment:.2f} and {name} "
+                        f"{pool.busy:.2f} busy over {pool.workers} workers ({ready[name]:.2f} with one fewer, "
+                        f"< {config.down_utilisation:.2f}) for {calm[name]} intervals"), _changed(memory, state)
+    return _hold("steady", f"attainment {state.attainment:.2f} over {state.finished} requests, "
+                           f"{state.arrival_rate:.2f} req/s"), memory
+
+
+def _changed(memory: RuleMemory, state: ClusterState) -> RuleMemory:
+    return replace(memory, last_change_at=state.now, calm={})

@@ -1,0 +1,148 @@
+"""Resizing the worker pools of a running `pdserve up` (the autoscaler's hands).
+
+- `add(role)`: one more worker of the pool `role`, started the way `ClusterPools.start` starts
+  them (`launcher.workers.ray_actor`, the pool's `PoolSpec`), in a placement group of its own
+  (one bundle: a running group cannot grow), named `pdserve:<cluster>:<role>:<i>` with an index
+  never used before in this run; waits until it serves, then the router's directory follows it.
+  The pools own it from then on (`ClusterPools.shutdown` stops it and removes its group).
+- `drain(name)` then `remove(name)`: the directory marks it draining (placement skips it), the
+  caller waits until the router's view of it is empty (`PooledWorker.is_empty`: nothing in
+  flight, queued, running or KV held), then `remove` forgets it in the directory, stops its
+  server, kills its actor and removes its placement group. A worker of the pool's first group
+  shares that group: its bundle is released when the last of the group's workers leaves, or at
+  shutdown.
+
+The Ray calls block: call `add` and `remove` from a thread (`asyncio.to_thread`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from launcher.cluster.pools import NAME_PREFIX, ClusterPools, ClusterStartError, _Worker, _short_error, actor_name
+
+logger = logging.getLogger(__name__)
+
+
+class PoolResizer:
+    def __init__(self, pools: ClusterPools, directory: Any, *, start_timeout_s: float = 600.0) -> None:
+        self.pools = pools
+        self.directory = directory
+        self.start_timeout_s = start_timeout_s
+        self.specs = {spec.role: spec for spec in pools.specs}
+        self._next_index = {spec.role: spec.size for spec in pools.specs}
+        self._groups: dict[str, Any] = {}  # worker name -> the placement group it was started in
+        first = iter(pools._groups)  # ClusterPools.start makes one group per pool of size > 0, in order
+        for spec in pools.specs:
+            if spec.size > 0:
+                group = next(first, None)
+                for worker in pools.workers:
+                    if worker.role == spec.role:
+                        self._groups[worker.name] = group
+        self._lock = threading.Lock()
+
+    def workers(self, role: str) -> list[str]:
+        return [w.name for w in self.pools.workers if w.role == role]
+
+    def own_group(self, name: str) -> bool:
+        """True when the worker has a placement group of its own (it was added)."""
+        group = self._groups.get(name)
+        return group is not None and sum(1 for g in self._groups.values() if g is group) == 1
+
+    def add(self, role: str) -> str:
+        """Starts one worker of `role` and has the directory follow it; its name. ClusterStartError
+        (nothing left behind) when it cannot be placed or does not start within the timeout."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from launcher.cluster.ray_workers import WorkerActor
+        from launcher.workers import WorkerSpec, ray_actor
+
+        spec = self.specs.get(role)
+        if spec is None:
+            raise ValueError(f"no {role} pool in this cluster (pools: {', '.join(self.specs)})")
+        with self._lock:
+            index = self._next_index[role]
+            self._next_index[role] += 1
+        name = actor_name(self.pools.cluster, role, index)
+        deadline = time.monotonic() + self.start_timeout_s
+        group = placement_group([spec.bundle()], strategy="PACK", name=f"{NAME_PREFIX}:{self.pools.cluster}:{role}:{index}")
+        handle = None
+        try:
+            ready, _ = ray.wait([group.ready()], timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise ClusterStartError(f"cannot place one more {role} worker ({spec.bundle()}) within "
+                                        f"{self.start_timeout_s:.0f}s")
+            worker = WorkerSpec(role=role, worker_id=name, kv_backend=spec.kv_backend,
+                                cluster_token=spec.cluster_token, moves_kv=spec.moves_kv,
+                                tensor_parallel_size=spec.tensor_parallel_size)
+            options, args = ray_actor(
+                worker, spec.engine, namespace=self.pools.namespace, num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
+                resources=spec.resources, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=group, placement_group_bundle_index=0))
+            handle = ray.remote(WorkerActor).options(**options).remote(*args)
+            try:
+                health = ray.get(handle.health.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            except Exception as exc:
+                raise ClusterStartError(f"worker {name} failed to start: {_short_error(exc)}") from None
+            if not health.get("healthy"):
+                raise ClusterStartError(f"worker {name} is unhealthy: {health.get('detail')}")
+        except BaseException:
+            if handle is not None:
+                _kill(handle, name)
+            remove_placement_group(group)
+            raise
+        with self._lock:
+            self.pools.workers.append(_Worker(name, role, handle))
+            self.pools._groups.append(group)  # removed at shutdown unless `remove` did it first
+            self._groups[name] = group
+        self.directory.add_worker(name)
+        logger.info("added worker %s at %s", name, health.get("address"))
+        return name
+
+    def drain(self, name: str) -> None:
+        self.directory.drain(name)
+
+    def undrain(self, name: str) -> None:
+        self.directory.draining.discard(name)
+
+    def remove(self, name: str, grace_s: float = 2.0) -> None:
+        """Forgets, stops and kills a drained worker; releases its placement group when no other
+        worker is in it."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        self.directory.remove_worker(name)
+        with self._lock:
+            worker = next((w for w in self.pools.workers if w.name == name), None)
+            if worker is None:
+                raise ValueError(f"no worker {name} in the pools")
+            self.pools.workers.remove(worker)
+            group = self._groups.pop(name, None)
+            release = group is not None and all(g is not group for g in self._groups.values())
+            if release:
+                self.pools._groups[:] = [g for g in self.pools._groups if g is not group]
+        try:
+            ray.wait([worker.handle.stop.remote(grace_s / 2)], timeout=grace_s)
+        except Exception:
+            logger.debug("stopping %s failed", name, exc_info=True)
+        _kill(worker.handle, name)
+        if release:
+            try:
+                remove_placement_group(group)
+            except Exception:
+                logger.debug("removing the placement group of %s failed", name, exc_info=True)
+        logger.info("removed worker %s%s", name, "" if release else " (its bundle stays with its pool's group)")
+
+
+def _kill(handle: Any, name: str) -> None:
+    import ray
+
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:
+        logger.debug("killing %s failed", name, exc_info=True)

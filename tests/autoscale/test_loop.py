@@ -1,0 +1,132 @@
+"""The planner loop over fakes (no Ray): it reads the router's pool and window, adds a worker of
+the bound pool, drains the least loaded one and removes it only once empty, and counts every
+decision in the metrics. Also the `autoscale` setting of `pdserve up`."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from launcher.autoscale import loop as loop_module
+from launcher.autoscale.loop import Autoscaler
+from launcher.autoscale.metrics import AutoscaleMetrics
+from launcher.autoscale.rule import AutoscaleConfig
+from launcher.autoscale.window import RequestWindow
+from launcher.cluster.config import load_up_config
+from pdserve.proto import worker_pb2 as pb
+from router.cluster.directory import WorkerEndpoint
+from router.cluster.worker_pool import PooledWorker
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def worker(name: str, role: str, running: int = 0, inflight: int = 0) -> PooledWorker:
+    w = PooledWorker(WorkerEndpoint(name, role, "127.0.0.1:1"), client=None, healthy=True)
+    w.stats = pb.StatsResponse(num_running=running, num_blocks=100, num_free_blocks=90)
+    w.num_inflight = inflight
+    return w
+
+
+class FakeResizer:
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.specs = {"prefill": None, "decode": None}
+        self.log: list[str] = []
+
+    def add(self, role: str) -> str:
+        name = f"{role}-new"
+        self.backend.pool.workers[name] = worker(name, role)
+        self.log.append(f"add {name}")
+        return name
+
+    def drain(self, name: str) -> None:
+        self.log.append(f"drain {name}")
+
+    def undrain(self, name: str) -> None:
+        self.log.append(f"undrain {name}")
+
+    def remove(self, name: str) -> None:
+        del self.backend.pool.workers[name]
+        self.log.append(f"remove {name}")
+
+    def own_group(self, name: str) -> bool:
+        return name.endswith("new")
+
+
+def test_adds_the_bound_pool_then_drains_and_removes_an_idle_worker(monkeypatch):
+    monkeypatch.setattr(loop_module, "DRAIN_POLL_S", 0.01)
+    clock = Clock()
+    backend = SimpleNamespace(pool=SimpleNamespace(workers={
+        "p0": worker("p0", "prefill", running=1), "d0": worker("d0", "decode", running=4, inflight=4)}))
+    window = RequestWindow(slo_ttft=1.0, slo_tpot=0.1, clock=clock)
+    registry = CollectorRegistry()
+    resizer = FakeResizer(backend)
+    config = AutoscaleConfig(cooldown_s=10, window_s=30, interval_s=5, down_stable=2, min_requests=3)
+    scaler = Autoscaler(config, backend, window, resizer, max_num_seqs=8, metrics=AutoscaleMetrics(registry, ("prefill", "decode")),
+                        clock=clock)
+
+    async def scenario() -> list:
+        decisions = []
+        for _ in range(4):  # TPOT misses: decode-bound
+            window.arrive()
+            window.finish(0.5, 0.3)
+        decisions.append(await scaler.step())
+        clock.t += 1  # the worker took a second to start
+        await scaler.wait_change()
+        assert "decode-new" in backend.pool.workers and resizer.log == ["add decode-new"]
+        # the load falls: good requests, nobody busy; after the cooldown and down_stable intervals
+        backend.pool.workers["d0"].stats = pb.StatsResponse(num_blocks=100, num_free_blocks=100)
+        backend.pool.workers["d0"].num_inflight = 0
+        for _ in range(6):
+            clock.t += 5
+            window.finish(0.2, 0.01)
+            decisions.append(await scaler.step())
+            if decisions[-1].action == "remove":
+                break
+        # a request placed on it just before the drain began: the drain waits for it
+        backend.pool.workers["decode-new"].num_inflight = 1
+        await asyncio.sleep(0.1)
+        assert backend.pool.workers["decode-new"].draining and "remove decode-new" not in resizer.log
+        backend.pool.workers["decode-new"].num_inflight = 0  # its request ends
+        await scaler.wait_change()
+        assert (await scaler.step()).code == "cooldown"  # the gauges of the pools after the change
+        return decisions
+
+    decisions = asyncio.run(scenario())
+    assert (decisions[0].action, decisions[0].pool, decisions[0].code) == ("add", "decode", "tpot_miss")
+    assert decisions[1].code == "cooldown" and len(decisions) == 3  # calm counts through the cooldown
+    assert (decisions[-1].action, decisions[-1].pool, decisions[-1].code) == ("remove", "decode", "idle")
+    assert resizer.log == ["add decode-new", "drain decode-new", "remove decode-new"]  # own group first
+    assert registry.get_sample_value("pdserve:autoscale_decisions_total",
+                                     {"action": "add", "pool": "decode", "reason": "tpot_miss"}) == 1
+    assert registry.get_sample_value("pdserve:autoscale_decisions_total",
+                                     {"action": "remove", "pool": "decode", "reason": "idle"}) == 1
+    assert registry.get_sample_value("pdserve:pool_workers", {"pool": "decode", "state": "serving"}) == 1
+    assert registry.get_sample_value("pdserve:pool_workers", {"pool": "decode", "state": "draining"}) == 0
+    assert registry.get_sample_value("pdserve:slo_attainment", {"slo": "both"}) == 1.0
+
+
+def test_up_config_autoscale(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text("slo-ttft: 2\nautoscale:\n  min: {decode: 1}\n  max: {decode: 4}\n  cooldown: 15\n")
+    config = load_up_config({"autoscale": True}, str(path))  # --autoscale keeps the file's settings
+    assert (config.autoscale.max_workers["decode"], config.autoscale.cooldown_s) == (4, 15)
+    assert load_up_config({}, None).autoscale is None
+    assert load_up_config({"autoscale": False, "slo_tpot": 0.1}).autoscale is None
+    with pytest.raises(ValueError, match="--autoscale: needs the SLOs"):
+        load_up_config({"autoscale": True})
+    path.write_text("slo-ttft: 2\nautoscale: 3\n")
+    with pytest.raises(ValueError, match=r"cluster.yaml:2: field 'autoscale'"):
+        load_up_config({}, str(path))
+    path.write_text("slo-ttft: 2\nautoscale: {max: {decode: 0}}\n")
+    with pytest.raises(ValueError, match=r"autoscale.max_workers: decode 0 is below"):
+        load_up_config({}, str(path))

@@ -1,0 +1,153 @@
+"""The autoscaling rule on its own: bounds, the bound pool, cooldown, hysteresis (a steady load
+settles with at most one change and does not oscillate)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from launcher.autoscale.rule import AutoscaleConfig, ClusterState, PoolState, RuleMemory, decide as _decide
+
+
+def decide(*args):
+    """The rule, its decision as (action, pool, code, reason) for short comparisons."""
+    d, memory = _decide(*args)
+    return d, memory
+
+
+def act(*args):
+    d, _ = _decide(*args)
+    return (d.action, d.pool, d.code)
+
+CONFIG = AutoscaleConfig(min_workers={"prefill": 1, "decode": 1}, max_workers={"prefill": 3, "decode": 3},
+                         cooldown_s=20, interval_s=5, down_stable=3)
+
+
+def state(now=100.0, p=1, d=1, attainment=1.0, ttft=None, tpot=None, finished=20, pw=0.0, dw=0.0, pbusy=0.5,
+          dbusy=0.5, dfull=0.1, changing=False) -> ClusterState:
+    return ClusterState(now=now, pools={"prefill": PoolState(p, waiting=pw, busy=pbusy),
+                                        "decode": PoolState(d, waiting=dw, busy=dbusy, batch_full=dfull)},
+                        finished=finished, attainment=attainment, ttft_attainment=attainment if ttft is None else ttft,
+                        tpot_attainment=1.0 if tpot is None else tpot, changing=changing)
+
+
+def test_prefill_bound_when_ttft_misses_with_the_prefill_queue_growing():
+    decision, memory = decide(state(attainment=0.6, ttft=0.6, pw=4.0), CONFIG)
+    assert (decision.action, decision.pool, decision.code) == ("add", "prefill", "ttft_miss_prefill_queue")
+    assert "0.60 < 0.90" in decision.reason and "4.0 queued per prefill worker" in decision.reason
+    assert memory.last_change_at == 100.0
+
+
+def test_decode_bound_on_tpot_misses_or_full_batches():
+    assert act(state(attainment=0.7, ttft=1.0, tpot=0.7), CONFIG) == ("add", "decode", "tpot_miss")
+    assert act(state(attainment=0.7, ttft=0.7, dfull=0.95), CONFIG) == ("add", "decode", "decode_full")
+    # TTFT misses with the queue at the decode workers (reservations wait), none at prefill
+    assert act(state(attainment=0.7, ttft=0.7, pw=0.0, dw=3.0), CONFIG) == (
+        "add", "decode", "ttft_miss_decode_queue")
+
+
+def test_mixed_pool_scales_as_one():
+    s = ClusterState(now=100, pools={"mixed": PoolState(2, busy=0.9)}, finished=10, attainment=0.5, ttft_attainment=0.5)
+    assert act(s, CONFIG) == ("add", "mixed", "slo_miss")
+
+
+def test_holds_at_max_during_cooldown_while_changing_and_with_too_few_requests():
+    d, _ = decide(state(d=3, attainment=0.5, tpot=0.5), CONFIG)
+    assert (d.action, d.code) == ("hold", "at_max") and "decode is at its max 3" in d.reason
+    d, _ = decide(state(now=110, attainment=0.5, tpot=0.5), CONFIG, RuleMemory(last_change_at=100))
+    assert (d.action, d.code) == ("hold", "cooldown")
+    assert decide(state(now=121, attainment=0.5, tpot=0.5), CONFIG, RuleMemory(last_change_at=100))[0].action == "add"
+    assert decide(state(attainment=0.5, tpot=0.5, changing=True), CONFIG)[0].code == "changing"
+    assert decide(state(attainment=0.0, finished=4), CONFIG)[0].code == "steady"  # min_requests 5
+
+
+def test_bounds_first():
+    assert act(state(p=0), CONFIG) == ("add", "prefill", "below_min")
+    assert act(state(d=5), CONFIG) == ("remove", "decode", "above_max")
+
+
+def test_scale_down_needs_high_attainment_low_use_after_removal_and_several_intervals():
+    memory = RuleMemory()
+    actions = []
+    for i in range(4):  # decode: 3 workers, 0.2 busy -> 0.3 with two
+        d, memory = decide(state(now=100 + 5 * i, d=3, dbusy=0.2, pbusy=0.9), CONFIG, memory)
+        actions.append((d.action, d.pool, d.code))
+    assert actions == [("hold", None, "steady")] * 2 + [("remove", "decode", "idle"), ("hold", None, "cooldown")]
+    # utilisation that would pass the threshold with one worker fewer: no removal
+    memory = RuleMemory()
+    for i in range(6):
+        d, memory = decide(state(now=100 + 5 * i, d=2, dbusy=0.3, pbusy=0.9), CONFIG, memory)  # 0.6 with one
+        assert d.action == "hold"
+    # attainment between the thresholds (the dead band): neither way
+    memory = RuleMemory()
+    for i in range(6):
+        d, memory = decide(state(now=100 + 5 * i, d=3, attainment=0.95, dbusy=0.1), CONFIG, memory)
+        assert d.action == "hold"
+    # at the minimum: never below it
+    memory = RuleMemory()
+    for i in range(6):
+        d, memory = decide(state(now=100 + 5 * i, p=1, d=1, pbusy=0.0, dbusy=0.0), CONFIG, memory)
+        assert d.action == "hold"
+
+
+def test_a_steady_state_sequence_gives_at_most_one_change():
+    """Replayed series: the same state every interval, whatever it is (in the dead band, idle at
+    the minimum, a full but in-SLO pool): at most one change in 10 minutes."""
+    for s in (state(attainment=0.95), state(d=2, attainment=0.99, dbusy=0.45), state(d=2, attainment=0.93, dfull=0.95),
+              state(p=1, d=1, pbusy=0.0, dbusy=0.0)):
+        memory, changes = RuleMemory(), 0
+        for i in range(120):
+            d, memory = decide(ClusterState(**{**s.__dict__, "now": 5.0 * i}), CONFIG, memory)
+            changes += d.action != "hold"
+        assert changes <= 1, s
+
+
+def model(load: float, workers: dict[str, int]) -> tuple[float, float, float, float, float]:
+    """A steady load on a closed loop: (attainment, TTFT attainment, TPOT attainment, prefill
+    busy, decode busy). Each worker serves 1 unit; above 0.8 busy a pool misses its SLO in
+    proportion: prefill the TTFT, decode the TPOT."""
+    busy = {pool: min(1.0, load / n) for pool, n in workers.items()}
+    miss = {pool: min(1.0, max(0.0, (load / n - 0.8) * 2)) for pool, n in workers.items()}
+    ttft, tpot = 1 - miss["prefill"], 1 - miss["decode"]
+    return ttft * tpot, ttft, tpot, busy["prefill"], busy["decode"]
+
+
+@pytest.mark.parametrize("load", [0.3, 0.9, 1.5, 2.2])
+def test_a_steady_load_settles_without_oscillating(load):
+    """The rule in a loop with a model of the cluster: for a steady load it adds what the load
+    needs, then holds; no worker is added and removed again."""
+    workers = {"prefill": 1, "decode": 1}
+    memory = RuleMemory()
+    history = []
+    for i in range(200):
+        att, ttft, tpot, pb, db = model(load, workers)
+        s = ClusterState(now=5.0 * i, pools={"prefill": PoolState(workers["prefill"], busy=pb, waiting=3 * (pb > 0.8)),
+                                             "decode": PoolState(workers["decode"], busy=db)},
+                         finished=20, attainment=att, ttft_attainment=ttft, tpot_attainment=tpot)
+        d, memory = decide(s, CONFIG, memory)
+        if d.action == "add":
+            workers[d.pool] += 1
+        elif d.action == "remove":
+            workers[d.pool] -= 1
+        history.append(d.action)
+    assert "remove" not in history  # nothing taken back under a steady load
+    assert model(load, workers)[0] >= CONFIG.target_attainment or workers == {"prefill": 3, "decode": 3}
+    assert history.count("add") == sum(workers.values()) - 2
+    assert history[-100:] == ["hold"] * 100
+
+
+def test_config_validation_names_the_key():
+    with pytest.raises(ValueError, match=r"autoscale.max_workers: decode 0 is below autoscale.min_workers 1"):
+        AutoscaleConfig(max_workers={"decode": 0})
+    with pytest.raises(ValueError, match=r"autoscale.down_attainment: must be >= autoscale.target_attainment"):
+        AutoscaleConfig(target_attainment=0.95, down_attainment=0.9)
+    with pytest.raises(ValueError, match=r"autoscale: unknown key 'cooldwn'"):
+        AutoscaleConfig.from_mapping({"cooldwn": 3})
+    with pytest.raises(ValueError, match=r"autoscale.min_workers: unknown pool 'gpu'"):
+        AutoscaleConfig.from_mapping({"min": {"gpu": 1}})
+    c = AutoscaleConfig.from_mapping({"min": {"decode": 2}, "max": {"decode": 5}, "cooldown": 7, "target-attainment": 0.8})
+    assert (c.min_workers["decode"], c.max_workers["decode"], c.min_workers["prefill"], c.cooldown_s,
+            c.target_attainment) == (2, 5, 1, 7, 0.8)
+    assert AutoscaleConfig.from_mapping(True) == AutoscaleConfig()
+    assert math.isinf(RuleMemory().last_change_at)
