@@ -88,9 +88,16 @@ def test_up_pd_across_tp_degrees_with_the_openai_client(tmp_path, expected, p_tp
         assert len(_followers(proc)) == (p_tp - 1) + (d_tp - 1)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
         assert _answers(client) == expected
-        text = httpx.get(f"{base}/metrics", timeout=5).text
-        moved = [float(v) for v in re.findall(r"^pdserve:worker_kv_transfer_bytes(?:_total)?\{[^}]*\} (\S+)$", text, re.M)]
-        assert len(moved) == 2 and min(moved) > 0  # disaggregated: the KV crossed between the TP degrees
+        # disaggregated: the KV crossed between the TP degrees (the workers' counters reach the
+        # router's /metrics with its next stats poll)
+        deadline = time.monotonic() + 10
+        while True:
+            text = httpx.get(f"{base}/metrics", timeout=5).text
+            moved = [float(v) for v in re.findall(r"^pdserve:worker_kv_transfer_bytes(?:_total)?\{[^}]*\} (\S+)$", text, re.M)]
+            if (len(moved) == 2 and min(moved) > 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert len(moved) == 2 and min(moved) > 0, moved
         _wait_all_free(base, 2)
 
         if (p_tp, d_tp) == (1, 2):

@@ -83,7 +83,11 @@ def test_worker_server_builds_the_pacer_from_kv_options(monkeypatch):
     class Engine:  # the smallest engine WorkerServer.__init__ needs
         def __init__(self, config):
             self.runner = type("R", (), {"kv_caches": make_caches(2)})()
-            self.model_config = type("M", (), {"num_layers": 30})()
+            self.rank_kv_caches = None  # TP=1: the runner's pools are every KV head
+            caches = self.runner.kv_caches
+            self.model_config = type("M", (), {"num_layers": 30, "name": "stub", "architecture": "llama",
+                                               "intermediate_size": 64, "num_heads": caches[0][0].shape[-2],
+                                               "num_kv_heads": caches[0][0].shape[-2]})()
 
     monkeypatch.setattr(server, "LLMEngine", Engine)
     monkeypatch.setattr(server, "EngineLoop", lambda engine, name: None)
