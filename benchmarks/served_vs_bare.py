@@ -38,6 +38,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_serving import Cluster, log  # noqa: E402
 
+sys.path.insert(0, ROOT)
+from loadgen.server_metrics import parse_prometheus_text  # noqa: E402
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -52,13 +55,7 @@ def metric_total(url: str, name: str) -> float:
             text = r.read().decode()
     except OSError:
         return 0.0
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            rest = line[len(name):]
-            if rest[:1] in ("{", " "):
-                total += float(line.rsplit(" ", 1)[1])
-    return total
+    return parse_prometheus_text(text).get(name, 0.0)
 
 
 class Server(Cluster):

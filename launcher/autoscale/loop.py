@@ -128,8 +128,10 @@ class Autoscaler:
             self._change.cancel()
             try:
                 await self._change
-            except (asyncio.CancelledError, Exception):
+            except asyncio.CancelledError:
                 pass
+            except Exception:  # a change that failed as it was cancelled: shutting down anyway
+                logger.debug("autoscale change failed while closing", exc_info=True)
 
     def _record(self, state: ClusterState, decision: Decision) -> None:
         if decision.action != "hold":

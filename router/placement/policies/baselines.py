@@ -12,16 +12,20 @@ from collections.abc import Sequence
 from router.placement.base import ClusterSnapshot, PoolPolicy, Purpose, RequestInfo, WorkerSnapshot, least_loaded_key
 
 
-class RandomChoice(PoolPolicy):
-    """A uniformly random worker of each pool, from a generator seeded with `seed`."""
-
-    name = "random"
+class _Seeded(PoolPolicy):
+    """A pool policy drawing from its own generator, seeded with `seed`."""
 
     def __init__(self, *, seed: int = 0, local_prefill_max_tokens: int = 0) -> None:
         super().__init__(local_prefill_max_tokens=local_prefill_max_tokens)
         _check_seed(seed)
         self.seed = seed
         self._rng = random.Random(seed)
+
+
+class RandomChoice(_Seeded):
+    """A uniformly random worker of each pool, from a generator seeded with `seed`."""
+
+    name = "random"
 
     def pick(
         self, candidates: Sequence[WorkerSnapshot], purpose: Purpose, request: RequestInfo, snapshot: ClusterSnapshot
@@ -29,17 +33,11 @@ class RandomChoice(PoolPolicy):
         return candidates[self._rng.randrange(len(candidates))]
 
 
-class PowerOfTwo(PoolPolicy):
+class PowerOfTwo(_Seeded):
     """Two distinct random workers of the pool (seeded); the less loaded of them
     (least-loaded's order: load, then free KV fraction, then worker id)."""
 
     name = "power-of-two"
-
-    def __init__(self, *, seed: int = 0, local_prefill_max_tokens: int = 0) -> None:
-        super().__init__(local_prefill_max_tokens=local_prefill_max_tokens)
-        _check_seed(seed)
-        self.seed = seed
-        self._rng = random.Random(seed)
 
     def pick(
         self, candidates: Sequence[WorkerSnapshot], purpose: Purpose, request: RequestInfo, snapshot: ClusterSnapshot
