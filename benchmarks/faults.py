@@ -8,8 +8,9 @@ from fresh processes, and one table row per fault.
 Rows (the issue's numbers): 1 `kill-prefill` / `kill-decode` (kill -9 mid-load; Ray restarts
 the worker); 2 `restart-same-address` (a decode worker killed and started again on the same gRPC
 and KV ports, while the prefill worker holds its old UCX endpoint); 3 `sigstop-decode` (SIGSTOP
-for `--stop-s`, then SIGCONT); 4 `slow-link` (the prefill worker's KV link drops to 10 Mbit/s
-mid-run through its pacing file); 5 `kv-loss` (messages dropped, duplicated, reordered and
+for `--stop-s`, then SIGCONT); 4 `slow-link` (one prefill and two decode workers behind the
+network-aware policy; the prefill worker's link to decode-0 alone drops to 10 Mbit/s mid-run
+through its pacing file: where requests go before and after); 5 `kv-loss` (messages dropped, duplicated, reordered and
 corrupted in the transfer layer, PDSERVE_KV_FAULTS); 6 `mismatched-peers` (a decode worker of
 another block size beside a matching pair: never paired; then alone: 503); 7 `router-restart`
 (SIGTERM to the router under load, started again); 8 `gcs-kill` (kill -9 of Ray's GCS: bounded
@@ -150,9 +151,10 @@ def worker_argv(args, role: str, port: int, kv_port: int = 0, extra: tuple[str, 
                                 engine_args=("--kv-cache-gib", args.kv_cache_gib, *extra)))
 
 
-def standalone_cluster(args, logdir: Path, workers: list[tuple[str, list[str]]], env_extra: dict | None = None
-                       ) -> Cluster:
-    """`workers`: (name, argv) of each worker; their gRPC ports are read from the argv."""
+def standalone_cluster(args, logdir: Path, workers: list[tuple[str, list[str]]], env_extra: dict | None = None,
+                       router_extra: tuple[str, ...] = ()) -> Cluster:
+    """`workers`: (name, argv) of each worker; their gRPC ports are read from the argv;
+    `router_extra`: more flags for `pdserve router`."""
     port = free_port()
     cluster = Cluster(f"http://127.0.0.1:{port}", logdir)
     entries = []
@@ -162,7 +164,7 @@ def standalone_cluster(args, logdir: Path, workers: list[tuple[str, list[str]]],
         cluster.wait_line(name, r"listening on \S+", args.startup_timeout_s)
         role = argv[argv.index("--role") + 1]
         entries += ["--worker", f"{role}#{name}=127.0.0.1:{argv[argv.index('--port') + 1]}"]
-    cluster.start("router", router_argv(args, port, entries))
+    cluster.start("router", router_argv(args, port, entries) + list(router_extra))
     wait_all_healthy(cluster.base, cluster.procs["router"], 120, len(workers))
     return cluster
 
@@ -418,25 +420,78 @@ def probe_disaggregated(base: str) -> str:
     return f"HTTP {r.status_code} placement={timing.get('placement')} decode={timing.get('decode_worker')}"
 
 
+SLOW_LINK_PROFILE = "experiments/profile-smollm2-cpu-1thread.json"  # network-aware's measured model of this VM
+
+
 def row_slow_link(args, logdir: Path) -> dict:
+    """One prefill and two decode workers behind network-aware: the link to decode-0 alone drops
+    to 10 Mbit/s at the fault (the prefill worker's pacing file names decode-0's KV port); the
+    note gives where requests were placed before and after it."""
     pacing = logdir / "pacing.txt"
+    p_port, d0_port, d1_port, kv0_port = free_port(), free_port(), free_port(), free_port()
     pacing.write_text("default=100\n")  # Gbit/s: fast
-    p_port, d_port = free_port(), free_port()
     workers = [("prefill-0", worker_argv(args, "prefill", p_port, kv_pacing=f"file:{pacing}")),
-               ("decode-0", worker_argv(args, "decode", d_port))]
-    cluster = standalone_cluster(args, logdir, workers)
+               ("decode-0", worker_argv(args, "decode", d0_port, kv0_port)),
+               ("decode-1", worker_argv(args, "decode", d1_port))]
+    router_extra = ("--policy", "network-aware", "--profile", str(REPO / SLOW_LINK_PROFILE),
+                    "--kv-wire-precision", "full")
+    cluster = standalone_cluster(args, logdir, workers, router_extra=router_extra)
     try:
         def fault():
-            pacing.write_text("default=0.01\n")  # 10 Mbit/s
-            return {"link": "100 Gbit/s -> 10 Mbit/s"}
+            pacing.write_text(f"ucx://127.0.0.1:{kv0_port}=0.01,default=100\n")  # 10 Mbit/s to decode-0 only
+            return {"link": "prefill-0 -> decode-0: 100 Gbit/s -> 10 Mbit/s (prefill-0 -> decode-1 stays at 100)"}
 
         records, start, at, info = run_with_fault(args, cluster.base, fault)
         kv = kv_in_use(cluster.base)
         recoveries = recovery_counts(cluster.base)
+        estimates = link_estimates(cluster.base)
     finally:
         cluster.stop()
+    note = dict(info or {}, policy="network-aware", router_recoveries=recoveries,
+                placements=placements_around(records, start, at, slow=("prefill-0", "decode-0")),
+                link_estimate_gbps_at_end=estimates)
     return classify(records) | {"kv_in_use": kv, "service_back_s": service_back(records, start, at),
-                                "healthy_again_s": None, "note": dict(info or {}, router_recoveries=recoveries)}
+                                "healthy_again_s": None, "note": note}
+
+
+def placements_around(records, start: float, fault_at: float | None, slow: tuple[str, str]) -> dict:
+    """Where the requests sent before and after the fault were first placed, from each response's
+    usage.pdserve_timing: "P->D" (disaggregated), "local D", and the share on the `slow` pair. A
+    request that ends local on D after more than one attempt was first placed on the pair P->D and
+    fell back (its KV missed the deadline): it counts for that pair."""
+    out: dict = {}
+    for phase in ("before", "after"):
+        counts: Counter = Counter()
+        for r in records:
+            if r.sent_s is None or fault_at is None or (start + r.sent_s >= fault_at) != (phase == "after"):
+                continue
+            t = r.server_timing or {}
+            p, d, placement = t.get("prefill_worker"), t.get("decode_worker"), t.get("placement")
+            if placement == "disaggregated":
+                counts[f"{p}->{d}"] += 1
+            elif placement == "local" and (t.get("attempts") or 1) > 1 and d == slow[1]:
+                counts[f"{slow[0]}->{d} (fell back)"] += 1
+            elif placement == "local":
+                counts[f"local {d}"] += 1
+            else:
+                counts["unknown"] += 1
+        total = sum(counts.values())
+        on_slow = sum(n for k, n in counts.items() if k.startswith(f"{slow[0]}->{slow[1]}"))
+        out[phase] = dict(counts, slow_pair_share=round(on_slow / total, 2) if total else None)
+    return out
+
+
+def link_estimates(base: str) -> dict[str, float]:
+    """The router's estimate of each link (Gbit/s), from /metrics `pdserve:link_estimated_gbps`."""
+    try:
+        text = httpx.get(f"{base}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for m in re.finditer(r'^pdserve:link_estimated_gbps\{([^}]*)\} (\S+)$', text, re.M):
+        link = re.search(r'link="([^"]*)"', m.group(1))
+        out[link.group(1) if link else m.group(1)] = round(float(m.group(2)), 4)
+    return out
 
 
 def row_mismatched(args, logdir: Path) -> dict:

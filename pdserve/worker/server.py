@@ -10,7 +10,9 @@ Disaggregated request, as seen by the workers (the router drives it):
    acknowledged every layer, frees its blocks and returns the first token.
 3. D.Decode: D waits for the KV (bounded by the deadline), joins the request to its decode
    batch and streams the remaining tokens.
-4. Abort (or a cancelled stream) frees whatever the request holds, on either worker.
+4. Abort (or a cancelled stream) frees whatever the request holds, on either worker. The
+   freeing runs on the engine thread even when the call that asked for it is gone by then (the
+   router's RPC timed out while a long step held the engine): nothing else would free it.
 
 Leases: nothing is held for a peer that stops answering. P holds the prompt's blocks until D
 acknowledged the KV, at most the transfer's deadline (then DEADLINE_EXCEEDED, blocks freed). D's
@@ -157,6 +159,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     # ---- helpers ---------------------------------------------------------------------------
     async def _engine(self, fn):
         return await asyncio.wrap_future(self.w.loop.submit(fn))
+
+    async def _engine_cleanup(self, fn):
+        """`_engine` for a command that frees what a request holds: it runs even when the caller
+        is cancelled while it waits for the engine thread (the router's RPC timed out during a
+        long step); cancelled, `_engine` would drop the queued command and the blocks with it."""
+        return await asyncio.shield(asyncio.wrap_future(self.w.loop.submit(fn)))
 
     async def _fail(self, context, code: grpc.StatusCode, message: str):
         await context.abort(code, message)
@@ -328,7 +336,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if not released:
                 released = True
                 self.w.loop.unsubscribe(rid)
-                await self._engine(lambda e: (self.w.pusher.remove(rid), e.release(rid), e.abort_request(rid)))
+                await self._engine_cleanup(lambda e: (self.w.pusher.remove(rid), e.release(rid), e.abort_request(rid)))
 
         try:
             try:
@@ -386,12 +394,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             result = await asyncio.to_thread(self.w.receiver.wait, transfer_id, self.w.default_deadline_s)
         except (KVTransferTimeout, KVTransferError) as exc:
             self.w.receiver.cancel(transfer_id)
-            await self._engine(lambda e: e.abort_request(rid))
+            await self._engine_cleanup(lambda e: e.abort_request(rid))
             code = (grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(exc, KVTransferTimeout)
                     else grpc.StatusCode.DATA_LOSS if isinstance(exc, KVTransferCorrupt)
                     else grpc.StatusCode.UNAVAILABLE)
             await self._fail(context, code, f"KV transfer: {exc}")
             return
+        except BaseException:  # the caller left while the KV was on its way: nothing else frees the claimed reservation
+            self.w.receiver.cancel(transfer_id)
+            self.w.loop.submit(lambda e: e.abort_request(rid))
+            raise
         self.w.kv_bytes += result.num_bytes
         self.w.kv_seconds += result.seconds
         first_token = request.first.token_ids[-1]
@@ -409,7 +421,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 self.w.pusher.remove(rid)
             return engine.abort_request(rid)
 
-        found = await self._engine(abort)
+        found = await self._engine_cleanup(abort)
         self.w.loop.end_aborted(rid)
         return pb.AbortResponse(found=found)
 

@@ -38,7 +38,9 @@ Worker-side request ids are "<request_id>" for the first attempt and "<request_i
 
 Network view (router.cluster.network): each Prefill is a KV flow on the link from P's node to D's
 node (router.placement.topology); the `LinkMonitor` (router.placement.congestion) counts it while it runs and takes
-the throughput it reports as a sample; KV bytes per token are learned from those reports.
+the throughput it reports as a sample (a Prefill whose KV missed its deadline: an upper bound, its
+bytes over the deadline, which lowers the link's estimate at once); KV bytes per token are learned
+from those reports.
 Snapshots carry the topology, the links and that number; optional probes (router.cluster.probes)
 measure links between requests.
 
@@ -68,6 +70,7 @@ from router.cluster.directory import WorkerDirectory
 from router.errors import (
     InvalidRequest,
     KVPushFailed,
+    KVTransferCorrupted,
     KVTransferDeadline,
     Overloaded,
     ServiceUnavailable,
@@ -536,6 +539,7 @@ class ClusterBackend:
         flow = self.network.start_flow(prefill, decode, n)
         try:
             result: PrefillResult | None = None
+            missed_deadline_s: float | None = None  # the KV missed it: the link is slower than it was priced
             try:
                 started = time.monotonic()
                 # D's Reserve waits in line for blocks and P's Prefill in P's queue: the queue
@@ -553,12 +557,16 @@ class ClusterBackend:
                 except KVPushFailed as exc:  # D did not take the KV: D failed, not P
                     raise WorkerFailed(f"{exc.message} (reported by {prefill.worker_id})",
                                        worker_id=decode.worker_id) from exc
+                except KVTransferDeadline as exc:
+                    if not isinstance(exc, KVTransferCorrupted):  # late, not damaged
+                        missed_deadline_s = self.kv_deadline_s
+                    raise
                 self._record_first_token_phases(reserved - started, time.monotonic() - reserved, result)
                 flight.time(**self._timing(decision, reserved - started, time.monotonic() - reserved, result))
             finally:
                 prefill.num_inflight -= 1
                 prefill.num_inflight_tokens -= n
-                self.network.finish_flow(flow, result, n)
+                self.network.finish_flow(flow, result, n, missed_deadline_s)
             self._record_transfer(flow.key, result.kv_bytes, result.kv_seconds, result.kv_phases)
             if self.metrics is not None and result.kv_bytes:
                 self.metrics.kv_wire_bytes.labels(result.kv_precision).inc(result.kv_bytes)

@@ -5,7 +5,8 @@
    from P's node to D's node (router.placement.topology names it "src->dst");
 2. `finish_flow` when the Prefill returns or fails: the flow ends; a finished transfer's
    kv_bytes / kv_seconds is a throughput sample for the link (router.placement.congestion) and
-   kv_bytes / prompt tokens is the KV bytes per token from then on;
+   kv_bytes / prompt tokens is the KV bytes per token from then on; a transfer that missed its
+   deadline bounds the link's rate from above (its bytes over the deadline);
 3. per-link gauges (`pdserve:link_*`) follow every change;
 4. probes (router.cluster.probes), when `ProbeSettings.interval_s` is set: one round at `start` and one
    every interval, one pair per link, one probe at a time.
@@ -86,9 +87,12 @@ class NetworkTracker:
         self._export(flow.key)
         return flow
 
-    def finish_flow(self, flow: Flow, result: PrefillResult | None, num_tokens: int) -> None:
+    def finish_flow(self, flow: Flow, result: PrefillResult | None, num_tokens: int,
+                    missed_deadline_s: float | None = None) -> None:
+        """`missed_deadline_s`: the Prefill failed because its KV missed that deadline (evidence
+        that the link is slow: router.placement.congestion)."""
         if result is None:
-            self.links.finish(flow)
+            self.links.finish(flow, missed_deadline_s=missed_deadline_s)
         else:
             self.links.finish(flow, kv_bytes=result.kv_bytes, kv_seconds=result.kv_seconds,
                               prefill_seconds=result.prefill_seconds)

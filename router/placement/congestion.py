@@ -27,6 +27,12 @@ before the first real sample, so that a compute-bound transfer never makes a fas
 slow). Without the slack, a transfer that outlasted its compute by a few percent counted as
 a link measurement of about the compute's KV rate: on a host where prefill produces KV more
 slowly than the link carries it, every link converged to that rate.
+
+A transfer that missed its deadline (`finish(missed_deadline_s=...)`) did not move its bytes in
+that time: the link carried less than k x bytes / deadline (k: the peak flows it shared the link
+with). That is an upper bound, evidence of a slow link: it lowers the estimate to the bound at
+once (never raises it), so the policy stops choosing the link without waiting for a transfer on
+it to succeed; later transfers that do succeed raise it again through the EWMA.
 """
 
 from __future__ import annotations
@@ -152,15 +158,21 @@ class LinkMonitor:
 
     def finish(
         self, flow: Flow, *, kv_bytes: int = 0, kv_seconds: float = 0.0, prefill_seconds: float | None = None,
+        missed_deadline_s: float | None = None,
     ) -> float | None:
         """Ends `flow` (idempotent); with kv_bytes and kv_seconds > 0, records a sample and
-        returns the link throughput it implies (Gbit/s)."""
+        returns the link throughput it implies (Gbit/s). `missed_deadline_s`: the transfer missed
+        that deadline: its bytes over it are an upper bound on the link (module docstring)."""
         if flow.done:
             return None
         flow.done = True
         self._changed(flow.key)
         link = self._links[flow.key]
         link.flows.remove(flow)
+        if missed_deadline_s is not None and missed_deadline_s > 0 and flow.num_bytes > 0:
+            bound = flow.num_bytes * 8 / missed_deadline_s / 1e9 * flow.peak_flows
+            self.record(flow.key, bound, upper_bound=True)
+            return bound
         if kv_bytes <= 0 or kv_seconds <= 0:
             return None
         gbps = kv_bytes * 8 / kv_seconds / 1e9 * flow.peak_flows
@@ -168,13 +180,20 @@ class LinkMonitor:
         self.record(flow.key, gbps, lower_bound=lower_bound)
         return gbps
 
-    def record(self, key: str, gbps: float, *, lower_bound: bool = False) -> None:
-        """One throughput sample for link `key` (see the module docstring for `lower_bound`)."""
+    def record(self, key: str, gbps: float, *, lower_bound: bool = False, upper_bound: bool = False) -> None:
+        """One throughput sample for link `key` (see the module docstring for `lower_bound` and
+        `upper_bound`)."""
         if not gbps > 0:
             return
+        if lower_bound and upper_bound:
+            raise ValueError("a sample is a lower bound, an upper bound or a measurement, not both bounds")
         self._changed(key)
         link = self._links.setdefault(key, _Link())
-        if link.measured_gbps is None:
+        if upper_bound:
+            if link.measured_gbps is not None and gbps >= link.measured_gbps:
+                return
+            link.measured_gbps = gbps
+        elif link.measured_gbps is None:
             if lower_bound:
                 return
             link.measured_gbps = gbps

@@ -94,3 +94,25 @@ def test_link_monitor_views_reuse_unchanged_states():
     assert third.changes_since(second) == ("z->x",) and third.changes_since(first) is None
     assert list(third.links) == ["x->y", "y->z", "z->x"]
     assert CongestionView(third.links).changes_since(third) is None
+
+
+def test_a_transfer_that_missed_its_deadline_lowers_the_estimate_at_once():
+    m = LinkMonitor(alpha=0.3)
+    m.finish(m.start("a->b", 1), kv_bytes=10**9, kv_seconds=0.1)  # 80 Gbit/s measured
+    assert m.state("a->b").measured_gbps == pytest.approx(80.0)
+    # 10**8 bytes not acknowledged within 5 s: the link carried under 0.16 Gbit/s
+    assert m.finish(m.start("a->b", 10**8), missed_deadline_s=5.0) == pytest.approx(0.16)
+    assert m.state("a->b").measured_gbps == pytest.approx(0.16) and m.state("a->b").num_samples == 2
+    # a bound above the estimate says nothing new
+    m.finish(m.start("a->b", 10**10), missed_deadline_s=5.0)
+    assert m.state("a->b").measured_gbps == pytest.approx(0.16)
+    # two flows shared the link when it missed: the link carried under twice the flow's rate
+    f1, f2 = m.start("c->d", 10**8), m.start("c->d", 10**8)
+    m.finish(f2)
+    assert m.finish(f1, missed_deadline_s=5.0) == pytest.approx(0.32)
+    # an unknown size (no KV bytes per token learned yet) bounds nothing
+    assert m.finish(m.start("e->f", 0), missed_deadline_s=5.0) is None
+    assert m.state("e->f").measured_gbps is None
+    # a transfer that succeeds later raises it again through the EWMA
+    m.finish(m.start("a->b", 1), kv_bytes=10**9, kv_seconds=0.1)
+    assert m.state("a->b").measured_gbps == pytest.approx(0.3 * 80 + 0.7 * 0.16)

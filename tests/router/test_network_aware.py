@@ -139,3 +139,21 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match="local_margin"):
         NetworkAware(profile=PROFILE, local_margin=1.5)
     assert isinstance(make_policy("network-aware", profile=PROFILE, slo_tpot=0.1), NetworkAware)
+
+
+def test_a_link_whose_transfer_missed_its_deadline_is_no_longer_chosen():
+    # p0 reaches d0 and d1 over equal 10 Gbps links; d1 is a little busier, so d0 wins while both links look equal
+    topo = topology(("a", "c", 10.0), ("a", "d", 10.0))
+    workers = (w("p0", "prefill", "a"), w("d0", "decode", "c"), w("d1", "decode", "d", num_running=2))
+    policy, monitor = NetworkAware(profile=PROFILE), LinkMonitor()
+
+    def place():
+        return policy.place(req(), ClusterSnapshot(workers, topology=topo, links=monitor.view()))
+
+    assert (place().prefill, place().decode) == ("p0", "d0")
+    # the link to d0 slows: a transfer of the prompt's KV misses its 5 s deadline
+    flow = monitor.start("a->c", 4096 * PROFILE.kv_bytes_per_token)
+    monitor.finish(flow, missed_deadline_s=5.0)
+    assert monitor.state("a->c").measured_gbps == pytest.approx(4096 * PROFILE.kv_bytes_per_token * 8 / 5.0 / 1e9)
+    decision = place()
+    assert (decision.kind, decision.prefill, decision.decode) == ("disaggregated", "p0", "d1"), decision.reason

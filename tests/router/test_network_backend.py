@@ -93,6 +93,27 @@ def test_baseline_policy_with_topology_keeps_gauges_and_failed_prefill_ends_its_
     run(main)
 
 
+@pytest.mark.parametrize("code, slowed", [("DEADLINE_EXCEEDED", True), ("DATA_LOSS", False)])
+def test_a_kv_deadline_missed_lowers_the_links_estimate_a_corrupt_one_does_not(code, slowed):
+    async def main():
+        import grpc
+
+        policy = make_policy("round-robin")
+        network = NetworkOptions(topology=TOPOLOGY, kv_bytes_per_token=1000)
+        script = Script(prefill_error=getattr(grpc.StatusCode, code))
+        async with env(policy, script, network) as (backend, metrics, ws):
+            assert len(await generate(backend, "r1")) == 3  # the KV failed: prefilled again on d0
+            assert ws["d0"].called("Generate") == ["r1.1"]
+            state = backend.snapshot().links.state("na->nb")
+            if slowed:  # 3 tokens x 1000 bytes not landed within the 1 s deadline: under 24 kbit/s
+                assert (state.num_samples, state.measured_gbps) == (1, pytest.approx(3 * 1000 * 8 / 1.0 / 1e9))
+                assert gauge(metrics, "pdserve:link_estimated_gbps") == pytest.approx(2.4e-5)
+            else:  # a damaged payload says nothing of the link's speed
+                assert (state.num_samples, state.measured_gbps) == (0, None)
+                assert gauge(metrics, "pdserve:link_estimated_gbps") == 100.0
+    run(main)
+
+
 def test_admission_control_maps_to_429():
     async def main():
         policy = NetworkAware(profile=PROFILE, topology=TOPOLOGY, slo_ttft=1e-6, admission_control=True)

@@ -2,11 +2,15 @@
 dropped, duplicated, reordered and corrupted by the prefill worker's sender (kvtransfer.faults),
 every request still gives the single-process engine's greedy tokens: a transfer that went wrong
 is refused by the decode worker (DATA_LOSS: checksum; DEADLINE_EXCEEDED: lost messages) and the
-prompt is prefilled again there (the router's fallback, done here by hand); every block is freed."""
+prompt is prefilled again there (the router's fallback, done here by hand); every block is freed.
+Then the router's `replace` path: a Prefill whose caller gives up early (its RPC timeout) while
+the transfer is under way, and Aborts that give up early too: every block is still freed, within
+the reservation lease at the latest."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 
 import grpc
 import pytest
@@ -33,6 +37,10 @@ def _serve(role: str, conn) -> None:
                           default_deadline_s=DEADLINE_S)
     conn.send(server.start())
     conn.recv()
+    # what an Abort that never arrived left is freed by the reservation's lease (deadline + grace)
+    end = time.monotonic() + DEADLINE_S + server.reservation_grace_s + 5
+    while server.stats().num_free_blocks != server.stats().num_blocks and time.monotonic() < end:
+        time.sleep(0.2)
     stats = server.stats()
     metrics = (server.sender or server.receiver).metrics()
     server.stop(grace=1)
@@ -78,6 +86,29 @@ def test_faulty_kv_link_never_changes_greedy_output():
                     tokens.extend(chunk.token_ids)
             assert tokens == expected[i], (i, statuses[-1])
         assert "OK" in statuses and "DATA_LOSS" in statuses, statuses
+        # the replace path: the caller's Prefill and Abort time out mid-way; D prefills it again
+        for i, prompt in enumerate(batch[:8]):
+            rid = f"r-{i}"
+            res = stubs["decode"].Reserve(pb.ReserveRequest(request_id=rid, prompt_token_ids=prompt,
+                                                            params=params_to_proto(PARAMS), deadline_s=DEADLINE_S),
+                                          timeout=20)
+            try:
+                stubs["prefill"].Prefill(pb.PrefillRequest(
+                    request_id=rid, prompt_token_ids=prompt, params=params_to_proto(PARAMS),
+                    kv_address=res.kv_address, transfer_id=res.transfer_id, dst_block_ids=res.block_ids,
+                    wire_version=res.wire_version, layout=res.layout, deadline_s=DEADLINE_S), timeout=0.01 * (i + 1))
+            except grpc.RpcError:
+                pass  # timed out (or the transfer failed): the router gives up on this pair
+            for role in ("prefill", "decode"):
+                try:
+                    stubs[role].Abort(pb.AbortRequest(request_id=rid), timeout=0.02)
+                except grpc.RpcError:
+                    pass  # bounded: the router does not wait for it
+            tokens = []
+            for chunk in stubs["decode"].Generate(pb.GenerateRequest(
+                    request_id=rid + ".1", prompt_token_ids=prompt, params=params_to_proto(PARAMS)), timeout=60):
+                tokens.extend(chunk.token_ids)
+            assert tokens == expected[i], i
         results = {}
         for role, (proc, conn, _) in procs.items():
             conn.send("stop")
