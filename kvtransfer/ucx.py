@@ -400,19 +400,18 @@ class UcxReceiver(KVReceiver):
             if not address_allowed(local, self._allowed):
                 return await self._refuse(conn, REFUSED_INTERFACE, f"a connection from {remote} arrived on {local}, "
                                           f"this KV plane serves only {', '.join(sorted(self._allowed))}")
-        # everything HELLO says, read before `control` is reused for AUTH
-        peer_layout = unpack_layout(control[HEADER_BYTES:HEADER_BYTES + LAYOUT_BYTES])
-        peer_model = hello_model(control, header)
-        descriptor = hello_extra(control, header) if 0 < header.num_bytes <= MAX_DESCRIPTOR_BYTES else b""
+        hello = control
         proof = b""
         if self._token is not None:
             if not header.status & HELLO_AUTH:
                 return await self._refuse(conn, REFUSED_TOKEN, "the sender holds no cluster token")
+            hello = control.copy()  # `control` receives AUTH next
             proof = await self._challenge(conn, control, header.fingerprint)
             if proof is None:
                 return None
         try:
-            check_handshake(self.layout, header, peer_layout, self._model, peer_model)
+            check_handshake(self.layout, header, unpack_layout(hello[HEADER_BYTES:HEADER_BYTES + LAYOUT_BYTES]),
+                            self._model, hello_model(hello, header))
         except KVTransferError as e:
             self._ledger.count("handshake_errors")
             logger.error("rejected a KV sender at handshake: %s", e)
@@ -422,8 +421,8 @@ class UcxReceiver(KVReceiver):
             return None
         tag = int.from_bytes(os.urandom(8), "little")
         status = 0
-        if descriptor:
-            conn.remote, how = import_pools(descriptor, self._ledger.stacked)
+        if 0 < header.num_bytes <= MAX_DESCRIPTOR_BYTES:
+            conn.remote, how = import_pools(hello_extra(hello, header), self._ledger.stacked)
             if conn.remote is not None:
                 status = PULL
                 self._ledger.count("pull_links")
