@@ -6,7 +6,7 @@ gRPC planes carry; None: a dev cluster without one, where nothing is checked). T
 crosses the wire; each side proves it holds it with an HMAC-SHA256 over fresh nonces::
 
     sender                                   receiver
-    HELLO (status AUTH)            ->
+    HELLO (status HELLO_AUTH)      ->
                                    <-        CHALLENGE (server nonce, 16 bytes)
     AUTH (client nonce, 16 bytes,
           HMAC(token, "hello" sn cn fp))  ->  verified before anything is reserved or mapped
@@ -14,7 +14,7 @@ crosses the wire; each side proves it holds it with an HMAC-SHA256 over fresh no
                                              worker address) or HELLO_REJECT (REFUSED_TOKEN)
 
 ``fp`` is the sender's layout fingerprint, so a proof made for one HELLO answers no other. A
-receiver with a token refuses a HELLO without the AUTH bit, and a sender with a token refuses
+receiver with a token refuses a HELLO without the HELLO_AUTH bit, and a sender with a token refuses
 a receiver that answers HELLO_OK without a challenge (it proves nothing): a cluster either
 uses a token on every worker or on none.
 
