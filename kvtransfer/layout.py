@@ -26,6 +26,12 @@ Wire format (little endian, ``WIRE_VERSION`` 3). Every message starts with a fix
   length in ``num_bytes``, and the data-path tag in ``transfer_key``). UCX also appends the
   sender's pool descriptor to HELLO (``kvtransfer.ipc``, may be empty); a HELLO_OK with
   ``status`` ``PULL`` says the receiver mapped those pools.
+- With a cluster token (``kvtransfer.auth``): the sender's HELLO sets ``HELLO_AUTH`` in ``status``; a
+  receiver that holds a token answers it with CHALLENGE (header, then a 16-byte nonce in
+  ``num_bytes``), the sender replies AUTH (header, then its own 16-byte nonce and a 32-byte
+  HMAC-SHA256 proof), and the receiver's HELLO_OK transport data starts with its own 32-byte
+  proof. A refused sender gets HELLO_REJECT whose ``status`` says why (``kvtransfer.auth``
+  ``REFUSED_*``: the token, or the interface the connection arrived on).
 - LAYER (sender -> receiver): header followed by ``num_blocks`` int32 destination block
   ids; then, as a separate payload message, ``num_bytes`` bytes: for each of the ``layers``
   consecutive layers from ``layer`` on (v2; v1 had one), the K blocks then the V blocks,
@@ -92,6 +98,8 @@ class MsgKind(enum.IntEnum):
     ACK = 5
     NACK = 6
     BYE = 7
+    CHALLENGE = 8  # receiver -> sender, after HELLO, when the receiver holds a cluster token
+    AUTH = 9  # sender -> receiver: the answer to CHALLENGE
 
 
 class NackReason(enum.IntEnum):
@@ -303,6 +311,7 @@ CHECKSUM = 2  # LAYER status bit: a CRC-32 of the payload follows the block ids
 CHECKSUM_BYTES = 4
 MAX_MODEL_NAME_BYTES = 512
 FP8_WIRE = 4  # LAYER status bit: the payload's blocks are FP8 (module docstring)
+HELLO_AUTH = 8  # HELLO status bit: the sender holds a cluster token and answers a CHALLENGE
 WIRE_PRECISIONS = ("full", "fp8")  # a transfer's KV precision on the wire
 
 

@@ -10,7 +10,11 @@ Per connection (sender -> receiver):
 
 1. Control path: the sender connects to the receiver's listener (``ucx://host:port``,
    UCX endpoint error handling on, so a dead peer is detected). It sends HELLO (wire
-   version + layout); the receiver answers HELLO_OK or HELLO_REJECT and closes. A
+   version + layout); the receiver answers HELLO_OK or HELLO_REJECT and closes. Before
+   that, the receiver refuses a connection that did not arrive on the address it serves
+   (``interface``), and, when it holds the cluster token (``token``), challenges the sender to
+   prove it holds it too (``kvtransfer.auth``): a refused sender gets HELLO_REJECT with the
+   reason, nothing is reserved or mapped for it and its endpoint is closed. A
    mismatch raises KVTransferError on the sender (its transfers to that address
    fail) and is logged and counted (``handshake_errors``) on the receiver. HELLO_OK
    carries the receiver's UCX worker address and a per-connection tag.
@@ -89,6 +93,7 @@ from kvtransfer.layout import (
     BLOCK_ID_BYTES,
     FP8_WIRE,
     HEADER_BYTES,
+    HELLO_AUTH,
     LAYOUT_BYTES,
     MAX_BLOCKS_PER_MESSAGE,
     MAX_MODEL_NAME_BYTES,
@@ -107,12 +112,33 @@ from kvtransfer.layout import (
     unpack_header,
     unpack_layout,
 )
+from kvtransfer.auth import (
+    NONCE_BYTES,
+    PROOF_BYTES,
+    REFUSED_INTERFACE,
+    REFUSED_REASONS,
+    REFUSED_TOKEN,
+    address_allowed,
+    allowed_addresses,
+    new_nonce,
+    receiver_proof,
+    sender_proof,
+    verify,
+)
 from kvtransfer.faults import FaultInjector, FaultSpec
 from kvtransfer.ipc import MAX_DESCRIPTOR_BYTES, export_pools, import_pools
 from kvtransfer.ledger import FP8Payload, PullSource, ReceiveLedger, SendLedger
 from kvtransfer.pacing import LinkPacer
 from kvtransfer.staging import HostBuffers, block_index, gather_layer, gather_layers, stacked_pools, wire_buffer
-from kvtransfer.ucx_runtime import SCHEME, TaskSet, UcxRuntime, abort_endpoint, address_incarnation, parse_address
+from kvtransfer.ucx_runtime import (
+    SCHEME,
+    TaskSet,
+    UcxRuntime,
+    abort_endpoint,
+    address_incarnation,
+    endpoint_sockaddrs,
+    parse_address,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +150,11 @@ def _abort_link(link) -> None:
 
 _MAX_WORKER_ADDRESS = 64 * 1024
 _PULL_BYTES = 256 << 20  # most KV bytes per pulled message (UcxSender._open_group)
+
+
+def _check_token(token) -> None:
+    if token is not None and (not isinstance(token, str) or not token):
+        raise ValueError("the KV plane's token must be a non-empty str (the cluster token) or None")
 
 
 def _recv_slots() -> int:
@@ -210,20 +241,27 @@ class _Lander:
 
 
 class UcxReceiver(KVReceiver):
-    """Options: ``host`` (advertised in ``address()``, default 127.0.0.1; the ucxx
-    listener accepts on every interface), ``port`` (0: ephemeral), ``connect_timeout``,
-    ``model`` (the model's name: a sender that states another is refused at handshake).
+    """Options: ``host`` (advertised in ``address()``, default 127.0.0.1), ``port`` (0:
+    ephemeral), ``connect_timeout``, ``model`` (the model's name: a sender that states another
+    is refused at handshake), ``token`` (the cluster token: a sender that cannot prove it holds
+    it is refused; None: no check), ``interface`` (the local address connections must arrive on;
+    None: ``host``; ``"any"``: every interface). The ucxx listener itself binds every interface
+    (its Python API takes no address), so a connection that arrived on another local address is
+    refused after UCX accepted it, before the handshake (``kvtransfer.auth``).
 
     ``address()`` ends in ``#<incarnation>``, a random id of this receiver: a sender that
     connects to the same host and port but finds another incarnation there (the process
     restarted) fails the transfers meant for the old one instead of landing them in the new."""
 
     def __init__(self, kv_caches: KVCaches, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
-                 model: str = ""):
+                 model: str = "", token: str | None = None, interface: str | None = None):
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"port must be an int in [0, 65536), got {port!r}")
+        _check_token(token)
         self.layout = KVLayout.from_caches(kv_caches)
         self._model = model
+        self._token = token
+        self._allowed = allowed_addresses(host, interface)
         self.incarnation = int.from_bytes(os.urandom(4), "little") or 1
         self._caches = kv_caches
         self._device = kv_caches[0][0].device
@@ -350,14 +388,30 @@ class UcxReceiver(KVReceiver):
             await asyncio.gather(*(t for t in (data, watch) if t is not None), return_exceptions=True)
 
     async def _handshake(self, conn: _Conn, control: np.ndarray) -> int | None:
-        """Answer HELLO; returns the data-path tag, or None after a reject."""
+        """Answer HELLO; returns the data-path tag, or None after a refusal or a reject. Nothing
+        is reserved, mapped or revealed (worker address, tag) before the interface and the
+        token checks pass."""
         await asyncio.wait_for(conn.ep.recv(control), self._connect_timeout)
         header = unpack_header(control, check_version=False)
         if header.kind != MsgKind.HELLO:
             raise KVTransferError(f"expected HELLO on a new KV connection, got {header.kind.name}")
+        if self._allowed is not None:
+            local, remote = endpoint_sockaddrs(conn.ep)
+            if not address_allowed(local, self._allowed):
+                return await self._refuse(conn, REFUSED_INTERFACE, f"a connection from {remote} arrived on {local}, "
+                                          f"this KV plane serves only {', '.join(sorted(self._allowed))}")
+        hello = control
+        proof = b""
+        if self._token is not None:
+            if not header.status & HELLO_AUTH:
+                return await self._refuse(conn, REFUSED_TOKEN, "the sender holds no cluster token")
+            hello = control.copy()  # `control` receives AUTH next
+            proof = await self._challenge(conn, control, header.fingerprint)
+            if proof is None:
+                return None
         try:
-            check_handshake(self.layout, header, unpack_layout(control[HEADER_BYTES:HEADER_BYTES + LAYOUT_BYTES]),
-                            self._model, hello_model(control, header))
+            check_handshake(self.layout, header, unpack_layout(hello[HEADER_BYTES:HEADER_BYTES + LAYOUT_BYTES]),
+                            self._model, hello_model(hello, header))
         except KVTransferError as e:
             self._ledger.count("handshake_errors")
             logger.error("rejected a KV sender at handshake: %s", e)
@@ -368,15 +422,51 @@ class UcxReceiver(KVReceiver):
         tag = int.from_bytes(os.urandom(8), "little")
         status = 0
         if 0 < header.num_bytes <= MAX_DESCRIPTOR_BYTES:
-            conn.remote, how = import_pools(hello_extra(control, header), self._ledger.stacked)
+            conn.remote, how = import_pools(hello_extra(hello, header), self._ledger.stacked)
             if conn.remote is not None:
                 status = PULL
                 self._ledger.count("pull_links")
             logger.info("KV sender %s: %s", "pull path" if status else "staged path", how)
-        hello = pack_hello(MsgKind.HELLO_OK, self.layout, extra=self._rt.worker_address, tag=tag, status=status,
-                           model=self._model, incarnation=self.incarnation)
+        hello = pack_hello(MsgKind.HELLO_OK, self.layout, extra=proof + self._rt.worker_address, tag=tag,
+                           status=status, model=self._model, incarnation=self.incarnation)
         await conn.ep.send(np.frombuffer(hello, dtype=np.uint8))
         return tag
+
+    async def _challenge(self, conn: _Conn, control: np.ndarray, fingerprint: int) -> bytes | None:
+        """CHALLENGE the sender and check its AUTH; returns this receiver's proof for HELLO_OK,
+        or None after refusing the sender."""
+        server_nonce = new_nonce()
+        challenge = WireHeader(MsgKind.CHALLENGE, num_bytes=NONCE_BYTES, fingerprint=self.layout.fingerprint).pack()
+        await conn.ep.send(np.frombuffer(challenge + server_nonce, dtype=np.uint8))
+        try:
+            await asyncio.wait_for(conn.ep.recv(control), self._connect_timeout)
+            answer = unpack_header(control, check_version=False)
+        except Exception as e:  # the sender hung up (it holds no token) or sent garbage
+            return await self._refuse(conn, REFUSED_TOKEN, f"the sender did not answer the challenge "
+                                      f"({type(e).__name__}: {e})", reply=False)
+        start = HEADER_BYTES
+        if answer.kind != MsgKind.AUTH or answer.num_bytes != NONCE_BYTES + PROOF_BYTES:
+            return await self._refuse(conn, REFUSED_TOKEN, f"the sender answered the challenge with "
+                                      f"{answer.kind.name} of {answer.num_bytes} bytes")
+        client_nonce = control[start:start + NONCE_BYTES].tobytes()
+        given = control[start + NONCE_BYTES:start + NONCE_BYTES + PROOF_BYTES].tobytes()
+        if not verify(sender_proof(self._token, server_nonce, client_nonce, fingerprint), given):
+            return await self._refuse(conn, REFUSED_TOKEN, "the sender's proof does not match this cluster's token")
+        return receiver_proof(self._token, server_nonce, client_nonce, fingerprint)
+
+    async def _refuse(self, conn: _Conn, reason: int, detail: str, reply: bool = True) -> None:
+        """Refuse a sender before the handshake: count and log it, tell it why (HELLO_REJECT with
+        the reason in ``status``) and return None (the caller closes the endpoint)."""
+        self._ledger.count("peers_refused")
+        logger.error("KV peer refused: %s: %s", REFUSED_REASONS[reason], detail)
+        if reply:
+            reject = pack_hello(MsgKind.HELLO_REJECT, self.layout, status=reason)
+            try:
+                await asyncio.wait_for(conn.ep.send(np.frombuffer(reject, dtype=np.uint8)), self._connect_timeout)
+                await asyncio.sleep(0.05)  # let the reject reach the sender before we close
+            except Exception as e:
+                logger.debug("could not tell a refused KV peer why: %s", e)
+        return None
 
     async def _receive_data(self, conn: _Conn, control: np.ndarray, tag: int) -> None:
         """Receive this connection's LAYER messages, keeping payload receives posted ahead.
@@ -556,7 +646,9 @@ class UcxSender(KVSender):
     with a pacer bucket always sends the bytes), ``model`` (the model's name, checked at
     handshake against the receiver's), ``checksum`` (a CRC-32 of every payload, checked by the
     receiver; None: on for host pools), ``faults`` (``kvtransfer.faults``: drop, duplicate,
-    reorder or corrupt messages with given probabilities; tests and the fault matrix only)."""
+    reorder or corrupt messages with given probabilities; tests and the fault matrix only),
+    ``token`` (the cluster token: proved to each receiver, which must prove it back; None: a
+    cluster without one, whose receivers must not ask for it)."""
 
     _INDEX_CACHE = 16  # block lists kept as device index tensors and wire bytes (one per chunk in flight)
 
@@ -571,8 +663,11 @@ class UcxSender(KVSender):
         model: str = "",
         checksum: bool | None = None,
         faults: FaultSpec | str | None = None,
+        token: str | None = None,
     ):
+        _check_token(token)
         self._model = model
+        self._token = token
         # a CRC-32 of each payload (host pools: ~1 GB/s of one core, see docs/faults.md; CUDA pools
         # are not checked: the payload never passes through the host)
         self._checksum = (not kv_caches[0][0].is_cuda) if checksum is None else bool(checksum)
@@ -850,14 +945,32 @@ class UcxSender(KVSender):
             )
         except Exception as e:
             raise KVTransferError(f"cannot connect to KV receiver {link.address}: {type(e).__name__}: {e}") from e
-        hello = pack_hello(MsgKind.HELLO, self.layout, extra=self._descriptor, model=self._model)
+        hello = pack_hello(MsgKind.HELLO, self.layout, extra=self._descriptor, model=self._model,
+                           status=HELLO_AUTH if self._token is not None else 0)
         await link.ep.send(np.frombuffer(hello, dtype=np.uint8))
         reply = np.zeros(HEADER_BYTES + LAYOUT_BYTES + MAX_MODEL_NAME_BYTES + _MAX_WORKER_ADDRESS, dtype=np.uint8)
-        try:
-            await asyncio.wait_for(link.ep.recv(reply), self._connect_timeout)
-        except Exception as e:
-            raise KVTransferError(f"no handshake reply from KV receiver {link.address}: {type(e).__name__}: {e}") from e
-        header = unpack_header(reply, check_version=False)
+        header = await self._handshake_reply(link, reply)
+        proof = None  # the proof the receiver must put first in HELLO_OK
+        if header.kind == MsgKind.CHALLENGE:
+            if self._token is None:
+                raise KVTransferError(f"KV peer refused: cluster token mismatch: the KV receiver {link.address} "
+                                      "requires the cluster token and this sender has none")
+            if header.num_bytes != NONCE_BYTES:
+                raise KVTransferError(f"KV receiver {link.address} sent a CHALLENGE of {header.num_bytes} bytes")
+            server_nonce = reply[HEADER_BYTES:HEADER_BYTES + NONCE_BYTES].tobytes()
+            client_nonce = new_nonce()
+            fingerprint = self.layout.fingerprint
+            answer = WireHeader(MsgKind.AUTH, num_bytes=NONCE_BYTES + PROOF_BYTES, fingerprint=fingerprint).pack()
+            answer += client_nonce + sender_proof(self._token, server_nonce, client_nonce, fingerprint)
+            await link.ep.send(np.frombuffer(answer, dtype=np.uint8))
+            proof = receiver_proof(self._token, server_nonce, client_nonce, fingerprint)
+            header = await self._handshake_reply(link, reply)
+        if header.kind == MsgKind.HELLO_REJECT and header.status in REFUSED_REASONS:
+            raise KVTransferError(f"KV peer refused: {REFUSED_REASONS[header.status]} "
+                                  f"(the KV receiver {link.address} refused this sender)")
+        if header.kind == MsgKind.HELLO_OK and self._token is not None and proof is None:
+            raise KVTransferError(f"KV peer refused: cluster token mismatch: the KV receiver {link.address} "
+                                  "does not hold the cluster token (it asked for no proof)")
         try:
             check_handshake(self.layout, header, unpack_layout(reply[HEADER_BYTES:]), self._model,
                             hello_model(reply, header))
@@ -871,6 +984,11 @@ class UcxSender(KVSender):
                 f"KV receiver at {link.address.partition('#')[0]} is incarnation {header.layers:08x}, not "
                 f"{expected:08x}: it restarted, and transfers meant for the old process are dropped")
         worker_address = hello_extra(reply, header)
+        if proof is not None:
+            if not verify(proof, worker_address[:PROOF_BYTES]):
+                raise KVTransferError(f"KV peer refused: cluster token mismatch: the KV receiver {link.address} "
+                                      "did not prove the cluster token")
+            worker_address = worker_address[PROOF_BYTES:]
         ucxx = self._rt.ucxx
         link.data_ep = await ucxx.create_endpoint_from_worker_address(
             ucxx.get_ucx_address_from_buffer(worker_address), endpoint_error_handling=False
@@ -878,6 +996,15 @@ class UcxSender(KVSender):
         link.data_tag = header.transfer_key
         link.pull = header.status == PULL and bool(self._descriptor)
         link.acks = asyncio.get_running_loop().create_task(self._read_replies(link))
+
+    async def _handshake_reply(self, link: _Link, reply: np.ndarray) -> WireHeader:
+        """The receiver's next handshake message, received into ``reply``."""
+        reply[:HEADER_BYTES] = 0
+        try:
+            await asyncio.wait_for(link.ep.recv(reply), self._connect_timeout)
+        except Exception as e:
+            raise KVTransferError(f"no handshake reply from KV receiver {link.address}: {type(e).__name__}: {e}") from e
+        return unpack_header(reply, check_version=False)
 
     async def _drive(self, link: _Link) -> None:
         """Connect, then send queued messages in order, up to ``max_inflight`` at once."""

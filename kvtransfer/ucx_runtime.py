@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import gc
 import logging
 import os
+import socket
 import sys
 import threading
 from typing import Any, Coroutine
@@ -218,3 +220,52 @@ def abort_endpoint(ep) -> None:
         ep.abort(period=10**9)  # ns
     except Exception as e:
         logger.debug("closing a UCX endpoint: %s", e)
+
+
+class _EpAttr(ctypes.Structure):
+    """``ucp_ep_attr_t`` up to ``remote_sockaddr`` (ucp.h; the fields after it are not asked
+    for and the buffer is generously padded)."""
+
+    _fields_ = [("field_mask", ctypes.c_uint64), ("name", ctypes.c_char * 32),
+                ("local", ctypes.c_ubyte * 128), ("remote", ctypes.c_ubyte * 128),
+                ("rest", ctypes.c_ubyte * 256)]
+
+
+_LOCAL_SOCKADDR = 1 << 1  # UCP_EP_ATTR_FIELD_LOCAL_SOCKADDR
+_REMOTE_SOCKADDR = 1 << 2  # UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR
+_ucp_ep_query = None
+
+
+def _query_fn(library_path: str):
+    global _ucp_ep_query
+    if _ucp_ep_query is None:
+        fn = ctypes.CDLL(library_path).ucp_ep_query
+        fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(_EpAttr)]
+        fn.restype = ctypes.c_int
+        _ucp_ep_query = fn
+    return _ucp_ep_query
+
+
+def _sockaddr(raw) -> str | None:
+    data = bytes(raw)
+    family = int.from_bytes(data[:2], "little")
+    if family == socket.AF_INET:
+        return socket.inet_ntop(socket.AF_INET, data[4:8])
+    if family == socket.AF_INET6:
+        return socket.inet_ntop(socket.AF_INET6, data[8:24])
+    return None
+
+
+def endpoint_sockaddrs(ep) -> tuple[str | None, str | None]:
+    """(local, remote) IP addresses of a ucxx endpoint a listener accepted, asked of UCX itself
+    (``ucp_ep_query`` with ``UCP_EP_ATTR_FIELD_LOCAL_SOCKADDR | REMOTE_SOCKADDR``, UCX >= 1.14,
+    through the libucp this process loaded: ucxx exposes neither address); None for one UCX
+    cannot tell."""
+    path = ucx_library_path()
+    if path is None:
+        return None, None
+    attr = _EpAttr()
+    attr.field_mask = _LOCAL_SOCKADDR | _REMOTE_SOCKADDR
+    if _query_fn(path)(ctypes.c_void_p(ep.ucp_endpoint), ctypes.byref(attr)) != 0:
+        return None, None
+    return _sockaddr(attr.local), _sockaddr(attr.remote)

@@ -53,6 +53,7 @@ class WorkerSpec:
     kv_backend: str = "ucx"
     kv_host: str | None = None  # KV listen host; None: host
     kv_port: int = 0  # KV listen port (decode side); 0: any free port
+    kv_interface: str | None = None  # local address KV connections must arrive on; None: the KV host; "any"
     moves_kv: bool = False  # a mixed worker that also sends and receives KV (hybrid)
     kv_pacing: str | None = None  # a pacing spec or file:PATH (kvtransfer.pacing_spec)
     # ranks of the worker's engine (pdserve.parallel): rank 0 serves the gRPC and the KV plane and
@@ -95,6 +96,8 @@ def worker_argv(spec: WorkerSpec) -> list[str]:
         flags += ["--kv-host", spec.kv_host]
     if spec.kv_port:
         flags += ["--kv-port", str(spec.kv_port)]
+    if spec.kv_interface is not None:
+        flags += ["--kv-interface", spec.kv_interface]
     if spec.moves_kv:
         flags += ["--moves-kv"]
     if spec.kv_pacing is not None:
@@ -131,6 +134,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-port", type=int_arg("--kv-port"), default=0,
                    help="KV listen port of a worker that receives KV (0: any free port); a worker restarted "
                         "on the same port is told apart from its old process by its incarnation")
+    p.add_argument("--kv-interface", default=None, metavar="ADDR",
+                   help="the local address KV connections must arrive on; one that arrives on another "
+                        "interface is refused (default: the KV host, the address the worker advertises; "
+                        "'any': every interface)")
     p.add_argument("--moves-kv", action="store_true",
                    help="--role mixed: also send prefilled KV to, and receive KV from, other workers (hybrid)")
     p.add_argument("--kv-pacing", default=None, metavar="SPEC",
@@ -152,7 +159,8 @@ def spec_from_args(args: argparse.Namespace) -> WorkerSpec:
     if args.kv_pacing is not None:
         check_pacing(args.kv_pacing)
     return WorkerSpec(role=args.role, worker_id=args.worker_id, host=args.host, port=args.port,
-                      kv_backend=args.kv_backend, kv_host=args.kv_host, kv_port=args.kv_port, moves_kv=args.moves_kv,
+                      kv_backend=args.kv_backend, kv_host=args.kv_host, kv_port=args.kv_port,
+                      kv_interface=args.kv_interface, moves_kv=args.moves_kv,
                       kv_pacing=args.kv_pacing, tensor_parallel_size=args.tensor_parallel_size,
                       cluster_token=cluster_token(args))
 
@@ -194,7 +202,7 @@ def worker_config(spec: WorkerSpec, engine: EngineConfig) -> WorkerConfig:
     return WorkerConfig(
         worker_id=spec.worker_id or default_worker_id(spec.role, spec.port), role=spec.role, engine=engine,
         host=spec.host, port=spec.port, kv_backend=spec.kv_backend, kv_host=spec.kv_host or spec.host,
-        kv_options=kv_options,
+        kv_interface=spec.kv_interface, kv_options=kv_options,
         cluster_token=spec.cluster_token, moves_kv=spec.moves_kv)
 
 

@@ -68,6 +68,8 @@ class WorkerConfig:
     port: int = 0
     kv_backend: str = "ucx"
     kv_host: str = "127.0.0.1"
+    # the local address KV connections must arrive on (None: kv_host; "any": every interface)
+    kv_interface: str | None = None
     kv_options: tuple[tuple[str, object], ...] = ()  # extra backend options (e.g. pacing)
     # gRPC calls must carry it (pdserve.proto.auth); None: an open request plane
     cluster_token: str | None = field(default=None, repr=False)
@@ -481,6 +483,8 @@ class WorkerServer:
                           f"wire=v{WIRE_VERSION}")
         opts = dict(config.kv_options)
         opts.setdefault("model", engine_config.model)
+        if config.kv_backend != "fake" and config.cluster_token is not None:
+            opts.setdefault("token", config.cluster_token)  # KV peers prove it at handshake (kvtransfer.auth)
         self.sender = None
         self.receiver = None
         self.pusher: KVPusher | None = None
@@ -488,7 +492,7 @@ class WorkerServer:
             # a "pacer" option may be a pacing spec string (kvtransfer.pacing_spec)
             from kvtransfer.pacing_spec import sender_options
 
-            receiver_only = ("host", "port")  # where this worker's receiver listens
+            receiver_only = ("host", "port", "interface")  # where this worker's receiver listens
             sender_opts = sender_options({k: v for k, v in opts.items() if k not in receiver_only})
             self.sender = RoutedSender(ranks, lambda caches: create_sender(config.kv_backend, caches, **sender_opts))
             self.pusher = KVPusher(self.sender, self.block_size, self.engine.model_config.num_layers)
@@ -498,6 +502,8 @@ class WorkerServer:
                 opts.pop(name, None)
             if config.kv_backend != "fake":
                 opts.setdefault("host", config.kv_host)
+                if config.kv_interface is not None:
+                    opts.setdefault("interface", config.kv_interface)
             if len(ranks) == 1:
                 self.receiver = create_receiver(config.kv_backend, kv_caches, **opts)
             else:

@@ -36,22 +36,23 @@ def test_the_command_line_reads_back_as_the_same_spec(monkeypatch, tmp_path):
     pacing = tmp_path / "pacing.txt"
     pacing.write_text("default=2\n")
     spec = WorkerSpec(role="mixed", worker_id="w7", host="10.0.0.2", port=5000, kv_backend="fake",
-                      kv_host="10.0.0.3", moves_kv=True, kv_pacing=f"file:{pacing}", cluster_token=TOKEN,
-                      model="random:tiny-llama", device="cpu", engine_args=("--max-num-seqs", "3"), python="py")
+                      kv_host="10.0.0.3", kv_interface="any", moves_kv=True, kv_pacing=f"file:{pacing}",
+                      cluster_token=TOKEN, model="random:tiny-llama", device="cpu", engine_args=("--max-num-seqs", "3"), python="py")
     argv, env = worker_argv(spec), worker_env(spec)
     assert argv[:4] == ["py", "-m", "launcher.cli", "worker"] and argv[-2:] == ["--max-num-seqs", "3"]
     assert TOKEN not in " ".join(argv) and env == {TOKEN_ENV: TOKEN}  # the token goes by environment only
     args = parse_back(argv, env, monkeypatch)
     back = spec_from_args(args)
     assert back == WorkerSpec(role="mixed", worker_id="w7", host="10.0.0.2", port=5000, kv_backend="fake",
-                              kv_host="10.0.0.3", moves_kv=True, kv_pacing=f"file:{pacing}", cluster_token=TOKEN)
+                              kv_host="10.0.0.3", kv_interface="any", moves_kv=True, kv_pacing=f"file:{pacing}",
+                              cluster_token=TOKEN)
     engine = engine_config(args, args.role)
     assert (engine.model, engine.device, engine.scheduler.max_num_seqs) == ("random:tiny-llama", "cpu", 3)
     config = worker_config(back, engine)
     assert (config.worker_id, config.role, config.host, config.port, config.kv_host, config.kv_backend) == (
         "w7", "mixed", "10.0.0.2", 5000, "10.0.0.3", "fake")
     assert config.kv_options == ((PACER_OPTION, f"file:{pacing}"),) and config.moves_kv
-    assert config.cluster_token == TOKEN
+    assert config.cluster_token == TOKEN and config.kv_interface == "any"
 
 
 def test_defaults_stay_off_the_command_line(monkeypatch):
@@ -62,7 +63,7 @@ def test_defaults_stay_off_the_command_line(monkeypatch):
     assert back == spec
     config = worker_config(back, EngineConfig())
     assert config.worker_id.startswith("decode-") and config.kv_host == "127.0.0.1" and config.kv_options == ()
-    assert config.cluster_token is None
+    assert config.cluster_token is None and config.kv_interface is None  # None: the KV host
 
 
 def test_engine_args_win_over_the_device():

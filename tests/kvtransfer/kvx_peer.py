@@ -83,13 +83,13 @@ class _Child:
         self.receiver = kvtransfer.create_receiver("ucx", self.caches, **options)
         return self.receiver.address()
 
-    def open_sender(self, spec: CacheSpec, seed: int):
+    def open_sender(self, spec: CacheSpec, seed: int, **options):
         import kvtransfer
 
         if self.sender is not None:
             self.sender.close()
         self.sender_caches = make_caches(spec, seed)
-        self.sender = kvtransfer.create_sender("ucx", self.sender_caches)
+        self.sender = kvtransfer.create_sender("ucx", self.sender_caches, **options)
 
     def expect(self, *args):
         self.receiver.expect(*args)
