@@ -10,7 +10,7 @@ One GPU (every worker on GPU 0: standalone workers share it, `pdserve up` gives 
 
     pdserve profile --model random:llama-3.2-1b --device cuda --dtype bfloat16 --out prof.json
     python benchmarks/faults.py --model random:llama-3.2-1b --device cuda --dtype bfloat16 \\
-        --worker-gpus 0.25 --kv-cache-gib 2 --profile prof.json --out faults-gpu --tar faults-gpu.tar.gz
+        --worker-gpus 0.25 --gpu-memory-fraction 0.1 --profile prof.json --out faults-gpu --tar faults-gpu.tar.gz
 
 Results: one folder (--out): rows.json (settings, machine, every row), table.md (the table and
 notes as docs/faults.md shows them) and per row a folder of its processes' logs, row.json and
@@ -89,6 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--worker-gpus", type=float, default=None,
                    help="`pdserve up` rows: GPUs per Ray worker (default 0.25 with --device cuda, so that "
                         "the workers share one GPU; not passed on cpu)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=None,
+                   help="every worker's --gpu-memory-fraction (CUDA: its KV cache is this fraction of the GPU "
+                        "memory free when it starts; --kv-cache-gib is CPU only); default 0.1 with --device "
+                        "cuda, so that the up to four workers sharing GPU 0 all fit, unused on cpu")
     p.add_argument("--profile", default=SLOW_LINK_PROFILE,
                    help="slow-link: network-aware's profile, measured on this hardware for --model "
                         f"(`pdserve profile`; default {SLOW_LINK_PROFILE}, SmolLM2 on this CPU VM)")
@@ -119,8 +123,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.input_len = args.input_len or ("fixed:256" if args.quick else "fixed:512")
     args.fault_at = args.fault_at if args.fault_at is not None else (4.0 if args.quick else 8.0)
     args.stop_s = args.stop_s if args.stop_s is not None else (10.0 if args.quick else 30.0)
-    if args.worker_gpus is None and args.device.startswith("cuda"):
-        args.worker_gpus = 0.25
+    if args.device.startswith("cuda"):
+        args.worker_gpus = 0.25 if args.worker_gpus is None else args.worker_gpus
+        args.gpu_memory_fraction = 0.1 if args.gpu_memory_fraction is None else args.gpu_memory_fraction
     args.rows = [r.strip() for r in args.only.split(",") if r.strip()] or list(QUICK_ROWS if args.quick else ROWS)
     for row in args.rows:
         if row not in ROWS:
@@ -176,9 +181,8 @@ def up_cluster(args, logdir: Path, env_extra: dict | None = None) -> Cluster:
     cluster = Cluster(f"http://127.0.0.1:{port}", logdir)
     argv = [sys.executable, "-m", "launcher.cli", "up", "--model", args.model, "--port", str(port),
             "--kv-cache-gib", args.kv_cache_gib, "--kv-deadline-s", str(args.kv_deadline_s),
-            "--worker-wait-s", "60", "--startup-timeout-s", str(args.startup_timeout_s), "--device", args.device,
-            *(["--dtype", args.dtype] if args.dtype else []),
-            *(["--worker-gpus", f"{args.worker_gpus:g}"] if args.worker_gpus is not None else [])]
+            "--worker-wait-s", "60", "--startup-timeout-s", str(args.startup_timeout_s),
+            *device_flags(args), *(["--worker-gpus", f"{args.worker_gpus:g}"] if args.worker_gpus is not None else [])]
     cluster.start("up", argv, env_extra)
     wait_all_healthy(cluster.base, cluster.procs["up"], args.startup_timeout_s + 30, 2)
     return cluster
@@ -189,9 +193,18 @@ def worker_argv(args, role: str, port: int, kv_port: int = 0, extra: tuple[str, 
     from launcher.workers import WorkerSpec, worker_argv as spec_argv
 
     return spec_argv(WorkerSpec(role=role, worker_id=f"{role}-{port}", port=port, kv_port=kv_port, model=args.model,
-                                device=args.device, kv_pacing=kv_pacing,
-                                engine_args=("--kv-cache-gib", args.kv_cache_gib,
-                                             *(["--dtype", args.dtype] if args.dtype else []), *extra)))
+                                kv_pacing=kv_pacing,
+                                engine_args=("--kv-cache-gib", args.kv_cache_gib, *device_flags(args), *extra)))
+
+
+def device_flags(args) -> list[str]:
+    """The device flags every worker gets (`pdserve worker` and `pdserve up` alike)."""
+    flags = ["--device", args.device]
+    if args.dtype:
+        flags += ["--dtype", args.dtype]
+    if args.gpu_memory_fraction is not None:
+        flags += ["--gpu-memory-fraction", f"{args.gpu_memory_fraction:g}"]
+    return flags
 
 
 def standalone_cluster(args, logdir: Path, workers: list[tuple[str, list[str]]], env_extra: dict | None = None,
@@ -718,7 +731,8 @@ def main(argv=None) -> int:
     report = {
         "command": "python benchmarks/faults.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine(args.device),
-        "settings": {k: getattr(args, k) for k in ("model", "device", "dtype", "worker_gpus", "kv_cache_gib", "rate",
+        "settings": {k: getattr(args, k) for k in ("model", "device", "dtype", "worker_gpus", "gpu_memory_fraction",
+                                                     "kv_cache_gib", "rate",
                                                      "slow_link_rate", "num_requests", "fault_at", "stop_s",
                                                      "input_len", "output_len", "kv_deadline_s")},
         "rows": rows, "not_run": not_run,
