@@ -5,12 +5,24 @@ from fresh processes, and one table row per fault.
     python benchmarks/faults.py --out docs/results/faults     # every row, full length
     python benchmarks/faults.py --only sigstop-decode,kv-loss
 
+One GPU (every worker on GPU 0: standalone workers share it, `pdserve up` gives each Ray worker
+--worker-gpus of it), a random-weight shape, and network-aware's profile measured there first:
+
+    pdserve profile --model random:llama-3.2-1b --device cuda --dtype bfloat16 --out prof.json
+    python benchmarks/faults.py --model random:llama-3.2-1b --device cuda --dtype bfloat16 \\
+        --worker-gpus 0.25 --gpu-memory-fraction 0.1 --profile prof.json --out faults-gpu --tar faults-gpu.tar.gz
+
+Results: one folder (--out): rows.json (settings, machine, every row), table.md (the table and
+notes as docs/faults.md shows them) and per row a folder of its processes' logs, row.json and
+records.jsonl (every request); --tar packs it into one file after every row.
+
 Rows (the issue's numbers): 1 `kill-prefill` / `kill-decode` (kill -9 mid-load; Ray restarts
 the worker); 2 `restart-same-address` (a decode worker killed and started again on the same gRPC
 and KV ports, while the prefill worker holds its old UCX endpoint); 3 `sigstop-decode` (SIGSTOP
-for `--stop-s`, then SIGCONT); 4 `slow-link` (one prefill and two decode workers behind the
-network-aware policy; the prefill worker's link to decode-0 alone drops to 10 Mbit/s mid-run
-through its pacing file: where requests go before and after); 5 `kv-loss` (messages dropped, duplicated, reordered and
+for `--stop-s`, then SIGCONT); 4 `slow-link` (two prefill and one decode workers behind the
+network-aware policy; prefill-0's link to decode-0 alone drops to 10 Mbit/s mid-run through
+prefill-0's pacing file: where requests go before the fault, until the first missed deadline,
+and after it); 5 `kv-loss` (messages dropped, duplicated, reordered and
 corrupted in the transfer layer, PDSERVE_KV_FAULTS); 6 `mismatched-peers` (a decode worker of
 another block size beside a matching pair: never paired; then alone: 503); 7 `router-restart`
 (SIGTERM to the router under load, started again); 8 `gcs-kill` (kill -9 of Ray's GCS: bounded
@@ -56,6 +68,7 @@ ROWS = ("kill-prefill", "kill-decode", "restart-same-address", "sigstop-decode",
         "mismatched-peers", "router-restart", "gcs-kill")
 QUICK_ROWS = ("restart-same-address", "kv-loss", "mismatched-peers")
 MODEL_NAME = ["smollm2"]  # the served model name (--model), set by main
+SLOW_LINK_PROFILE = "experiments/profile-smollm2-cpu-1thread.json"  # network-aware's measured model of this VM
 KV_FAULTS = "drop=0.02,duplicate=0.05,reorder=0.05,corrupt=0.05,seed=1"
 
 
@@ -64,7 +77,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"rows {','.join(QUICK_ROWS)} (unless --only), 8 requests of 256 tokens, a 10 s SIGSTOP")
     p.add_argument("--only", default="", help=f"comma-separated rows (default all: {','.join(ROWS)})")
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2",
+                   help="model spec of every worker and the router (default smollm2, the CPU rows); a random "
+                        "shape for a GPU run: random:llama-3.2-1b (random:smollm2-135m, random:llama-3.1-8b, "
+                        "random:qwen2.5-7b; pdserve/loaders/random_weights.py)")
+    p.add_argument("--device", default="cpu",
+                   help="every worker's --device (default cpu); cuda: every worker on this machine's GPU 0 "
+                        "(standalone `pdserve worker` rows), or a fraction of it per worker (`pdserve up` rows, "
+                        "--worker-gpus)")
+    p.add_argument("--dtype", default=None, help="every worker's --dtype (default: the engine's for the device)")
+    p.add_argument("--worker-gpus", type=float, default=None,
+                   help="`pdserve up` rows: GPUs per Ray worker (default 0.25 with --device cuda, so that "
+                        "the workers share one GPU; not passed on cpu)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=None,
+                   help="every worker's --gpu-memory-fraction (CUDA: its KV cache is this fraction of the GPU "
+                        "memory free when it starts; --kv-cache-gib is CPU only); default 0.1 with --device "
+                        "cuda, so that the up to four workers sharing GPU 0 all fit, unused on cpu")
+    p.add_argument("--profile", default=SLOW_LINK_PROFILE,
+                   help="slow-link: network-aware's profile, measured on this hardware for --model "
+                        f"(`pdserve profile`; default {SLOW_LINK_PROFILE}, SmolLM2 on this CPU VM)")
+    p.add_argument("--slow-link-rate", type=float, default=0.5,
+                   help="slow-link's requests/s (default 0.5: a prefill worker mostly idle at each arrival, "
+                        "so network-aware disaggregates on healthy links); its fault fires after as many "
+                        "requests as the other rows'")
     p.add_argument("--rate", type=float, default=1.0, help="requests/s (constant arrivals)")
     p.add_argument("--num-requests", type=int, default=None, help="per row (default 20; --quick 8)")
     p.add_argument("--fault-at", type=float, default=None, help="seconds into the load (default 8; --quick 4)")
@@ -75,12 +110,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-timeout-s", type=float, default=120.0)
     p.add_argument("--kv-cache-gib", default="0.25")
     p.add_argument("--startup-timeout-s", type=float, default=300.0)
-    p.add_argument("--out", default="", help="directory for rows.json, logs and records (default: a temp dir)")
+    p.add_argument("--out", default="",
+                   help="one results folder: rows.json, table.md, a folder of logs per row (default: a temp dir)")
+    p.add_argument("--tar", default="", metavar="FILE",
+                   help="also pack the results folder into FILE (.tar.gz), rewritten after every row (so "
+                        "a run cut short still leaves the rows it finished)")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="start no further row once this many seconds have passed (the rows not run are "
+                        "listed in rows.json); default: no limit")
     args = p.parse_args(argv)
     args.num_requests = args.num_requests or (8 if args.quick else 20)
     args.input_len = args.input_len or ("fixed:256" if args.quick else "fixed:512")
     args.fault_at = args.fault_at if args.fault_at is not None else (4.0 if args.quick else 8.0)
     args.stop_s = args.stop_s if args.stop_s is not None else (10.0 if args.quick else 30.0)
+    if args.device.startswith("cuda"):
+        args.worker_gpus = 0.25 if args.worker_gpus is None else args.worker_gpus
+        args.gpu_memory_fraction = 0.1 if args.gpu_memory_fraction is None else args.gpu_memory_fraction
     args.rows = [r.strip() for r in args.only.split(",") if r.strip()] or list(QUICK_ROWS if args.quick else ROWS)
     for row in args.rows:
         if row not in ROWS:
@@ -136,7 +181,8 @@ def up_cluster(args, logdir: Path, env_extra: dict | None = None) -> Cluster:
     cluster = Cluster(f"http://127.0.0.1:{port}", logdir)
     argv = [sys.executable, "-m", "launcher.cli", "up", "--model", args.model, "--port", str(port),
             "--kv-cache-gib", args.kv_cache_gib, "--kv-deadline-s", str(args.kv_deadline_s),
-            "--worker-wait-s", "60", "--startup-timeout-s", str(args.startup_timeout_s)]
+            "--worker-wait-s", "60", "--startup-timeout-s", str(args.startup_timeout_s),
+            *device_flags(args), *(["--worker-gpus", f"{args.worker_gpus:g}"] if args.worker_gpus is not None else [])]
     cluster.start("up", argv, env_extra)
     wait_all_healthy(cluster.base, cluster.procs["up"], args.startup_timeout_s + 30, 2)
     return cluster
@@ -147,8 +193,18 @@ def worker_argv(args, role: str, port: int, kv_port: int = 0, extra: tuple[str, 
     from launcher.workers import WorkerSpec, worker_argv as spec_argv
 
     return spec_argv(WorkerSpec(role=role, worker_id=f"{role}-{port}", port=port, kv_port=kv_port, model=args.model,
-                                device="cpu", kv_pacing=kv_pacing,
-                                engine_args=("--kv-cache-gib", args.kv_cache_gib, *extra)))
+                                kv_pacing=kv_pacing,
+                                engine_args=("--kv-cache-gib", args.kv_cache_gib, *device_flags(args), *extra)))
+
+
+def device_flags(args) -> list[str]:
+    """The device flags every worker gets (`pdserve worker` and `pdserve up` alike)."""
+    flags = ["--device", args.device]
+    if args.dtype:
+        flags += ["--dtype", args.dtype]
+    if args.gpu_memory_fraction is not None:
+        flags += ["--gpu-memory-fraction", f"{args.gpu_memory_fraction:g}"]
+    return flags
 
 
 def standalone_cluster(args, logdir: Path, workers: list[tuple[str, list[str]]], env_extra: dict | None = None,
@@ -209,6 +265,10 @@ def run_with_fault(args, base: str, fault, warm: bool = True):
     result = run_load(cfg, progress=False)
     timer.join()
     start = result.summary.get("start_time_unix") or t0
+    if getattr(args, "row_dir", None) is not None:  # every request's record beside the row's logs
+        from loadgen.records import write_jsonl
+
+        write_jsonl(args.row_dir / "records.jsonl", result.records)
     return result.records, start, box.get("at"), box.get("value")
 
 
@@ -420,65 +480,132 @@ def probe_disaggregated(base: str) -> str:
     return f"HTTP {r.status_code} placement={timing.get('placement')} decode={timing.get('decode_worker')}"
 
 
-SLOW_LINK_PROFILE = "experiments/profile-smollm2-cpu-1thread.json"  # network-aware's measured model of this VM
+LEARNED_GBPS = 0.1  # below this, the router's estimate of a link is a missed deadline's bound (module docstring)
 
 
 def row_slow_link(args, logdir: Path) -> dict:
-    """One prefill and two decode workers behind network-aware: the link to decode-0 alone drops
-    to 10 Mbit/s at the fault (the prefill worker's pacing file names decode-0's KV port); the
-    note gives where requests were placed before and after it."""
+    """Two prefill and one decode workers behind network-aware: prefill-0's link to decode-0
+    alone drops to 10 Mbit/s at the fault (prefill-0's pacing file; prefill-1 is not paced).
+    The load runs at --slow-link-rate, so that a prefill worker is mostly idle when a request
+    arrives and the policy prefers disaggregation on healthy links (at 1 req/s on this CPU a
+    prefill worker always has a queue, and a local run on the decode worker, which the policy
+    prices without one, wins); the fault fires after as many requests as the other rows'. The
+    policy runs without calibration (see the docs). The note counts first placements per pair in
+    three phases (before the fault; from it until the router's estimate of the slow link fell to
+    a missed deadline's bound, i.e. the first missed deadline; after that) and the estimates."""
+    rate = args.slow_link_rate
+    row_args = argparse.Namespace(**{**vars(args), "rate": rate, "fault_at": args.fault_at * args.rate / rate})
     pacing = logdir / "pacing.txt"
-    p_port, d0_port, d1_port, kv0_port = free_port(), free_port(), free_port(), free_port()
+    p0_port, p1_port, d0_port = free_port(), free_port(), free_port()
     pacing.write_text("default=100\n")  # Gbit/s: fast
-    workers = [("prefill-0", worker_argv(args, "prefill", p_port, kv_pacing=f"file:{pacing}")),
-               ("decode-0", worker_argv(args, "decode", d0_port, kv0_port)),
-               ("decode-1", worker_argv(args, "decode", d1_port))]
-    router_extra = ("--policy", "network-aware", "--profile", str(REPO / SLOW_LINK_PROFILE),
-                    "--kv-wire-precision", "full")
+    workers = [("prefill-0", worker_argv(args, "prefill", p0_port, kv_pacing=f"file:{pacing}")),
+               ("prefill-1", worker_argv(args, "prefill", p1_port)),
+               ("decode-0", worker_argv(args, "decode", d0_port))]
+    router_extra = ("--policy", "network-aware", "--profile", str(REPO / args.profile),
+                    "--kv-wire-precision", "full", "--no-calibration")
+    slow = ("prefill-0", "decode-0")
     cluster = standalone_cluster(args, logdir, workers, router_extra=router_extra)
+    watch = MetricsWatch(cluster.base, f"{slow[0]}->{slow[1]}")
+    watch.start()
     try:
         def fault():
-            pacing.write_text(f"ucx://127.0.0.1:{kv0_port}=0.01,default=100\n")  # 10 Mbit/s to decode-0 only
-            return {"link": "prefill-0 -> decode-0: 100 Gbit/s -> 10 Mbit/s (prefill-0 -> decode-1 stays at 100)"}
+            pacing.write_text("default=0.01\n")  # prefill-0's every destination: 10 Mbit/s
+            return {"link": "prefill-0 -> decode-0: 100 Gbit/s -> 10 Mbit/s (prefill-1 -> decode-0 unpaced)"}
 
-        records, start, at, info = run_with_fault(args, cluster.base, fault)
+        records, start, at, info = run_with_fault(row_args, cluster.base, fault)
         kv = kv_in_use(cluster.base)
         recoveries = recovery_counts(cluster.base)
         estimates = link_estimates(cluster.base)
     finally:
+        watch.stop()
         cluster.stop()
-    note = dict(info or {}, policy="network-aware", router_recoveries=recoveries,
-                placements=placements_around(records, start, at, slow=("prefill-0", "decode-0")),
-                link_estimate_gbps_at_end=estimates)
+    learned = watch.first_below(LEARNED_GBPS, after=at)
+    note = dict(info or {}, policy="network-aware, no calibration", rate=rate,
+                fault_after_s=round(row_args.fault_at, 1), router_recoveries=recoveries,
+                first_recovery_after_fault_s=_since(watch.first_recovery(after=at), at),
+                slow_link_learned_after_fault_s=_since(learned, at),
+                placements=placements_by_phase(records, start, [("before", at), ("fault..first miss", learned),
+                                                                 ("after first miss", None)], slow),
+                slow_link_estimate_gbps=watch.changes(), link_estimate_gbps_at_end=estimates)
     return classify(records) | {"kv_in_use": kv, "service_back_s": service_back(records, start, at),
                                 "healthy_again_s": None, "note": note}
 
 
-def placements_around(records, start: float, fault_at: float | None, slow: tuple[str, str]) -> dict:
-    """Where the requests sent before and after the fault were first placed, from each response's
-    usage.pdserve_timing: "P->D" (disaggregated), "local D", and the share on the `slow` pair. A
-    request that ends local on D after more than one attempt was first placed on the pair P->D and
-    fell back (its KV missed the deadline): it counts for that pair."""
-    out: dict = {}
-    for phase in ("before", "after"):
-        counts: Counter = Counter()
-        for r in records:
-            if r.sent_s is None or fault_at is None or (start + r.sent_s >= fault_at) != (phase == "after"):
-                continue
-            t = r.server_timing or {}
-            p, d, placement = t.get("prefill_worker"), t.get("decode_worker"), t.get("placement")
-            if placement == "disaggregated":
-                counts[f"{p}->{d}"] += 1
-            elif placement == "local" and (t.get("attempts") or 1) > 1 and d == slow[1]:
-                counts[f"{slow[0]}->{d} (fell back)"] += 1
-            elif placement == "local":
-                counts[f"local {d}"] += 1
-            else:
-                counts["unknown"] += 1
+def _since(t: float | None, t0: float | None) -> float | None:
+    return round(t - t0, 1) if t is not None and t0 is not None else None
+
+
+class MetricsWatch:
+    """Polls the router's /metrics: the estimate of one link (Gbit/s) and the recoveries total, with
+    their unix times, to time the first missed deadline as the router saw it."""
+
+    def __init__(self, base: str, link: str, interval_s: float = 0.5):
+        self.base, self.link, self.interval_s = base, link, interval_s
+        self.samples: list[tuple[float, float | None, float]] = []  # (unix, estimate, recoveries)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            estimate = link_estimates(self.base).get(self.link)
+            self.samples.append((time.time(), estimate, sum(recovery_counts(self.base).values())))
+            self._stop.wait(self.interval_s)
+
+    def first_below(self, gbps: float, after: float | None) -> float | None:
+        return next((t for t, e, _ in self.samples if e is not None and e < gbps and (after is None or t >= after)),
+                    None)
+
+    def first_recovery(self, after: float | None) -> float | None:
+        base = next((r for t, _, r in reversed(self.samples) if after is not None and t < after), 0.0)
+        return next((t for t, _, r in self.samples if r > base and (after is None or t >= after)), None)
+
+    def changes(self) -> list[tuple[float, float]]:
+        """(seconds from the first sample, estimate) at each change of the estimate."""
+        out: list[tuple[float, float]] = []
+        for t, e, _ in self.samples:
+            if e is not None and (not out or out[-1][1] != e):
+                out.append((round(t - self.samples[0][0], 1), e))
+        return out
+
+
+def placements_by_phase(records, start: float, phases: list[tuple[str, float | None]], slow: tuple[str, str]) -> dict:
+    """Where the requests sent in each phase were first placed, from each response's
+    usage.pdserve_timing: "P->D" (disaggregated), "local D", and the share on the `slow` pair.
+    `phases`: (name, unix time it ends; None: no end), in order; a phase whose end is unknown
+    takes every later request (the later phases are then empty). A request that ends local on D
+    after more than one attempt was first placed on a pair to D and fell back: when D is the slow
+    pair's, it counts for that pair (with a single other prefill worker this can misattribute one
+    that fell back from the other pair; `router_recoveries` bounds how many fell back)."""
+    out: dict = {name: Counter() for name, _ in phases}
+    for r in records:
+        if r.sent_s is None:
+            continue
+        sent = start + r.sent_s
+        name = next((n for n, end in phases if end is None or sent < end), phases[-1][0])
+        t = r.server_timing or {}
+        p, d, placement = t.get("prefill_worker"), t.get("decode_worker"), t.get("placement")
+        if placement == "disaggregated":
+            key = f"{p}->{d}"
+        elif placement == "local" and (t.get("attempts") or 1) > 1 and d == slow[1]:
+            key = f"{slow[0]}->{d} (fell back)"
+        elif placement == "local":
+            key = f"local {d}"
+        else:
+            key = "unknown"
+        out[name][key] += 1
+    result = {}
+    for name, counts in out.items():
         total = sum(counts.values())
         on_slow = sum(n for k, n in counts.items() if k.startswith(f"{slow[0]}->{slow[1]}"))
-        out[phase] = dict(counts, slow_pair_share=round(on_slow / total, 2) if total else None)
-    return out
+        result[name] = dict(counts, slow_pair_share=round(on_slow / total, 2) if total else None)
+    return result
 
 
 def link_estimates(base: str) -> dict[str, float]:
@@ -568,6 +695,7 @@ def run_row(name: str, args, logdir: Path) -> dict:
         "gcs-kill": lambda: row_gcs_kill(args, logdir),
     }[name]
     t0 = time.monotonic()
+    args.row_dir = logdir
     try:
         row = fn()
     except Exception as e:
@@ -597,8 +725,22 @@ def main(argv=None) -> int:
     MODEL_NAME[0] = args.model
     out = Path(args.out) if args.out else Path(os.environ.get("TMPDIR", "/tmp")) / f"pdserve-faults-{os.getpid()}"
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    t0 = time.monotonic()
+    rows: list[dict] = []
+    not_run: list[str] = []
+    report = {
+        "command": "python benchmarks/faults.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine(args.device),
+        "settings": {k: getattr(args, k) for k in ("model", "device", "dtype", "worker_gpus", "gpu_memory_fraction",
+                                                     "kv_cache_gib", "rate",
+                                                     "slow_link_rate", "num_requests", "fault_at", "stop_s",
+                                                     "input_len", "output_len", "kv_deadline_s")},
+        "rows": rows, "not_run": not_run,
+    }
     for name in args.rows:
+        if args.time_budget_s is not None and time.monotonic() - t0 > args.time_budget_s:
+            not_run.append(name)
+            continue
         logdir = out / name
         logdir.mkdir(exist_ok=True)
         print(f"== {name}", file=sys.stderr, flush=True)
@@ -606,21 +748,47 @@ def main(argv=None) -> int:
         print(json.dumps(row), file=sys.stderr, flush=True)
         (logdir / "row.json").write_text(json.dumps(row, indent=2) + "\n")
         rows.append(row)
-    report = {
-        "command": "python benchmarks/faults.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": f"{platform.machine()} ({os.cpu_count()} CPUs), CPU only",
-        "settings": {k: getattr(args, k) for k in ("model", "rate", "num_requests", "fault_at", "stop_s",
-                                                     "input_len", "output_len", "kv_deadline_s")},
-        "rows": rows,
-    }
-    (out / "rows.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(table(rows))
-    for r in rows:
-        if r.get("note"):
-            print(f"- {r['fault']}: {json.dumps(r['note'])}")
-    print(f"(rows, logs: {out})", file=sys.stderr)
+        write_results(out, report, args.tar)
+    write_results(out, report, args.tar)
+    print(render(report))
+    print(f"(rows, logs: {out}{', ' + args.tar if args.tar else ''})", file=sys.stderr)
     bad = [r for r in rows if "error" in r or r.get("lost") or r.get("hung")]
     return 1 if bad else 0
+
+
+def machine(device: str) -> str:
+    where = f"{platform.machine()} ({os.cpu_count()} CPUs)"
+    if not device.startswith("cuda"):
+        return f"{where}, CPU only"
+    try:
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30).stdout.strip().replace("\n", "; ")
+    except (OSError, subprocess.SubprocessError):
+        gpus = "nvidia-smi unavailable"
+    return f"{where}, {device}: {gpus}"
+
+
+def render(report: dict) -> str:
+    """The table and each row's note, as docs/faults.md shows them."""
+    lines = [table(report["rows"]), ""]
+    lines += [f"- `{r['fault']}`: {json.dumps(r['note'])}" for r in report["rows"] if r.get("note")]
+    if report["not_run"]:
+        lines.append(f"- not run (--time-budget-s): {', '.join(report['not_run'])}")
+    return "\n".join(lines)
+
+
+def write_results(out: Path, report: dict, tar: str) -> None:
+    """rows.json and table.md in `out`; with `tar`, the whole folder packed into that file (written
+    beside it and renamed, so the file is always a whole archive)."""
+    (out / "rows.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "table.md").write_text(f"{report['command']}\n{report['machine']}\n\n{render(report)}\n")
+    if tar:
+        import tarfile
+
+        tmp = Path(f"{tar}.part")
+        with tarfile.open(tmp, "w:gz") as f:
+            f.add(out, arcname=out.name)
+        tmp.replace(tar)
 
 
 if __name__ == "__main__":
