@@ -90,7 +90,6 @@ def one_request(url: str, model: str, prompt: str, output_len: int) -> dict:
     req = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
                                  headers={"Content-Type": "application/json", "x-pdserve-timing": "1"})
     t0 = time.perf_counter()
-    print("SENT", time.monotonic(), file=sys.stderr)
     ttft = None
     timing: dict = {}
     with urllib.request.urlopen(req, timeout=300) as r:
@@ -101,7 +100,6 @@ def one_request(url: str, model: str, prompt: str, output_len: int) -> dict:
             chunk = json.loads(line[5:])
             if ttft is None and any(c.get("text") for c in chunk.get("choices") or ()):
                 ttft = time.perf_counter() - t0
-                print("TEXT", time.monotonic(), file=sys.stderr)
             usage = chunk.get("usage") or {}
             for entry in usage.get("pdserve_timing") or ():
                 if entry.get("index", 0) == 0:
@@ -141,6 +139,7 @@ def summarize(rows: list[dict]) -> dict:
     out["first_request_ttft"] = None if rows[0]["ttft"] is None else 1e3 * rows[0]["ttft"]
     out["first_over_rest_ttft"] = (out["first_request_ttft"] / out["ttft"]) if out["ttft"] and out["first_request_ttft"] else None
     out["requests"] = len(rows)
+    out["first_request"] = {k: (1e3 * v if isinstance(v, float) else v) for k, v in rows[0].items()}
     return out
 
 
@@ -171,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     for i, (root, s) in enumerate(results.items()):
         cells = ["-" if s[k] is None else f"{s[k]:.2f}" for k in keys]
         print(f"| {i} | " + " | ".join(cells) + " |")
+    for i, s in enumerate(results.values()):
+        print(f"tree {i} request 1 (ms): " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                                         for k, v in s["first_request"].items()))
     print("(ms, p50 over requests 2..N; first_request_ttft: request 1; logs in " + args.log_dir + ")")
     if args.out:
         with open(args.out, "w") as f:
