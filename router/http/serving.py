@@ -190,7 +190,7 @@ class OpenAIServing:
         has one: the cluster backend sends each worker a one-token Generate). Nothing here counts
         in the metrics; a part that fails is logged and skipped."""
         t = time.perf_counter()
-        model = self.backend.model_name
+        model = getattr(self.backend, "model_name", "model")
         bodies: list[tuple[Endpoint, bytes]] = [
             ("completions", json.dumps({"model": model, "prompt": "Warm up.", "max_tokens": 1, "stream": True,
                                         "stream_options": {"include_usage": True}}).encode()),
