@@ -247,18 +247,24 @@ class OpenAIServing:
         def encode(chunk: BaseModel) -> bytes:
             return sse(chunk.model_dump_json(exclude=exclude))
 
-        for chunk in formatter.start_chunks():
-            yield encode(chunk)
+        # one body message per delta (the start chunks go with the first): one write and one TCP
+        # segment where a chat's first delta would take two
+        start = b"".join(encode(chunk) for chunk in formatter.start_chunks())
         item: tuple[int, RequestOutput] | None = first
         try:
             while item is not None:
-                for chunk in formatter.delta_chunks(*item):
-                    yield encode(chunk)
+                events = b"".join(encode(chunk) for chunk in formatter.delta_chunks(*item))
+                if start:
+                    events, start = start + events, b""
+                if events:
+                    yield events
                 item = await fanout.next()
         except Exception as exc:
             outcome["status"] = RequestStatus.ERROR
-            yield sse(json.dumps(as_api_error(exc).to_dict()))
+            yield start + sse(json.dumps(as_api_error(exc).to_dict()))
             return
+        if start:
+            yield start
         if formatter.prepared.include_usage:
             timings = fanout.timings() if timing else None
             yield encode(formatter.usage_chunk(formatter.usage(fanout.num_output_tokens, timings)))
