@@ -5,7 +5,8 @@
 
 Starts `pdserve up --mode colocated --replicas 1` (one mixed worker) from each code tree given with
 --root (default: this one; give an older checkout first to compare before and after in one run),
-sends `--requests` streaming completions one after another (concurrency 1: no queueing, so each
+all at once, and sends `--requests` streaming completions one after another, each to every tree in
+turn (on a shared machine every tree sees the same load) (concurrency 1: no queueing, so each
 gap is the serving path's own) with `usage.pdserve_timing` asked for, and prints, per tree, the
 p50 of each step of the first token (ms since the router's backend saw the request, as
 pdserve.timing.RequestTiming measures them) and of the client's own clock:
@@ -93,6 +94,7 @@ def one_request(url: str, model: str, prompt: str, output_len: int) -> dict:
     ttft = None
     timing: dict = {}
     with urllib.request.urlopen(req, timeout=300) as r:
+        headers = time.perf_counter() - t0  # the response started (its headers parsed)
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data:") or line == "data: [DONE]":
@@ -104,24 +106,29 @@ def one_request(url: str, model: str, prompt: str, output_len: int) -> dict:
             for entry in usage.get("pdserve_timing") or ():
                 if entry.get("index", 0) == 0:
                     timing = entry
-    return {"ttft": ttft, **timing}
+    return {"ttft": ttft, "headers": headers, **timing}
 
 
-def measure(root: str, args: argparse.Namespace) -> dict:
-    port = free_port()
-    logfile = os.path.join(args.log_dir, f"server-{len(os.listdir(args.log_dir))}.log")
-    proc = start(root, args, port, logfile)
-    url = f"http://127.0.0.1:{port}"
-    rows = []
+def measure_all(roots: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    """Starts one server per tree, then sends the requests to them in turn (request i to every
+    tree before request i + 1), so that every tree sees the same load on a shared machine."""
+    servers = []
     try:
-        model = model_id(url)
+        for k, root in enumerate(roots):
+            port = free_port()
+            proc = start(root, args, port, os.path.join(args.log_dir, f"server-{k}.log"))
+            url = f"http://127.0.0.1:{port}"
+            servers.append((root, proc, url, model_id(url)))
+        rows: dict[str, list[dict]] = {root: [] for root in roots}
         for i in range(args.requests):
             # a new prompt each time: a repeated one would hit the prefix cache
             words = [WORDS[(i * 7 + j * 13 + j * j) % len(WORDS)] for j in range(args.input_len)]
-            rows.append(one_request(url, model, f"{i} " + " ".join(words), args.output_len))
+            for root, _, url, model in servers:
+                rows[root].append(one_request(url, model, f"{i} " + " ".join(words), args.output_len))
     finally:
-        stop(proc)
-    return summarize(rows)
+        for _, proc, _, _ in servers:
+            stop(proc)
+    return {root: summarize(r) for root, r in rows.items()}
 
 
 def p50(values: list[float]) -> float | None:
@@ -132,7 +139,7 @@ def p50(values: list[float]) -> float | None:
 def summarize(rows: list[dict]) -> dict:
     rest = rows[1:]
     ms = lambda key, rs=rest: None if p50([r.get(key) for r in rs]) is None else 1e3 * p50([r.get(key) for r in rs])  # noqa: E731
-    out = {key: ms(key) for key in ("queue", "prefill", "worker_handoff", "first_token", "first_text", "ttft")}
+    out = {key: ms(key) for key in ("queue", "prefill", "worker_handoff", "first_token", "first_text", "headers", "ttft")}
     out["text_gap"] = (None if out["first_text"] is None or out["first_token"] is None
                        else out["first_text"] - out["first_token"])
     out["client_gap"] = None if out["ttft"] is None or out["first_text"] is None else out["ttft"] - out["first_text"]
@@ -160,10 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     args.log_dir = tempfile.mkdtemp(prefix="first-token-gaps-")
-    results = {}
-    for root in roots:
-        results[root] = measure(root, args)
-    keys = ("queue", "prefill", "worker_handoff", "first_token", "first_text", "ttft", "text_gap", "client_gap",
+    results = measure_all(roots, args)
+    keys = ("queue", "prefill", "worker_handoff", "first_token", "first_text", "headers", "ttft", "text_gap", "client_gap",
             "first_request_ttft", "first_over_rest_ttft")
     print("| tree | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
