@@ -105,6 +105,7 @@ class LLMEngine:
         self.max_model_len = max_len
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids
                                        or (self.tokenizer.eos_token_ids if self.tokenizer else ()))
+        self._limit_vocab()
         self.requests: dict[str, Sequence] = {}
         self.layer_hook: Callable[[int, ScheduledBatch], None] | None = None
         self.num_steps = 0
@@ -113,6 +114,17 @@ class LLMEngine:
         self.overlap_steps = config.overlap_steps and config.tensor_parallel_size == 1
         self.num_steps_ahead = 0  # steps launched before the previous step's tokens reached the host
         self._in_flight: _InFlight | None = None  # a step launched ahead, its tokens not read yet
+
+    def _limit_vocab(self) -> None:
+        """Samples only ids the tokenizer can decode when it knows fewer than the model's
+        vocabulary (pdserve.sampler, `vocab_limit`): every token then reaches the client as text
+        at once, as the bare engine's first token is counted."""
+        vocab = self.model_config.vocab_size
+        if self.tokenizer is None or self.tokenizer.vocab_size >= vocab:
+            return
+        limit = max([self.tokenizer.vocab_size] + [t + 1 for t in self.eos_token_ids if t < vocab])
+        self.runner.sampler.vocab_limit = limit
+        logger.info("engine: sampling ids below %d (the tokenizer's) of the model's %d", limit, vocab)
 
     def _start_tensor_parallel(self, source: ModelSource) -> ModelRunner:
         """Checks the split, starts ranks 1..N-1 and loads rank 0's shard (pdserve.parallel)."""

@@ -4,6 +4,11 @@ Penalties apply to the raw logits; logprobs are reported from the penalised dist
 before temperature (what OpenAI reports). Greedy rows take the argmax. Sampled rows apply
 temperature, top-k and top-p and draw from the request's own generator when it has a seed,
 so a seeded request gives the same tokens whatever else is in the batch.
+
+`vocab_limit` (set by the engine when the tokenizer knows fewer ids than the model's vocabulary,
+e.g. a random 8B shape served with SmolLM2's tokenizer, or a vocabulary padded past the
+tokenizer's): only ids below it are drawn. Without it most of such a model's tokens decode to no
+text, and a streaming client sees its first text a step or more after the first token.
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.vocab_limit: int | None = None
+
+    def _limited(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits of the ids that may be drawn (a view)."""
+        limit = self.vocab_limit
+        return logits if limit is None or logits.shape[1] <= limit else logits[:, :limit]
 
     def make_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
@@ -52,6 +63,7 @@ class Sampler:
             raise AssertionError("one sampling row per logits row")
         if not self.device_only(rows):
             raise AssertionError("sample_device: a row needs the host (penalties, seed or logprobs)")
+        logits = self._limited(logits)
         self._suppress(logits, rows)
         tokens = logits.argmax(dim=-1)
         shared = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -64,10 +76,11 @@ class Sampler:
     def _suppress(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         suppress_rows: list[int] = []
         suppress_cols: list[int] = []
+        vocab = logits.shape[1]
         for i, row in enumerate(rows):
-            if row.suppress_token_ids:
-                suppress_rows.extend([i] * len(row.suppress_token_ids))
-                suppress_cols.extend(row.suppress_token_ids)
+            cols = [t for t in row.suppress_token_ids if t < vocab]  # ids past vocab_limit are never drawn
+            suppress_rows.extend([i] * len(cols))
+            suppress_cols.extend(cols)
         if suppress_rows:  # one scatter for the whole batch
             logits[torch.tensor(suppress_rows, device=logits.device),
                    torch.tensor(suppress_cols, device=logits.device)] = float("-inf")
@@ -77,6 +90,7 @@ class Sampler:
         """logits: [N, vocab] float32, one row per request. Returns token ids and logprobs."""
         if logits.shape[0] != len(rows):
             raise AssertionError("one sampling row per logits row")
+        logits = self._limited(logits)
         for i, row in enumerate(rows):
             p = row.params
             if p.has_penalties and row.output_token_ids:

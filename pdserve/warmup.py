@@ -9,7 +9,12 @@
    configuration of large prefills), a short one joining while the first decodes (a mixed
    step, small-prefill tiles), decode steps at batch 2 and 1 (the last ones overlapped on a
    GPU), and the sampler's paths (greedy; temperature with top-k/top-p, penalties and
-   logprobs).
+   logprobs);
+3. `buckets`: serving's shapes the two requests above miss: a few requests decoding together
+   (up to MAX_WARMUP_DECODES, a wider decode batch), joined one after another by prompts of
+   PREFILL_BUCKETS tokens below the token budget (CPU_BUCKET_CAP on the CPU; mixed steps with longer prefills and more
+   sequences; on the CPU these are the only prompts longer than 16 tokens). A bucket that does not
+   fit the KV cache is skipped; the report's prompt lengths list those that ran.
 
 The requests run as role "mixed" with no layer hook (a prefill worker's hook would push their
 KV), then are aborted; the prefix cache forgets their blocks. On the CPU the prompts are short
@@ -28,6 +33,9 @@ from pdserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 MAX_WARMUP_STEPS = 64  # the requests below finish in about 12 steps; a bound, not a target
+PREFILL_BUCKETS = (64, 256, 1024, 4096)  # prompt lengths below the token budget (part 3)
+CPU_BUCKET_CAP = 512  # on the CPU, buckets below this only
+MAX_WARMUP_DECODES = 8  # requests decoding together while the buckets prefill
 
 
 @dataclass(frozen=True)
@@ -98,17 +106,63 @@ def warm_up(engine) -> WarmupReport:
             if not engine.has_unfinished_requests():
                 break
             engine.step()
+        seconds["requests"] = time.perf_counter() - t
+        t = time.perf_counter()
+        buckets = _run_buckets(engine, ids, short_len, vocab)
         if on_cuda:
             import torch
 
             torch.cuda.synchronize(engine.device)
+        seconds["buckets"] = time.perf_counter() - t
     finally:
         for rid in ids:
             engine.abort_request(rid)
         engine.role, engine.layer_hook = role, hook
         engine.block_manager.reset_prefix_cache()
-    seconds["requests"] = time.perf_counter() - t
-    report = WarmupReport(seconds, (long_len, short_len),
+    report = WarmupReport(seconds, (long_len, short_len, *buckets),
                           tuple(runner.graph_batch_sizes) if runner.use_cuda_graphs else (), _device_name(engine))
     logger.info("%s", report.describe())
     return report
+
+
+def _run_buckets(engine, ids: list[str], short_len: int, vocab: int) -> tuple[int, ...]:
+    """Part 3 of the module docstring; returns the bucket lengths that ran. `ids` collects the
+    request ids (the caller aborts them)."""
+    budget = engine.scheduler.config.max_num_batched_tokens
+    cap = min(budget, engine.max_model_len - 8)
+    if engine.device.type != "cuda":
+        cap = min(cap, CPU_BUCKET_CAP)  # no kernels to compile: the start-up stays short
+    buckets = [n for n in PREFILL_BUCKETS if n < cap]
+    num_decodes = max(1, min(MAX_WARMUP_DECODES, engine.scheduler.config.max_num_seqs - 2))
+    decode_tokens = len(buckets) + 2  # they end soon after the last bucket joined
+    bm = engine.block_manager
+    block = engine.config.cache.block_size
+    greedy = SamplingParams(max_tokens=decode_tokens, temperature=0, ignore_eos=True)
+    for k in range(num_decodes):
+        if bm.num_free_blocks * block < (num_decodes + 1) * (short_len + decode_tokens + block):
+            num_decodes = k
+            break
+        rid = f"__warmup-d{k}"
+        engine.add_request(rid, [(7919 * (k + 3) + 31 * i) % (vocab - 2) + 1 for i in range(short_len)], greedy)
+        ids.append(rid)
+    if num_decodes:
+        engine.step()  # their prompts, together: the decode batch
+    ran = []
+    for j, n in enumerate(buckets):
+        if bm.num_free_blocks * block < n + 2 * block:
+            continue
+        rid = f"__warmup-b{j}"
+        engine.add_request(rid, [(7919 * (j + 3 + num_decodes) + 17 * i) % (vocab - 2) + 1 for i in range(n)],
+                           SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        ids.append(rid)
+        ran.append(n)
+        for _ in range(MAX_WARMUP_STEPS):  # its prefill joins the decodes (in chunks when it must)
+            engine.step()
+            seq = engine.requests.get(rid)
+            if seq is None or seq.num_output_tokens > 0:
+                break
+    for _ in range(MAX_WARMUP_STEPS):
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    return tuple(ran)

@@ -145,6 +145,9 @@ def serve_router(app: Any, backend: Any, settings: RouterSettings, on_ready=None
 
     async def run() -> None:
         await backend.start()
+        serving = getattr(getattr(app, "state", None), "serving", None)
+        if serving is not None:  # the first request's one-time costs, before the port opens
+            await serving.warm_up()
         try:
             announcer = asyncio.create_task(announce()) if on_ready is not None else None
             tasks = [asyncio.create_task(run_task()) for run_task in background]

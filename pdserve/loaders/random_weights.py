@@ -87,8 +87,14 @@ TINY_TP_SHAPES: dict[str, ModelConfig] = {
                                  max_position_embeddings=512, tie_word_embeddings=True,
                                  name="random:tiny-serve-tp"),
 }
+# Llama 3's vocabulary on a tiny body: served on the CPU with `--tokenizer smollm2`, it has the
+# random 8B's mismatch (a tokenizer of 49152 ids, a vocabulary of 128256); benchmarks/first_token_gaps.py
+TINY_WIDE_SHAPES: dict[str, ModelConfig] = {
+    "tiny-wide-vocab": ModelConfig(architecture="llama", vocab_size=128256, num_layers=2,
+                                   name="random:tiny-wide-vocab", **_TINY),
+}
 logger = logging.getLogger(__name__)
-RANDOM_SHAPES: dict[str, ModelConfig] = {**REAL_SHAPES, **TINY_SHAPES, **TINY_TP_SHAPES}
+RANDOM_SHAPES: dict[str, ModelConfig] = {**REAL_SHAPES, **TINY_SHAPES, **TINY_TP_SHAPES, **TINY_WIDE_SHAPES}
 
 
 def parse_random_spec(spec: str) -> tuple[str, int]:

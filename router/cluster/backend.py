@@ -246,6 +246,23 @@ class ClusterBackend:
         """One monitor round now (re-read the directory, poll every worker)."""
         await self.pool.refresh()
 
+    async def warm_up(self, prompt_token_ids: list[int]) -> None:
+        """Sends every healthy worker a one-token Generate of `prompt_token_ids` (short: it must not
+        fill a KV block the prefix cache would keep), outside the metrics and the placement's
+        counters: the first real request finds this router's gRPC stream path and the worker's
+        (its Generate handler, the engine thread's first step) warm. A worker that fails is logged."""
+        await self._ensure_started()
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+        async def one(worker) -> None:
+            try:
+                async for _ in worker.client.generate(f"__warmup-router-{worker.worker_id}", prompt_token_ids, params, []):
+                    pass
+            except Exception as exc:
+                logger.warning("warm-up Generate on worker %s failed: %s", worker.worker_id, exc)
+
+        await asyncio.gather(*(one(w) for w in list(self.pool.workers.values()) if w.healthy))
+
     async def _ensure_started(self) -> None:
         if not self._started:
             await self.start()

@@ -82,6 +82,7 @@ def create_app(
     )
     app.state.metrics = metrics
     app.state.backend = backend
+    app.state.serving = serving  # serve_router warms it up before serving
 
     async def require_api_key(request: Request) -> None:
         if api_key is None:

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from pdserve.sampling_params import RequestOutput
+from pdserve.timing import RequestTiming
 from router.backend import GenerationBackend
 from router.errors import APIError, ClientDisconnected, as_api_error
 from router.http.fanout import FanOut
@@ -182,6 +183,51 @@ class OpenAIServing:
         events = self._events(formatter, fanout, first, outcome, timing)
         return EventStreamResponse(events, on_close)
 
+    async def warm_up(self, timeout_s: float = 30.0) -> float:
+        """Pays the first request's one-time costs before serving (seconds spent): request
+        parsing, the tokenizer and chat template on a thread of the pool requests use, chunk
+        formatting and JSON encoding, then the backend's own (`warm_up(prompt_token_ids)` where it
+        has one: the cluster backend sends each worker a one-token Generate). Nothing here counts
+        in the metrics; a part that fails is logged and skipped."""
+        t = time.perf_counter()
+        model = getattr(self.backend, "model_name", "model")
+        bodies: list[tuple[Endpoint, bytes]] = [
+            ("completions", json.dumps({"model": model, "prompt": "Warm up.", "max_tokens": 1, "stream": True,
+                                        "stream_options": {"include_usage": True}}).encode()),
+            ("chat", json.dumps({"model": model, "messages": [{"role": "user", "content": "Warm up."}],
+                                 "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}}).encode()),
+        ]
+        prompt: list[int] | None = None
+        for endpoint, body in bodies:
+            try:
+                if endpoint == "chat":
+                    prepared = await anyio.to_thread.run_sync(
+                        prepare_chat, parse_request(ChatCompletionRequest, body), self.backend, "warmup", None)
+                    formatter: Formatter = ChatFormatter(prepared, model, self.backend.tokenizer.token_to_str)
+                else:
+                    prepared = await anyio.to_thread.run_sync(
+                        prepare_completion, parse_request(CompletionRequest, body), self.backend, "warmup", None)
+                    formatter = CompletionFormatter(prepared, model, self.backend.tokenizer.token_to_str)
+                job = prepared.jobs[0]
+                prompt = prompt or list(job.prompt_token_ids)
+                token = job.prompt_token_ids[-1]
+                output = RequestOutput(job.request_id, [token], "up", True, "length", len(job.prompt_token_ids), 1)
+                chunks = [*formatter.start_chunks(), *formatter.delta_chunks(job.index, output),
+                          formatter.usage_chunk(formatter.usage(1, {job.index: RequestTiming(first_token_s=0.0)}))]
+                for chunk in chunks:
+                    sse(chunk.model_dump_json())
+            except Exception as exc:  # a backend without a chat template, say
+                logger.info("router warm-up: %s skipped (%s)", endpoint, exc)
+        warm = getattr(self.backend, "warm_up", None)
+        if warm is not None and prompt:
+            try:
+                await asyncio.wait_for(warm(prompt), timeout_s)
+            except Exception as exc:
+                logger.warning("router warm-up: the backend's part failed (%s)", exc)
+        seconds = time.perf_counter() - t
+        logger.info("router warm-up in %.2fs", seconds)
+        return seconds
+
     async def _collect(self, fanout: FanOut) -> dict[int, ChoiceText]:
         choices = {job.index: ChoiceText() for job in fanout.jobs}
         async for index, output in fanout:
@@ -201,18 +247,24 @@ class OpenAIServing:
         def encode(chunk: BaseModel) -> bytes:
             return sse(chunk.model_dump_json(exclude=exclude))
 
-        for chunk in formatter.start_chunks():
-            yield encode(chunk)
+        # one body message per delta (the start chunks go with the first): one write and one TCP
+        # segment where a chat's first delta would take two
+        start = b"".join(encode(chunk) for chunk in formatter.start_chunks())
         item: tuple[int, RequestOutput] | None = first
         try:
             while item is not None:
-                for chunk in formatter.delta_chunks(*item):
-                    yield encode(chunk)
+                events = b"".join(encode(chunk) for chunk in formatter.delta_chunks(*item))
+                if start:
+                    events, start = start + events, b""
+                if events:
+                    yield events
                 item = await fanout.next()
         except Exception as exc:
             outcome["status"] = RequestStatus.ERROR
-            yield sse(json.dumps(as_api_error(exc).to_dict()))
+            yield start + sse(json.dumps(as_api_error(exc).to_dict()))
             return
+        if start:
+            yield start
         if formatter.prepared.include_usage:
             timings = fanout.timings() if timing else None
             yield encode(formatter.usage_chunk(formatter.usage(fanout.num_output_tokens, timings)))
