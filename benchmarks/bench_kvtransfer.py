@@ -282,7 +282,7 @@ def _nixl_pattern(total: int, device: str) -> torch.Tensor:
     return torch.randint(0, 255, (total,), dtype=torch.uint8, generator=gen).to(device)
 
 
-def _nixl_side(total: int, device: str, source: bool):
+def _nixl_side(total: int, device: str, source: bool, progress_thread: bool = True):
     """A NIXL agent with one registered buffer of ``total`` bytes (the pattern when ``source``)."""
     from kvtransfer.nixl import _agent, _mem, load_nixl
 
@@ -291,7 +291,7 @@ def _nixl_side(total: int, device: str, source: bool):
         torch.cuda.set_device(torch.device(device))
     buf = _nixl_pattern(total, device) if source else torch.zeros(total, dtype=torch.uint8, device=device)
     mem, dev = _mem(buf.device)
-    agent = _agent(api, "raw")
+    agent = _agent(api, "raw", progress_thread)
     agent.register_memory([(buf.data_ptr(), total, dev, "")], mem)
     return agent, buf, mem, dev
 
@@ -306,13 +306,15 @@ def _nixl_descs(base: int, sizes: list[int], dev: int):
     return out
 
 
-def _nixl_initiator_main(conn, op: str, sizes: list[int], device: str, repeat: int, prepped: bool, poll: str) -> None:
+def _nixl_initiator_main(conn, op: str, sizes: list[int], device: str, repeat: int, prepped: bool, poll: str,
+                         progress_thread: bool = True) -> None:
     """Child process: the NIXL initiator. WRITE: it holds the source (sender side); READ: the
     destination (receiver side). ``prepped``: descriptor lists prepared once and one transfer
     handle re-posted (else ``initialize_xfer`` per transfer); ``poll``: ``spin`` (check the state
-    back to back) or ``sleep`` (1 ms between checks)."""
+    back to back) or ``sleep`` (1 ms between checks); ``progress_thread``: NIXL's own UCX progress
+    thread in the initiator (the passive side always runs one)."""
     total = sum(sizes)
-    agent, buf, mem, dev = _nixl_side(total, device, source=op == "WRITE")
+    agent, buf, mem, dev = _nixl_side(total, device, op == "WRITE", progress_thread)
     metadata, remote_base, remote_dev, remote_mem = conn.recv()
     name = agent.add_remote_agent(metadata)
     local = _nixl_descs(buf.data_ptr(), sizes, dev)
@@ -346,16 +348,18 @@ def _nixl_initiator_main(conn, op: str, sizes: list[int], device: str, repeat: i
 
 
 def raw_nixl_gbps(sizes: list[int], op: str, device: str, receiver_device: str, repeat: int,
-                  prepped: bool = True, poll: str = "spin") -> float:
+                  prepped: bool = True, poll: str = "spin", progress_thread: bool = True) -> float:
     """GB/s of raw NIXL (UCX plugin) moving ``sizes`` bytes, one descriptor each, from a sender
     to a receiver process: WRITE posted by the sender, READ posted by the receiver; from the
     post to the initiator's DONE; the landed bytes are checked."""
     total = sum(sizes)
     initiator_device, passive_device = (device, receiver_device) if op == "WRITE" else (receiver_device, device)
-    agent, buf, mem, dev = _nixl_side(total, passive_device, source=op == "READ")
+    # the passive side makes no NIXL calls: without its progress thread UCX's wire-up never completes
+    agent, buf, mem, dev = _nixl_side(total, passive_device, op == "READ", True)
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_nixl_initiator_main, args=(child_conn, op, sizes, initiator_device, repeat, prepped, poll),
+    child = ctx.Process(target=_nixl_initiator_main, args=(child_conn, op, sizes, initiator_device, repeat, prepped, poll,
+                                                                  progress_thread),
                         daemon=True)
     child.start()
     try:

@@ -5,11 +5,14 @@ Needs only torch and NIXL (no ucxx), so it runs where just the NIXL wheel is car
 layer (``same``) or one for the whole KV (``one``); WRITE posted by the sender, READ by the
 receiver, both processes on ``--device``. Variants: descriptor lists prepared once and one
 handle re-posted (``prepped``) or a handle made per transfer (``init``, ``initialize_xfer``);
-the state polled back to back (``spin``) or with 1 ms sleeps (``sleep``). Every run checks the
+the state polled back to back (``spin``) or with 1 ms sleeps (``sleep``); with and without
+NIXL's UCX progress thread in the initiator (``--no-progress-thread``: its state checks progress
+UCX; the thread busy-polls, which on a host of few cores halves throughput; the passive side
+keeps its thread, without which UCX's wire-up never completes). Every run checks the
 landed bytes. ``UCX_PROTO_INFO=y`` in the environment makes UCX print the protocol it picked
 for each operation (e.g. a GET over cuda_ipc, or staged through host memory).
 
-    python benchmarks/bench_nixl_raw.py [--device cuda|cpu] [--tokens 2048 8192] [--repeat 5] [--variants]
+    python benchmarks/bench_nixl_raw.py [--device cuda|cpu] [--tokens 2048 8192] [--repeat 5] [--variants] [--no-progress-thread]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--variants", action="store_true", help="also init/spin, prepped/sleep and init/sleep")
+    parser.add_argument("--no-progress-thread", action="store_true", help="the initiator's NIXL agent without its UCX progress thread")
     args = parser.parse_args()
     missing = nixl_missing()
     if missing is not None:
@@ -44,7 +48,8 @@ def main() -> int:
     device = "cuda:0" if args.device == "cuda" else "cpu"
     shape = SHAPES[args.device]
     variants = [(True, "spin")] + ([(False, "spin"), (True, "sleep"), (False, "sleep")] if args.variants else [])
-    print(f"raw NIXL, {shape.name} KV ({shape.num_layers} layers), both processes on {device}; median of "
+    print(f"raw NIXL, {shape.name} KV ({shape.num_layers} layers), both processes on {device}, initiator's progress "
+          f"thread {'off' if args.no_progress_thread else 'on'}; median of "
           f"{args.repeat} after one warm-up; GB/s = 1e9 bytes/s")
     for tokens in args.tokens:
         tokens = -(-tokens // BLOCK_SIZE) * BLOCK_SIZE
@@ -55,7 +60,9 @@ def main() -> int:
                 for name, sizes in (("same", [layer] * shape.num_layers), ("one", [total])):
                     start = time.time()
                     try:
-                        value = f"{raw_nixl_gbps(sizes, op, device, device, args.repeat, prepped, poll):.2f}"
+                        gbps = raw_nixl_gbps(sizes, op, device, device, args.repeat, prepped, poll,
+                                             not args.no_progress_thread)
+                        value = f"{gbps:.2f}"
                     except Exception as e:  # a failed variant is reported, the others still run
                         value = f"failed ({type(e).__name__}: {e})"
                     cells.append(f"{op[0]} {name} {value}")

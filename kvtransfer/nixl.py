@@ -91,9 +91,12 @@ def load_nixl():
     raise KVTransferError("NIXL is not importable (pip install 'pdserve[nixl]'): " + "; ".join(errors))
 
 
-def _agent(api, role: str):
+def _agent(api, role: str, progress_thread: bool = True):
+    """A NIXL agent with the UCX plugin; ``progress_thread``: NIXL's own thread progresses UCX
+    (it busy-polls: on a host of few cores it competes with the caller, who otherwise progresses
+    UCX by checking its transfers' state)."""
     name = f"pdserve-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
 
 
 def _mem(device: torch.device) -> tuple[str, int]:
