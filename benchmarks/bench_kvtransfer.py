@@ -18,6 +18,16 @@ Reported, median of ``--repeat`` transfers after a warm-up:
 - ``nccl same`` / ``nccl one``: NCCL send/recv through ``torch.distributed`` between two other
   processes, the same messages / one message (only when sender and receiver are on different
   GPUs: NCCL does not run two ranks on one GPU), from a barrier to the receiver's synchronize;
+- ``nixl W`` / ``nixl R`` (``same``: one descriptor per layer; ``one``: one descriptor): raw
+  NIXL (its UCX plugin) between two other processes moving the same bytes, WRITE posted by the
+  sender, READ posted by the receiver, descriptor lists prepared once and one transfer handle
+  re-posted, from the post to the initiator's DONE (spinning on ``check_xfer_state``); the landed
+  bytes are checked. ``--nixl-diag`` adds the variants that cost throughput (a handle made per
+  transfer with ``initialize_xfer``; 1 ms sleeps between state checks);
+- ``kvx nixl``: pdserve's NIXL backend (``--kv-backend nixl``) end to end, as ``kvx``: the
+  receiver READs each layer's blocks (one descriptor per block) into a staging buffer and
+  scatters them, then ACKs; checked byte for byte. NIXL rows are left out, with the reason, where
+  NIXL is not importable (``pip install 'pdserve[nixl]'``);
 - ``fake``: the in-process fake backend (gather + copy + scatter, no network);
 - ``copy``: a plain device copy of the same bytes on the sender's device.
 
@@ -26,7 +36,7 @@ Shapes: ``--device cpu``: SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, fp32
 runs on ``--receiver-device`` (default: the sender's device: two processes on one GPU).
 
     python benchmarks/bench_kvtransfer.py [--device cpu|cuda] [--receiver-device cuda:1]
-        [--tokens 2048 8192] [--repeat 5]
+        [--tokens 2048 8192] [--repeat 5] [--no-nixl] [--nixl-diag]
 """
 
 from __future__ import annotations
@@ -93,14 +103,14 @@ def block_digest(caches, block_ids) -> int:
     return total
 
 
-def _receiver_main(conn, shape: Shape, num_blocks: int, device: str) -> None:
-    """Child process: a pdserve UCX receiver driven over a Pipe."""
+def _receiver_main(conn, shape: Shape, num_blocks: int, device: str, backend: str = "ucx") -> None:
+    """Child process: a pdserve receiver (``backend``) driven over a Pipe."""
     import kvtransfer
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     caches = make_caches(shape, num_blocks, device, fill=False)
-    receiver = kvtransfer.create_receiver("ucx", caches)
+    receiver = kvtransfer.create_receiver(backend, caches)
     conn.send(receiver.address())
     while True:
         cmd, args = conn.recv()
@@ -254,6 +264,124 @@ def nccl_gbps(sizes: list[int], device: str, receiver_device: str, repeat: int) 
     return sum(sizes) / statistics.median(times[1:]) / 1e9
 
 
+def nixl_missing() -> str | None:
+    """Why NIXL cannot run here (None: it can)."""
+    from kvtransfer.errors import KVTransferError
+    from kvtransfer.nixl import load_nixl
+
+    try:
+        load_nixl()
+    except KVTransferError as e:
+        return str(e)
+    return None
+
+
+def _nixl_pattern(total: int, device: str) -> torch.Tensor:
+    """The bytes the NIXL source holds: the same on both sides, to check what landed."""
+    gen = torch.Generator().manual_seed(total)
+    return torch.randint(0, 255, (total,), dtype=torch.uint8, generator=gen).to(device)
+
+
+def _nixl_side(total: int, device: str, source: bool, progress_thread: bool = True):
+    """A NIXL agent with one registered buffer of ``total`` bytes (the pattern when ``source``)."""
+    from kvtransfer.nixl import _agent, _mem, load_nixl
+
+    api = load_nixl()
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    buf = _nixl_pattern(total, device) if source else torch.zeros(total, dtype=torch.uint8, device=device)
+    mem, dev = _mem(buf.device)
+    agent = _agent(api, "raw", progress_thread)
+    agent.register_memory([(buf.data_ptr(), total, dev, "")], mem)
+    return agent, buf, mem, dev
+
+
+def _nixl_descs(base: int, sizes: list[int], dev: int):
+    import numpy as np
+
+    out = np.empty((len(sizes), 3), dtype=np.uint64)
+    out[:, 0] = base + np.concatenate([[0], np.cumsum(sizes[:-1], dtype=np.uint64)]).astype(np.uint64)
+    out[:, 1] = sizes
+    out[:, 2] = dev
+    return out
+
+
+def _nixl_initiator_main(conn, op: str, sizes: list[int], device: str, repeat: int, prepped: bool, poll: str,
+                         progress_thread: bool = True) -> None:
+    """Child process: the NIXL initiator. WRITE: it holds the source (sender side); READ: the
+    destination (receiver side). ``prepped``: descriptor lists prepared once and one transfer
+    handle re-posted (else ``initialize_xfer`` per transfer); ``poll``: ``spin`` (check the state
+    back to back) or ``sleep`` (1 ms between checks); ``progress_thread``: NIXL's own UCX progress
+    thread in the initiator (the passive side always runs one)."""
+    total = sum(sizes)
+    agent, buf, mem, dev = _nixl_side(total, device, op == "WRITE", progress_thread)
+    metadata, remote_base, remote_dev, remote_mem = conn.recv()
+    name = agent.add_remote_agent(metadata)
+    local = _nixl_descs(buf.data_ptr(), sizes, dev)
+    remote = _nixl_descs(remote_base, sizes, remote_dev)
+    if prepped:
+        import numpy as np
+
+        idx = np.arange(len(sizes), dtype=np.int32)
+        handle = agent.make_prepped_xfer(op, agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, mem), idx,
+                                         agent.prep_xfer_dlist(name, remote, remote_mem), idx, b"done")
+    times = []
+    for _ in range(repeat + 1):
+        if not prepped:
+            handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, remote_mem),
+                                           name, b"done")
+        start = time.perf_counter()
+        state = agent.transfer(handle)
+        while state == "PROC":
+            if poll == "sleep":
+                time.sleep(0.001)
+            state = agent.check_xfer_state(handle)
+        times.append(time.perf_counter() - start)
+        if state != "DONE":
+            conn.send(("err", f"NIXL {op} ended in state {state}"))
+            return
+        if not prepped:
+            handle.release()
+    ok = op == "WRITE" or torch.equal(buf, _nixl_pattern(total, device))
+    conn.send(("ok", (times, ok)))
+    conn.recv()  # the parent checked its side and removed us
+
+
+def raw_nixl_gbps(sizes: list[int], op: str, device: str, receiver_device: str, repeat: int,
+                  prepped: bool = True, poll: str = "spin", progress_thread: bool = True) -> float:
+    """GB/s of raw NIXL (UCX plugin) moving ``sizes`` bytes, one descriptor each, from a sender
+    to a receiver process: WRITE posted by the sender, READ posted by the receiver; from the
+    post to the initiator's DONE; the landed bytes are checked."""
+    total = sum(sizes)
+    initiator_device, passive_device = (device, receiver_device) if op == "WRITE" else (receiver_device, device)
+    # the passive side makes no NIXL calls: without its progress thread UCX's wire-up never completes
+    agent, buf, mem, dev = _nixl_side(total, passive_device, op == "READ", True)
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_nixl_initiator_main, args=(child_conn, op, sizes, initiator_device, repeat, prepped, poll,
+                                                                  progress_thread),
+                        daemon=True)
+    child.start()
+    try:
+        conn.send((agent.get_agent_metadata(), buf.data_ptr(), dev, mem))
+        if not conn.poll(300):
+            raise RuntimeError(f"raw NIXL {op} initiator did not report")
+        status, value = conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        times, ok = value
+        if op == "WRITE":
+            ok = torch.equal(buf, _nixl_pattern(total, passive_device))
+        if not ok:
+            raise RuntimeError(f"raw NIXL {op}: the landed bytes differ from the sent ones")
+        conn.send("stop")
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+    return total / statistics.median(times[1:]) / 1e9
+
+
 def copy_gbps(nbytes: int, device: str, repeat: int) -> float:
     """GB/s of ``dst.copy_(src)`` of ``nbytes`` bytes on ``device`` (best of ``repeat``)."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
@@ -282,7 +410,8 @@ def one_transfer(sender, address: str, transfer_id: str, shape: Shape, src_ids, 
     return sent.num_bytes / seconds / 1e9, sent, landed
 
 
-def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, repeat: int) -> dict:
+def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, repeat: int, nixl: bool = False,
+                 nixl_diag: bool = False) -> dict:
     import kvtransfer
 
     blocks = -(-tokens // BLOCK_SIZE)
@@ -301,36 +430,44 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
         out["fake"] = statistics.median(runs[1:])
     del dst
 
-    ctx = multiprocessing.get_context("spawn")
-    conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_receiver_main, args=(child_conn, shape, pool_blocks, receiver_device), daemon=True)
-    child.start()
-    try:
-        if not conn.poll(120):
-            raise RuntimeError("receiver process did not start")
-        address = conn.recv()
+    want = block_digest(src, src_ids)
 
-        def call(cmd, *args):
-            conn.send((cmd, args))
-            return conn.recv()
+    def backend_runs(backend: str, modes) -> dict:
+        """Transfers to a receiver process of ``backend``, per mode ``(name, sender options)``;
+        the received blocks are checked against the sent ones after each mode."""
+        ctx = multiprocessing.get_context("spawn")
+        conn, child_conn = ctx.Pipe()
+        child = ctx.Process(target=_receiver_main, args=(child_conn, shape, pool_blocks, receiver_device, backend),
+                            daemon=True)
+        child.start()
+        try:
+            if not conn.poll(120):
+                raise RuntimeError(f"{backend} receiver process did not start")
+            address = conn.recv()
 
-        want = block_digest(src, src_ids)
-        by_mode = {}
-        for mode, pull in (("kvx", True), ("staged", False)):
-            call("zero")
-            before = call("metrics")["messages_pulled"]
-            with kvtransfer.create_sender("ucx", src, pull=pull) as sender:
-                by_mode[mode] = [one_transfer(sender, address, f"{mode}-{i}", shape, src_ids, dst_ids,
-                                              lambda *a: call("expect", *a), lambda *a: call("wait", *a))
-                                 for i in range(repeat + 1)]  # the first connects and warms up
-            if call("digest", dst_ids) != want:
-                raise RuntimeError(f"{mode}: the received KV blocks differ from the sent ones")
-            out[f"{mode}_pulled"] = call("metrics")["messages_pulled"] - before
-        call("stop")
-    finally:
-        child.join(30)
-        if child.is_alive():
-            child.kill()
+            def call(cmd, *args):
+                conn.send((cmd, args))
+                return conn.recv()
+
+            by_mode = {}
+            for mode, opts in modes:
+                call("zero")
+                before = call("metrics")["messages_pulled"]
+                with kvtransfer.create_sender(backend, src, **opts) as sender:
+                    by_mode[mode] = [one_transfer(sender, address, f"{mode}-{i}", shape, src_ids, dst_ids,
+                                                  lambda *a: call("expect", *a), lambda *a: call("wait", *a))
+                                     for i in range(repeat + 1)]  # the first connects and warms up
+                if call("digest", dst_ids) != want:
+                    raise RuntimeError(f"{mode}: the received KV blocks differ from the sent ones")
+                out[f"{mode}_pulled"] = call("metrics")["messages_pulled"] - before
+            call("stop")
+        finally:
+            child.join(30)
+            if child.is_alive():
+                child.kill()
+        return by_mode
+
+    by_mode = backend_runs("ucx", (("kvx", {"pull": True}), ("staged", {"pull": False})))
     runs = by_mode["kvx"][1:]
     out["staged"] = statistics.median(r[0] for r in by_mode["staged"][1:])
     out["staged_phases"] = {name: statistics.median(r[1].phases.get(name, 0.0) for r in by_mode["staged"][1:])
@@ -349,6 +486,19 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
     out["raw_one"] = raw_ucxx_gbps([nbytes], device, receiver_device, repeat)
     out["nccl_same"] = nccl_gbps([layer] * shape.num_layers, device, receiver_device, repeat)
     out["nccl_one"] = nccl_gbps([nbytes], device, receiver_device, repeat)
+    if nixl:
+        # raw NIXL: the same bytes as one descriptor per layer (K then V of its blocks), and as one
+        for op in ("WRITE", "READ"):
+            out[f"nixl_{op}_same"] = raw_nixl_gbps([layer] * shape.num_layers, op, device, receiver_device, repeat)
+            out[f"nixl_{op}_one"] = raw_nixl_gbps([nbytes], op, device, receiver_device, repeat)
+        if nixl_diag:  # what moves READ: a handle per transfer, polling with sleeps
+            for prepped, poll in ((False, "spin"), (True, "sleep"), (False, "sleep")):
+                for op in ("WRITE", "READ"):
+                    out[f"nixl_{op}_same_{'prepped' if prepped else 'init'}_{poll}"] = raw_nixl_gbps(
+                        [layer] * shape.num_layers, op, device, receiver_device, repeat, prepped, poll)
+        nixl_runs = backend_runs("nixl", (("kvx_nixl", {}),))["kvx_nixl"][1:]
+        out["kvx_nixl"] = statistics.median(r[0] for r in nixl_runs)
+        out["kvx_nixl_seconds"] = statistics.median(r[1].seconds for r in nixl_runs)
     return out
 
 
@@ -359,6 +509,9 @@ def main() -> int:
                         help="device of the receiver process (default: the sender's, e.g. cuda:0); cuda:1 for GPU to GPU")
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--no-nixl", action="store_true", help="leave out the NIXL rows")
+    parser.add_argument("--nixl-diag", action="store_true",
+                        help="also raw NIXL with a handle per transfer and with 1 ms polling (what slows READ)")
     args = parser.parse_args()
     if args.repeat < 1 or any(t < 1 for t in args.tokens):
         parser.error("--repeat and --tokens must be positive")
@@ -392,6 +545,21 @@ def main() -> int:
     print(f"UCX {'.'.join(map(str, runtime.ucxx.get_ucx_version()))} from {ucx_library_path()}; "
           f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}; transports: {', '.join(transports)}")
     UcxRuntime.release()
+    missing = "left out (--no-nixl)" if args.no_nixl else nixl_missing()
+    if missing is None:
+        from kvtransfer.nixl import load_nixl
+
+        api = load_nixl()
+        version = "?"
+        try:
+            from importlib.metadata import version as dist_version
+
+            version = dist_version(api.__name__.split(".")[0].replace("_", "-"))
+        except Exception:
+            pass
+        print(f"NIXL {version} ({api.__name__.split('.')[0]}), UCX plugin")
+    else:
+        print(f"NIXL: rows left out: {missing}")
     print(f"median of {args.repeat} transfers after one warm-up; GB/s = 1e9 bytes/s\n")
     header = (f"{'tokens':>7} {'KV MB':>8} {'copy':>8} {'fake':>8} {'raw one':>8} {'raw same':>9} {'nccl one':>9} "
               f"{'nccl same':>10} {'staged':>8} {'kvx':>8} {'kvx/raw same':>13} {'kvx/nccl same':>14} {'kvx ms':>8}")
@@ -399,7 +567,8 @@ def main() -> int:
     print("-" * len(header))
     results = []
     for tokens in args.tokens:
-        r = bench_tokens(shape, tokens, device, receiver_device, args.repeat)
+        r = bench_tokens(shape, tokens, device, receiver_device, args.repeat, nixl=missing is None,
+                         nixl_diag=args.nixl_diag)
         results.append((tokens, r))
         def na(value, width, digits=2):
             return f"{value:>{width}.{digits}f}" if value is not None else f"{'n/a':>{width}}"
@@ -418,7 +587,25 @@ def main() -> int:
                      if mode == "kvx" else f"  (messages pulled: {r['staged_pulled']:.0f})")
             print(f"{tokens:>7} {mode:>6}: stage {p['stage']:.2f} queue {p['queue']:.2f} wire {p['wire']:.2f} "
                   f"ack {p['ack']:.2f} | scatter {p['scatter']:.2f} land {p['land']:.2f}{extra}")
-    print("received blocks equal the sent ones, byte for byte, in both modes (checked)")
+    if missing is None:
+        print(f"\nNIXL, same run ({shape.num_layers} descriptors = one per layer; GB/s)")
+        head = (f"{'tokens':>7} {'nixl W same':>12} {'nixl W one':>11} {'nixl R same':>12} {'nixl R one':>11} "
+                f"{'raw same':>9} {'kvx nixl':>9} {'kvx':>8} {'kvx nixl ms':>12}")
+        print(head)
+        print("-" * len(head))
+        for tokens, r in results:
+            print(f"{tokens:>7} {r['nixl_WRITE_same']:>12.2f} {r['nixl_WRITE_one']:>11.2f} {r['nixl_READ_same']:>12.2f} "
+                  f"{r['nixl_READ_one']:>11.2f} {r['raw_same']:>9.2f} {r['kvx_nixl']:>9.2f} {r['kvx']:>8.2f} "
+                  f"{r['kvx_nixl_seconds'] * 1e3:>12.2f}")
+        if args.nixl_diag:
+            print("\nraw NIXL variants, one descriptor per layer (GB/s): handle prepared once or made per transfer"
+                  "\n(initialize_xfer); state polled back to back (spin) or with 1 ms sleeps")
+            for tokens, r in results:
+                cells = [f"{op[0]} {how} {poll}: {r[f'nixl_{op}_same' if (how, poll) == ('prepped', 'spin') else f'nixl_{op}_same_{how}_{poll}']:.2f}"
+                         for how, poll in (("prepped", "spin"), ("init", "spin"), ("prepped", "sleep"), ("init", "sleep"))
+                         for op in ("WRITE", "READ")]
+                print(f"{tokens:>7}  " + "; ".join(cells))
+    print("received blocks equal the sent ones, byte for byte, in every mode (checked)")
     print("\nkvx: first send_layer to ACK (sender), pulled by the receiver where it maps the sender's pools;"
           "\nstaged: the same, pull=False (gather, payload over UCX, scatter); raw same: raw ucxx, one message per layer, all posted at once;"
           "\nraw one: raw ucxx, one message; nccl: NCCL send/recv (torch.distributed), one message per layer / one"

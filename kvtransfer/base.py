@@ -178,6 +178,7 @@ def wire_fp8(layout, precision: str) -> bool:
 _BACKENDS: dict[str, tuple[str, str, str]] = {
     "fake": ("kvtransfer.fake", "FakeSender", "FakeReceiver"),
     "ucx": ("kvtransfer.ucx", "UcxSender", "UcxReceiver"),
+    "nixl": ("kvtransfer.nixl", "NixlSender", "NixlReceiver"),  # needs the nixl extra (pdserve[nixl])
 }
 
 
@@ -200,12 +201,12 @@ def _backend_class(backend: str, index: int) -> Callable:
 
 
 def create_sender(backend: str, kv_caches: KVCaches, **opts) -> KVSender:
-    """A sender of backend ``backend`` (``"fake"``, ``"ucx"``) over ``kv_caches``.
+    """A sender of backend ``backend`` (``"fake"``, ``"ucx"``, ``"nixl"``) over ``kv_caches``.
     Unknown options raise TypeError naming them."""
     return _backend_class(backend, 1)(kv_caches, **opts)
 
 
 def create_receiver(backend: str, kv_caches: KVCaches, **opts) -> KVReceiver:
-    """A receiver of backend ``backend`` (``"fake"``, ``"ucx"``) over ``kv_caches``.
+    """A receiver of backend ``backend`` (``"fake"``, ``"ucx"``, ``"nixl"``) over ``kv_caches``.
     Unknown options raise TypeError naming them."""
     return _backend_class(backend, 2)(kv_caches, **opts)

@@ -195,7 +195,7 @@ def _add_up_args(u: argparse.ArgumentParser) -> None:
                    help="custom Ray resources for decode workers")
     g.add_argument("--placement-strategy", default=S, help="placement group strategy per pool: PACK (default), "
                                                           "SPREAD, STRICT_PACK, STRICT_SPREAD")
-    g.add_argument("--kv-backend", default=S, help="KV transfer backend (default ucx)")
+    g.add_argument("--kv-backend", default=S, help="KV transfer backend: ucx (default), or nixl (needs pdserve[nixl] on every node)")
     g.add_argument("-tp", "--tensor-parallel-size", type=positive_int_arg("--tensor-parallel-size"), default=S,
                    metavar="N", help="ranks per worker, every pool (default 1): one worker to the router, N GPUs "
                                      "(or N CPU processes) on one node")

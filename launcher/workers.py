@@ -129,7 +129,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="gRPC bind host (the address others dial)")
     p.add_argument("--port", type=int_arg("--port"), default=0, help="gRPC port (0: any free port)")
     p.add_argument("--worker-id", default=None, help="default <role>-<hostname>[-<port>]")
-    p.add_argument("--kv-backend", default="ucx", help="KV transfer backend (ucx)")
+    p.add_argument("--kv-backend", default="ucx", help="KV transfer backend: ucx, or nixl (needs pdserve[nixl])")
     p.add_argument("--kv-host", default=None, help="KV listen host (default: --host)")
     p.add_argument("--kv-port", type=int_arg("--kv-port"), default=0,
                    help="KV listen port of a worker that receives KV (0: any free port); a worker restarted "

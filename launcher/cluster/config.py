@@ -139,8 +139,12 @@ class UpConfig:
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             fail("placement_strategy", f"must be one of {', '.join(PLACEMENT_STRATEGIES)}, "
                                        f"got {self.placement_strategy!r}")
+        from kvtransfer import available_backends
+
+        if self.kv_backend not in available_backends():
+            fail("kv_backend", f"must be one of {', '.join(available_backends())}, got {self.kv_backend!r}")
         if self.mode in ("disaggregated", "hybrid") and self.kv_backend == "fake":
-            fail("kv_backend", "'fake' moves KV only inside one process; Ray workers need 'ucx'")
+            fail("kv_backend", "'fake' moves KV only inside one process; Ray workers need 'ucx' or 'nixl'")
         if not 1 <= self.port <= 65535:
             fail("port", f"must be in 1..65535, got {self.port}")
         for key in ("kv_deadline_s", "startup_timeout_s"):

@@ -72,6 +72,7 @@ def test_colocated_sizes():
     ({"policy": "fastest"}, "--policy: unknown placement policy 'fastest'; choose one of "),
     ({"port": 0}, "--port: must be in 1..65535"),
     ({"kv_backend": "fake"}, "--kv-backend: 'fake' moves KV only inside one process"),
+    ({"kv_backend": "nccl"}, "--kv-backend: must be one of fake, nixl, ucx, got 'nccl'"),
     ({"kv_deadline_s": 0.0}, "--kv-deadline-s: must be > 0"),
     ({"placement_strategy": "pack"}, "--placement-strategy: must be one of PACK"),
     ({"prefill_resources": {"node_a": -1}}, "--prefill-resources: amount of 'node_a' must be a number >= 0"),
@@ -135,6 +136,10 @@ def test_pool_specs_cpu_and_gpu():
     assert (mixed.role, mixed.size, mixed.num_gpus) == ("mixed", 3, 0.5) and not mixed.moves_kv
     (hybrid,) = pool_specs(UpConfig(mode="hybrid", replicas=2), gpus_in_cluster=2)
     assert (hybrid.role, hybrid.size, hybrid.num_gpus, hybrid.moves_kv) == ("mixed", 2, 1.0, True)
+
+
+def test_nixl_is_a_cluster_kv_backend():
+    assert UpConfig(kv_backend="nixl").kv_backend == "nixl"  # checked by name; NIXL itself loads on the workers
 
 
 def test_hybrid_mode_routes_as_disaggregated():

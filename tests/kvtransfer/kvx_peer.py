@@ -67,6 +67,7 @@ _WIRE_VERSION = None
 
 class _Child:
     def __init__(self):
+        self.backend = "ucx"
         self.receiver = None
         self.sender = None
         self.caches = None
@@ -80,7 +81,7 @@ class _Child:
         if self.receiver is not None:
             self.receiver.close()
         self.caches = make_caches(spec, None)
-        self.receiver = kvtransfer.create_receiver("ucx", self.caches, **options)
+        self.receiver = kvtransfer.create_receiver(self.backend, self.caches, **options)
         return self.receiver.address()
 
     def open_sender(self, spec: CacheSpec, seed: int, **options):
@@ -89,7 +90,11 @@ class _Child:
         if self.sender is not None:
             self.sender.close()
         self.sender_caches = make_caches(spec, seed)
-        self.sender = kvtransfer.create_sender("ucx", self.sender_caches, **options)
+        self.sender = kvtransfer.create_sender(self.backend, self.sender_caches, **options)
+
+    def use_backend(self, backend: str):
+        """The backend of the receiver and sender opened next (default ``"ucx"``)."""
+        self.backend = backend
 
     def expect(self, *args):
         self.receiver.expect(*args)

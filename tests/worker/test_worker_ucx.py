@@ -1,5 +1,5 @@
-"""Prefill and decode workers in separate processes, KV over real UCX (loopback): 20 varied
-prompts give exactly the single-process engine's greedy tokens."""
+"""Prefill and decode workers in separate processes, KV over real UCX (loopback), and over NIXL
+where it is installed: 20 varied prompts give exactly the single-process engine's greedy tokens."""
 
 from __future__ import annotations
 
@@ -19,14 +19,29 @@ MODEL = "random:tiny-llama"
 PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
-def _serve(role: str, conn) -> None:
+def _nixl_missing() -> str | None:
+    from kvtransfer.errors import KVTransferError
+    from kvtransfer.nixl import load_nixl
+
+    try:
+        load_nixl()
+    except KVTransferError as e:
+        return str(e)
+    return None
+
+
+BACKENDS = ["ucx", pytest.param("nixl", marks=pytest.mark.skipif(_nixl_missing() is not None,
+                                                                  reason=f"{_nixl_missing()}"))]
+
+
+def _serve(role: str, backend: str, conn) -> None:
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.worker.server import WorkerConfig, WorkerServer
 
     config = EngineConfig(model=MODEL, device="cpu", dtype="float32",
                           cache=CacheConfig(block_size=16, num_blocks=128),
                           scheduler=SchedulerConfig(max_num_batched_tokens=32))
-    server = WorkerServer(WorkerConfig(f"{role}-ucx", role, config, kv_backend="ucx"))
+    server = WorkerServer(WorkerConfig(f"{role}-{backend}", role, config, kv_backend=backend))
     conn.send(server.start())
     conn.recv()  # any message: stop
     stats = server.stats()
@@ -34,20 +49,20 @@ def _serve(role: str, conn) -> None:
     conn.send((stats.num_free_blocks, stats.num_blocks, stats.kv_transfer_bytes))
 
 
-@pytest.fixture(scope="module")
-def ucx_workers():
+@pytest.fixture(scope="module", params=BACKENDS)
+def ucx_workers(request):
     ctx = mp.get_context("spawn")
     procs = {}
     for role in ("prefill", "decode"):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_serve, args=(role, child), daemon=True)
+        proc = ctx.Process(target=_serve, args=(role, request.param, child), daemon=True)
         proc.start()
         if not parent.poll(120):
             proc.kill()
             pytest.fail(f"{role} worker did not start")
         procs[role] = (proc, parent, parent.recv())
     stubs = {role: pb_grpc.WorkerStub(grpc.insecure_channel(addr)) for role, (_, _, addr) in procs.items()}
-    yield stubs, procs
+    yield stubs, procs, request.param
     for proc, conn, _ in procs.values():
         if proc.is_alive():
             conn.send("stop")
@@ -71,7 +86,7 @@ def twenty_prompts() -> list[list[int]]:
 
 
 def test_twenty_prompts_token_identical_over_ucx(ucx_workers):
-    stubs, procs = ucx_workers
+    stubs, procs, backend = ucx_workers
     batch = twenty_prompts()
     reference = LLM(MODEL, device="cpu", dtype="float32", num_blocks=128)
     expected = [o.token_ids for o in reference.generate(batch, PARAMS)]
@@ -80,7 +95,7 @@ def test_twenty_prompts_token_identical_over_ucx(ucx_workers):
         rid = f"ucx-{i}"
         res = stubs["decode"].Reserve(pb.ReserveRequest(request_id=rid, prompt_token_ids=prompt,
                                                         params=params_to_proto(PARAMS), deadline_s=20), timeout=20)
-        assert res.kv_address.startswith("ucx://")
+        assert res.kv_address.startswith(f"{backend}://")
         pre = stubs["prefill"].Prefill(pb.PrefillRequest(
             request_id=rid, prompt_token_ids=prompt, params=params_to_proto(PARAMS), kv_address=res.kv_address,
             transfer_id=res.transfer_id, dst_block_ids=res.block_ids, wire_version=res.wire_version,

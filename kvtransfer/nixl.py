@@ -1,0 +1,558 @@
+"""NIXL backend (NVIDIA's inference transfer library, ``pip install 'pdserve[nixl]'``).
+
+The same wire semantics as the UCX backend (``kvtransfer.ucx``), with NIXL moving the bytes:
+
+1. Control path: a TCP connection per sender and receiver, length-prefixed frames carrying
+   the UCX backend's wire messages (``kvtransfer.layout``). The sender sends HELLO (wire
+   version, layout, model, and as transport data its NIXL agent's metadata and the addresses
+   of its K and V pools); the receiver checks it like the UCX one (``handshake_errors``,
+   HELLO_REJECT naming what differs) and answers HELLO_OK. The address,
+   ``nixl://host:port/<incarnation>``, names the receiver's process: a receiver restarted at
+   the same port refuses transfers meant for the old one.
+2. Per ``send_layer`` the sender sends a LAYER message: header, destination block ids, then
+   source block ids (status PULL). Nothing else crosses from the sender: it keeps its blocks
+   until the ACK (the prefill worker releases them after ``finish``), as on the UCX pull path.
+3. The receiver checks the message against the transfer it expects (unknown id, blocks not
+   reserved, deadline passed: NACK, and nothing is read); otherwise it READs the source blocks
+   (one NIXL descriptor per block, K then V) from the sender's registered pools into a staging
+   buffer of its own, registered once (re-registered only when a larger message comes), and
+   the ledger scatters them into the reserved blocks under the transfer's lock, so a cancel or
+   an expired deadline still promises that nothing is written after it returns. When the
+   transfer has landed the receiver sends ACK to every sender that contributed.
+
+NIXL's agent runs its UCX progress thread (``enable_prog_thread``); the receiver waits for a
+READ by polling ``check_xfer_state``, yielding the GIL between polls. Transfer handles are
+made per message from descriptor lists (``initialize_xfer``); memory is registered once per
+pool and per staging size, never per message.
+
+Not here (the UCX backend has them): pacing, fault injection, checksums, FP8 on the wire (an
+``"fp8"`` message moves the pool's bytes as is) and coalescing of layers.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import importlib
+import json
+import logging
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+import uuid
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvtransfer import layout as wire
+from kvtransfer.base import KVCaches, KVReceiver, KVSender, TransferResult, wire_fp8
+from kvtransfer.errors import KVTransferError
+from kvtransfer.layout import (
+    HEADER_BYTES,
+    LAYOUT_BYTES,
+    PULL,
+    KVLayout,
+    MsgKind,
+    NackReason,
+    WireHeader,
+    check_handshake,
+    handshake_mismatches,
+    hello_extra,
+    hello_model,
+    pack_hello,
+    unpack_header,
+    unpack_layout,
+)
+from kvtransfer.ledger import ReceiveLedger, SendLedger
+from kvtransfer.staging import block_index
+
+logger = logging.getLogger(__name__)
+
+SCHEME = "nixl://"
+_FRAME = struct.Struct("<I")
+_MAX_FRAME = 64 << 20
+
+
+def load_nixl():
+    """NIXL's Python API module (``nixl_agent``, ``nixl_agent_config``); KVTransferError naming
+    what failed when it cannot be imported. The ``nixl`` meta package picks its CUDA flavour from
+    the CUDA stack already imported (cuda-bindings 12 picks nixl-cu12); the flavour wheels
+    ``nixl_cu13`` and ``nixl_cu12`` are tried directly after it."""
+    errors = []
+    for name in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError as e:
+            errors.append(f"{name}: {e}")
+    raise KVTransferError("NIXL is not importable (pip install 'pdserve[nixl]'): " + "; ".join(errors))
+
+
+def _agent(api, role: str, progress_thread: bool = True):
+    """A NIXL agent with the UCX plugin; ``progress_thread``: NIXL's own thread progresses UCX
+    (it busy-polls: on a host of few cores it competes with the caller, who otherwise progresses
+    UCX by checking its transfers' state)."""
+    name = f"pdserve-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"]))
+
+
+def _mem(device: torch.device) -> tuple[str, int]:
+    """NIXL memory type and device id of tensors on ``device``."""
+    if device.type == "cuda":
+        return "VRAM", device.index if device.index is not None else torch.cuda.current_device()
+    if device.type != "cpu":
+        raise ValueError(f"the NIXL backend moves CPU or CUDA pools, not {device.type}")
+    return "DRAM", 0
+
+
+def _pools(kv_caches: KVCaches) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    pools = [(k, v) for k, v in kv_caches]
+    if not pools:
+        raise ValueError("kv_caches is empty")
+    for k, v in pools:
+        if not (k.is_contiguous() and v.is_contiguous()):
+            raise ValueError("the NIXL backend needs contiguous K and V pools")
+    return pools
+
+
+def _register(agent, pools, mem: str, dev: int):
+    """Register every distinct allocation under ``pools`` once (pools that are views of one
+    allocation share it); returns the registration descriptor list."""
+    regions = {}
+    for pair in pools:
+        for t in pair:
+            storage = t.untyped_storage()
+            regions[storage.data_ptr()] = storage.nbytes()
+    return agent.register_memory([(ptr, n, dev, "") for ptr, n in sorted(regions.items())], mem)
+
+
+def _send_frame(sock: socket.socket, lock: threading.Lock, data: bytes) -> None:
+    with lock:
+        sock.sendall(_FRAME.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket) -> bytes | None:
+    head = _recv_exact(sock, _FRAME.size)
+    if head is None:
+        return None
+    (n,) = _FRAME.unpack(head)
+    if n > _MAX_FRAME:
+        raise KVTransferError(f"KV control frame of {n} bytes (at most {_MAX_FRAME})")
+    return _recv_exact(sock, n)
+
+
+def parse_address(address: str) -> tuple[str, int, int]:
+    """``nixl://host:port/<incarnation hex>`` -> (host, port, incarnation)."""
+    if not isinstance(address, str) or not address.startswith(SCHEME):
+        raise ValueError(f"not a NIXL KV address: {address!r}")
+    rest = address[len(SCHEME):]
+    hostport, _, inc = rest.partition("/")
+    host, _, port = hostport.rpartition(":")
+    try:
+        return host.strip("[]"), int(port), int(inc or "0", 16)
+    except ValueError:
+        raise ValueError(f"not a NIXL KV address: {address!r}") from None
+
+
+def _wait_xfer(agent, handle, what: str) -> None:
+    state = agent.transfer(handle)
+    while state == "PROC":
+        time.sleep(0)  # yield the GIL; NIXL's progress thread moves the bytes
+        state = agent.check_xfer_state(handle)
+    if state != "DONE":
+        raise KVTransferError(f"NIXL {what} failed (state {state})")
+
+
+class _RecvConn:
+    """One sender, as the receiver sees it."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.remote_agent: str | None = None
+        self.pools: np.ndarray | None = None  # [layers, 2] base addresses of the sender's pools
+        self.remote_dev = 0
+        self.remote_mem = "DRAM"
+        self.staging: torch.Tensor | None = None
+        self.staging_reg = None
+
+    def send(self, data: bytes) -> None:
+        try:
+            _send_frame(self.sock, self.lock, data)
+        except OSError:
+            pass  # the sender is gone; its transfers fail on its side
+
+
+class NixlReceiver(KVReceiver):
+    def __init__(self, kv_caches: KVCaches, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
+                 model: str = ""):
+        api = load_nixl()
+        self._pools = _pools(kv_caches)
+        self.layout = KVLayout.from_caches(kv_caches)
+        self._device = self._pools[0][0].device
+        self._mem, self._dev = _mem(self._device)
+        self._model = model
+        self._connect_timeout = connect_timeout
+        self._ledger = ReceiveLedger(kv_caches, self.layout, on_ack=self._ack, on_nack=self._nack)
+        self._agent = _agent(api, "recv")
+        self._listener = socket.create_server((host, port))
+        self._listener.settimeout(0.2)
+        self.incarnation = int.from_bytes(os.urandom(4), "little") or 1
+        self._address = f"{SCHEME}{host}:{self._listener.getsockname()[1]}/{self.incarnation:08x}"
+        self._closed = threading.Event()
+        self._conns: set[_RecvConn] = set()
+        self._lock = threading.Lock()
+        self._accept = threading.Thread(target=self._accept_loop, name="kvtransfer-nixl-accept", daemon=True)
+        self._accept.start()
+
+    def address(self) -> str:
+        return self._address
+
+    def expect(self, transfer_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
+        self._ledger.expect(transfer_id, block_ids, num_layers, deadline_s)
+
+    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        return self._ledger.wait(transfer_id, timeout)
+
+    def cancel(self, transfer_id: str) -> None:
+        self._ledger.cancel(transfer_id)
+
+    def metrics(self) -> dict[str, float]:
+        return self._ledger.snapshot()
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._ledger.close()
+        self._listener.close()
+        self._accept.join(5)
+        with self._lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+        for conn in conns:
+            if conn.thread is not None:
+                conn.thread.join(5)
+        self._agent = None
+
+    # ---- ledger callbacks ------------------------------------------------------------
+
+    def _ack(self, peers, key: int, nbytes: int) -> None:
+        msg = WireHeader(MsgKind.ACK, transfer_key=key, num_bytes=nbytes, fingerprint=self.layout.fingerprint).pack()
+        for conn in peers:
+            conn.send(msg)
+
+    def _nack(self, peers, key: int, reason: NackReason) -> None:
+        msg = WireHeader(MsgKind.NACK, transfer_key=key, status=int(reason), fingerprint=self.layout.fingerprint).pack()
+        for conn in peers:
+            conn.send(msg)
+
+    # ---- connections -----------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _RecvConn(sock)
+            conn.thread = threading.Thread(target=self._serve, args=(conn,), name="kvtransfer-nixl-conn", daemon=True)
+            with self._lock:
+                self._conns.add(conn)
+            conn.thread.start()
+
+    def _serve(self, conn: _RecvConn) -> None:
+        try:
+            conn.sock.settimeout(self._connect_timeout)
+            hello = _recv_frame(conn.sock)
+            conn.sock.settimeout(None)
+            if hello is None or not self._handshake(conn, hello):
+                return
+            while not self._closed.is_set():
+                frame = _recv_frame(conn.sock)
+                if frame is None:
+                    return
+                header = unpack_header(frame, expected_fingerprint=self.layout.fingerprint)
+                if header.kind == MsgKind.BYE:
+                    return
+                if header.kind != MsgKind.LAYER or not header.status & PULL:
+                    raise KVTransferError(f"unexpected KV message {header.kind.name} on a NIXL connection")
+                self._on_layer(conn, header, frame)
+        except (KVTransferError, OSError, ValueError) as e:
+            if not self._closed.is_set():
+                self._ledger.count("protocol_errors")
+                logger.warning("NIXL KV connection closed: %s", e)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            agent = self._agent
+            if agent is not None:
+                if conn.staging_reg is not None:
+                    agent.deregister_memory(conn.staging_reg)
+                if conn.remote_agent is not None:
+                    agent.remove_remote_agent(conn.remote_agent)
+            conn.sock.close()
+
+    def _handshake(self, conn: _RecvConn, hello: bytes) -> bool:
+        header = unpack_header(hello, check_version=False)
+        if header.kind != MsgKind.HELLO:
+            raise KVTransferError(f"expected HELLO on a new KV connection, got {header.kind.name}")
+        peer = unpack_layout(hello[HEADER_BYTES:HEADER_BYTES + LAYOUT_BYTES])
+        problems = handshake_mismatches(self.layout, header, peer, self._model, hello_model(hello, header))
+        if header.version == wire.WIRE_VERSION and header.layers not in (0, self.incarnation):
+            problems.append("the receiver at this address restarted (another incarnation)")
+        if problems:
+            self._ledger.count("handshake_errors")
+            logger.error("rejected a KV sender at handshake: KV peers do not match: %s", "; ".join(problems))
+            conn.send(pack_hello(MsgKind.HELLO_REJECT, self.layout, model=self._model, incarnation=self.incarnation,
+                                 extra="; ".join(problems).encode()))
+            return False
+        info = json.loads(hello_extra(hello, header))
+        conn.remote_agent = self._agent.add_remote_agent(base64.b64decode(info["metadata"]))
+        conn.pools = np.array(info["pools"], dtype=np.uint64).reshape(self.layout.num_layers, 2)
+        conn.remote_dev = int(info["dev"])
+        if info["mem"] != self._mem:
+            logger.info("NIXL KV sender pools in %s, receiver pools in %s", info["mem"], self._mem)
+        conn.remote_mem = info["mem"]
+        conn.send(pack_hello(MsgKind.HELLO_OK, self.layout, model=self._model, incarnation=self.incarnation,
+                             status=PULL))
+        return True
+
+    def _staging(self, conn: _RecvConn, nbytes: int) -> torch.Tensor:
+        if conn.staging is None or conn.staging.numel() < nbytes:
+            if conn.staging_reg is not None:
+                self._agent.deregister_memory(conn.staging_reg)
+            size = 1 << max(20, (nbytes - 1).bit_length())
+            conn.staging = torch.empty(size, dtype=torch.uint8, device=self._device)
+            conn.staging_reg = self._agent.register_memory([(conn.staging.data_ptr(), size, self._dev, "")], self._mem)
+        return conn.staging
+
+    def _on_layer(self, conn: _RecvConn, header: WireHeader, frame: bytes) -> None:
+        n = header.num_blocks
+        ids = np.frombuffer(frame, dtype=np.int32, count=2 * n, offset=HEADER_BYTES)
+        dst, src = ids[:n].tolist(), ids[n:].tolist()
+        key, layer = header.transfer_key, header.layer
+        if self._ledger.check_message(key, layer, dst, conn) != NackReason.NONE:
+            # dropped before anything is read: the ledger counts it and NACKs the sender
+            self._ledger.land(key, layer, dst, torch.empty(0, device=self._device), conn)
+            return
+        if not 0 <= layer < self.layout.num_layers or not all(0 <= b < 2**31 for b in src):
+            raise KVTransferError(f"bad LAYER message: layer {layer}, source ids {src[:8]}")
+        block = self.layout.block_bytes
+        staging = self._staging(conn, 2 * n * block)
+        base = staging.data_ptr()
+        local = np.empty((2 * n, 3), dtype=np.uint64)
+        local[:, 0] = base + np.arange(2 * n, dtype=np.uint64) * block
+        local[:, 1] = block
+        local[:, 2] = self._dev
+        remote = np.empty((2 * n, 3), dtype=np.uint64)
+        src_off = np.asarray(src, dtype=np.uint64) * block
+        remote[:n, 0] = conn.pools[layer, 0] + src_off
+        remote[n:, 0] = conn.pools[layer, 1] + src_off
+        remote[:, 1] = block
+        remote[:, 2] = conn.remote_dev
+        agent = self._agent
+        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, self._mem),
+                                       agent.get_xfer_descs(remote, conn.remote_mem), conn.remote_agent)
+        try:
+            _wait_xfer(agent, handle, "READ")
+        finally:
+            handle.release()
+        staged = staging[:2 * n * block].view(self.layout.torch_dtype).view(2, n, *self.layout.block_shape)
+        self._ledger.count("messages_pulled")
+        self._ledger.land(key, layer, dst, staged, conn)
+
+
+class _Link:
+    """One receiver, as the sender sees it: a control connection and a thread that sends."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.sock: socket.socket | None = None
+        self.lock = threading.Lock()
+        self.error: KVTransferError | None = None
+        self.threads: list[threading.Thread] = []
+
+
+class NixlSender(KVSender):
+    def __init__(self, kv_caches: KVCaches, connect_timeout: float = 5.0, model: str = ""):
+        api = load_nixl()
+        self._pools = _pools(kv_caches)
+        self.layout = KVLayout.from_caches(kv_caches)
+        self._device = self._pools[0][0].device
+        self._mem, self._dev = _mem(self._device)
+        self._num_blocks = self._pools[0][0].shape[0]
+        self._model = model
+        self._connect_timeout = connect_timeout
+        self._ledger = SendLedger()
+        self._agent = _agent(api, "send")
+        self._reg = _register(self._agent, self._pools, self._mem, self._dev)
+        self._hello_extra = json.dumps({
+            "metadata": base64.b64encode(self._agent.get_agent_metadata()).decode(),
+            "pools": [[k.data_ptr(), v.data_ptr()] for k, v in self._pools],
+            "dev": self._dev, "mem": self._mem,
+        }).encode()
+        self._links: dict[str, _Link] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def send_layer(self, address: str, transfer_id: str, layer: int, src_block_ids: Sequence[int],
+                   dst_block_ids: Sequence[int], precision: str = "full") -> None:
+        wire_fp8(self.layout, precision)  # validates; the NIXL backend moves the pool's bytes
+        if self._closed:
+            raise KVTransferError("sender is closed")
+        parse_address(address)
+        if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer!r} out of range [0, {self.layout.num_layers})")
+        src = block_index(src_block_ids, self._num_blocks, "src_block_ids", torch.device("cpu")).tolist()
+        dst = block_index(dst_block_ids, None, "dst_block_ids", torch.device("cpu")).tolist()
+        if len(src) != len(dst):
+            raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
+        nbytes = self.layout.layer_message_bytes(len(src))
+        key = self._ledger.on_enqueue(transfer_id, address, nbytes)
+        event = None
+        if self._device.type == "cuda":  # the receiver reads the blocks once the kernels that wrote them ran
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self._device))
+        self._link(address).queue.put((key, layer, src, dst, nbytes, event))
+
+    def finish(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        return self._ledger.finish(transfer_id, timeout)
+
+    def metrics(self) -> dict[str, float]:
+        return self._ledger.snapshot()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            links = list(self._links.values())
+        for link in links:
+            link.queue.put(None)
+        for link in links:
+            link.threads[0].join(10)  # the sending thread: it says BYE and closes the connection
+            for t in link.threads[1:]:
+                t.join(10)
+        self._ledger.fail_all(KVTransferError("sender closed"))
+        if self._agent is not None:
+            self._agent.deregister_memory(self._reg)
+            self._agent = None
+
+    def _link(self, address: str) -> _Link:
+        with self._lock:
+            link = self._links.get(address)
+            if link is None:
+                link = self._links[address] = _Link(address)
+                t = threading.Thread(target=self._drive, args=(link,), name="kvtransfer-nixl-send", daemon=True)
+                link.threads.append(t)
+                t.start()
+            return link
+
+    def _connect(self, link: _Link) -> None:
+        host, port, incarnation = parse_address(link.address)
+        sock = socket.create_connection((host, port), timeout=self._connect_timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        link.sock = sock
+        _send_frame(sock, link.lock, pack_hello(MsgKind.HELLO, self.layout, extra=self._hello_extra,
+                                                model=self._model, incarnation=incarnation))
+        answer = _recv_frame(sock)
+        if answer is None:
+            raise KVTransferError(f"KV receiver {link.address} closed the connection during the handshake")
+        header = unpack_header(answer, check_version=False)
+        if header.kind == MsgKind.HELLO_REJECT:
+            peer = unpack_layout(answer[HEADER_BYTES:HEADER_BYTES + LAYOUT_BYTES])
+            check_handshake(self.layout, header, peer, self._model, hello_model(answer, header))
+            raise KVTransferError(f"KV receiver {link.address} refused this sender: "
+                                  f"{hello_extra(answer, header).decode(errors='replace')}")
+        if header.kind != MsgKind.HELLO_OK:
+            raise KVTransferError(f"expected HELLO_OK from {link.address}, got {header.kind.name}")
+        if header.layers != incarnation:
+            raise KVTransferError(f"KV receiver {link.address} restarted (another incarnation)")
+        sock.settimeout(None)
+        reader = threading.Thread(target=self._read, args=(link,), name="kvtransfer-nixl-ack", daemon=True)
+        link.threads.append(reader)
+        reader.start()
+
+    def _read(self, link: _Link) -> None:
+        try:
+            while True:
+                frame = _recv_frame(link.sock)
+                if frame is None:
+                    break
+                header = unpack_header(frame)
+                if header.kind == MsgKind.ACK:
+                    self._ledger.on_ack(header.transfer_key)
+                elif header.kind == MsgKind.NACK:
+                    self._ledger.on_nack(header.transfer_key, NackReason(header.status))
+        except (OSError, KVTransferError, ValueError) as e:
+            logger.debug("NIXL KV control path to %s: %s", link.address, e)
+        error = KVTransferError(f"KV receiver {link.address} closed the connection")
+        link.error = link.error or error
+        self._ledger.fail_address(link.address, link.error)
+
+    def _drive(self, link: _Link) -> None:
+        try:
+            while True:
+                item = link.queue.get()
+                if item is None:
+                    break
+                key, layer, src, dst, nbytes, event = item
+                if link.error is None and link.sock is None:
+                    try:
+                        self._connect(link)
+                    except (OSError, KVTransferError) as e:
+                        link.error = e if isinstance(e, KVTransferError) else KVTransferError(
+                            f"cannot reach KV receiver {link.address}: {e}")
+                        self._ledger.fail_address(link.address, link.error)
+                if link.error is not None:
+                    self._ledger.fail_key(key, link.error)
+                    continue
+                if self._ledger.should_skip(key):
+                    continue
+                if event is not None:
+                    event.synchronize()
+                self._ledger.on_staged(key)
+                header = WireHeader(MsgKind.LAYER, transfer_key=key, layer=layer, num_blocks=len(src),
+                                    num_bytes=nbytes, fingerprint=self.layout.fingerprint, status=PULL)
+                msg = header.pack() + np.asarray(dst + src, dtype=np.int32).tobytes()
+                self._ledger.on_posted(key)
+                try:
+                    _send_frame(link.sock, link.lock, msg)
+                except OSError as e:
+                    link.error = KVTransferError(f"KV receiver {link.address}: {e}")
+                    self._ledger.fail_address(link.address, link.error)
+                    continue
+                self._ledger.on_sent(key, nbytes)
+        finally:
+            if link.sock is not None:
+                try:
+                    _send_frame(link.sock, link.lock, WireHeader(MsgKind.BYE, fingerprint=self.layout.fingerprint).pack())
+                except OSError:
+                    pass
+                try:
+                    link.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                link.sock.close()

@@ -1,0 +1,219 @@
+"""NIXL backend between two processes over loopback (NIXL's UCX plugin: TCP / shared memory).
+
+Skipped, with the import error as the reason, where NIXL is not installed (the ``nixl`` extra,
+not part of ``make setup``).
+"""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import kvtransfer
+from kvtransfer import KVTransferError, KVTransferTimeout
+from kvtransfer.errors import KVTransferError as _Err
+from kvx_peer import CacheSpec, Peer, PeerError, block_bytes, make_caches
+
+
+def _nixl_missing() -> str | None:
+    from kvtransfer.nixl import load_nixl
+
+    try:
+        load_nixl()
+    except _Err as e:
+        return str(e)
+    return None
+
+
+_MISSING = _nixl_missing()
+pytestmark = [pytest.mark.timeout(90), pytest.mark.skipif(_MISSING is not None, reason=f"{_MISSING}")]
+
+FP32 = CacheSpec(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
+BF16 = CacheSpec(num_layers=3, num_blocks=12, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16",
+                 stacked=True)
+
+
+@pytest.fixture(scope="module")
+def peer():
+    peer = Peer()
+    peer.call("use_backend", "nixl")
+    yield peer
+    assert peer.stop() == 0, "peer process did not exit cleanly"
+
+
+def nixl_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("kvtransfer-nixl") and t.is_alive()]
+
+
+def wait_for(predicate, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_nixl_is_a_registered_backend():
+    assert "nixl" in kvtransfer.available_backends()
+
+
+def test_nixl_fp32_lands_exact_blocks(peer):
+    src = make_caches(FP32, seed=11)
+    address = peer.call("open_receiver", FP32)
+    assert address.startswith("nixl://127.0.0.1:")
+    src_ids, dst_ids = [9, 2, 14, 5, 0], [3, 11, 0, 7, 15]
+    with kvtransfer.create_sender("nixl", src) as sender:
+        for n in range(2):  # a second transfer reuses the connection
+            transfer_id = f"fp32-{n}"
+            peer.call("expect", transfer_id, dst_ids, 3, 20.0)
+            for layer in range(3):
+                sender.send_layer(address, transfer_id, layer, src_ids, dst_ids)
+            sent = sender.finish(transfer_id, timeout=20)
+            landed = peer.call("wait", transfer_id, 20.0)
+            assert sent.num_bytes == landed.num_bytes == 3 * 2 * 5 * FP32.block_size * 2 * 8 * 4
+        assert sender.metrics()["transfers_completed"] == 2
+    after = peer.call("read_all")
+    zeros = make_caches(FP32, seed=None)
+    for layer in range(3):
+        for pool in range(2):
+            raw = torch.frombuffer(bytearray(after[layer][pool]), dtype=torch.float32).view(16, 4, 2, 8)
+            assert torch.equal(raw[dst_ids], src[layer][pool][src_ids])
+            untouched = [b for b in range(16) if b not in dst_ids]
+            assert torch.equal(raw[untouched], zeros[layer][pool][untouched])
+    metrics = peer.call("metrics")
+    assert metrics["transfers_completed"] == 2 and metrics["messages_dropped"] == 0
+    assert metrics["messages_pulled"] == 6
+
+
+def test_nixl_bf16_child_sends_to_parent_in_chunks():
+    """Stacked pools (one allocation, as the engine makes them), two chunks per layer."""
+    peer = Peer()
+    try:
+        peer.call("use_backend", "nixl")
+        dst = make_caches(BF16, seed=None)
+        src_ids, dst_ids = [1, 10, 4], [8, 2, 5]
+        with kvtransfer.create_receiver("nixl", dst) as receiver:
+            receiver.expect("bf16", dst_ids, 3, deadline_s=20)
+            peer.call("open_sender", BF16, 22)
+            for layer in range(3):
+                peer.call("send_layer", receiver.address(), "bf16", layer, src_ids[:2], dst_ids[:2])
+                peer.call("send_layer", receiver.address(), "bf16", layer, src_ids[2:], dst_ids[2:])
+            result = receiver.wait("bf16", timeout=20)
+            assert peer.call("finish", "bf16", 20.0).num_bytes == result.num_bytes
+        src = make_caches(BF16, seed=22)
+        for layer in range(3):
+            assert block_bytes(dst, layer, dst_ids) == block_bytes(src, layer, src_ids)
+            others = [b for b in range(12) if b not in dst_ids]
+            assert not dst[layer][0][others].any() and not dst[layer][1][others].any()
+    finally:
+        assert peer.stop() == 0
+
+
+def test_nixl_nack_on_unknown_id_and_unreserved_blocks(peer):
+    src = make_caches(FP32, seed=3)
+    zeros = make_caches(FP32, seed=None)
+    address = peer.call("open_receiver", FP32)
+    with kvtransfer.create_sender("nixl", src) as sender:
+        sender.send_layer(address, "never-expected", 0, [1], [2])
+        with pytest.raises(KVTransferError, match="unknown_transfer"):
+            sender.finish("never-expected", timeout=10)
+        peer.call("expect", "reserved", [4, 5], 3, 20.0)
+        sender.send_layer(address, "reserved", 0, [1, 2], [4, 6])  # block 6 is not reserved
+        with pytest.raises(KVTransferError, match="bad_message"):
+            sender.finish("reserved", timeout=10)
+        with pytest.raises(PeerError, match="KVTransferError"):
+            peer.call("wait", "reserved", 10.0)
+        # the connection stays in sync: the next transfer on it lands
+        peer.call("expect", "next", [6], 3, 20.0)
+        for layer in range(3):
+            sender.send_layer(address, "next", layer, [3], [6])
+        sender.finish("next", timeout=20)
+        peer.call("wait", "next", 20.0)
+        assert peer.call("read", 2, [6]) == block_bytes(src, 2, [3])
+    for ids in ([2], [4, 5]):
+        assert peer.call("read", 0, ids) == block_bytes(zeros, 0, ids)
+    assert peer.call("metrics")["messages_dropped"] == 2
+
+
+def test_nixl_deadline_drops_late_data(peer):
+    src = make_caches(FP32, seed=33)
+    zeros = make_caches(FP32, seed=None)
+    address = peer.call("open_receiver", FP32)
+    with kvtransfer.create_sender("nixl", src) as sender:
+        peer.call("expect", "later", [8, 9], 3, 0.3)
+        with pytest.raises(PeerError, match="KVTransferTimeout"):
+            peer.call("wait", "later", 10.0)
+        for layer in range(3):
+            sender.send_layer(address, "later", layer, [1, 2], [8, 9])
+        with pytest.raises(KVTransferTimeout, match="deadline_passed"):
+            sender.finish("later", timeout=10)
+    for layer in range(3):
+        assert peer.call("read", layer, [8, 9]) == block_bytes(zeros, layer, [8, 9])
+    assert peer.call("metrics")["transfers_expired"] == 1
+
+
+def test_nixl_layout_mismatch_rejected_at_handshake(peer):
+    address = peer.call("open_receiver", FP32)
+    other = CacheSpec(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=16)
+    with kvtransfer.create_sender("nixl", make_caches(other, seed=1)) as sender:
+        peer.call("expect", "mismatch", [0], 3, 5.0)
+        sender.send_layer(address, "mismatch", 0, [0], [0])
+        with pytest.raises(KVTransferError, match="layout mismatch"):
+            sender.finish("mismatch", timeout=10)
+    assert peer.call("metrics")["handshake_errors"] == 1
+    assert peer.call("read", 0, [0]) == block_bytes(make_caches(FP32, None), 0, [0])
+
+
+def test_nixl_model_and_wire_version_mismatch_rejected(peer):
+    try:
+        address = peer.call("open_receiver", FP32, model="org/decode-model")
+        with kvtransfer.create_sender("nixl", make_caches(FP32, seed=1), model="org/prefill-model") as sender:
+            sender.send_layer(address, "model", 0, [0], [0])
+            with pytest.raises(KVTransferError, match="model mismatch: peer serves 'org/decode-model'"):
+                sender.finish("model", timeout=10)
+        address = peer.call("open_receiver", FP32, 99)
+        with kvtransfer.create_sender("nixl", make_caches(FP32, seed=1)) as sender:
+            sender.send_layer(address, "v", 0, [0], [0])
+            with pytest.raises(KVTransferError, match="version mismatch"):
+                sender.finish("v", timeout=10)
+        assert peer.call("metrics")["handshake_errors"] == 1
+    finally:
+        peer.call("open_receiver", FP32)
+
+
+def test_nixl_restarted_receiver_refuses_old_address(peer):
+    old = peer.call("open_receiver", FP32)
+    host_port = old.rsplit("/", 1)[0]
+    new = peer.call("open_receiver", FP32, port=int(host_port.rsplit(":", 1)[1]))
+    assert new != old and new.rsplit("/", 1)[0] == host_port
+    with kvtransfer.create_sender("nixl", make_caches(FP32, seed=1)) as sender:
+        sender.send_layer(old, "stale", 0, [0], [0])
+        with pytest.raises(KVTransferError, match="restarted"):
+            sender.finish("stale", timeout=10)
+
+
+def test_nixl_unknown_option_and_bad_arguments():
+    caches = make_caches(FP32, seed=1)
+    with pytest.raises(TypeError, match="pacer"):
+        kvtransfer.create_sender("nixl", caches, pacer=None)
+    with kvtransfer.create_sender("nixl", caches) as sender:
+        with pytest.raises(ValueError, match="not a NIXL KV address"):
+            sender.send_layer("ucx://127.0.0.1:1", "t", 0, [0], [0])
+        with pytest.raises(ValueError, match="out of range"):
+            sender.send_layer("nixl://127.0.0.1:1/1", "t", 0, [99], [0])
+
+
+def test_nixl_close_leaves_no_thread(peer):
+    address = peer.call("open_receiver", FP32)
+    for round in range(2):
+        sender = kvtransfer.create_sender("nixl", make_caches(FP32, seed=5))
+        peer.call("expect", f"bye-{round}", [1], 3, 20.0)
+        for layer in range(3):
+            sender.send_layer(address, f"bye-{round}", layer, [2], [1])
+        sender.finish(f"bye-{round}", timeout=20)
+        peer.call("wait", f"bye-{round}", 20.0)
+        sender.close()
+        sender.close()
+        assert nixl_threads() == []
+    peer.call("close")
+    assert not [t for t in peer.call("threads") if t.startswith("kvtransfer-nixl")]
