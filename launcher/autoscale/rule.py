@@ -13,10 +13,20 @@ No I/O and no clock: the caller passes the time in the state. What it decides, i
      decode workers: a first token is the prefill's work);
    - otherwise decode (TTFT misses with the queue at the decode workers: reservations wait);
    in colocated and hybrid mode there is one pool, `mixed`;
+   with hybrid workers (mixed workers that move KV, `ClusterState.duties`), shift one worker's
+   duty a step toward the bound phase instead of starting a process (below);
    the bound pool at its maximum: hold, saying so;
 4. attainment at least `down_attainment` and a pool whose busy workers would stay under
    `down_utilisation` with one worker fewer, for `down_stable` consecutive intervals: drain one
    worker of it (the pool with the lowest such utilisation first).
+
+Role shifts (hybrid workers): the router counts each hybrid worker as a prefill, decode or
+mixed worker (its duty, router.cluster.directory). Duties form a ladder prefill - mixed - decode;
+when the bound phase is decode (TPOT misses, full decode batches) a worker moves one step toward
+decode: a prefill-duty worker back to mixed, else a mixed one to decode duty; the same toward
+prefill on TTFT misses. A shift that would leave no worker able to run the other phase (no
+prefill-capable or no decode-capable hybrid worker) is not made: then a process is added as
+before. A shift is a change: the cooldown follows it.
 
 Hysteresis: a scale-up needs attainment under `target_attainment`, a scale-down attainment over
 the higher `down_attainment` *and* low utilisation for several intervals *and* utilisation that
@@ -32,7 +42,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 POOLS = ("prefill", "decode", "mixed")
-Action = Literal["add", "remove", "hold"]
+Action = Literal["add", "remove", "shift", "hold"]
+DUTIES = ("prefill", "mixed", "decode")  # the ladder a hybrid worker's duty moves along
 
 
 @dataclass(frozen=True)
@@ -139,6 +150,7 @@ class ClusterState:
     tpot_attainment: float = 1.0
     arrival_rate: float = 0.0  # requests per second over the window
     changing: bool = False  # a worker is starting or draining
+    duties: Mapping[str, int] = field(default_factory=dict)  # hybrid workers (serving) per duty; {}: none
 
 
 @dataclass(frozen=True)
@@ -147,6 +159,7 @@ class Decision:
     pool: str | None  # None for hold
     code: str  # short label (the metric's `reason`): e.g. ttft_miss_prefill_queue, idle, cooldown
     reason: str  # the sentence, with the figures
+    source: str | None = None  # shift: the duty a worker leaves (`pool` is the one it takes)
 
 
 @dataclass(frozen=True)
@@ -183,6 +196,41 @@ def _bound_pool(state: ClusterState, config: AutoscaleConfig) -> tuple[str, str,
             f"{head}: TTFT misses, {queue_d:.1f} queued per decode worker (prefill {queue_p:.1f}), decode-bound")
 
 
+def _bound_phase(state: ClusterState, config: AutoscaleConfig) -> str:
+    """decode on TPOT misses or full decode batches (of any pool), else prefill (TTFT misses)."""
+    if state.tpot_attainment < config.target_attainment:
+        return "decode"
+    if any(p.batch_full >= config.full_batch for p in state.pools.values()):
+        return "decode"
+    return "prefill"
+
+
+def _shift(state: ClusterState, config: AutoscaleConfig, head: str) -> Decision | None:
+    """The role shift toward the bound phase (module docstring), or None when none can be made."""
+    duties = {d: state.duties.get(d, 0) for d in DUTIES}
+    if sum(duties.values()) < 2:
+        return None
+    phase = _bound_phase(state, config)
+    other = "prefill" if phase == "decode" else "decode"
+    step = 1 if phase == "decode" else -1
+    for source in (other, "mixed"):  # the far end first: a specialist of the other phase back to mixed
+        if duties[source] == 0:
+            continue
+        target = DUTIES[DUTIES.index(source) + step]
+        after = dict(duties)
+        after[source] -= 1
+        after[target] += 1
+        if after[other] + after["mixed"] < 1:  # nobody left for the other phase
+            continue
+        why = "TPOT misses" if phase == "decode" and state.tpot_attainment < config.target_attainment else (
+            "decode batches full" if phase == "decode" else "TTFT misses")
+        counts = ", ".join(f"{d} {duties[d]}" for d in DUTIES)
+        return Decision("shift", target, f"shift_to_{phase}",
+                        f"{head}: {why}, {phase}-bound; a hybrid worker shifts from {source} to {target} duty "
+                        f"(duties: {counts})", source=source)
+    return None
+
+
 def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | None = None) -> tuple[Decision, RuleMemory]:
     """The decision for `state` (module docstring) and the memory for the next call."""
     memory = memory or RuleMemory()
@@ -211,6 +259,12 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
             return Decision("remove", name, "above_max", f"{name}: {pool.workers} workers > max "
                                                          f"{config.max_workers[name]}"), _changed(memory, state)
     if state.finished >= config.min_requests and state.attainment < config.target_attainment:
+        if state.duties:
+            head = (f"attainment {state.attainment:.2f} < {config.target_attainment:.2f} "
+                    f"(TTFT {state.ttft_attainment:.2f}, TPOT {state.tpot_attainment:.2f}, {state.finished} requests)")
+            shift = _shift(state, config, head)
+            if shift is not None:
+                return shift, _changed(memory, state)
         name, code, reason = _bound_pool(state, config)
         pool = pools.get(name, PoolState(0))
         if pool.workers + pool.draining >= config.max_workers[name]:

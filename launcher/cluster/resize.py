@@ -12,6 +12,10 @@
   shares that group: its bundle is released when the last of the group's workers leaves, or at
   shutdown.
 
+- `shift(name, duty)`: a hybrid (mixed, KV-moving) worker takes prefill, decode or mixed duty:
+  the directory's role override, which the router's pool applies (router.cluster.directory);
+  no process starts or stops.
+
 The Ray calls block: call `add` and `remove` from a thread (`asyncio.to_thread`).
 """
 
@@ -94,6 +98,17 @@ class PoolResizer:
 
     def drain(self, name: str) -> None:
         self.directory.drain(name)
+
+    def shift(self, name: str, duty: str) -> None:
+        """The router counts and places the mixed worker `name` as `duty` (prefill, decode or mixed)."""
+        worker = next((w for w in self.pools.workers if w.name == name), None)
+        if worker is None:
+            raise ValueError(f"no worker {name} in the pools")
+        spec = self.specs.get(worker.role)
+        if worker.role != "mixed" or spec is None or not spec.moves_kv:
+            raise ValueError(f"{name} is not a hybrid worker (a mixed worker that moves KV): it cannot shift duty")
+        self.directory.set_duty(name, duty)
+        logger.info("worker %s now has %s duty", name, duty)
 
     def undrain(self, name: str) -> None:
         self.directory.draining.discard(name)
