@@ -16,7 +16,14 @@ No I/O and no clock: the caller passes the time in the state. What it decides, i
    with hybrid workers (mixed workers that move KV, `ClusterState.duties`), shift one worker's
    duty a step toward the bound phase instead of starting a process (below);
    the bound pool at its maximum: hold, saying so;
-4. attainment at least `down_attainment` and a pool whose busy workers would stay under
+4. a queue that grows before the attainment shows it: a pool with at least `queue_up` requests
+   queued per worker, not falling, for `queue_stable` consecutive intervals, while the window
+   does not show the SLO met comfortably (attainment under `down_attainment`, or fewer than
+   `min_requests` requests since the last change): add one there (the
+   requests of a step up miss only once they have waited the TTFT SLO, and the attainment
+   counts only those that arrived since the last change, so without this a second addition
+   waits for the window to refill);
+5. attainment at least `down_attainment` and a pool whose busy workers would stay under
    `down_utilisation` with one worker fewer, for `down_stable` consecutive intervals: drain one
    worker of it (the pool with the lowest such utilisation first).
 
@@ -62,6 +69,8 @@ class AutoscaleConfig:
     min_requests: int = 5  # finished requests in the window before attainment counts
     full_batch: float = 0.9  # decode batch (running / max_num_seqs) or KV usage counted as full
     prefill_queue: float = 1.0  # requests queued per prefill worker that make prefill the bound
+    queue_up: float = 3.0  # requests queued per worker that, not falling, add a worker (0: off) ...
+    queue_stable: int = 2  # ... after this many consecutive intervals
     drain_timeout_s: float = 600.0  # a drain that has not emptied the worker by then is abandoned (it stays)
 
     def __post_init__(self) -> None:
@@ -97,12 +106,14 @@ class AutoscaleConfig:
         if self.down_attainment < self.target_attainment:
             fail("down_attainment", f"must be >= autoscale.target_attainment ({self.target_attainment}), "
                                     f"got {self.down_attainment} (the gap is the hysteresis)")
-        for key in ("down_stable", "min_requests"):
+        for key in ("down_stable", "min_requests", "queue_stable"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 fail(key, f"must be an integer >= 1, got {value!r}")
-        if not (isinstance(self.prefill_queue, (int, float)) and self.prefill_queue >= 0):
-            fail("prefill_queue", f"must be a number >= 0, got {self.prefill_queue!r}")
+        for key in ("prefill_queue", "queue_up"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                fail(key, f"must be a number >= 0, got {value!r}")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | bool | None) -> AutoscaleConfig:
@@ -168,6 +179,8 @@ class RuleMemory:
 
     last_change_at: float = -math.inf
     calm: Mapping[str, int] = field(default_factory=dict)  # pool -> consecutive intervals it could shrink
+    pressure: Mapping[str, int] = field(default_factory=dict)  # pool -> consecutive intervals its queue grew
+    queue: Mapping[str, float] = field(default_factory=dict)  # pool -> requests queued per worker, last interval
 
 
 def _hold(code: str, reason: str) -> Decision:
@@ -244,7 +257,14 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
             if after < config.down_utilisation and state.attainment >= config.down_attainment:
                 calm[name] = memory.calm.get(name, 0) + 1
                 shrinkable[name] = after
-    memory = replace(memory, calm=calm)
+    # how long each pool's queue has been long and not falling (counted every interval too)
+    pressure: dict[str, int] = {}
+    queue: dict[str, float] = {}
+    for name, pool in pools.items():
+        queue[name] = pool.waiting / max(pool.workers, 1)
+        if config.queue_up > 0 and queue[name] >= config.queue_up and queue[name] >= memory.queue.get(name, 0.0):
+            pressure[name] = memory.pressure.get(name, 0) + 1
+    memory = replace(memory, calm=calm, pressure=pressure, queue=queue)
 
     if state.changing:
         return _hold("changing", "a worker is starting or draining"), memory
@@ -270,6 +290,15 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
         if pool.workers + pool.draining >= config.max_workers[name]:
             return _hold("at_max", f"{reason}; {name} is at its max {config.max_workers[name]}"), memory
         return Decision("add", name, code, reason), _changed(memory, state)
+    growing = [name for name, n in pressure.items() if n >= config.queue_stable
+               and pools[name].workers + pools[name].draining < config.max_workers[name]]
+    # not when the window shows the SLO met comfortably (a long queue that still meets it)
+    if growing and (state.attainment < config.down_attainment or state.finished < config.min_requests):
+        name = max(growing, key=lambda n: (queue[n], n))
+        return Decision("add", name, "queue_growing",
+                        f"{name}: {queue[name]:.1f} requests queued per worker (>= {config.queue_up:g}) and not "
+                        f"falling for {pressure[name]} intervals, attainment {state.attainment:.2f} over "
+                        f"{state.finished} requests"), _changed(memory, state)
     ready = {name: after for name, after in shrinkable.items() if calm[name] >= config.down_stable}
     if ready:
         name = min(ready, key=lambda n: (ready[n], n))
@@ -283,4 +312,4 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
 
 
 def _changed(memory: RuleMemory, state: ClusterState) -> RuleMemory:
-    return replace(memory, last_change_at=state.now, calm={})
+    return replace(memory, last_change_at=state.now, calm={}, pressure={})
