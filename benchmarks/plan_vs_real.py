@@ -4,7 +4,8 @@
         [--slo-ttft 2 --slo-tpot 0.2] [--input-len fixed:128 --output-len fixed:32] [--requests 36]
 
 1. The profile: `--profile`, else a committed CPU profile (experiments/profile-smollm2-cpu-*.json)
-   measured on this CPU model with one thread, else one measured now with `pdserve profile`
+   measured on this CPU model with one thread by this engine's step version
+   (sim/profile_check.py), else one measured now with `pdserve profile`
    (a small grid around the workload's lengths, one torch thread, about 1-4 minutes).
 2. The plan: `pdserve plan --gpus N` for loadgen's distributions (`--input-len`, `--output-len`,
    Poisson at `--plan-rate`); its best configuration and the rate it sized it at (the highest
@@ -19,7 +20,11 @@
 
 Printed: predicted vs measured goodput (rate x share within both SLOs), attainment, TTFT p50,
 TPOT p50 and measured/predicted; `--out` gets the plan, the records and the table (JSON).
-The CPU is shared with whatever else runs: the script prints the load average before and after.
+
+The CPU may be shared with other work, which the profile does not know of: the script prints
+the load average, and how long the profiling process and the workers (the Ray actors of the
+run) waited for a CPU while runnable (Linux schedstat: run-queue wait over run time plus wait),
+so that a miss caused by contention can be told from one of the model.
 """
 
 from __future__ import annotations
@@ -61,27 +66,74 @@ def loadavg() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def schedstat(pids) -> tuple[float, float]:
+    """(seconds run on a CPU, seconds waited runnable for one) summed over the threads of `pids`."""
+    run = wait = 0
+    for pid in pids:
+        for task in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+            try:
+                with open(task) as f:
+                    r, w, _ = f.read().split()
+            except (OSError, ValueError):
+                continue
+            run += int(r)
+            wait += int(w)
+    return run / 1e9, wait / 1e9
+
+
+def session_workers(sid: int) -> list[int]:
+    """The Ray worker actors in the process session `sid` (the `pdserve up` started with a new session)."""
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) != sid:
+                continue
+            with open(stat[:-4] + "cmdline", "rb") as f:
+                if b"WorkerActor" in f.read():
+                    out.append(int(stat.split("/")[2]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def wait_share(before: tuple[float, float], after: tuple[float, float]) -> dict:
+    run, wait = after[0] - before[0], after[1] - before[1]
+    return {"cpu_s": round(run, 1), "waited_s": round(wait, 1),
+            "wait_share": round(wait / (run + wait), 3) if run + wait > 0 else None}
+
+
 def pick_profile(args) -> str:
     if args.profile:
         return args.profile
-    import torch
+    from router.placement.profiles import load_profile
+    from sim.profile_check import local_hardware, profile_problems
 
-    from launcher.profile import hardware_name
-
-    torch.set_num_threads(1)
-    here = hardware_name(torch.device("cpu"))
+    here = f"{local_hardware('cpu')} (1 threads)"
     for path in sorted(glob.glob(os.path.join(REPO, "experiments", "profile-smollm2-cpu-*.json")), reverse=True):
-        with open(path) as f:
-            if json.load(f).get("hardware", {}).get("name") == here:
-                print(f"profile: {path} (measured on this CPU: {here})", file=sys.stderr)
-                return path
+        problems = profile_problems(load_profile(path), path=path, hardware=here)
+        if not problems:  # this CPU, one thread, the current engine's step version
+            print(f"profile: {path} (measured on this CPU, {here}, by this engine)", file=sys.stderr)
+            return path
+        print(f"profile: not {os.path.relpath(path, REPO)}: {problems[0].split(';')[0]}", file=sys.stderr)
     out = os.path.join(args.out, "profile.json")
     print(f"profile: none committed for {here}; measuring one into {out}", file=sys.stderr)
     cmd = [PY, "-m", "launcher.cli", "profile", "--device", "cpu", "--dtype", "float32", "--out", out,
            "--prefill-tokens", "16,32,64,128,256", "--decode-batches", "1,2,4,8", "--decode-contexts", "128,256",
            "--mixed", "--mixed-batches", "1,2,4", "--mixed-chunks", "32,64,128", "--mixed-context", "128",
            "--repeats", "3", "--decode-steps", "8", "-q"]
-    subprocess.run(cmd, cwd=REPO, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    last = (0.0, 0.0)
+    while proc.poll() is None:
+        now = schedstat([proc.pid])
+        last = now if now[0] > 0 else last
+        time.sleep(1)
+    if proc.returncode:
+        raise RuntimeError(f"pdserve profile failed ({proc.returncode})")
+    args.profile_contention = wait_share((0.0, 0.0), last)
+    print(f"profile: measured waiting for a CPU {args.profile_contention['wait_share']:.0%} of its runnable time",
+          file=sys.stderr)
     return out
 
 
@@ -186,7 +238,11 @@ def main(argv=None) -> int:
           f"{best['goodput_rps']} req/s; the real run at {rate:.3f} req/s", file=sys.stderr)
     proc = start_cluster(up_command(best, plan["policy"], args), args)
     try:
+        workers = session_workers(proc.pid)
+        before, load_before = schedstat(workers), loadavg()
         summary, records = run_load(args, rate)
+        contention = {"workers": len(workers), "loadavg_before": load_before,
+                      **wait_share(before, schedstat(workers))}
     finally:
         stop_cluster(proc)
     after = loadavg()
@@ -202,6 +258,7 @@ def main(argv=None) -> int:
                      "within_10pct": abs(ratio - 1) <= 0.10})
     result = {"profile": profile, "plan": plan, "rate_rps": sent_rate, "requests": len(records),
               "errors": summary["num_errors"], "loadavg_after": after, "rows": rows,
+              "run_contention": contention, "profile_contention": getattr(args, "profile_contention", None),
               "planner_at_its_rate": {k: best.get(k) for k in ("rate_rps", "goodput_rps", "attainment", "ttft_p50_s",
                                                                "tpot_p50_s")},
               "mean_prompt_tokens": sum(a.prompt_tokens for a in arrivals) / len(arrivals)}
@@ -209,7 +266,11 @@ def main(argv=None) -> int:
         json.dump(result, f, indent=2)
     print(f"\n{best['config']} ({best['mode']}) at {sent_rate:.3f} req/s, {len(records)} requests "
           f"({summary['num_errors']} errors), mean prompt {result['mean_prompt_tokens']:.0f} tokens; "
-          f"load average after: {after}")
+          f"load average before/after: {contention['loadavg_before']} / {after}")
+    print(f"the {contention['workers']} workers ran {contention['cpu_s']} CPU-s and waited {contention['waited_s']} s "
+          f"for a CPU ({contention['wait_share']:.0%} of their runnable time)"
+          + (f"; the profile waited {args.profile_contention['wait_share']:.0%}" if getattr(args, "profile_contention", None)
+             else ""))
     print(f"{'metric':<12}{'predicted':>12}{'measured':>12}{'ratio':>8}  within 10%")
     for r in rows:
         print(f"{r['metric']:<12}{r['predicted']:>12.4f}{r['measured']:>12.4f}{r['ratio']:>8.2f}  "
