@@ -1,7 +1,7 @@
 """`pdserve plan`'s prediction against a real `pdserve up` of the configuration it chooses (CPU).
 
     PYTHONPATH=$PWD python benchmarks/plan_vs_real.py [--profile P.json] [--gpus 2] \\
-        [--slo-ttft 2 --slo-tpot 0.2] [--input-len fixed:128 --output-len fixed:32] [--requests 36]
+        [--slo-ttft 4 --slo-tpot 0.5] [--input-len fixed:128 --output-len fixed:32] [--requests 36]
 
 1. The profile: `--profile`, else a committed CPU profile (experiments/profile-smollm2-cpu-*.json)
    measured on this CPU model with one thread by this engine's step version
@@ -47,8 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--profile", help="a `pdserve profile` JSON (default: a committed one of this CPU, else measure)")
     p.add_argument("--gpus", type=int, default=2, help="the budget: workers, one CPU each (default 2)")
-    p.add_argument("--slo-ttft", type=float, default=2.0)
-    p.add_argument("--slo-tpot", type=float, default=0.2)
+    p.add_argument("--slo-ttft", type=float, default=4.0)
+    p.add_argument("--slo-tpot", type=float, default=0.5)
     p.add_argument("--attainment", type=float, default=0.9)
     p.add_argument("--input-len", default="fixed:128")
     p.add_argument("--output-len", default="fixed:32")
@@ -234,6 +234,10 @@ def main(argv=None) -> int:
     plan = run_plan(args, profile)
     best = plan["best"]
     rate = best["rate_rps"] * args.load
+    if rate <= 0:
+        print(f"plan: no configuration meets the SLOs at any rate with this profile ({profile}); loosen "
+              "--slo-ttft/--slo-tpot or profile on a less busy machine", file=sys.stderr)
+        return 1
     print(f"plan: {best['config']} ({best['mode']}), sized at {best['rate_rps']} req/s, goodput "
           f"{best['goodput_rps']} req/s; the real run at {rate:.3f} req/s", file=sys.stderr)
     proc = start_cluster(up_command(best, plan["policy"], args), args)
