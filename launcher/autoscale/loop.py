@@ -12,7 +12,9 @@ Every `interval_s`: read a `ClusterState` (`observe`), ask the rule (`launcher.a
 count the decision, and start the change it asks for as a task of its own: add (start a worker,
 wait until the router sees it healthy) or remove (pick the pool's least loaded worker, its own
 placement group first; drain it, wait until it is empty for three polls in a row, then remove
-it). One change at a time; the rule's cooldown counts from the end of the last one.
+it), or shift (a hybrid worker's duty: the directory's role override, router.cluster.directory;
+no process starts or stops, so it ends at once). One change at a time; the rule's cooldown counts
+from the end of the last one.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ EMPTY_POLLS = 3  # consecutive empty observations before a drained worker leaves
 class Autoscaler:
     """`backend`: the router's `ClusterBackend` (its `pool.workers`); `resizer`: a
     `launcher.cluster.resize.PoolResizer` (or a fake with `specs`, `add`, `drain`, `undrain`,
-    `remove`, `own_group`); `max_num_seqs`: the workers' batch limit (a full decode batch)."""
+    `remove`, `own_group`, and `shift` for hybrid pools); `max_num_seqs`: the workers' batch limit (a full decode batch)."""
 
     def __init__(self, config: AutoscaleConfig, backend: Any, window: RequestWindow, resizer: Any, *,
                  max_num_seqs: int, metrics: AutoscaleMetrics | None = None,
@@ -52,6 +54,8 @@ class Autoscaler:
         self.on_change = on_change
         self.clock = clock
         self.roles = tuple(resizer.specs)
+        # mixed workers that also move KV (--mode hybrid) can shift duty between prefill and decode
+        self.hybrid = bool(getattr(resizer.specs.get("mixed"), "moves_kv", False))
         self.memory = RuleMemory()
         self.last_change_end = -float("inf")
         self._busy: deque[tuple[float, dict[str, float]]] = deque()
@@ -93,10 +97,15 @@ class Autoscaler:
         pools = {role: replace(p, busy=sum(s.get(role, 0.0) for s in samples) / len(samples))
                  for role, p in pools.items()}
         att = self.window.attainment(since)
+        duties: dict[str, int] = {}
+        if self.hybrid:
+            for w in self._pool_workers("mixed"):
+                if not w.draining:
+                    duties[w.role] = duties.get(w.role, 0) + 1
         return ClusterState(now=now, pools=pools, finished=att.finished, attainment=att.attainment,
                             ttft_attainment=att.ttft, tpot_attainment=att.tpot,
                             arrival_rate=self.window.arrival_rate(now - self.config.window_s),
-                            changing=self._change is not None and not self._change.done())
+                            changing=self._change is not None and not self._change.done(), duties=duties)
 
     # ---------------------------------------------------------------- deciding and acting
 
@@ -117,6 +126,8 @@ class Autoscaler:
             self._change = asyncio.create_task(self._add(decision), name="autoscale-add")
         elif decision.action == "remove":
             self._change = asyncio.create_task(self._remove(decision), name="autoscale-remove")
+        elif decision.action == "shift":
+            self._shift(decision)
         return decision
 
     async def wait_change(self) -> None:
@@ -134,7 +145,13 @@ class Autoscaler:
                 logger.debug("autoscale change failed while closing", exc_info=True)
 
     def _record(self, state: ClusterState, decision: Decision) -> None:
-        if decision.action != "hold":
+        if decision.action == "shift":
+            logger.warning("autoscale: shift a hybrid worker %s -> %s: %s", decision.source, decision.pool,
+                           decision.reason)
+            if self.on_change is not None:
+                self.on_change(f"shift a hybrid worker from {decision.source} to {decision.pool} duty: "
+                               f"{decision.reason}")
+        elif decision.action != "hold":
             logger.warning("autoscale: %s %s: %s", decision.action, decision.pool, decision.reason)
             if self.on_change is not None:
                 self.on_change(f"{decision.action} a {decision.pool} worker: {decision.reason}")
@@ -156,6 +173,33 @@ class Autoscaler:
         self.memory = replace(self.memory, last_change_at=self.last_change_end)
         if self.on_change is not None:
             self.on_change(what)
+
+    def pick_to_shift(self, duty: str) -> str | None:
+        """The hybrid worker of `duty` to shift: the least loaded, then the newest."""
+        candidates = [w for w in self._pool_workers("mixed") if not w.draining and w.role == duty]
+        if not candidates:
+            return None
+
+        def key(w: Any) -> tuple:
+            s = w.stats
+            return (w.num_inflight + (s.num_waiting + s.num_running if s is not None else 0), _index_desc(w.worker_id))
+
+        return min(candidates, key=key).worker_id
+
+    def _shift(self, decision: Decision) -> None:
+        """Gives a hybrid worker of duty `decision.source` the duty `decision.pool`: the directory
+        holds it, the router's pool applies it now (its next sync reads the same). Its requests
+        in flight run on; new ones are placed by its new duty."""
+        assert decision.pool is not None and decision.source is not None
+        name = self.pick_to_shift(decision.source)
+        if name is None:
+            self._ended(f"no hybrid worker of {decision.source} duty to shift")
+            return
+        self.resizer.shift(name, decision.pool)
+        worker = self.backend.pool.workers.get(name)
+        if worker is not None:
+            worker.duty = None if decision.pool == worker.endpoint.role else decision.pool
+        self._ended(f"{name} serves with {decision.pool} duty (was {decision.source})")
 
     async def _add(self, decision: Decision) -> None:
         assert decision.pool is not None

@@ -13,10 +13,27 @@ No I/O and no clock: the caller passes the time in the state. What it decides, i
      decode workers: a first token is the prefill's work);
    - otherwise decode (TTFT misses with the queue at the decode workers: reservations wait);
    in colocated and hybrid mode there is one pool, `mixed`;
+   with hybrid workers (mixed workers that move KV, `ClusterState.duties`), shift one worker's
+   duty a step toward the bound phase instead of starting a process (below);
    the bound pool at its maximum: hold, saying so;
-4. attainment at least `down_attainment` and a pool whose busy workers would stay under
+4. a queue that grows before the attainment shows it: a pool with at least `queue_up` requests
+   queued per worker, not falling, for `queue_stable` consecutive intervals, while the window
+   does not show the SLO met comfortably (attainment under `down_attainment`, or fewer than
+   `min_requests` requests since the last change): add one there (the
+   requests of a step up miss only once they have waited the TTFT SLO, and the attainment
+   counts only those that arrived since the last change, so without this a second addition
+   waits for the window to refill);
+5. attainment at least `down_attainment` and a pool whose busy workers would stay under
    `down_utilisation` with one worker fewer, for `down_stable` consecutive intervals: drain one
    worker of it (the pool with the lowest such utilisation first).
+
+Role shifts (hybrid workers): the router counts each hybrid worker as a prefill, decode or
+mixed worker (its duty, router.cluster.directory). Duties form a ladder prefill - mixed - decode;
+when the bound phase is decode (TPOT misses, full decode batches) a worker moves one step toward
+decode: a prefill-duty worker back to mixed, else a mixed one to decode duty; the same toward
+prefill on TTFT misses. A shift that would leave no worker able to run the other phase (no
+prefill-capable or no decode-capable hybrid worker) is not made: then a process is added as
+before. A shift is a change: the cooldown follows it.
 
 Hysteresis: a scale-up needs attainment under `target_attainment`, a scale-down attainment over
 the higher `down_attainment` *and* low utilisation for several intervals *and* utilisation that
@@ -32,7 +49,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 POOLS = ("prefill", "decode", "mixed")
-Action = Literal["add", "remove", "hold"]
+Action = Literal["add", "remove", "shift", "hold"]
+DUTIES = ("prefill", "mixed", "decode")  # the ladder a hybrid worker's duty moves along
 
 
 @dataclass(frozen=True)
@@ -51,6 +69,8 @@ class AutoscaleConfig:
     min_requests: int = 5  # finished requests in the window before attainment counts
     full_batch: float = 0.9  # decode batch (running / max_num_seqs) or KV usage counted as full
     prefill_queue: float = 1.0  # requests queued per prefill worker that make prefill the bound
+    queue_up: float = 3.0  # requests queued per worker that, not falling, add a worker (0: off) ...
+    queue_stable: int = 2  # ... after this many consecutive intervals
     drain_timeout_s: float = 600.0  # a drain that has not emptied the worker by then is abandoned (it stays)
 
     def __post_init__(self) -> None:
@@ -86,12 +106,14 @@ class AutoscaleConfig:
         if self.down_attainment < self.target_attainment:
             fail("down_attainment", f"must be >= autoscale.target_attainment ({self.target_attainment}), "
                                     f"got {self.down_attainment} (the gap is the hysteresis)")
-        for key in ("down_stable", "min_requests"):
+        for key in ("down_stable", "min_requests", "queue_stable"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 fail(key, f"must be an integer >= 1, got {value!r}")
-        if not (isinstance(self.prefill_queue, (int, float)) and self.prefill_queue >= 0):
-            fail("prefill_queue", f"must be a number >= 0, got {self.prefill_queue!r}")
+        for key in ("prefill_queue", "queue_up"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                fail(key, f"must be a number >= 0, got {value!r}")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any] | bool | None) -> AutoscaleConfig:
@@ -139,6 +161,7 @@ class ClusterState:
     tpot_attainment: float = 1.0
     arrival_rate: float = 0.0  # requests per second over the window
     changing: bool = False  # a worker is starting or draining
+    duties: Mapping[str, int] = field(default_factory=dict)  # hybrid workers (serving) per duty; {}: none
 
 
 @dataclass(frozen=True)
@@ -147,6 +170,7 @@ class Decision:
     pool: str | None  # None for hold
     code: str  # short label (the metric's `reason`): e.g. ttft_miss_prefill_queue, idle, cooldown
     reason: str  # the sentence, with the figures
+    source: str | None = None  # shift: the duty a worker leaves (`pool` is the one it takes)
 
 
 @dataclass(frozen=True)
@@ -155,6 +179,8 @@ class RuleMemory:
 
     last_change_at: float = -math.inf
     calm: Mapping[str, int] = field(default_factory=dict)  # pool -> consecutive intervals it could shrink
+    pressure: Mapping[str, int] = field(default_factory=dict)  # pool -> consecutive intervals its queue grew
+    queue: Mapping[str, float] = field(default_factory=dict)  # pool -> requests queued per worker, last interval
 
 
 def _hold(code: str, reason: str) -> Decision:
@@ -183,6 +209,41 @@ def _bound_pool(state: ClusterState, config: AutoscaleConfig) -> tuple[str, str,
             f"{head}: TTFT misses, {queue_d:.1f} queued per decode worker (prefill {queue_p:.1f}), decode-bound")
 
 
+def _bound_phase(state: ClusterState, config: AutoscaleConfig) -> str:
+    """decode on TPOT misses or full decode batches (of any pool), else prefill (TTFT misses)."""
+    if state.tpot_attainment < config.target_attainment:
+        return "decode"
+    if any(p.batch_full >= config.full_batch for p in state.pools.values()):
+        return "decode"
+    return "prefill"
+
+
+def _shift(state: ClusterState, config: AutoscaleConfig, head: str) -> Decision | None:
+    """The role shift toward the bound phase (module docstring), or None when none can be made."""
+    duties = {d: state.duties.get(d, 0) for d in DUTIES}
+    if sum(duties.values()) < 2:
+        return None
+    phase = _bound_phase(state, config)
+    other = "prefill" if phase == "decode" else "decode"
+    step = 1 if phase == "decode" else -1
+    for source in (other, "mixed"):  # the far end first: a specialist of the other phase back to mixed
+        if duties[source] == 0:
+            continue
+        target = DUTIES[DUTIES.index(source) + step]
+        after = dict(duties)
+        after[source] -= 1
+        after[target] += 1
+        if after[other] + after["mixed"] < 1:  # nobody left for the other phase
+            continue
+        why = "TPOT misses" if phase == "decode" and state.tpot_attainment < config.target_attainment else (
+            "decode batches full" if phase == "decode" else "TTFT misses")
+        counts = ", ".join(f"{d} {duties[d]}" for d in DUTIES)
+        return Decision("shift", target, f"shift_to_{phase}",
+                        f"{head}: {why}, {phase}-bound; a hybrid worker shifts from {source} to {target} duty "
+                        f"(duties: {counts})", source=source)
+    return None
+
+
 def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | None = None) -> tuple[Decision, RuleMemory]:
     """The decision for `state` (module docstring) and the memory for the next call."""
     memory = memory or RuleMemory()
@@ -196,7 +257,14 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
             if after < config.down_utilisation and state.attainment >= config.down_attainment:
                 calm[name] = memory.calm.get(name, 0) + 1
                 shrinkable[name] = after
-    memory = replace(memory, calm=calm)
+    # how long each pool's queue has been long and not falling (counted every interval too)
+    pressure: dict[str, int] = {}
+    queue: dict[str, float] = {}
+    for name, pool in pools.items():
+        queue[name] = pool.waiting / max(pool.workers, 1)
+        if config.queue_up > 0 and queue[name] >= config.queue_up and queue[name] >= memory.queue.get(name, 0.0):
+            pressure[name] = memory.pressure.get(name, 0) + 1
+    memory = replace(memory, calm=calm, pressure=pressure, queue=queue)
 
     if state.changing:
         return _hold("changing", "a worker is starting or draining"), memory
@@ -211,11 +279,26 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
             return Decision("remove", name, "above_max", f"{name}: {pool.workers} workers > max "
                                                          f"{config.max_workers[name]}"), _changed(memory, state)
     if state.finished >= config.min_requests and state.attainment < config.target_attainment:
+        if state.duties:
+            head = (f"attainment {state.attainment:.2f} < {config.target_attainment:.2f} "
+                    f"(TTFT {state.ttft_attainment:.2f}, TPOT {state.tpot_attainment:.2f}, {state.finished} requests)")
+            shift = _shift(state, config, head)
+            if shift is not None:
+                return shift, _changed(memory, state)
         name, code, reason = _bound_pool(state, config)
         pool = pools.get(name, PoolState(0))
         if pool.workers + pool.draining >= config.max_workers[name]:
             return _hold("at_max", f"{reason}; {name} is at its max {config.max_workers[name]}"), memory
         return Decision("add", name, code, reason), _changed(memory, state)
+    growing = [name for name, n in pressure.items() if n >= config.queue_stable
+               and pools[name].workers + pools[name].draining < config.max_workers[name]]
+    # not when the window shows the SLO met comfortably (a long queue that still meets it)
+    if growing and (state.attainment < config.down_attainment or state.finished < config.min_requests):
+        name = max(growing, key=lambda n: (queue[n], n))
+        return Decision("add", name, "queue_growing",
+                        f"{name}: {queue[name]:.1f} requests queued per worker (>= {config.queue_up:g}) and not "
+                        f"falling for {pressure[name]} intervals, attainment {state.attainment:.2f} over "
+                        f"{state.finished} requests"), _changed(memory, state)
     ready = {name: after for name, after in shrinkable.items() if calm[name] >= config.down_stable}
     if ready:
         name = min(ready, key=lambda n: (ready[n], n))
@@ -229,4 +312,4 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
 
 
 def _changed(memory: RuleMemory, state: ClusterState) -> RuleMemory:
-    return replace(memory, last_change_at=state.now, calm={})
+    return replace(memory, last_change_at=state.now, calm={}, pressure={})

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.cluster.directory import WorkerEndpoint
+from router.placement.base import ROLES
 
 from launcher.cluster.pools import parse_actor_name
 
@@ -46,6 +47,7 @@ class RayDirectory:
         self._lock: asyncio.Lock | None = None
         self.last_info: dict[str, dict[str, Any]] = {}  # name -> last info() answer
         self.draining: set[str] = set()  # worker ids placement must skip (router.cluster.worker_pool)
+        self.duties: dict[str, str] = {}  # mixed worker id -> the role the router counts it in (router.cluster.directory)
 
     def add_worker(self, name: str) -> None:
         """Follow the actor `name` from the next refresh on (a fixed list only; discovery finds it)."""
@@ -57,12 +59,24 @@ class RayDirectory:
         """New requests go elsewhere; the worker's own requests run to their end."""
         self.draining.add(name)
 
+    def set_duty(self, name: str, duty: str) -> None:
+        """The router counts and places the mixed worker `name` as `duty` (prefill, decode, or
+        mixed: its own role again) from its next refresh on. The caller knows the worker is mixed
+        (the router's pool ignores, with a warning, a duty given to another role)."""
+        if duty not in ROLES:
+            raise ValueError(f"duty must be one of {ROLES}, got {duty!r}")
+        if duty == "mixed":
+            self.duties.pop(name, None)
+        else:
+            self.duties[name] = duty
+
     def remove_worker(self, name: str) -> None:
         """Forget the actor `name` (drained, or about to be killed)."""
         if self._names is not None and name in self._names:
             self._names.remove(name)
         # it stays in `draining`: the router's pool must not place on it until it drops it
         self._handles.pop(name, None)
+        self.duties.pop(name, None)
         self.last_info.pop(name, None)
         self._cache = None
 

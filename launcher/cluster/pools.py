@@ -11,6 +11,11 @@ Lifecycle (`ClusterPools`):
 3. `shutdown()`: stop each server (bounded), kill the actors without restart, remove the
    placement groups. Idempotent.
 
+Resizing a running cluster (`launcher.cluster.resize`) goes through `adopt` (a worker started
+in a placement group of its own joins the pools, which then stop it and remove its group at
+shutdown) and `release` (a worker leaves the pools; its group is handed back for removal when
+no other worker is in it); `group_of` and `has_own_group` answer which group a worker is in.
+
 Actors are not detached: they share the fate of the driver that created them (`pdserve up`),
 so a driver that dies takes its workers with it.
 """
@@ -18,6 +23,7 @@ so a driver that dies takes its workers with it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -71,13 +77,13 @@ class PoolSpec:
 
 
 @dataclass
-class _Worker:
+class PoolWorker:
     name: str
     role: str
     handle: Any
 
 
-def _short_error(exc: BaseException) -> str:
+def short_error(exc: BaseException) -> str:
     """The last meaningful line of a Ray error (the original exception, not Ray's wrapping)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     for line in reversed(lines):
@@ -91,8 +97,10 @@ class ClusterPools:
         self.cluster = cluster
         self.namespace = namespace
         self.specs = specs
-        self.workers: list[_Worker] = []
+        self.workers: list[PoolWorker] = []
         self._groups: list[Any] = []
+        self._group_of: dict[str, Any] = {}  # worker name -> the placement group it was started in
+        self._lock = threading.Lock()  # adopt and release run in the autoscaler's threads
         self._closed = False
 
     @property
@@ -137,8 +145,47 @@ class ClusterPools:
                     resources=spec.resources, scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=group, placement_group_bundle_index=index))
                 handle = remote_cls.options(**options).remote(*args)
-                self.workers.append(_Worker(name, spec.role, handle))
+                self.workers.append(PoolWorker(name, spec.role, handle))
+                self._group_of[name] = group
                 logger.info("created worker %s", name)
+
+    def adopt(self, name: str, role: str, handle: Any, group: Any) -> PoolWorker:
+        """A worker started outside `start` (its actor `handle`, in placement `group`) joins the
+        pools: `shutdown` stops it and removes its group unless `release` hands them back first."""
+        with self._lock:
+            if any(w.name == name for w in self.workers):
+                raise ValueError(f"a worker named {name} is already in the pools")
+            worker = PoolWorker(name, role, handle)
+            self.workers.append(worker)
+            if all(g is not group for g in self._groups):
+                self._groups.append(group)
+            self._group_of[name] = group
+        return worker
+
+    def release(self, name: str) -> tuple[PoolWorker, Any | None]:
+        """The worker leaves the pools (the caller stops and kills it); returns it and its
+        placement group when no other worker is in that group (the caller removes it), else None.
+        ValueError when no such worker is in the pools."""
+        with self._lock:
+            worker = next((w for w in self.workers if w.name == name), None)
+            if worker is None:
+                raise ValueError(f"no worker {name} in the pools")
+            self.workers.remove(worker)
+            group = self._group_of.pop(name, None)
+            if group is None or any(g is group for g in self._group_of.values()):
+                return worker, None
+            self._groups[:] = [g for g in self._groups if g is not group]
+            return worker, group
+
+    def group_of(self, name: str) -> Any | None:
+        """The placement group the worker was started in (None for an unknown worker)."""
+        return self._group_of.get(name)
+
+    def has_own_group(self, name: str) -> bool:
+        """True when no other worker shares the worker's placement group (it was added alone)."""
+        with self._lock:
+            group = self._group_of.get(name)
+            return group is not None and sum(1 for g in self._group_of.values() if g is group) == 1
 
     def wait_ready(self, timeout_s: float = 600.0,
                    on_ready: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, dict[str, Any]]:
@@ -161,7 +208,7 @@ class ClusterPools:
             try:
                 health = ray.get(done[0], timeout=5)
             except (RayActorError, GetTimeoutError, RayError) as exc:
-                raise ClusterStartError(f"worker {worker.name} failed to start: {_short_error(exc)}") from None
+                raise ClusterStartError(f"worker {worker.name} failed to start: {short_error(exc)}") from None
             if not health.get("healthy"):
                 raise ClusterStartError(f"worker {worker.name} is unhealthy: {health.get('detail')}")
             ready[worker.name] = health
@@ -197,6 +244,7 @@ class ClusterPools:
                 logger.debug("removing a placement group failed", exc_info=True)
         self.workers.clear()
         self._groups.clear()
+        self._group_of.clear()
 
 
 def _actor_exists(name: str, namespace: str) -> bool:

@@ -12,6 +12,10 @@
   shares that group: its bundle is released when the last of the group's workers leaves, or at
   shutdown.
 
+- `shift(name, duty)`: a hybrid (mixed, KV-moving) worker takes prefill, decode or mixed duty:
+  the directory's role override, which the router's pool applies (router.cluster.directory);
+  no process starts or stops.
+
 The Ray calls block: call `add` and `remove` from a thread (`asyncio.to_thread`).
 """
 
@@ -22,7 +26,7 @@ import threading
 import time
 from typing import Any
 
-from launcher.cluster.pools import NAME_PREFIX, ClusterPools, ClusterStartError, _Worker, _short_error, actor_name
+from launcher.cluster.pools import NAME_PREFIX, ClusterPools, ClusterStartError, actor_name, short_error
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +38,6 @@ class PoolResizer:
         self.start_timeout_s = start_timeout_s
         self.specs = {spec.role: spec for spec in pools.specs}
         self._next_index = {spec.role: spec.size for spec in pools.specs}
-        self._groups: dict[str, Any] = {}  # worker name -> the placement group it was started in
-        first = iter(pools._groups)  # ClusterPools.start makes one group per pool of size > 0, in order
-        for spec in pools.specs:
-            if spec.size > 0:
-                group = next(first, None)
-                for worker in pools.workers:
-                    if worker.role == spec.role:
-                        self._groups[worker.name] = group
         self._lock = threading.Lock()
 
     def workers(self, role: str) -> list[str]:
@@ -49,8 +45,7 @@ class PoolResizer:
 
     def own_group(self, name: str) -> bool:
         """True when the worker has a placement group of its own (it was added)."""
-        group = self._groups.get(name)
-        return group is not None and sum(1 for g in self._groups.values() if g is group) == 1
+        return self.pools.has_own_group(name)
 
     def add(self, role: str) -> str:
         """Starts one worker of `role` and has the directory follow it; its name. ClusterStartError
@@ -88,7 +83,7 @@ class PoolResizer:
             try:
                 health = ray.get(handle.health.remote(), timeout=max(1.0, deadline - time.monotonic()))
             except Exception as exc:
-                raise ClusterStartError(f"worker {name} failed to start: {_short_error(exc)}") from None
+                raise ClusterStartError(f"worker {name} failed to start: {short_error(exc)}") from None
             if not health.get("healthy"):
                 raise ClusterStartError(f"worker {name} is unhealthy: {health.get('detail')}")
         except BaseException:
@@ -96,16 +91,24 @@ class PoolResizer:
                 _kill(handle, name)
             remove_placement_group(group)
             raise
-        with self._lock:
-            self.pools.workers.append(_Worker(name, role, handle))
-            self.pools._groups.append(group)  # removed at shutdown unless `remove` did it first
-            self._groups[name] = group
+        self.pools.adopt(name, role, handle, group)  # shutdown removes it unless `remove` does first
         self.directory.add_worker(name)
         logger.info("added worker %s at %s", name, health.get("address"))
         return name
 
     def drain(self, name: str) -> None:
         self.directory.drain(name)
+
+    def shift(self, name: str, duty: str) -> None:
+        """The router counts and places the mixed worker `name` as `duty` (prefill, decode or mixed)."""
+        worker = next((w for w in self.pools.workers if w.name == name), None)
+        if worker is None:
+            raise ValueError(f"no worker {name} in the pools")
+        spec = self.specs.get(worker.role)
+        if worker.role != "mixed" or spec is None or not spec.moves_kv:
+            raise ValueError(f"{name} is not a hybrid worker (a mixed worker that moves KV): it cannot shift duty")
+        self.directory.set_duty(name, duty)
+        logger.info("worker %s now has %s duty", name, duty)
 
     def undrain(self, name: str) -> None:
         self.directory.draining.discard(name)
@@ -117,15 +120,8 @@ class PoolResizer:
         from ray.util.placement_group import remove_placement_group
 
         self.directory.remove_worker(name)
-        with self._lock:
-            worker = next((w for w in self.pools.workers if w.name == name), None)
-            if worker is None:
-                raise ValueError(f"no worker {name} in the pools")
-            self.pools.workers.remove(worker)
-            group = self._groups.pop(name, None)
-            release = group is not None and all(g is not group for g in self._groups.values())
-            if release:
-                self.pools._groups[:] = [g for g in self.pools._groups if g is not group]
+        worker, group = self.pools.release(name)
+        release = group is not None
         try:
             ray.wait([worker.handle.stop.remote(grace_s / 2)], timeout=grace_s)
         except Exception:

@@ -9,6 +9,14 @@ fixed list, parsed from command-line strings::
     mixed#w3@nodeB=10.0.0.3:50053      role#worker_id@node=address
 
 Without `#worker_id` the id is "<role>-<index>" (index counts entries of that role from 0).
+
+Duties: a directory may also hold `duties`, worker id -> role, a role override the router's
+worker pool reads at each refresh (as it reads `draining`): a mixed worker given "prefill" duty
+is counted and placed as a prefill worker (it prefills for others and sends the KV), one given
+"decode" duty as a decode worker (it takes no prefills for others); "mixed" or no entry: its own
+role. Only a mixed worker can take a duty (`check_duty`): a prefill or decode worker cannot run
+the other phase. The autoscaler shifts hybrid workers' duties this way instead of starting
+processes (launcher.autoscale).
 """
 
 from __future__ import annotations
@@ -47,11 +55,20 @@ class WorkerDirectory(Protocol):
         ...
 
 
+def check_duty(worker_id: str, role: str, duty: str) -> None:
+    """ValueError unless a worker of `role` can take `duty` (module docstring: mixed workers only)."""
+    if duty not in ROLES:
+        raise ValueError(f"worker {worker_id!r}: duty must be one of {ROLES}, got {duty!r}")
+    if role != "mixed" and duty != role:
+        raise ValueError(f"worker {worker_id!r} is a {role} worker: only a mixed worker can take {duty} duty")
+
+
 class StaticDirectory:
-    """A fixed set of endpoints."""
+    """A fixed set of endpoints (and the duties given to its mixed workers)."""
 
     def __init__(self, endpoints: Iterable[WorkerEndpoint]) -> None:
         self._endpoints = list(endpoints)
+        self.duties: dict[str, Role] = {}
         ids = [e.worker_id for e in self._endpoints]
         duplicates = sorted({i for i in ids if ids.count(i) > 1})
         if duplicates:
@@ -70,6 +87,17 @@ class StaticDirectory:
 
     async def endpoints(self) -> list[WorkerEndpoint]:
         return list(self._endpoints)
+
+    def set_duty(self, worker_id: str, duty: Role) -> None:
+        """The router counts and places the mixed worker as `duty` from its next refresh on."""
+        endpoint = next((e for e in self._endpoints if e.worker_id == worker_id), None)
+        if endpoint is None:
+            raise ValueError(f"no worker {worker_id!r} in the directory")
+        check_duty(worker_id, endpoint.role, duty)
+        if duty == endpoint.role:
+            self.duties.pop(worker_id, None)
+        else:
+            self.duties[worker_id] = duty
 
 
 def parse_endpoint(entry: str, counts: dict[str, int] | None = None) -> WorkerEndpoint:

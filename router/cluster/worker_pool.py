@@ -14,6 +14,11 @@ Draining: a directory may name workers to drain (a `draining` set of worker ids,
 `launcher.cluster.directory.RayDirectory` while the autoscaler removes one). A draining worker
 keeps its connection and its live requests, but `snapshots()` leave it out, so that placement
 sends it nothing new.
+
+Duties: a directory may give a mixed worker a role to play (`duties`, worker id -> role;
+router.cluster.directory): the pool then counts and places it as that role (`PooledWorker.role`,
+its snapshots), while its connection and its own requests stay as they were. A duty given to a
+worker that is not mixed is ignored with a warning.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.proto import worker_pb2 as pb
-from router.cluster.directory import WorkerDirectory, WorkerEndpoint
+from router.cluster.directory import WorkerDirectory, WorkerEndpoint, check_duty
 from router.errors import WorkerError
 from router.placement.base import WorkerSnapshot
 from router.cluster.worker_client import WorkerClient
@@ -46,6 +51,13 @@ class PooledWorker:
     num_inflight_tokens: int = 0  # their prompt tokens
     role_mismatch_logged: bool = False
     draining: bool = False  # placement skips it; its requests run to their end
+    duty: str | None = None  # a mixed worker's role override (the directory's `duties`); None: its own
+    refused_duty: str | None = None  # the last duty ignored (not mixed), warned about once
+
+    @property
+    def role(self) -> str:
+        """The role the router counts and places it as: its duty, else the endpoint's role."""
+        return self.duty or self.endpoint.role
 
     @property
     def is_empty(self) -> bool:
@@ -62,7 +74,7 @@ class PooledWorker:
         s = self.stats or pb.StatsResponse()
         return WorkerSnapshot(
             worker_id=self.worker_id,
-            role=self.endpoint.role,
+            role=self.role,  # type: ignore[arg-type]
             node=self.endpoint.node,
             healthy=self.healthy,
             num_waiting=s.num_waiting + s.num_awaiting_kv,
@@ -128,6 +140,8 @@ class WorkerPool:
                                  "healthy": w.healthy, "inflight": w.num_inflight}
             if w.draining:
                 info[w.worker_id]["draining"] = True
+            if w.duty:
+                info[w.worker_id]["duty"] = w.duty
             if w.detail:
                 info[w.worker_id]["detail"] = w.detail
         return info
@@ -148,6 +162,7 @@ class WorkerPool:
             return
         seen = {e.worker_id for e in endpoints}
         draining = getattr(self.directory, "draining", ())
+        duties = getattr(self.directory, "duties", {})
         for endpoint in endpoints:
             worker = self.workers.get(endpoint.worker_id)
             if worker is None:
@@ -163,9 +178,26 @@ class WorkerPool:
             if worker.draining != (worker.worker_id in draining):
                 worker.draining = worker.worker_id in draining
                 logger.info("worker %s %s", worker.worker_id, "is draining" if worker.draining else "serves again")
+            self._apply_duty(worker, duties.get(worker.worker_id))
         for worker_id in [w for w in self.workers if w not in seen]:
             logger.info("worker %s left the directory", worker_id)
             await self.workers.pop(worker_id).client.close()
+
+    def _apply_duty(self, worker: PooledWorker, duty: str | None) -> None:
+        if duty == worker.endpoint.role:
+            duty = None
+        if duty is not None:
+            try:
+                check_duty(worker.worker_id, worker.endpoint.role, duty)
+            except ValueError as exc:
+                if worker.refused_duty != duty:  # once per refused duty
+                    logger.warning("ignoring a duty: %s", exc)
+                    worker.refused_duty = duty
+                duty = None
+        if duty != worker.duty:
+            logger.info("worker %s (%s) now serves as %s", worker.worker_id, worker.endpoint.role,
+                        duty or worker.endpoint.role)
+            worker.duty = duty
 
     def _connect(self, endpoint: WorkerEndpoint) -> WorkerClient:
         return WorkerClient(endpoint.worker_id, endpoint.address, rpc_timeout_s=self.rpc_timeout_s,

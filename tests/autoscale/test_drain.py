@@ -54,7 +54,7 @@ def test_drain_cuts_no_streaming_request_and_the_worker_leaves(local_ray):
         added = resizer.add("mixed")
         assert added == "pdserve:drain:mixed:1" and pools.names == ["pdserve:drain:mixed:0", added]
         assert resizer.own_group(added)
-        group_id = resizer._groups[added].id.hex()
+        group_id = pools.group_of(added).id.hex()
 
         async def scenario() -> tuple[list, list, set]:
             backend = ClusterBackend(directory, make_policy("round-robin"), object(), "tiny", 512, mode="colocated",

@@ -130,3 +130,43 @@ def test_up_config_autoscale(tmp_path):
     path.write_text("slo-ttft: 2\nautoscale: {max: {decode: 0}}\n")
     with pytest.raises(ValueError, match=r"autoscale.max_workers: decode 0 is below"):
         load_up_config({}, str(path))
+
+
+def test_a_hybrid_pool_shifts_a_worker_duty_instead_of_starting_one():
+    clock = Clock()
+    backend = SimpleNamespace(pool=SimpleNamespace(workers={
+        f"m{i}": worker(f"m{i}", "mixed", running=3, inflight=i) for i in range(3)}))
+    window = RequestWindow(slo_ttft=1.0, slo_tpot=0.1, clock=clock)
+    registry = CollectorRegistry()
+    resizer = FakeResizer(backend)
+    resizer.specs = {"mixed": SimpleNamespace(moves_kv=True)}
+    duties: dict[str, str] = {}
+    resizer.shift = lambda name, duty: (duties.__setitem__(name, duty), resizer.log.append(f"shift {name} {duty}"))
+    config = AutoscaleConfig(cooldown_s=10, window_s=30, interval_s=5, min_requests=3)
+    scaler = Autoscaler(config, backend, window, resizer, max_num_seqs=8, metrics=AutoscaleMetrics(registry, ("mixed",)),
+                        clock=clock)
+
+    async def scenario() -> list:
+        for _ in range(4):  # TPOT misses: prefill chunks slow the decodes
+            window.arrive()
+            window.finish(0.5, 0.3)
+        first = await scaler.step()
+        assert scaler.observe().duties == {"decode": 1, "mixed": 2}  # counted by duty at once
+        clock.t += 5
+        return [first, await scaler.step()]
+
+    decisions = asyncio.run(scenario())
+    assert (decisions[0].action, decisions[0].source, decisions[0].pool) == ("shift", "mixed", "decode")
+    assert decisions[1].code == "cooldown"
+    assert resizer.log == ["shift m0 decode"] and duties == {"m0": "decode"}  # the least loaded; no process added
+    assert backend.pool.workers["m0"].role == "decode" and backend.pool.workers["m0"].endpoint.role == "mixed"
+    assert registry.get_sample_value("pdserve:autoscale_decisions_total",
+                                     {"action": "shift", "pool": "decode", "reason": "shift_to_decode"}) == 1
+
+
+def test_a_colocated_pool_has_no_duties():
+    backend = SimpleNamespace(pool=SimpleNamespace(workers={"m0": worker("m0", "mixed")}))
+    resizer = FakeResizer(backend)
+    resizer.specs = {"mixed": SimpleNamespace(moves_kv=False)}
+    scaler = Autoscaler(AutoscaleConfig(), backend, RequestWindow(1.0, 0.1), resizer, max_num_seqs=8)
+    assert scaler.observe().duties == {}

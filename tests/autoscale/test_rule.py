@@ -151,3 +151,43 @@ def test_config_validation_names_the_key():
             c.target_attainment) == (2, 5, 1, 7, 0.8)
     assert AutoscaleConfig.from_mapping(True) == AutoscaleConfig()
     assert math.isinf(RuleMemory().last_change_at)
+
+
+def test_a_growing_queue_adds_before_the_attainment_falls():
+    """A step up: requests queue at the prefill worker; none has missed yet (too few finished
+    since the last change), so the attainment says nothing; the queue, long and not falling for
+    two intervals, adds a prefill worker."""
+    memory = RuleMemory(last_change_at=0.0)
+    d, memory = decide(state(now=100, finished=2, pw=3.0), CONFIG, memory)
+    assert d.action == "hold" and memory.pressure == {"prefill": 1}
+    d, memory = decide(state(now=105, finished=3, pw=5.0), CONFIG, memory)
+    assert (d.action, d.pool, d.code) == ("add", "prefill", "queue_growing")
+    assert "5.0 requests queued per worker" in d.reason and memory.pressure == {}
+
+
+def test_a_queue_that_falls_or_meets_the_slo_adds_nothing():
+    memory = RuleMemory(last_change_at=0.0)
+    for i, pw in enumerate([6.0, 5.0, 4.0, 3.0]):  # draining on its own
+        d, memory = decide(state(now=100 + 5 * i, finished=2, pw=pw), CONFIG, memory)
+        assert d.action == "hold"
+    memory = RuleMemory(last_change_at=0.0)
+    for i in range(10):  # long but within the SLO for 99% of 20 requests: the dead band holds
+        d, memory = decide(state(now=100 + 5 * i, attainment=0.99, dw=4.0), CONFIG, memory)
+        assert d.action == "hold"
+    off = AutoscaleConfig(min_workers={"prefill": 1, "decode": 1}, queue_up=0)
+    memory = RuleMemory(last_change_at=0.0)
+    for i in range(10):
+        d, memory = decide(state(now=100 + 5 * i, finished=2, pw=9.0), off, memory)
+        assert d.action == "hold"
+
+
+def test_a_growing_queue_holds_in_the_cooldown_and_at_max():
+    d, memory = decide(state(now=100, finished=2, pw=4.0), CONFIG, RuleMemory(last_change_at=90))
+    d, memory = decide(state(now=105, finished=2, pw=4.0), CONFIG, memory)
+    assert d.code == "cooldown" and memory.pressure == {"prefill": 2}  # counted through the cooldown
+    d, memory = decide(state(now=111, finished=2, pw=4.0), CONFIG, memory)
+    assert (d.action, d.code) == ("add", "queue_growing")  # at once when the cooldown ends
+    memory = RuleMemory()
+    for i in range(4):
+        d, memory = decide(state(now=100 + 5 * i, p=3, finished=2, pw=12.0), CONFIG, memory)
+        assert d.action == "hold"
