@@ -146,7 +146,7 @@ def test_the_switch_reaches_the_worker_the_timing_and_the_metrics(cluster, switc
     timing = done.usage.model_extra["pdserve_timing"][0]
     full = done.usage.prompt_tokens * PREFILL_KV_BYTES_PER_TOKEN
     precision = "fp8" if switch == "fp8" else "full"  # round-robin leaves auto at full
-    wire = full * 17 // 32 if precision == "fp8" else full
+    wire = full * 18 // 32 if precision == "fp8" else full
     assert (timing["kv_precision"], timing["kv_bytes"], timing["kv_bytes_saved"]) == (precision, wire, full - wire)
     text = httpx.get(url + "/metrics").text
     assert _metric(text, f'pdserve:kv_wire_bytes_total{{precision="{precision}"}}') == wire
