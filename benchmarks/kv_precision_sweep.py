@@ -193,7 +193,7 @@ def main() -> int:
     text = table(cells, args.slo_ttft)
     print(text)
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "cells": cells}, indent=2) + "\n")
+        Path(args.out).write_text(json.dumps({"args": vars(args) | {"profile": os.path.relpath(args.profile, REPO)}, "cells": cells}, indent=2) + "\n")
         Path(args.out).with_suffix(".md").write_text(text + "\n")
     return 0 if all(c["ok"] == c["requests"] for c in cells) else 1
 
