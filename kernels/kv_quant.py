@@ -5,7 +5,8 @@ float8_e4m3fn tensor [NB, BS + R, Hkv, D]: rows 0..BS-1 of a block hold the quan
 of its tokens, and the R trailing rows hold their float32 scales, [Hkv, BS] per block
 (R = ceil(4 * BS / D): one row at BS=16, D=64 or 128). Every block therefore carries its own
 scales wherever it goes (prefix cache, KV transfer: a block is still one unit of bytes), and
-a pool of 17 rows of one byte moves 17/32 of the bytes of a 16-row bf16 pool.
+a pool of 17 rows of one byte moves 17/32 of the bytes of a 16-row bf16 pool. (On the KV wire a
+block of a bf16/fp32 pool goes with one more row, of per channel scales: see the end of this file.)
 
 Scales are per token and per head (the finest "per-block" choice): scale = amax(|x|) / 448
 over the head's D values, and the stored byte is round(x / scale) to e4m3. A token's scale is
@@ -156,37 +157,62 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     return FP8_DTYPE
 
 
-# ---- FP8 on the KV wire: a block of any pool sent as the FP8 pool's block ------------------
+# ---- FP8 on the KV wire: a block of any pool, with per channel and per token scales ----------
+#
+# A wire block of BS tokens is uint8 [BS + R + 1, Hkv, D]:
+# * rows 0..BS-1: e4m3 of x / (2^e[h, c] * s[t, h]);
+# * R rows: the float32 token scales s, [Hkv, BS], where an FP8 pool keeps them;
+# * 1 row: the channel exponents e, int8 [Hkv, D]: 2^e is the smallest power of two at or above the
+#   channel's amax over the block's tokens (1 where that is 0).
+# Dividing by a power of two is exact, so each channel is brought to [-1, 1] without rounding; the
+# token scale then maps the token's largest value to 448. A channel much smaller than the token's
+# largest (K has outlier channels) no longer falls to e4m3's subnormals, where it kept few bits.
+# The FP8 pool (above) keeps token scales only: its blocks go on the wire as they are.
 
 
 def fp8_block_rows(block_size: int, head_dim: int) -> int:
-    """Rows of one FP8 block (data rows + scale rows): what a block of BS tokens takes on the
-    wire in FP8, at one byte per row element."""
-    return block_size + scale_rows(block_size, head_dim)
+    """Rows of one block in FP8 on the wire (data rows, token scale rows, the channel exponent
+    row): what a block of BS tokens takes, at one byte per row element."""
+    return block_size + scale_rows(block_size, head_dim) + 1
+
+
+def channel_exponents(x: torch.Tensor) -> torch.Tensor:
+    """x [n, BS, Hkv, D] -> int8 e [n, Hkv, D]: 2^e >= the channel's amax over the block (0 where
+    the amax is 0), clamped to int8."""
+    amax = x.abs().amax(dim=1)
+    _, exp = torch.frexp(amax)  # amax = m * 2^exp, m in [0.5, 1): 2^exp >= amax, exact powers give 2 * amax
+    exp = torch.where(amax > 0, exp, torch.zeros_like(exp))
+    return exp.clamp(-127, 127).to(torch.int8)
 
 
 def pack_blocks(x: torch.Tensor) -> torch.Tensor:
-    """Blocks x [..., BS, Hkv, D] of a bf16/fp16/fp32 pool -> uint8 [..., BS + R, Hkv, D]: each
-    block quantized exactly as `write_fp8_ref` would store it in an FP8 pool (per token and
-    head scales in the block's trailing rows), so the bytes may land as is in an FP8 pool."""
+    """Blocks x [..., BS, Hkv, D] of a bf16/fp16/fp32 pool -> uint8 [..., BS + R + 1, Hkv, D], the
+    wire block above."""
     *lead, bs, hk, d = x.shape
     n = 1
     for size in lead:
         n *= size
-    out = torch.zeros(fp8_pool_shape(n, bs, hk, d), dtype=FP8_DTYPE, device=x.device)
-    data, scales = split_pool(out)
-    q, s = quantize(x.reshape(n, bs, hk, d))
+    xf = x.reshape(n, bs, hk, d).float()
+    exp = channel_exponents(xf)
+    y = torch.ldexp(xf, -exp[:, None].to(torch.int32))
+    rows = fp8_block_rows(bs, d)
+    out = torch.zeros(n, rows, hk, d, dtype=torch.uint8, device=x.device)
+    data, scales = split_pool(out[:, :rows - 1].view(FP8_DTYPE))
+    q, s = quantize(y)
     data.view(torch.uint8).copy_(q.view(torch.uint8))
     scales.copy_(s)
-    return out.view(torch.uint8).view(*lead, out.shape[1], hk, d)
+    out[:, rows - 1].copy_(exp.view(torch.uint8))
+    return out.view(*lead, rows, hk, d)
 
 
 def unpack_blocks(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """uint8 [..., BS + R, Hkv, D] (what `pack_blocks` made) -> [..., BS, Hkv, D] in `dtype`."""
+    """uint8 [..., BS + R + 1, Hkv, D] (what `pack_blocks` made) -> [..., BS, Hkv, D] in `dtype`."""
     *lead, rows, hk, d = raw.shape
-    pool = raw.reshape(-1, rows, hk, d).view(FP8_DTYPE)
-    data, scales = split_pool(pool)
-    return dequantize(data, scales, dtype).view(*lead, data.shape[1], hk, d)
+    blocks = raw.reshape(-1, rows, hk, d)
+    data, scales = split_pool(blocks[:, :rows - 1].view(FP8_DTYPE))
+    exp = blocks[:, rows - 1].view(torch.int8).to(torch.int32)
+    y = data.float() * scales[..., None]
+    return torch.ldexp(y, exp[:, None]).to(dtype).view(*lead, data.shape[1], hk, d)
 
 
 def round_trip(x: torch.Tensor, block_size: int) -> torch.Tensor:

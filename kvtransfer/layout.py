@@ -10,7 +10,7 @@ they hold (``[kv_head_start, kv_head_start + num_kv_heads)`` of ``kv_heads_total
 worker holds ``[0, num_kv_heads)`` of ``num_kv_heads``). Both are part of the layout and of its
 fingerprint: a sender whose pieces gather other heads than the receiver holds refuses to pair.
 
-Wire format (little endian, ``WIRE_VERSION`` 3). Every message starts with a fixed
+Wire format (little endian, ``WIRE_VERSION`` 4). Every message starts with a fixed
 48-byte header::
 
     magic u32 | version u16 | kind u16 | transfer_key u64 | layer u32 | num_blocks u32
@@ -37,9 +37,10 @@ Wire format (little endian, ``WIRE_VERSION`` 3). Every message starts with a fix
   consecutive layers from ``layer`` on (v2; v1 had one), the K blocks then the V blocks,
   each ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous, i.e.
   ``[layers, 2, num_blocks, *block_shape]``.
-- LAYER with the ``FP8_WIRE`` bit in ``status`` (v3): the payload is the same blocks in FP8
-  e4m3, each ``[block_size + R, num_kv_heads, head_dim]`` bytes as an FP8 pool stores it
-  (kernels/kv_quant.py: the data rows, then R rows of per token and head float32 scales); the
+- LAYER with the ``FP8_WIRE`` bit in ``status``: the payload is the same blocks in FP8
+  e4m3, each ``[block_size + R + 1, num_kv_heads, head_dim]`` bytes (kernels/kv_quant.py
+  ``pack_blocks``: the data rows, R rows of per token and head float32 scales, then one row of
+  per head and channel int8 power-of-two exponents; v3 had no exponent row); the
   receiver dequantizes on landing into its pools. The sender picks the precision per transfer
   (``send_layer(..., precision=)``); never on a pulled message.
 - LAYER with ``status`` ``PULL`` (only on a link whose HELLO_OK said PULL): no payload
@@ -70,7 +71,7 @@ from kernels.kv_quant import fp8_block_rows
 from kvtransfer.errors import KVTransferError
 
 WIRE_MAGIC = 0x3158564B  # b"KVX1" read as little-endian u32
-WIRE_VERSION = 3  # 3: the TP head range, the model's name, CHECKSUM and FP8_WIRE LAYER bits
+WIRE_VERSION = 4  # 3: the TP head range, the model's name, CHECKSUM and FP8_WIRE LAYER bits; 4: FP8 channel scales
 
 _HEADER = struct.Struct("<IHHQIIQQII")
 _LAYOUT = struct.Struct("<IIII16sII")

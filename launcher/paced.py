@@ -85,8 +85,9 @@ def link_rates(cluster: dict, bandwidth: float, slow: set[tuple[str, str]], slow
 
 
 def pacing_text(cluster: dict, prefill_id: str, rates: dict[str, float], burst: str | None = None) -> str:
-    """The pacing spec of one prefill worker: one entry per decode worker's KV address."""
-    kv = {w["id"]: w["kv"] for w in cluster["workers"] if w["role"] == "decode"}
+    """The pacing spec of one prefill worker: one entry per decode worker's KV address, without
+    its incarnation (``#id``: the pacer matches an address's base too, and a spec takes HOST:PORT)."""
+    kv = {w["id"]: w["kv"].partition("#")[0] for w in cluster["workers"] if w["role"] == "decode"}
     entries = [f"{kv[d]}={rates[f'{prefill_id}->{d}']:g}" for d in sorted(kv)]
     return ",".join(entries + ([f"burst={burst}"] if burst else []))
 
@@ -144,7 +145,8 @@ def check_alive(cluster: dict, state: Path) -> None:
 def router_argv(cluster: dict, args: argparse.Namespace, topology: Path) -> list[str]:
     argv = [sys.executable, "-m", "launcher.cli", "--log-level", args.log_level, "router",
             "--model", cluster["model"], "--policy", args.policy, "--host", args.host, "--port", str(args.port),
-            "--topology", str(topology), "--kv-deadline-s", f"{args.kv_deadline_s:g}"]
+            "--topology", str(topology), "--kv-deadline-s", f"{args.kv_deadline_s:g}",
+            "--kv-wire-precision", args.kv_wire_precision]
     if cluster.get("tokenizer"):  # saved once by `workers`: loads in a fraction of a second, not seconds
         argv += ["--tokenizer", str(Path(args.state) / cluster["tokenizer"])]
     for w in cluster["workers"]:
@@ -360,6 +362,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--slo-ttft", type=float, default=None)
     r.add_argument("--slo-tpot", type=float, default=None)
     r.add_argument("--kv-deadline-s", type=float, default=10.0)
+    r.add_argument("--kv-wire-precision", choices=("auto", "full", "fp8"), default="auto",
+                   help="the KV's precision on the wire: auto (the policy's, per request), full or fp8")
     r.add_argument("--log-level", default="WARNING")
     return parser
 

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from kvtransfer.pacing_spec import read_pacing_file
+from kvtransfer.pacing_spec import parse_pacing, read_pacing_file
 from launcher.gpu_sampler import GpuSampler, parse_pmon, parse_query_gpu
 from launcher.paced import (
     PacedError,
     apply_links,
     link_rates,
     parse_pairs,
+    pacing_text,
     plan_workers,
     router_argv,
     worker_spec,
@@ -76,7 +77,7 @@ def test_bad_rates_are_named(bandwidth, factor, message):
 
 def _args(policy, **kw):
     base = dict(policy=policy, host="127.0.0.1", port=8123, kv_deadline_s=10.0, log_level="WARNING",
-                profile=None, slo_ttft=None, slo_tpot=None)
+                profile=None, slo_ttft=None, slo_tpot=None, kv_wire_precision="auto")
     return argparse.Namespace(**(base | kw))
 
 
@@ -87,6 +88,9 @@ def test_router_flags_profile_only_for_network_aware(tmp_path):
     argv = router_argv(CLUSTER, _args("network-aware", profile="prof.json", slo_ttft=1.0, slo_tpot=0.05),
                        tmp_path / "t.yaml")
     assert argv[argv.index("--profile") + 1] == "prof.json" and argv[argv.index("--slo-tpot") + 1] == "0.05"
+    assert argv[argv.index("--kv-wire-precision") + 1] == "auto"
+    argv = router_argv(CLUSTER, _args("network-aware", profile="prof.json", kv_wire_precision="full"), tmp_path / "t.yaml")
+    assert argv[argv.index("--kv-wire-precision") + 1] == "full"
     with pytest.raises(PacedError, match="--profile"):
         router_argv(CLUSTER, _args("network-aware"), tmp_path / "t.yaml")
 
@@ -128,3 +132,13 @@ def test_router_refuses_a_dead_cluster(tmp_path):
     with pytest.raises(PacedError, match="d0 not running"):
         check_alive(cluster, tmp_path)
     check_alive({"workers": [{"id": "p0", "pid": os.getpid()}]}, tmp_path)
+
+
+def test_pacing_text_drops_the_kv_address_incarnation():
+    """A decode worker's KV address with its incarnation (`#id`) is paced by HOST:PORT: the
+    pacing spec does not take `#`, and the pacer matches an address's base."""
+    cluster = {"workers": [{"id": "p0", "role": "prefill", "kv": "ucx://127.0.0.1:6001#aa"},
+                           {"id": "d0", "role": "decode", "kv": "ucx://127.0.0.1:6003#adc88dcb"}]}
+    text = pacing_text(cluster, "p0", {"p0->d0": 2.5})
+    assert text == "ucx://127.0.0.1:6003=2.5"
+    assert parse_pacing(text).links == (("ucx://127.0.0.1:6003", 2.5),)

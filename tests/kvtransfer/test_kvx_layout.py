@@ -96,7 +96,7 @@ def test_handshake_names_every_mismatch(monkeypatch):
     check_handshake(local, h, local, "org/model", wire.hello_model(same, h))
     assert wire.hello_extra(same, h) == b"xyz"
     monkeypatch.setattr(wire, "WIRE_VERSION", 9)
-    with pytest.raises(KVTransferError, match="wire version mismatch: peer speaks 3, this process speaks 9"):
+    with pytest.raises(KVTransferError, match="wire version mismatch: peer speaks 4, this process speaks 9"):
         check_handshake(local, unpack_header(same, check_version=False), local, "org/model", "org/model")
 
 

@@ -49,7 +49,7 @@ def test_full_then_fp8_then_full_on_one_pair(backend, opts, dtype, stacked):
     before = stack(dst).clone()
     layout = KVLayout.from_caches(src)
     full_bytes = LAYERS * layout.layer_message_bytes(3)
-    fp8_bytes = LAYERS * 2 * 3 * (BS + 1) * HK * D  # 16 rows of e4m3 + 1 row of float32 scales per block
+    fp8_bytes = LAYERS * 2 * 3 * (BS + 2) * HK * D  # 16 rows of e4m3, 1 of float32 scales, 1 of exponents
     plan = [("t0", "full", [1, 5, 9], [0, 2, 4]), ("t1", "fp8", [3, 7, 11], [6, 8, 10]),
             ("t2", "full", [12, 13, 14], [11, 12, 13])]
     with kvtransfer.create_receiver(backend, dst) as receiver, \
@@ -96,15 +96,31 @@ def test_fp8_bytes_land_as_is_in_an_fp8_pool():
             assert torch.equal(dst[layer][pool][[4, 5]].view(torch.uint8), src[layer][pool][[0, 3]].view(torch.uint8))
 
 
-def test_pack_blocks_stores_what_the_fp8_cache_stores():
-    """The wire's FP8 bytes of a block are the bytes write_fp8_ref puts in an FP8 pool."""
+def test_pack_blocks_layout_and_channel_scales():
+    """A wire block is the FP8 cache's block of x / 2^e (e: the channel exponents, its last row):
+    the data and token scale rows are what write_fp8_ref stores for x / 2^e, and unpack gives
+    that block's dequantized values times 2^e."""
     gen = torch.Generator().manual_seed(3)
-    k, v = torch.randn(4 * BS, HK, D, generator=gen), torch.randn(4 * BS, HK, D, generator=gen)
-    k_pool = torch.zeros(kv_quant.fp8_pool_shape(4, BS, HK, D), dtype=kv_quant.FP8_DTYPE)
-    v_pool = k_pool.clone()
-    kv_quant.write_fp8_ref(k, v, k_pool, v_pool, torch.arange(4 * BS))
-    assert torch.equal(kv_quant.pack_blocks(k.view(4, BS, HK, D)), k_pool.view(torch.uint8))
-    assert torch.equal(kv_quant.pack_blocks(v.view(4, BS, HK, D)), v_pool.view(torch.uint8))
-    back = kv_quant.unpack_blocks(kv_quant.pack_blocks(k.view(4, BS, HK, D)), torch.float32)
-    assert torch.equal(back, kv_quant.gather_blocks(k_pool, torch.arange(4), torch.float32))
-    assert torch.equal(kv_quant.round_trip(k[:37], BS), back.reshape(-1, HK, D)[:37])
+    k = torch.randn(4 * BS, HK, D, generator=gen)
+    k[:, :, 1] *= 200  # an outlier channel
+    k[:, :, 2] *= 1e-4  # a channel far below the token's largest value
+    packed = kv_quant.pack_blocks(k.view(4, BS, HK, D))
+    rows = kv_quant.fp8_block_rows(BS, D)
+    assert packed.shape == (4, rows, HK, D) and rows == BS + kv_quant.scale_rows(BS, D) + 1
+    exp = packed[:, -1].view(torch.int8).long()  # [4, HK, D]
+    amax = k.view(4, BS, HK, D).abs().amax(1)
+    assert bool((2.0 ** exp >= amax).all()) and bool((2.0 ** (exp - 1) < amax).all())
+    y = k.view(4, BS, HK, D) / 2.0 ** exp[:, None]
+    pool = torch.zeros(kv_quant.fp8_pool_shape(4, BS, HK, D), dtype=kv_quant.FP8_DTYPE)
+    kv_quant.write_fp8_ref(y.reshape(-1, HK, D), y.reshape(-1, HK, D), pool, pool.clone(), torch.arange(4 * BS))
+    assert torch.equal(packed[:, :-1], pool.view(torch.uint8))
+    back = kv_quant.unpack_blocks(packed, torch.float32)
+    want = kv_quant.gather_blocks(pool, torch.arange(4), torch.float32) * 2.0 ** exp[:, None]
+    assert torch.equal(back, want)
+    assert torch.equal(kv_quant.round_trip(k[:32], BS), back.reshape(-1, HK, D)[:32])
+    assert kv_quant.round_trip(k[:37], BS).shape == (37, HK, D)  # the last block padded, its scales its own
+    # the small channel keeps e4m3's relative precision; with token scales alone it fell to subnormals
+    rel = ((back - k.view(4, BS, HK, D)) / k.view(4, BS, HK, D)).abs()[..., 2]
+    q, s = kv_quant.quantize(k)
+    rel_token_only = ((kv_quant.dequantize(q, s, torch.float32) - k) / k).abs()[..., 2]
+    assert float(rel.max()) <= 2 ** -4 and float(rel_token_only.mean()) > 4 * float(rel.mean())

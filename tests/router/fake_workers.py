@@ -152,7 +152,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
                 finish_reason="length" if finished else "", num_prompt_tokens=len(prompt), num_output_tokens=1,
             )
             full = len(prompt) * PREFILL_KV_BYTES_PER_TOKEN
-            kv_bytes = full * 17 // 32 if request.kv_precision == "fp8" else full  # FP8: bf16's 17/32
+            kv_bytes = full * 18 // 32 if request.kv_precision == "fp8" else full  # FP8: bf16's 18/32
             return pb.PrefillResponse(
                 first=first, kv_bytes=kv_bytes, kv_seconds=0.002,
                 queue_seconds=0.0, prefill_seconds=0.001, kv_phases={"wire": 0.0015, "link": 0.001},

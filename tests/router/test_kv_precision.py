@@ -46,9 +46,9 @@ def test_a_slow_link_sends_fp8(gbps, slo_ttft):
 
 def test_fp8_pricing_moves_a_prompt_off_local_prefill():
     """5 Gbit/s: at full precision the pair's TTFT (0.872 s) loses to a local run (0.410 s); priced
-    at FP8 (kv 17/32 of the bytes + the codec) it is 0.473 s, within network-aware's local margin."""
+    at FP8 (kv 18/32 of the bytes + the codec) it is 0.500 s, within network-aware's local margin."""
     decision = NetworkAware(profile=PROFILE).place(req(4096), snapshot(*reversed(_pair(5.0))))
-    assert decision.reason.startswith("TTFT 0.473s p0->d0")
+    assert decision.reason.startswith("TTFT 0.500s p0->d0")
     assert "53% of the TTFT 872 ms" in decision.kv_precision_reason
 
 
@@ -67,7 +67,7 @@ def test_the_rule_in_numbers():
     e = estimate_pair(PROFILE, req(4096), snap.worker("p0"), snap.worker("d0"), snap)
     assert e.kv_s == pytest.approx(KV_BYTES * 8 / 5e9)  # 0.859 s; the 0.41 s prefill hides 0.397 s of it
     assert choose_kv_precision(e, KV_BYTES)[0] == "fp8"
-    # FP8 must save more than the codec costs, (1 - 17/32) x kv > codec: codec above 5 x 32/15 Gbit/s
+    # FP8 must save more than the codec costs, (1 - 18/32) x kv > codec: codec above 5 x 32/14 Gbit/s
     # (that also makes the transfer more than twice the codec's time)
     threshold = 5.0 / (1 - FP8_WIRE_RATIO)
     assert choose_kv_precision(e, KV_BYTES, codec_gbps=threshold * 1.01)[0] == "fp8"
@@ -146,7 +146,7 @@ def test_the_switch_reaches_the_worker_the_timing_and_the_metrics(cluster, switc
     timing = done.usage.model_extra["pdserve_timing"][0]
     full = done.usage.prompt_tokens * PREFILL_KV_BYTES_PER_TOKEN
     precision = "fp8" if switch == "fp8" else "full"  # round-robin leaves auto at full
-    wire = full * 17 // 32 if precision == "fp8" else full
+    wire = full * 18 // 32 if precision == "fp8" else full
     assert (timing["kv_precision"], timing["kv_bytes"], timing["kv_bytes_saved"]) == (precision, wire, full - wire)
     text = httpx.get(url + "/metrics").text
     assert _metric(text, f'pdserve:kv_wire_bytes_total{{precision="{precision}"}}') == wire

@@ -153,8 +153,9 @@ def estimate_local(
 # ---- the KV's precision on the wire --------------------------------------------------------------
 
 # FP8 bytes / full-precision bytes of a transfer (kvtransfer.layout, FP8_WIRE): a bf16 block of 16
-# tokens (head_dim >= 64) goes as 16 rows of e4m3 plus one row of float32 scales, 17/32 of its bytes.
-FP8_WIRE_RATIO = 17 / 32
+# tokens (head_dim >= 64) goes as 16 rows of e4m3, one row of float32 token scales and one row of
+# channel exponents, 18/32 of its bytes.
+FP8_WIRE_RATIO = 18 / 32
 # Quantize on P plus dequantize on D, in Gbit/s of full-precision KV (kernels.kv_quant.pack_blocks /
 # unpack_blocks, torch ops). CPU: 0.13 measured on the 2-core development VM (float32 pools, 4 MB);
 # CUDA: an estimate for memory-bound elementwise passes (not yet measured).

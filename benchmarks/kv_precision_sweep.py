@@ -1,0 +1,202 @@
+"""KV precision chosen by the link, on a paced 1P+1D SmolLM2 cluster (CPU): full vs auto per link rate.
+
+    python benchmarks/kv_precision_sweep.py                 # 1, 10, 25, 100 Gbit/s and host, 12 requests a cell
+    python benchmarks/kv_precision_sweep.py --quick         # 1 and 100 Gbit/s, 4 requests of 512 tokens
+    python benchmarks/kv_precision_sweep.py --out docs/results/kv_precision_cpu.json
+
+1. one prefill and one decode worker start once (launcher.paced workers, `--device cpu`, no prefix
+   cache): the prefill worker paces its KV sends from a file, so a cell's link rate is real;
+2. for each rate and each precision in (full, auto), a network-aware router (the profile
+   `--profile`, `--slo-ttft`) sets the link to the rate and serves with `--kv-wire-precision`
+   full or auto (auto: the policy picks per request, router.placement.policies.cost.choose_kv_precision);
+   `host` is the same pair at 1000 Gbit/s (as good as unpaced shared memory on one host);
+3. a bounded load of `--requests` new prompts (synthetic, seeded per cell so no prompt repeats and
+   no prefix is reused) at `--rate` requests/s, `--input-len` tokens each, `--output-len` out;
+4. per cell: TTFT p50; the KV part of TTFT p50 (`kv_tail` of the router's per-request timing: the
+   transfer's time after prefill ends, which TTFT waits for) and the whole transfer's p50 (`kv`);
+   goodput at TTFT <= `--slo-ttft` (requests/s that met it, over the cell's span); the precision
+   each request went at; the KV bytes on the wire per request. Then full/auto ratios per rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+
+from loadgen.launcher import free_port  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+PROFILE = REPO / "experiments" / "profile-smollm2-cpu-1thread-2026-12-01.json"
+HOST_GBPS = 1000.0  # the "host" cell: a link this fast is not the bound anywhere here
+
+
+def start(argv: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def wait_for(check, proc: subprocess.Popen, timeout_s: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}); see {log}:\n{log.read_text()[-2000:]}")
+        if check():
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{what} not ready within {timeout_s:.0f}s; see {log}")
+
+
+def healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def p50(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def run_cell(args, state: Path, gbps: float, precision: str, seed: int) -> dict:
+    from loadgen.client import ClientConfig
+    from loadgen.datasets import DatasetConfig, LengthDist
+    from loadgen.runner import LoadConfig, run_load
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = state / f"router-{gbps:g}-{precision}.log"
+    router = start([sys.executable, "-m", "launcher.paced", "router", "--state", str(state), "--policy", "network-aware",
+                    "--profile", str(args.profile), "--slo-ttft", f"{args.slo_ttft:g}", "--bandwidth", f"{gbps:g}",
+                    "--port", str(port), "--kv-wire-precision", precision, "--kv-deadline-s", "60"], log)
+    try:
+        wait_for(lambda: healthy(base), router, 180, "router", log)
+        cfg = LoadConfig(
+            client=ClientConfig(base_url=base, endpoint="completions", ignore_eos=True, temperature=0.0,
+                                request_timeout_s=300),
+            rate=args.rate, arrival="constant", num_requests=args.requests, seed=seed,
+            dataset=DatasetConfig(kind="synthetic", input=LengthDist.parse(str(args.input_len)),
+                                  output=LengthDist.parse(str(args.output_len))),
+            max_run_time_s=args.requests / args.rate + 600, scrape_metrics=False,
+        )
+        result = run_load(cfg, progress=False)
+    finally:
+        stop(router)
+    ok = [r for r in result.records if r.ok]
+    timing = [r.server_timing or {} for r in ok]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    span = max((r.sent_s + (r.e2e_s or 0) for r in ok), default=0) - min((r.sent_s for r in ok), default=0)
+    met = sum(1 for t in ttft if t <= args.slo_ttft)
+    wire = [t["kv_bytes"] for t in timing if t.get("kv_bytes")]
+    return {
+        "gbps": gbps, "precision": precision, "requests": len(result.records), "ok": len(ok),
+        "ttft_p50_s": p50(ttft),
+        "kv_tail_p50_s": p50([t["kv_tail"] for t in timing if t.get("kv_tail") is not None]),
+        "kv_p50_s": p50([t["kv"] for t in timing if t.get("kv") is not None]),
+        "slo_met": met, "goodput_rps": met / span if span > 0 else 0.0,
+        "chosen": dict(Counter(t.get("kv_precision") or "local" for t in timing)),
+        "wire_mb_per_request": (sum(wire) / len(wire) / 1e6) if wire else None,
+        "reason": next((t.get("kv_precision_reason") for t in timing if t.get("kv_precision_reason")), None),
+    }
+
+
+def fmt(x, spec=".3f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def table(cells: list[dict], slo: float) -> str:
+    lines = [f"| link | precision | TTFT p50 s | KV part of TTFT p50 s | KV transfer p50 s | goodput at TTFT <= {slo:g} s "
+             "(req/s, met/ok) | chosen | wire MB/request |", "|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        link = "host" if c["gbps"] == HOST_GBPS else f"{c['gbps']:g} Gbit/s"
+        chosen = ", ".join(f"{k} {v}" for k, v in sorted(c["chosen"].items()))
+        lines.append(f"| {link} | {c['precision']} | {fmt(c['ttft_p50_s'])} | {fmt(c['kv_tail_p50_s'])} | "
+                     f"{fmt(c['kv_p50_s'])} | {c['goodput_rps']:.3f} ({c['slo_met']}/{c['ok']}) | {chosen} | "
+                     f"{fmt(c['wire_mb_per_request'], '.1f')} |")
+    lines += ["", "| link | TTFT p50 full/auto | KV part p50 full/auto | KV transfer p50 full/auto | goodput auto/full |",
+              "|---|---|---|---|---|"]
+    by = {(c["gbps"], c["precision"]): c for c in cells}
+
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if a is not None and b else "-"
+
+    for gbps in dict.fromkeys(c["gbps"] for c in cells):
+        full, auto = by.get((gbps, "full")), by.get((gbps, "auto"))
+        if not (full and auto):
+            continue
+        link = "host" if gbps == HOST_GBPS else f"{gbps:g} Gbit/s"
+        lines.append(f"| {link} | {ratio(full['ttft_p50_s'], auto['ttft_p50_s'])} | "
+                     f"{ratio(full['kv_tail_p50_s'], auto['kv_tail_p50_s'])} | {ratio(full['kv_p50_s'], auto['kv_p50_s'])} | "
+                     f"{ratio(auto['goodput_rps'], full['goodput_rps'])} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="1,10,25,100,host", help="Gbit/s, comma-separated; host = 1000")
+    ap.add_argument("--precisions", default="full,auto")
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=4)
+    ap.add_argument("--rate", type=float, default=0.25, help="requests/s (constant arrivals)")
+    ap.add_argument("--slo-ttft", type=float, default=3.0, help="TTFT SLO, seconds (CPU: a 1024-token prefill takes ~1 s)")
+    ap.add_argument("--profile", default=str(PROFILE))
+    ap.add_argument("--quick", action="store_true", help="1 and 100 Gbit/s, 4 requests of 512 tokens")
+    ap.add_argument("--out", default=None, help="write the cells as JSON here (and the table beside it, .md)")
+    args = ap.parse_args()
+    if args.quick:
+        args.rates, args.requests, args.input_len = "1,100", 4, 512
+    rates = [HOST_GBPS if r.strip() == "host" else float(r) for r in args.rates.split(",") if r.strip()]
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    for p in precisions:
+        if p not in ("full", "auto", "fp8"):
+            ap.error(f"--precisions: {p!r} is not full, auto or fp8")
+    state = Path(tempfile.mkdtemp(prefix="kv-precision-sweep-"))
+    log = state / "workers.log"
+    workers = start([sys.executable, "-m", "launcher.paced", "workers", "--state", str(state), "--model", "smollm2",
+                     "--prefill", "1", "--decode", "1", "--", "--device", "cpu", "--no-prefix-caching",
+                     "--kv-cache-gib", "1"], log)
+    cells = []
+    try:
+        wait_for(lambda: (state / "cluster.json").exists(), workers, 600, "workers", log)
+        seed = 0
+        for gbps in rates:
+            for precision in precisions:
+                seed += 1
+                cell = run_cell(args, state, gbps, precision, seed)
+                print(json.dumps(cell), flush=True)
+                cells.append(cell)
+    finally:
+        stop(workers)
+    text = table(cells, args.slo_ttft)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args) | {"profile": os.path.relpath(args.profile, REPO)}, "cells": cells}, indent=2) + "\n")
+        Path(args.out).with_suffix(".md").write_text(text + "\n")
+    return 0 if all(c["ok"] == c["requests"] for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
