@@ -219,6 +219,8 @@ class _Lander:
     def _run(self, ledger: ReceiveLedger, device: torch.device) -> None:
         context = contextlib.nullcontext()
         if device.type == "cuda":
+            if device.index is None:  # a bare "cuda": the current device (set_device needs an index)
+                device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(device)
             context = torch.cuda.stream(torch.cuda.Stream(device))
         closing = False

@@ -139,7 +139,9 @@ class EngineLoop:
             # current device) must go to the engine's GPU when the process sees several
             import torch
 
-            torch.cuda.set_device(device)
+            # a bare "cuda" (no index: `pdserve worker --device cuda`) is the current device;
+            # recent torch refuses set_device without an index
+            torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
         runner = getattr(engine, "runner", None)
         clock = time.perf_counter
         while not self._stop.is_set():

@@ -45,3 +45,34 @@ def test_one_callback_per_loop_per_step_and_order_kept():
     assert not aio.calls
     loop.deliver_many([])
     assert not aio.calls
+
+
+def test_engine_thread_sets_an_indexed_device_for_a_bare_cuda(monkeypatch):
+    """`pdserve worker --device cuda` gives the engine a device without an index; recent torch's
+    set_device refuses that (it once failed every standalone GPU worker at start)."""
+    import threading
+
+    import torch
+
+    seen = []
+    ran = threading.Event()
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append(d))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    class Engine:
+        device = torch.device("cuda")
+        requests = {}
+
+        def has_unfinished_requests(self):
+            ran.set()
+            return False
+
+    loop = EngineLoop(Engine())
+    loop.start()
+    try:
+        assert ran.wait(5)
+    finally:
+        loop.stop()
+    assert len(seen) == 1
+    index = seen[0].index if isinstance(seen[0], torch.device) else seen[0]
+    assert isinstance(index, int)
