@@ -472,7 +472,8 @@ def probe_disaggregated(base: str) -> str:
     """One request after the load; where it ran, from the router's timing (usage.pdserve_timing)."""
     try:
         r = httpx.post(f"{base}/v1/completions", timeout=120, json={
-            "model": MODEL_NAME[0], "prompt": "The first transfer after a restart " * 20, "max_tokens": 4, "temperature": 0})
+            "model": MODEL_NAME[0], "prompt": "The first transfer after a restart " * 20, "max_tokens": 4, "temperature": 0,
+            "pdserve_timing": True})
         body = r.json()
     except (httpx.HTTPError, ValueError) as e:
         return f"error {type(e).__name__}"

@@ -171,6 +171,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def _fail(self, context, code: grpc.StatusCode, message: str):
         await context.abort(code, message)
 
+    @staticmethod
+    def _caller_gone(context) -> bool:
+        """The caller has given up on this call: cancelled, or its deadline passed. A call that
+        reaches a worker late (it was stopped, SIGSTOP, while the call waited in its socket) must
+        not take blocks that nobody will claim."""
+        try:
+            if context.cancelled():
+                return True
+            remaining = context.time_remaining()
+        except Exception:  # a context without these (tests' stand-ins): assume the caller waits
+            return False
+        return remaining is not None and remaining <= 0
+
     def _check_role(self, side: str, rpc: str) -> str | None:
         """`side`: "send" (Prefill) or "receive" (Reserve, Decode) of a KV hand-off."""
         config = self.w.config
@@ -254,6 +267,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         except ValueError as exc:
             await self._fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         rid = request.request_id
+        if self._caller_gone(context):
+            await self._fail(context, grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"Reserve for {rid!r} arrived after its caller gave up; nothing reserved")
         prompt = list(request.prompt_token_ids)
         # 128 random bits: the transfer's wire key (a hash of the id) is known only to the prefill
         # worker this Reserve is handed to, so KV from any other connection is dropped unlanded
@@ -289,6 +305,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         except BaseException:  # cancelled, or the expectation failed: on the engine thread, after any grant
             self.w.loop.submit(lambda e: (self.w.receiver.cancel(transfer_id), e.abort_request(rid)))
             raise
+        if self._caller_gone(context):  # granted after the caller left: nobody will claim these blocks
+            self.w.loop.submit(lambda e: (self.w.receiver.cancel(transfer_id), e.abort_request(rid)))
+            await self._fail(context, grpc.StatusCode.DEADLINE_EXCEEDED,
+                             f"Reserve for {rid!r} was granted after its caller gave up; its blocks are freed")
         self.w.transfers[rid] = transfer_id
         self.w.lease_reservation(rid, transfer_id, deadline + self.w.reservation_grace_s)
         return pb.ReserveResponse(kv_address=self.w.kv_address, transfer_id=transfer_id, block_ids=blocks,

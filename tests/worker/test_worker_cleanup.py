@@ -99,3 +99,45 @@ def test_a_prefill_whose_caller_timed_out_while_releasing_frees_its_blocks(worke
     assert wait_until(lambda: all_free(prefill), timeout_s=5), prefill.engine.requests
     stubs["decode"].Abort(pb.AbortRequest(request_id="release-late"), timeout=10)
     assert wait_until(lambda: all_free(decode), timeout_s=5)
+
+
+class _LateContext:
+    """A call that reaches the worker after its caller gave up (the worker was stopped while the
+    call waited in its socket): its deadline has passed. `abort` raises as grpc's does."""
+
+    def __init__(self, remaining_after_grant: float | None = -1.0, remaining_at_start: float | None = -1.0):
+        self.remaining = [remaining_at_start, remaining_after_grant]
+        self.aborted: tuple | None = None
+
+    def cancelled(self) -> bool:
+        return False
+
+    def time_remaining(self):
+        return self.remaining.pop(0) if len(self.remaining) > 1 else self.remaining[0]
+
+    async def abort(self, code, message):
+        self.aborted = (code, message)
+        raise grpc.RpcError(message)
+
+
+@pytest.mark.parametrize("start, after", [(-1.0, -1.0), (5.0, -1.0)], ids=["late-arrival", "granted-late"])
+def test_a_reserve_whose_caller_gave_up_holds_no_blocks(workers, start, after):
+    import asyncio
+
+    from pdserve.worker.server import WorkerServicer
+
+    _, servers = workers
+    decode = servers["decode"]
+    assert wait_until(lambda: all_free(decode), timeout_s=5)
+    context = _LateContext(remaining_after_grant=after, remaining_at_start=start)
+    request = pb.ReserveRequest(request_id=f"late-{start}", prompt_token_ids=prompts(1, seed=7)[0],
+                                params=params_to_proto(GREEDY), deadline_s=30)
+
+    async def call():
+        with pytest.raises(grpc.RpcError):
+            await WorkerServicer(decode).Reserve(request, context)
+
+    asyncio.run(call())
+    assert context.aborted is not None and context.aborted[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_until(lambda: all_free(decode), timeout_s=5), decode.engine.requests
+    assert f"late-{start}" not in decode.transfers
