@@ -10,6 +10,11 @@ Each `refresh` (every `interval_s` in the background once started):
    are left to end on their own; one that answers healthy is used again.
 Request paths also `mark_down` a worker when a call to it fails; the next good poll restores it.
 
+Unsent aborts: an Abort that did not reach its worker (stopped, SIGSTOP, or unreachable while the
+router gave up on a request there) is kept (`abort_later`) and sent again after the worker's next
+good poll: nothing else would free what the request holds there soon (a decode worker leases a
+reservation for the router's whole queue bound plus the KV deadline).
+
 Draining: a directory may name workers to drain (a `draining` set of worker ids, e.g.
 `launcher.cluster.directory.RayDirectory` while the autoscaler removes one). A draining worker
 keeps its connection and its live requests, but `snapshots()` leave it out, so that placement
@@ -31,11 +36,13 @@ from typing import Any
 
 from pdserve.proto import worker_pb2 as pb
 from router.cluster.directory import WorkerDirectory, WorkerEndpoint, check_duty
-from router.errors import WorkerError
+from router.errors import WorkerError, WorkerFailed
 from router.placement.base import WorkerSnapshot
 from router.cluster.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
+
+MAX_UNSENT_ABORTS = 10_000  # per worker: Aborts kept to send again once it answers (WorkerPool.abort_later)
 
 
 @dataclass
@@ -109,6 +116,7 @@ class WorkerPool:
         self.workers: dict[str, PooledWorker] = {}
         self._cluster_token = cluster_token
         self._monitor: asyncio.Task[None] | None = None
+        self._unsent_aborts: dict[str, set[str]] = {}  # worker id -> request ids its Abort did not reach
 
     async def start(self) -> None:
         """One refresh now, then one every interval_s in the background."""
@@ -181,6 +189,7 @@ class WorkerPool:
             self._apply_duty(worker, duties.get(worker.worker_id))
         for worker_id in [w for w in self.workers if w not in seen]:
             logger.info("worker %s left the directory", worker_id)
+            self._unsent_aborts.pop(worker_id, None)
             await self.workers.pop(worker_id).client.close()
 
     def _apply_duty(self, worker: PooledWorker, duty: str | None) -> None:
@@ -227,6 +236,28 @@ class WorkerPool:
         if not worker.healthy:
             logger.info("worker %s is healthy", worker.worker_id)
         worker.healthy, worker.detail = True, ""
+        if self._unsent_aborts.get(worker.worker_id):
+            await self._resend_aborts(worker)
+
+    def abort_later(self, worker_id: str, request_id: str) -> None:
+        """An Abort of `request_id` that did not reach worker `worker_id`: sent again after the
+        worker's next good poll (at most MAX_UNSENT_ABORTS kept per worker)."""
+        pending = self._unsent_aborts.setdefault(worker_id, set())
+        if len(pending) < MAX_UNSENT_ABORTS:
+            pending.add(request_id)
+
+    async def _resend_aborts(self, worker: PooledWorker) -> None:
+        request_ids = sorted(self._unsent_aborts.pop(worker.worker_id, ()))
+        results = await asyncio.gather(*(worker.client.abort(rid, timeout_s=self.rpc_timeout_s) for rid in request_ids),
+                                       return_exceptions=True)
+        found = 0
+        for rid, result in zip(request_ids, results):
+            if isinstance(result, WorkerFailed):
+                self.abort_later(worker.worker_id, rid)  # not reached again: the next good poll retries
+            elif not isinstance(result, BaseException):
+                found += bool(result)
+        logger.info("worker %s: %d unsent aborts sent again, %d of them found the request there",
+                    worker.worker_id, len(request_ids), found)
 
     def mark_down(self, worker: PooledWorker, reason: str, *, cancel_streams: bool) -> None:
         if worker.healthy:

@@ -202,6 +202,25 @@ def test_kv_deadline_on_prefill_falls_back_to_generate_on_d():
     run(main)
 
 
+def test_an_abort_that_did_not_reach_a_stopped_worker_is_sent_again_when_it_answers():
+    """Issue 30's sigstop row: the KV missed its deadline while D was stopped, so the router's
+    Abort of D's reservation timed out unserved; D leases a reservation for the router's queue
+    bound, so it held the blocks for minutes. The Abort goes again after D's next good poll."""
+    async def main():
+        async with cluster(("p0", "prefill", Script(prefill_error=grpc.StatusCode.DEADLINE_EXCEEDED)),
+                           ("d0", "decode", Script(hang_aborts=True))) as env:
+            task = asyncio.create_task(collect(env.backend, "r1"))
+            await until(lambda: env["d0"].called("Generate") == ["r1.1"], timeout_s=5)
+            check_complete(await task, "r1", 6)
+            assert "r1" in env["d0"].reservations and env["d0"].aborts == []  # the Abort timed out unserved
+            env["d0"].script.hang_aborts = False  # D wakes up
+            await until(lambda: "r1" not in env["d0"].reservations, timeout_s=3)
+            assert env["d0"].aborts == ["r1"]
+            await asyncio.sleep(0.2)  # sent once: the next polls send nothing
+            assert env["d0"].aborts == ["r1"]
+    run(main)
+
+
 def test_kv_deadline_on_decode_resumes_after_the_first_token():
     async def main():
         async with cluster(("p0", "prefill", Script(push_kv=False)), ("d0", "decode")) as env:
