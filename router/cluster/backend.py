@@ -712,10 +712,10 @@ class ClusterBackend:
         try:
             await client.abort(wire_id)
         except Exception as exc:
-            # it may never have reached the worker (stopped, unreachable, its channel closed): what
-            # the request holds there stays until the worker's next good poll sends it again
+            # it may never have reached the worker (stopped, unreachable, its channel closed as it
+            # left the directory): the worker's next good poll sends it again (WorkerPool.abort_later)
             logger.info("abort of %s on worker %s failed: %s", wire_id, client.worker_id, exc)
-            if isinstance(exc, WorkerFailed) and client.worker_id in self.pool.workers:
+            if isinstance(exc, WorkerFailed):
                 self.pool.abort_later(client.worker_id, wire_id)
 
     def _spawn(self, awaitable: Any) -> asyncio.Future[Any]:

@@ -11,9 +11,11 @@ Each `refresh` (every `interval_s` in the background once started):
 Request paths also `mark_down` a worker when a call to it fails; the next good poll restores it.
 
 Unsent aborts: an Abort that did not reach its worker (stopped, SIGSTOP, or unreachable while the
-router gave up on a request there) is kept (`abort_later`) and sent again after the worker's next
-good poll: nothing else would free what the request holds there soon (a decode worker leases a
-reservation for the router's whole queue bound plus the KV deadline).
+router gave up on a request there, or the directory dropped it meanwhile and its connection was
+closed) is kept (`abort_later`) and sent again after the worker's next good poll, also when it
+comes back under the same id: nothing else would free what the request holds there soon (a
+decode worker leases a reservation for the router's whole queue bound plus the KV deadline).
+Kept at most UNSENT_ABORT_TTL_S (past any such lease), MAX_UNSENT_ABORTS per worker.
 
 Draining: a directory may name workers to drain (a `draining` set of worker ids, e.g.
 `launcher.cluster.directory.RayDirectory` while the autoscaler removes one). A draining worker
@@ -31,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +46,7 @@ from router.cluster.worker_client import WorkerClient
 logger = logging.getLogger(__name__)
 
 MAX_UNSENT_ABORTS = 10_000  # per worker: Aborts kept to send again once it answers (WorkerPool.abort_later)
+UNSENT_ABORT_TTL_S = 1800.0  # how long such an Abort is kept for a worker that does not answer
 
 
 @dataclass
@@ -116,7 +120,8 @@ class WorkerPool:
         self.workers: dict[str, PooledWorker] = {}
         self._cluster_token = cluster_token
         self._monitor: asyncio.Task[None] | None = None
-        self._unsent_aborts: dict[str, set[str]] = {}  # worker id -> request ids its Abort did not reach
+        # worker id -> {request id its Abort did not reach: when it was kept}
+        self._unsent_aborts: dict[str, dict[str, float]] = {}
 
     async def start(self) -> None:
         """One refresh now, then one every interval_s in the background."""
@@ -135,6 +140,7 @@ class WorkerPool:
 
     async def refresh(self) -> None:
         await self._sync_endpoints()
+        self._expire_unsent_aborts()
         await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
 
     def snapshots(self) -> tuple[WorkerSnapshot, ...]:
@@ -189,7 +195,6 @@ class WorkerPool:
             self._apply_duty(worker, duties.get(worker.worker_id))
         for worker_id in [w for w in self.workers if w not in seen]:
             logger.info("worker %s left the directory", worker_id)
-            self._unsent_aborts.pop(worker_id, None)
             await self.workers.pop(worker_id).client.close()
 
     def _apply_duty(self, worker: PooledWorker, duty: str | None) -> None:
@@ -241,19 +246,29 @@ class WorkerPool:
 
     def abort_later(self, worker_id: str, request_id: str) -> None:
         """An Abort of `request_id` that did not reach worker `worker_id`: sent again after the
-        worker's next good poll (at most MAX_UNSENT_ABORTS kept per worker)."""
-        pending = self._unsent_aborts.setdefault(worker_id, set())
+        worker's next good poll (module docstring, "Unsent aborts")."""
+        pending = self._unsent_aborts.setdefault(worker_id, {})
         if len(pending) < MAX_UNSENT_ABORTS:
-            pending.add(request_id)
+            pending.setdefault(request_id, time.monotonic())
+
+    def _expire_unsent_aborts(self) -> None:
+        too_old = time.monotonic() - UNSENT_ABORT_TTL_S
+        for worker_id in list(self._unsent_aborts):
+            pending = {rid: t for rid, t in self._unsent_aborts[worker_id].items() if t > too_old}
+            if pending:
+                self._unsent_aborts[worker_id] = pending
+            else:
+                del self._unsent_aborts[worker_id]
 
     async def _resend_aborts(self, worker: PooledWorker) -> None:
-        request_ids = sorted(self._unsent_aborts.pop(worker.worker_id, ()))
+        pending = self._unsent_aborts.pop(worker.worker_id, {})
+        request_ids = sorted(pending)
         results = await asyncio.gather(*(worker.client.abort(rid, timeout_s=self.rpc_timeout_s) for rid in request_ids),
                                        return_exceptions=True)
         found = 0
         for rid, result in zip(request_ids, results):
-            if isinstance(result, WorkerFailed):
-                self.abort_later(worker.worker_id, rid)  # not reached again: the next good poll retries
+            if isinstance(result, WorkerFailed):  # not reached again: the next good poll retries
+                self._unsent_aborts.setdefault(worker.worker_id, {}).setdefault(rid, pending[rid])
             elif not isinstance(result, BaseException):
                 found += bool(result)
         logger.info("worker %s: %d unsent aborts sent again, %d of them found the request there",
