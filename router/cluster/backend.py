@@ -712,7 +712,11 @@ class ClusterBackend:
         try:
             await client.abort(wire_id)
         except Exception as exc:
+            # it may never have reached the worker (stopped, unreachable, its channel closed as it
+            # left the directory): the worker's next good poll sends it again (WorkerPool.abort_later)
             logger.info("abort of %s on worker %s failed: %s", wire_id, client.worker_id, exc)
+            if isinstance(exc, WorkerFailed):
+                self.pool.abort_later(client.worker_id, wire_id)
 
     def _spawn(self, awaitable: Any) -> asyncio.Future[Any]:
         task = asyncio.ensure_future(awaitable)

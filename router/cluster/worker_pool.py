@@ -10,6 +10,13 @@ Each `refresh` (every `interval_s` in the background once started):
    are left to end on their own; one that answers healthy is used again.
 Request paths also `mark_down` a worker when a call to it fails; the next good poll restores it.
 
+Unsent aborts: an Abort that did not reach its worker (stopped, SIGSTOP, or unreachable while the
+router gave up on a request there, or the directory dropped it meanwhile and its connection was
+closed) is kept (`abort_later`) and sent again after the worker's next good poll, also when it
+comes back under the same id: nothing else would free what the request holds there soon (a
+decode worker leases a reservation for the router's whole queue bound plus the KV deadline).
+Kept at most UNSENT_ABORT_TTL_S (past any such lease), MAX_UNSENT_ABORTS per worker.
+
 Draining: a directory may name workers to drain (a `draining` set of worker ids, e.g.
 `launcher.cluster.directory.RayDirectory` while the autoscaler removes one). A draining worker
 keeps its connection and its live requests, but `snapshots()` leave it out, so that placement
@@ -26,16 +33,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.proto import worker_pb2 as pb
 from router.cluster.directory import WorkerDirectory, WorkerEndpoint, check_duty
-from router.errors import WorkerError
+from router.errors import WorkerError, WorkerFailed
 from router.placement.base import WorkerSnapshot
 from router.cluster.worker_client import WorkerClient
 
 logger = logging.getLogger(__name__)
+
+MAX_UNSENT_ABORTS = 10_000  # per worker: Aborts kept to send again once it answers (WorkerPool.abort_later)
+UNSENT_ABORT_TTL_S = 1800.0  # how long such an Abort is kept for a worker that does not answer
 
 
 @dataclass
@@ -109,6 +120,8 @@ class WorkerPool:
         self.workers: dict[str, PooledWorker] = {}
         self._cluster_token = cluster_token
         self._monitor: asyncio.Task[None] | None = None
+        # worker id -> {request id its Abort did not reach: when it was kept}
+        self._unsent_aborts: dict[str, dict[str, float]] = {}
 
     async def start(self) -> None:
         """One refresh now, then one every interval_s in the background."""
@@ -127,6 +140,7 @@ class WorkerPool:
 
     async def refresh(self) -> None:
         await self._sync_endpoints()
+        self._expire_unsent_aborts()
         await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
 
     def snapshots(self) -> tuple[WorkerSnapshot, ...]:
@@ -227,6 +241,38 @@ class WorkerPool:
         if not worker.healthy:
             logger.info("worker %s is healthy", worker.worker_id)
         worker.healthy, worker.detail = True, ""
+        if self._unsent_aborts.get(worker.worker_id):
+            await self._resend_aborts(worker)
+
+    def abort_later(self, worker_id: str, request_id: str) -> None:
+        """An Abort of `request_id` that did not reach worker `worker_id`: sent again after the
+        worker's next good poll (module docstring, "Unsent aborts")."""
+        pending = self._unsent_aborts.setdefault(worker_id, {})
+        if len(pending) < MAX_UNSENT_ABORTS:
+            pending.setdefault(request_id, time.monotonic())
+
+    def _expire_unsent_aborts(self) -> None:
+        too_old = time.monotonic() - UNSENT_ABORT_TTL_S
+        for worker_id in list(self._unsent_aborts):
+            pending = {rid: t for rid, t in self._unsent_aborts[worker_id].items() if t > too_old}
+            if pending:
+                self._unsent_aborts[worker_id] = pending
+            else:
+                del self._unsent_aborts[worker_id]
+
+    async def _resend_aborts(self, worker: PooledWorker) -> None:
+        pending = self._unsent_aborts.pop(worker.worker_id, {})
+        request_ids = sorted(pending)
+        results = await asyncio.gather(*(worker.client.abort(rid, timeout_s=self.rpc_timeout_s) for rid in request_ids),
+                                       return_exceptions=True)
+        found = 0
+        for rid, result in zip(request_ids, results):
+            if isinstance(result, WorkerFailed):  # not reached again: the next good poll retries
+                self._unsent_aborts.setdefault(worker.worker_id, {}).setdefault(rid, pending[rid])
+            elif not isinstance(result, BaseException):
+                found += bool(result)
+        logger.info("worker %s: %d unsent aborts sent again, %d of them found the request there",
+                    worker.worker_id, len(request_ids), found)
 
     def mark_down(self, worker: PooledWorker, reason: str, *, cancel_streams: bool) -> None:
         if worker.healthy:

@@ -49,6 +49,7 @@ class Script:
     push_kv: bool = True  # Prefill "pushes" the KV to D (False: D's Decode misses the deadline)
     healthy: bool = True  # what Health answers
     hang: bool = False  # Health, Stats and token streams stop answering (a hung process)
+    hang_aborts: bool = False  # Abort does not answer (a stopped process); the caller's timeout drops it unserved
     kv_compat: str = ""  # what Stats reports as the worker's KV compatibility key
 
 
@@ -175,6 +176,8 @@ class FakeWorker(pb_grpc.WorkerServicer):
             yield chunk
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        while self.script.hang_aborts:  # cancelled when the caller gives up: this Abort is never served
+            await asyncio.sleep(0.01)
         self.calls.append(("Abort", request.request_id))
         self.aborts.append(request.request_id)
         found = request.request_id in self.live or request.request_id in self.reservations

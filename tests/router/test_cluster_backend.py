@@ -202,6 +202,32 @@ def test_kv_deadline_on_prefill_falls_back_to_generate_on_d():
     run(main)
 
 
+@pytest.mark.parametrize("leaves", [False, True], ids=["stays", "leaves-the-directory"])
+def test_an_abort_that_did_not_reach_a_stopped_worker_is_sent_again_when_it_answers(leaves):
+    """Issue 30's sigstop row: the KV missed its deadline while D was stopped, so the router's
+    Abort of D's reservation did not reach D (timed out unserved, or D had left the directory
+    and its connection was closed); D leases a reservation for the router's queue bound, so it
+    held the blocks for minutes. The Abort goes again after D's next good poll."""
+    async def main():
+        async with cluster(("p0", "prefill", Script(prefill_error=grpc.StatusCode.DEADLINE_EXCEEDED)),
+                           ("d0", "decode", Script(hang_aborts=True))) as env:
+            task = asyncio.create_task(collect(env.backend, "r1"))
+            await until(lambda: env["d0"].called("Generate") == ["r1.1"], timeout_s=5)
+            check_complete(await task, "r1", 6)
+            assert "r1" in env["d0"].reservations and env["d0"].aborts == []  # the Abort did not reach D
+            if leaves:  # the directory drops D while it does not answer, then lists it again
+                entries = env.directory.entries
+                env.directory.entries = [e for e in entries if e.worker_id != "d0"]
+                await until(lambda: "d0" not in env.backend.pool.workers)
+                env.directory.entries = entries
+            env["d0"].script.hang_aborts = False  # D wakes up
+            await until(lambda: "r1" not in env["d0"].reservations, timeout_s=3)
+            assert env["d0"].aborts == ["r1"]
+            await asyncio.sleep(0.2)  # sent once: the next polls send nothing
+            assert env["d0"].aborts == ["r1"]
+    run(main)
+
+
 def test_kv_deadline_on_decode_resumes_after_the_first_token():
     async def main():
         async with cluster(("p0", "prefill", Script(push_kv=False)), ("d0", "decode")) as env:
