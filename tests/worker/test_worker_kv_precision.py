@@ -36,11 +36,14 @@ def _run(stubs, rid: str, prompt: list[int], precision: str) -> tuple[list[int],
 
 @pytest.mark.timeout(300)
 def test_full_then_fp8_on_one_pair_decode_alike_and_free_every_block(ucx_workers):  # noqa: F811
-    stubs, procs = ucx_workers
+    stubs, procs, backend = ucx_workers
+    if backend != "ucx":
+        pytest.skip(f"the {backend} backend moves the pool's bytes as they are (no FP8 on its wire yet)")
     expected = [o.token_ids for o in LLM(MODEL, device="cpu", dtype="float32", num_blocks=128).generate(PROMPTS, PARAMS)]
     # 2 layers x (K+V) x 2 kv heads x 16 dims per token; fp32 pools: 16 rows x 4 bytes per block and
-    # head dim; FP8: 16 data rows + 4 rows of float32 scales (16 tokens x 4 bytes / 16 dims), 1 byte each
-    full_block, fp8_block = 2 * 2 * 2 * 16 * 16 * 4, 2 * 2 * 2 * 20 * 16
+    # head dim; FP8: 16 data rows + 4 rows of float32 scales (16 tokens x 4 bytes / 16 dims) + 1 row of
+    # per-channel power-of-two exponents (one int8 a dim), 1 byte each (wire v4)
+    full_block, fp8_block = 2 * 2 * 2 * 16 * 16 * 4, 2 * 2 * 2 * 21 * 16
     moved = 0
     for i, prompt in enumerate(PROMPTS):
         blocks = -(-len(prompt) // 16)
