@@ -48,6 +48,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from kvtransfer import auth
 from kvtransfer import layout as wire
 from kvtransfer.base import KVCaches, KVReceiver, KVSender, TransferResult, wire_fp8
 from kvtransfer.errors import KVTransferError
@@ -176,6 +177,18 @@ def _wait_xfer(agent, handle, what: str) -> None:
         raise KVTransferError(f"NIXL {what} failed (state {state})")
 
 
+# The control connection's first exchange, before HELLO: the cluster token proved by challenge
+# and response (kvtransfer.auth; the token never crosses the wire). The receiver opens with
+# AUTH_NONE (no token) or AUTH_CHALLENGE + its nonce; a sender with the token answers its nonce
+# and proof, and the receiver answers AUTH_OK + its own proof or AUTH_REFUSED + the reason.
+AUTH_NONE, AUTH_CHALLENGE, AUTH_OK, AUTH_REFUSED = b"PDKV0", b"PDKV1", b"PDKVY", b"PDKVN"
+_AUTH_FP = 0  # the proof binds the nonces only: the layouts are compared at HELLO, after it
+
+
+def _refused(address: str, reason: str) -> KVTransferError:
+    return KVTransferError(f"KV peer refused: {reason} (receiver {address})")
+
+
 class _RecvConn:
     """One sender, as the receiver sees it."""
 
@@ -199,8 +212,12 @@ class _RecvConn:
 
 class NixlReceiver(KVReceiver):
     def __init__(self, kv_caches: KVCaches, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
-                 model: str = ""):
+                 model: str = "", token: str | None = None, interface: str | None = None):
+        """`token`: the cluster's secret, which every sender must prove (None: nothing checked);
+        `interface`: the local address(es) a connection must arrive on (default `host`; "any": any)."""
         api = load_nixl()
+        self._token = token
+        self._allowed = auth.allowed_addresses(host, interface)
         self._pools = _pools(kv_caches)
         self.layout = KVLayout.from_caches(kv_caches)
         self._device = self._pools[0][0].device
@@ -284,6 +301,8 @@ class NixlReceiver(KVReceiver):
     def _serve(self, conn: _RecvConn) -> None:
         try:
             conn.sock.settimeout(self._connect_timeout)
+            if not self._admit(conn):
+                return
             hello = _recv_frame(conn.sock)
             conn.sock.settimeout(None)
             if hello is None or not self._handshake(conn, hello):
@@ -312,6 +331,31 @@ class NixlReceiver(KVReceiver):
                 if conn.remote_agent is not None:
                     agent.remove_remote_agent(conn.remote_agent)
             conn.sock.close()
+
+    def _admit(self, conn: _RecvConn) -> bool:
+        """The interface and token checks, before the sender may say anything else."""
+        local = conn.sock.getsockname()[0]
+        if not auth.address_allowed(local, self._allowed):
+            return self._refuse(conn, auth.REFUSED_REASONS[auth.REFUSED_INTERFACE])
+        if self._token is None:
+            conn.send(AUTH_NONE)
+            return True
+        server_nonce = auth.new_nonce()
+        conn.send(AUTH_CHALLENGE + server_nonce)
+        answer = _recv_frame(conn.sock)
+        if answer is None or len(answer) != auth.NONCE_BYTES + auth.PROOF_BYTES:
+            return self._refuse(conn, auth.REFUSED_REASONS[auth.REFUSED_TOKEN])
+        client_nonce, proof = answer[:auth.NONCE_BYTES], answer[auth.NONCE_BYTES:]
+        if not auth.verify(auth.sender_proof(self._token, server_nonce, client_nonce, _AUTH_FP), proof):
+            return self._refuse(conn, auth.REFUSED_REASONS[auth.REFUSED_TOKEN])
+        conn.send(AUTH_OK + auth.receiver_proof(self._token, server_nonce, client_nonce, _AUTH_FP))
+        return True
+
+    def _refuse(self, conn: _RecvConn, reason: str) -> bool:
+        self._ledger.count("peers_refused")
+        logger.warning("KV peer refused: %s", reason)
+        conn.send(AUTH_REFUSED + reason.encode())
+        return False
 
     def _handshake(self, conn: _RecvConn, hello: bytes) -> bool:
         header = unpack_header(hello, check_version=False)
@@ -396,8 +440,11 @@ class _Link:
 
 
 class NixlSender(KVSender):
-    def __init__(self, kv_caches: KVCaches, connect_timeout: float = 5.0, model: str = ""):
+    def __init__(self, kv_caches: KVCaches, connect_timeout: float = 5.0, model: str = "",
+                 token: str | None = None):
+        """`token`: the cluster's secret, proved to each receiver (None: a cluster without one)."""
         api = load_nixl()
+        self._token = token
         self._pools = _pools(kv_caches)
         self.layout = KVLayout.from_caches(kv_caches)
         self._device = self._pools[0][0].device
@@ -475,6 +522,7 @@ class NixlSender(KVSender):
         sock = socket.create_connection((host, port), timeout=self._connect_timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link.sock = sock
+        self._prove(link)
         _send_frame(sock, link.lock, pack_hello(MsgKind.HELLO, self.layout, extra=self._hello_extra,
                                                 model=self._model, incarnation=incarnation))
         answer = _recv_frame(sock)
@@ -494,6 +542,33 @@ class NixlSender(KVSender):
         reader = threading.Thread(target=self._read, args=(link,), name="kvtransfer-nixl-ack", daemon=True)
         link.threads.append(reader)
         reader.start()
+
+    def _prove(self, link: _Link) -> None:
+        """Answers the receiver's opening: its challenge with this sender's proof of the token."""
+        opening = _recv_frame(link.sock)
+        if opening is None:
+            raise KVTransferError(f"KV receiver {link.address} closed the connection before the handshake")
+        kind, rest = opening[:5], opening[5:]
+        if kind == AUTH_REFUSED:
+            raise _refused(link.address, rest.decode(errors="replace"))
+        if kind == AUTH_NONE:
+            if self._token is not None:  # it proves nothing: a cluster uses a token on every worker or none
+                raise _refused(link.address, "cluster token mismatch: the receiver has no cluster token")
+            return
+        if kind != AUTH_CHALLENGE or len(rest) != auth.NONCE_BYTES:
+            raise KVTransferError(f"KV receiver {link.address} opened with an unknown message")
+        if self._token is None:
+            raise _refused(link.address, "cluster token mismatch: the receiver requires one, this sender has none")
+        client_nonce = auth.new_nonce()
+        _send_frame(link.sock, link.lock, client_nonce + auth.sender_proof(self._token, rest, client_nonce, _AUTH_FP))
+        answer = _recv_frame(link.sock)
+        if answer is None:
+            raise KVTransferError(f"KV receiver {link.address} closed the connection during the handshake")
+        if answer[:5] == AUTH_REFUSED:
+            raise _refused(link.address, answer[5:].decode(errors="replace"))
+        expected = auth.receiver_proof(self._token, rest, client_nonce, _AUTH_FP)
+        if answer[:5] != AUTH_OK or not auth.verify(expected, answer[5:]):
+            raise _refused(link.address, "cluster token mismatch: the receiver's proof is wrong")
 
     def _read(self, link: _Link) -> None:
         try:

@@ -217,3 +217,65 @@ def test_nixl_close_leaves_no_thread(peer):
         assert nixl_threads() == []
     peer.call("close")
     assert not [t for t in peer.call("threads") if t.startswith("kvtransfer-nixl")]
+
+
+# ---- the cluster token and the interface (the control connection's opening, before HELLO) ----
+
+TOKEN, OTHER = "nixl-cluster-secret", "another-cluster"
+AUTH_SRC, AUTH_DST = [1, 4, 6], [2, 5, 9]
+
+
+def _send_all(sender, address, transfer_id):
+    for layer in range(3):
+        sender.send_layer(address, transfer_id, layer, AUTH_SRC, AUTH_DST)
+    return sender.finish(transfer_id, timeout=15)
+
+
+def _refusals(peer, expected=1):
+    end = time.monotonic() + 10
+    while (metrics := peer.call("metrics"))["peers_refused"] < expected and time.monotonic() < end:
+        time.sleep(0.05)
+    return metrics
+
+
+@pytest.mark.parametrize("sender_token", [None, OTHER], ids=["no-token", "wrong-token"])
+def test_nixl_receiver_with_token_refuses_a_sender_without_it(peer, sender_token):
+    address = peer.call("open_receiver", FP32, token=TOKEN)
+    peer.call("expect", "refused", AUTH_DST, 3, 10.0)
+    with kvtransfer.create_sender("nixl", make_caches(FP32, seed=1), token=sender_token) as sender:
+        with pytest.raises(KVTransferError, match="KV peer refused: cluster token mismatch"):
+            _send_all(sender, address, "refused")
+    metrics = _refusals(peer)
+    assert metrics["peers_refused"] == 1 and metrics.get("messages_pulled", 0) == 0
+    zeros = make_caches(FP32, seed=None)
+    assert all(peer.call("read", layer, AUTH_DST) == block_bytes(zeros, layer, AUTH_DST) for layer in range(3))
+
+
+def test_nixl_sender_with_token_refuses_a_receiver_without_it(peer):
+    address = peer.call("open_receiver", FP32)
+    with kvtransfer.create_sender("nixl", make_caches(FP32, seed=1), token=TOKEN) as sender:
+        with pytest.raises(KVTransferError, match="KV peer refused: cluster token mismatch: the receiver has no"):
+            _send_all(sender, address, "untokened")
+
+
+@pytest.mark.parametrize("interface", [None, "127.0.0.1", "any"])
+def test_nixl_matching_tokens_land_exact_bytes(peer, interface):
+    address = peer.call("open_receiver", FP32, host="127.0.0.1", interface=interface, token=TOKEN)
+    src = make_caches(FP32, seed=8)
+    peer.call("expect", "tokened", AUTH_DST, 3, 15.0)
+    with kvtransfer.create_sender("nixl", src, token=TOKEN) as sender:
+        _send_all(sender, address, "tokened")
+    peer.call("wait", "tokened", 15.0)
+    for layer in range(3):
+        assert peer.call("read", layer, AUTH_DST) == block_bytes(src, layer, AUTH_SRC)
+    assert peer.call("metrics")["peers_refused"] == 0
+
+
+def test_nixl_connection_on_another_interface_is_refused(peer):
+    """The control listener binds 127.0.0.1; a receiver told to serve 127.0.0.2 only refuses what
+    arrives there, before the handshake."""
+    address = peer.call("open_receiver", FP32, host="127.0.0.1", interface="127.0.0.2")
+    with kvtransfer.create_sender("nixl", make_caches(FP32, seed=1)) as sender:
+        with pytest.raises(KVTransferError, match="KV peer refused: connection arrived on an interface"):
+            _send_all(sender, address, "elsewhere")
+    assert _refusals(peer)["peers_refused"] == 1
