@@ -11,12 +11,11 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
 from kernels.kv_quant import fp8_block_rows, pack_blocks
-from kvtransfer.base import KVCaches, KVReceiver, KVSender, TransferResult, wire_fp8
+from kvtransfer.base import KVCaches, KVSender, TransferResult, wire_fp8
 from kvtransfer.errors import KVTransferError
 from kvtransfer.layout import (
     FP8_WIRE,
@@ -31,7 +30,7 @@ from kvtransfer.layout import (
     unpack_header,
     unpack_layout,
 )
-from kvtransfer.ledger import FP8Payload, ReceiveLedger, SendLedger
+from kvtransfer.ledger import LedgerReceiver, FP8Payload, ReceiveLedger, SendLedger
 from kvtransfer.pacing import LinkPacer
 from kvtransfer.staging import as_bytes, block_index, from_bytes, gather_layer
 
@@ -42,7 +41,7 @@ _RECEIVERS_LOCK = threading.Lock()
 _NEXT_ID = itertools.count()
 
 
-class FakeReceiver(KVReceiver):
+class FakeReceiver(LedgerReceiver):
     def __init__(self, kv_caches: KVCaches, model: str = ""):
         self.layout = KVLayout.from_caches(kv_caches)
         self._model = model
@@ -52,21 +51,6 @@ class FakeReceiver(KVReceiver):
         self._closed = False
         with _RECEIVERS_LOCK:
             _RECEIVERS[self._address] = self
-
-    def address(self) -> str:
-        return self._address
-
-    def expect(self, transfer_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
-        self._ledger.expect(transfer_id, block_ids, num_layers, deadline_s)
-
-    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
-        return self._ledger.wait(transfer_id, timeout)
-
-    def cancel(self, transfer_id: str) -> None:
-        self._ledger.cancel(transfer_id)
-
-    def metrics(self) -> dict[str, float]:
-        return self._ledger.snapshot()
 
     def close(self) -> None:
         if self._closed:

@@ -20,7 +20,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from kernels.kv_quant import unpack_blocks
-from kvtransfer.base import RECEIVER_PHASES, SENDER_PHASES, KVCaches, TransferResult
+from kvtransfer.base import RECEIVER_PHASES, SENDER_PHASES, KVCaches, KVReceiver, TransferResult
 from kvtransfer.errors import KVTransferCorrupt, KVTransferError, KVTransferTimeout
 from kvtransfer.layout import KVLayout, NackReason, transfer_key
 from kvtransfer.staging import block_index, copy_layers, scatter_layer, scatter_layers, stacked_pools
@@ -599,3 +599,27 @@ class SendLedger:
             out = dict(self.counters)
             out["transfers_in_flight"] = float(len(self._by_id))
             return out
+
+
+class LedgerReceiver(KVReceiver):
+    """A receiver whose transfers a `ReceiveLedger` (``self._ledger``) accounts for, at the
+    address ``self._address``: what every backend's receiver answers the same way. A backend
+    adds its transport (and its own metrics where it counts more)."""
+
+    _ledger: ReceiveLedger
+    _address: str
+
+    def address(self) -> str:
+        return self._address
+
+    def expect(self, transfer_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
+        self._ledger.expect(transfer_id, block_ids, num_layers, deadline_s)
+
+    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        return self._ledger.wait(transfer_id, timeout)
+
+    def cancel(self, transfer_id: str) -> None:
+        self._ledger.cancel(transfer_id)
+
+    def metrics(self) -> dict[str, float]:
+        return self._ledger.snapshot()

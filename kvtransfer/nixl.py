@@ -50,7 +50,7 @@ import torch
 
 from kvtransfer import auth
 from kvtransfer import layout as wire
-from kvtransfer.base import KVCaches, KVReceiver, KVSender, TransferResult, wire_fp8
+from kvtransfer.base import KVCaches, KVSender, TransferResult, wire_fp8
 from kvtransfer.errors import KVTransferError
 from kvtransfer.layout import (
     HEADER_BYTES,
@@ -68,7 +68,7 @@ from kvtransfer.layout import (
     unpack_header,
     unpack_layout,
 )
-from kvtransfer.ledger import ReceiveLedger, SendLedger
+from kvtransfer.ledger import LedgerReceiver, ReceiveLedger, SendLedger
 from kvtransfer.staging import block_index
 
 logger = logging.getLogger(__name__)
@@ -210,7 +210,7 @@ class _RecvConn:
             pass  # the sender is gone; its transfers fail on its side
 
 
-class NixlReceiver(KVReceiver):
+class NixlReceiver(LedgerReceiver):
     def __init__(self, kv_caches: KVCaches, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
                  model: str = "", token: str | None = None, interface: str | None = None):
         """`token`: the cluster's secret, which every sender must prove (None: nothing checked);
@@ -235,21 +235,6 @@ class NixlReceiver(KVReceiver):
         self._lock = threading.Lock()
         self._accept = threading.Thread(target=self._accept_loop, name="kvtransfer-nixl-accept", daemon=True)
         self._accept.start()
-
-    def address(self) -> str:
-        return self._address
-
-    def expect(self, transfer_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
-        self._ledger.expect(transfer_id, block_ids, num_layers, deadline_s)
-
-    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
-        return self._ledger.wait(transfer_id, timeout)
-
-    def cancel(self, transfer_id: str) -> None:
-        self._ledger.cancel(transfer_id)
-
-    def metrics(self) -> dict[str, float]:
-        return self._ledger.snapshot()
 
     def close(self) -> None:
         if self._closed.is_set():

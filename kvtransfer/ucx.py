@@ -87,7 +87,7 @@ import numpy as np
 import torch
 
 from kernels.kv_quant import fp8_block_rows, pack_blocks
-from kvtransfer.base import KVCaches, KVReceiver, KVSender, TransferResult, wire_fp8
+from kvtransfer.base import KVCaches, KVSender, TransferResult, wire_fp8
 from kvtransfer.errors import KVTransferError
 from kvtransfer.layout import (
     BLOCK_ID_BYTES,
@@ -127,7 +127,7 @@ from kvtransfer.auth import (
 )
 from kvtransfer.faults import FaultInjector, FaultSpec
 from kvtransfer.ipc import MAX_DESCRIPTOR_BYTES, export_pools, import_pools
-from kvtransfer.ledger import FP8Payload, PullSource, ReceiveLedger, SendLedger
+from kvtransfer.ledger import LedgerReceiver, FP8Payload, PullSource, ReceiveLedger, SendLedger
 from kvtransfer.pacing import LinkPacer
 from kvtransfer.staging import HostBuffers, block_index, gather_layer, gather_layers, stacked_pools, wire_buffer
 from kvtransfer.ucx_runtime import (
@@ -242,7 +242,7 @@ class _Lander:
                             done()
 
 
-class UcxReceiver(KVReceiver):
+class UcxReceiver(LedgerReceiver):
     """Options: ``host`` (advertised in ``address()``, default 127.0.0.1), ``port`` (0:
     ephemeral), ``connect_timeout``, ``model`` (the model's name: a sender that states another
     is refused at handshake), ``token`` (the cluster token: a sender that cannot prove it holds
@@ -299,18 +299,6 @@ class UcxReceiver(KVReceiver):
                     raise
                 logger.warning("KV port %d is still held (%s); retrying", port, e)
                 time.sleep(1.0)
-
-    def address(self) -> str:
-        return self._address
-
-    def expect(self, transfer_id: str, block_ids: Sequence[int], num_layers: int, deadline_s: float) -> None:
-        self._ledger.expect(transfer_id, block_ids, num_layers, deadline_s)
-
-    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
-        return self._ledger.wait(transfer_id, timeout)
-
-    def cancel(self, transfer_id: str) -> None:
-        self._ledger.cancel(transfer_id)
 
     def metrics(self) -> dict[str, float]:
         out = self._ledger.snapshot()
