@@ -33,7 +33,6 @@ import argparse
 import glob
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -159,37 +158,29 @@ def up_command(best: dict, policy: str, args) -> list[str]:
 
 
 def start_cluster(cmd: list[str], args) -> subprocess.Popen:
-    import httpx
+    """`cmd` (a `pdserve up` command line) as a process group of its own; once /health answers 200."""
+    import faultlib
 
-    log = open(os.path.join(args.out, "up.log"), "w")
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1"}
-    env.pop("RAY_ADDRESS", None)
+    log_path = os.path.join(args.out, "up.log")
     print("up:", " ".join(cmd[2:]), file=sys.stderr)
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = faultlib.start_up(cmd[4:], log_path, OMP_NUM_THREADS="1")
     url = f"http://127.0.0.1:{args.port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"pdserve up exited ({proc.returncode}); see {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
+            raise RuntimeError(f"pdserve up exited ({proc.returncode}); see {log_path}")
+        h = faultlib.health(url)
+        if h and h["_status"] == 200:
+            return proc
         time.sleep(2)
     stop_cluster(proc)
-    raise RuntimeError(f"pdserve up not healthy within 600 s; see {log.name}")
+    raise RuntimeError(f"pdserve up not healthy within 600 s; see {log_path}")
 
 
 def stop_cluster(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    import faultlib
+
+    faultlib.stop_group(proc, timeout_s=60)
 
 
 def run_load(args, rate: float) -> tuple[dict, list[dict]]:
