@@ -5,7 +5,9 @@
    from P's node to D's node (router.placement.topology names it "src->dst");
 2. `finish_flow` when the Prefill returns or fails: the flow ends; a finished transfer's
    kv_bytes / kv_seconds is a throughput sample for the link (router.placement.congestion) and
-   kv_bytes / prompt tokens is the KV bytes per token from then on; a transfer that missed its
+   kv_bytes / prompt tokens is the KV bytes per token from then on (the first transfer of a
+   P->D worker pair, which pays for their connection, is only a lower bound; a failed transfer
+   makes the pair's next one a first contact again); a transfer that missed its
    deadline bounds the link's rate from above (its bytes over the deadline);
 3. per-link gauges (`pdserve:link_*`) follow every change;
 4. probes (router.cluster.probes), when `ProbeSettings.interval_s` is set: one round at `start` and one
@@ -63,6 +65,7 @@ class NetworkTracker:
         profile = getattr(policy, "profile", None)  # network-aware carries its measured profile
         self.kv_bytes_per_token: int = options.kv_bytes_per_token or getattr(profile, "kv_bytes_per_token", 0)
         self._num_probes = 0
+        self._connected: set[tuple[str, str]] = set()  # P->D worker pairs that completed a transfer
         self._probe_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -84,6 +87,8 @@ class NetworkTracker:
 
     def start_flow(self, prefill: PooledWorker, decode: PooledWorker, num_tokens: int) -> Flow:
         flow = self.links.start(self.link_of(prefill, decode), num_tokens * self.kv_bytes_per_token)
+        flow.pair = (prefill.worker_id, decode.worker_id)
+        flow.first_contact = flow.pair not in self._connected
         self._export(flow.key)
         return flow
 
@@ -91,9 +96,13 @@ class NetworkTracker:
                     missed_deadline_s: float | None = None) -> None:
         """`missed_deadline_s`: the Prefill failed because its KV missed that deadline (evidence
         that the link is slow: router.placement.congestion)."""
+        pair = flow.pair
         if result is None:
+            self._connected.discard(pair)  # a peer that failed may come back as a new process
             self.links.finish(flow, missed_deadline_s=missed_deadline_s)
         else:
+            if pair is not None and result.kv_bytes:
+                self._connected.add(pair)
             self.links.finish(flow, kv_bytes=result.kv_bytes, kv_seconds=result.kv_seconds,
                               prefill_seconds=result.prefill_seconds)
             if result.kv_bytes and num_tokens:  # at full precision, whatever the wire carried

@@ -28,6 +28,12 @@ slow). Without the slack, a transfer that outlasted its compute by a few percent
 a link measurement of about the compute's KV rate: on a host where prefill produces KV more
 slowly than the link carries it, every link converged to that rate.
 
+The first transfer between two workers also pays for their connection (UCX endpoint, remote
+keys, on a GPU the CUDA IPC mapping of the peer's pool: a one-time ~100 ms where the copy takes
+1-2 ms), so it too counts only as a lower bound (`finish(first_contact=True)`). Counted as a
+measurement, the router's own warm-up requests set a same-host GPU link to about 1 Gbit/s; a
+local run then always priced lower than a pair, so no transfer ever ran to correct it.
+
 A transfer that missed its deadline (`finish(missed_deadline_s=...)`) did not move its bytes in
 that time: the link carried less than k x bytes / deadline (k: the peak flows it shared the link
 with). That is an upper bound, evidence of a slow link: it lowers the estimate to the bound at
@@ -112,12 +118,15 @@ def transfer_seconds(link: Link, state: LinkState, num_bytes: int) -> float:
 
 @dataclass
 class Flow:
-    """One transfer the router started; `peak_flows` counts itself."""
+    """One transfer the router started; `peak_flows` counts itself. `first_contact`: the first
+    transfer between its two workers (it pays for their connection: module docstring)."""
 
     key: str
     num_bytes: int
     peak_flows: int = 1
     done: bool = False
+    first_contact: bool = False
+    pair: tuple[str, str] | None = None  # (prefill, decode) worker ids, where the caller knows them
 
 
 @dataclass
@@ -176,7 +185,8 @@ class LinkMonitor:
         if kv_bytes <= 0 or kv_seconds <= 0:
             return None
         gbps = kv_bytes * 8 / kv_seconds / 1e9 * flow.peak_flows
-        lower_bound = prefill_seconds is not None and kv_seconds <= (1 + self.compute_slack) * prefill_seconds
+        lower_bound = flow.first_contact or (
+            prefill_seconds is not None and kv_seconds <= (1 + self.compute_slack) * prefill_seconds)
         self.record(flow.key, gbps, lower_bound=lower_bound)
         return gbps
 

@@ -116,3 +116,20 @@ def test_a_transfer_that_missed_its_deadline_lowers_the_estimate_at_once():
     # a transfer that succeeds later raises it again through the EWMA
     m.finish(m.start("a->b", 1), kv_bytes=10**9, kv_seconds=0.1)
     assert m.state("a->b").measured_gbps == pytest.approx(0.3 * 80 + 0.7 * 0.16)
+
+
+def test_a_first_contact_transfer_only_raises_the_estimate():
+    m = LinkMonitor(alpha=0.5)
+    first = m.start("a->b", 1)
+    first.first_contact = True  # it paid for the connection: 1 Gbit/s where the link carries 8
+    assert m.finish(first, kv_bytes=10**9, kv_seconds=8.0) == pytest.approx(1.0)
+    assert m.state("a->b").measured_gbps is None and m.state("a->b").num_samples == 0
+    m.finish(m.start("a->b", 1), kv_bytes=10**9, kv_seconds=1.0)  # a measurement: 8
+    slow_first = m.start("a->b", 1)
+    slow_first.first_contact = True  # another pair's first transfer on the same link: 2, ignored
+    m.finish(slow_first, kv_bytes=10**9, kv_seconds=4.0)
+    assert m.state("a->b").measured_gbps == pytest.approx(8.0)
+    fast_first = m.start("a->b", 1)
+    fast_first.first_contact = True  # a lower bound above the estimate still raises it
+    m.finish(fast_first, kv_bytes=10**9, kv_seconds=0.5)
+    assert m.state("a->b").measured_gbps == pytest.approx(12.0)

@@ -67,6 +67,11 @@ def test_transfers_update_congestion_samples_and_gauges():
             assert backend.snapshot().worker("p0").num_inflight_tokens == 3
             assert len(await task) == 3
             state = backend.snapshot().links.state("na->nb")
+            # p0 -> d0's first transfer paid for their connection: a lower bound, and no estimate yet
+            assert (state.active_flows, state.bytes_in_flight, state.num_samples) == (0, 0, 0)
+            assert state.measured_gbps is None and gauge(metrics, "pdserve:link_estimated_gbps") == 100.0
+            assert len(await generate(backend, "r2")) == 3
+            state = backend.snapshot().links.state("na->nb")
             assert (state.active_flows, state.bytes_in_flight, state.num_samples) == (0, 0, 1)
             # the fake reports 3 x 1000 bytes in 2 ms, after 1 ms of prefill: link-bound, 0.012 Gbit/s
             assert state.measured_gbps == pytest.approx(0.012)
@@ -130,12 +135,15 @@ def test_probes_measure_each_link():
         network = NetworkOptions(probes=ProbeSettings(interval_s=60, num_tokens=8))
         async with env(make_policy("least-loaded"), network=network) as (backend, metrics, workers):
             key = "p0->d0"  # no topology: each worker is its own node
-            await until(lambda: backend.snapshot().links.state(key).num_samples == 1)
+            await until(lambda: workers["d0"].called("Abort") == ["probe-1"])
             assert workers["p0"].called("Prefill") == ["probe-1"]
-            assert workers["d0"].called("Reserve") == ["probe-1"] and workers["d0"].called("Abort") == ["probe-1"]
-            assert backend.snapshot().links.state(key).measured_gbps == pytest.approx(8 * 1000 * 8 / 0.002 / 1e9)
-            assert backend.snapshot().links.state(key).active_flows == 0
+            assert workers["d0"].called("Reserve") == ["probe-1"]
+            # the pair's first transfer paid for their connection: not an estimate yet
+            assert backend.snapshot().links.state(key).num_samples == 0
             got = await backend.network.probe_links()
             assert got == {key: pytest.approx(0.032)}
             assert workers["p0"].called("Prefill") == ["probe-1", "probe-2"]
+            assert backend.snapshot().links.state(key).num_samples == 1
+            assert backend.snapshot().links.state(key).measured_gbps == pytest.approx(8 * 1000 * 8 / 0.002 / 1e9)
+            assert backend.snapshot().links.state(key).active_flows == 0
     run(main)
