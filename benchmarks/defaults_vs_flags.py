@@ -1,7 +1,7 @@
 """`pdserve up`'s defaults against hand-set flags, in one command: goodput per SLO over a rate sweep.
 
-    python3 benchmarks/defaults_vs_flags.py [--model random:llama-3.1-8b] [--rates 8,12,16] [--requests N[,N...]] \
-        [--input-len 2048] [--output-len 256] [--slo ttft=1,tpot=0.05 --slo ttft=1,tpot=0.01] \
+    python3 benchmarks/defaults_vs_flags.py [--model random:llama-3.1-8b] [--rates 8,12,16] \
+        [--requests N[,N...]] [--input-len 2048] [--output-len 256] [--slo ttft=1,tpot=0.05 --slo ttft=1,tpot=0.01] \
         [--configs "FLAGS;FLAGS;..."] [--time-budget-s S] [--out DIR] [--tar FILE]
 
 For each configuration, in order, a fresh `pdserve up --mode colocated --replicas 1` (the first with
@@ -16,11 +16,12 @@ Goodput of a run for an SLO set is loadgen's (`loadgen.metrics.summarize`): the 
 both the TTFT and the TPOT bound, per second of the run (first send to the end of the run), from the
 run's own per-request records. The run's duration holds the last requests' tail (TTFT + 255 TPOTs,
 a few seconds at 2048/256), so a short run's goodput sits below its rate even when every request
-meets the SLO: compare configurations at the same rates and request counts, as this script does. A configuration's goodput for an SLO set is its best over the rates;
-per SLO set the script prints the defaults' best over the best configuration's best, and which one
-that was (the issue "GPU serving at the engine's speed" asks >= 0.95). It prints one table (config x
-rate: TTFT and TPOT p50/p90, goodput per SLO set, errors, the server's prefix-cache hit rate) and the
-scheduler sizes each `pdserve up` printed (`engine: max_num_batched_tokens=... max_num_seqs=...`).
+meets the SLO: compare configurations at the same rates and request counts, as this script does.
+A configuration's goodput for an SLO set is its best over the rates; per SLO set the script prints
+the defaults' best over the best configuration's best, and which one that was (the issue "GPU
+serving at the engine's speed" asks >= 0.95). It prints one table (config x rate: TTFT and TPOT
+p50/p90, goodput per SLO set, errors, the server's prefix-cache hit rate) and the scheduler sizes
+each `pdserve up` printed (`engine: max_num_batched_tokens=... max_num_seqs=...`).
 
 `--out DIR` keeps the server logs, every run's records and summary (DIR/configN/rateR/) and writes
 DIR/defaults_vs_flags.json and DIR/defaults_vs_flags.md; `--tar FILE` packs DIR into FILE after
@@ -180,7 +181,8 @@ def verdicts(results: dict) -> list[str]:
         if e["best_config"] is None:
             lines.append(f"{name}: no configuration finished a run")
         elif e["defaults_goodput"] is None:
-            lines.append(f"{name}: the defaults finished no run; best {e['best_config']} ({e['best_goodput']:.2f} req/s)")
+            lines.append(f"{name}: the defaults finished no run; best {e['best_config']} "
+                         f"({e['best_goodput']:.2f} req/s)")
         elif e["defaults_over_best"] is None:
             lines.append(f"{name}: no configuration met this SLO at any rate (goodput 0 everywhere)")
         else:
@@ -260,8 +262,9 @@ def run_config(index: int, label: str, flags: list[str], args, slos, requests, o
             run.update(rate=rate, requests=n, seed=seed)
             config["runs"].append(run)
             s = run["summary"]
+            goodputs = ", ".join(f"{k} {v['goodput']:.2f}" for k, v in run["slo"].items())
             log(f"{label} @ {rate:g} req/s: {s['num_ok']}/{n} ok, TTFT p50 {s['ttft_p50'] or 0:.3f} s, TPOT p50 "
-                f"{s['tpot_p50'] or 0:.4f} s, goodput " + ", ".join(f"{k} {v['goodput']:.2f}" for k, v in run["slo"].items()))
+                f"{s['tpot_p50'] or 0:.4f} s, goodput {goodputs}")
     finally:
         server.stop()
     return config
@@ -283,8 +286,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the configurations after the defaults: `pdserve up` flag strings separated by ';' "
                         "(replaces the default list; '' for the defaults alone; default %(default)r)")
     p.add_argument("--seed", type=int, default=int(time.time()) % 100000,
-                   help="first seed; every run adds its own offset, so every run draws new prompts (default: the clock)")
-    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for a server (default %(default)s)")
+                   help="first seed; every run adds its own offset, so every run draws new prompts "
+                        "(default: the clock)")
+    p.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="seconds to wait for a server (default %(default)s)")
     p.add_argument("--max-run-time", type=float, default=120.0, help="seconds per loadgen run (default %(default)s)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="skip the configurations and rates that would start after this many seconds (default: none)")
