@@ -100,3 +100,63 @@ def test_served_vs_bare_cpu_path(tmp_path):
     assert all(run["num_errors"] == 0 for run in results["runs"].values())
     assert any("defaults for cpu" in line for line in results["chosen"])
     assert {"served_minus_bare_ttft_p50_ms", "served_over_bare_tpot_p50", "first_over_second_ttft_p50"} <= set(results["ratios"])
+
+
+def test_defaults_vs_flags_cpu_path(tmp_path):
+    """The defaults-vs-flags benchmark end to end on the CPU: a real `pdserve up` with its defaults and one
+    with flags, one loadgen run each; the table has both, goodput is computed per SLO set from the records,
+    the ratio of the defaults to the best is a number, and the data is packed after every configuration."""
+    import math
+    import tarfile
+
+    out, tar = tmp_path / "out", tmp_path / "dvf.tar.gz"
+    flags = "--max-num-batched-tokens 256 --max-num-seqs 8"
+    rc = load("defaults_vs_flags").main(["--device", "cpu", "--model", "random:smollm2-135m", "--rates", "2",
+                                         "--requests", "4", "--input-len", "16", "--output-len", "4",
+                                         "--configs", flags, "--slo", "ttft=60,tpot=10", "--slo", "ttft=60,tpot=20",
+                                         "--max-run-time", "120", "--out", str(out), "--tar", str(tar)])
+    assert rc == 0
+    results = json.loads((out / "defaults_vs_flags.json").read_text())
+    assert [c["label"] for c in results["configs"]] == ["defaults", flags]
+    assert "defaults for cpu" in results["configs"][0]["chosen"][0]
+    assert "max_num_batched_tokens=256 max_num_seqs=8 (given)" in results["configs"][1]["chosen"][0]
+    for config in results["configs"]:
+        [run] = config["runs"]
+        assert run["rate"] == 2 and run["errors"] == 0 and run["summary"]["num_ok"] == 4
+        for slo in run["slo"].values():  # SLOs every CPU request meets: goodput = 4 requests / the run's time
+            assert slo["attainment"] == 1.0
+            assert math.isclose(slo["goodput"], 4 / run["summary"]["duration_s"])
+    for name, entry in results["comparison"].items():
+        assert entry["best_config"] in ("defaults", flags)
+        assert isinstance(entry["defaults_over_best"], float) and 0 < entry["defaults_over_best"] <= 1.0
+    table = (out / "defaults_vs_flags.md").read_text()
+    assert all(f"| {label} | 2 |" in table for label in ("defaults", flags))
+    with tarfile.open(tar) as packed:
+        names = packed.getnames()
+    assert "out/defaults_vs_flags.json" in names and "out/config1/rate2/records.jsonl" in names
+
+
+def test_defaults_vs_flags_slo_parsing_and_comparison():
+    """The SLO option's form and errors, and the comparison: a configuration's goodput is its best over the
+    rates, the ratio is the defaults' best over the best configuration's, None where nothing met the SLO."""
+    bench = load("defaults_vs_flags")
+    slo = bench.parse_slo("ttft=1,tpot=0.05")
+    assert (slo.ttft_s, slo.tpot_s) == (1.0, 0.05)
+    bad_slos = (("ttft=1", "tpot"), ("ttft=1,tpot=x", "tpot"), ("ttft=1,itl=0.1", "itl"), ("ttft=0,tpot=1", "ttft"))
+    for bad, word in bad_slos:
+        with pytest.raises(ValueError, match=word):
+            bench.parse_slo(bad)
+    loose, tight = bench.slo_name(slo), bench.slo_name(bench.parse_slo("ttft=1,tpot=0.01"))
+
+    def run(rate, a, b):
+        return {"rate": rate, "slo": {loose: {"goodput": a}, tight: {"goodput": b}}}
+
+    defaults_runs = [run(4, 3.0, 0.0), run(8, 6.0, 0.0), {"rate": 12, "error": "x"}]
+    results = {"configs": [{"label": "defaults", "runs": defaults_runs},
+                           {"label": "big", "runs": [run(4, 3.5, 0.0), run(8, 7.5, 0.0)]},
+                           {"label": "off", "runs": [], "skipped": "time budget"}]}
+    cmp = bench.compare(results, [slo, bench.parse_slo("ttft=1,tpot=0.01")])
+    assert cmp[loose]["best_config"] == "big" and cmp[loose]["defaults_over_best"] == 6.0 / 7.5
+    assert cmp[loose]["best_per_config"] == {"defaults": {"goodput": 6.0, "rate": 8},
+                                            "big": {"goodput": 7.5, "rate": 8}}
+    assert cmp[tight]["defaults_over_best"] is None and cmp[tight]["best_goodput"] == 0.0
