@@ -33,7 +33,7 @@ def test_cpu_command(tmp_path):
     cmd, config = up_config(step.parse_args([]), tmp_path)
     assert config.device == "cpu" and config.worker_gpus == 0 and config.worker_cpus == 0.25
     assert config.kv_cache_gib == 0.3 and "--gpu-memory-fraction" not in cmd and "--dtype" not in cmd
-    assert config.autoscale.max_workers["decode"] == 3 and config.autoscale.up_load == 3.0
+    assert config.autoscale.max_workers["decode"] == 3 and config.autoscale.up_load == 4.0
 
 
 def test_cuda_command(tmp_path):
