@@ -10,10 +10,19 @@ pdserve:slo_attainment), and measures each request on the client (TTFT, TPOT, st
 - the time from the step down until the pools are back at their starting size;
 - the requests that failed or never ended (the issue's target: 0 through the scale-down);
 
-and writes the record (JSON) to --out and the plot to --plot (docs/autoscale.png).
+and writes the record (JSON, with the `pdserve up` log's path) to --out, the plot to --plot
+(docs/autoscale.png) and, with --tar, the record, the plot and the log in one tar.gz (also when
+the run fails midway: then with what there is).
 
     PYTHONPATH=$PWD python benchmarks/autoscale_step.py --model random:smollm2-135m \\
         --low 0.2 --high 1.0 --phases 60,120,120 --slo-ttft 2 --slo-tpot 0.25
+
+On one GPU: `--device cuda` with a share of it per worker; with --max-workers M, up to 2M
+workers share it, so --worker-gpus must be at most 1/(2M), and --gpu-memory-fraction sets each
+worker's KV cache (the fraction of the free GPU memory a worker takes when it starts):
+
+    PYTHONPATH=$PWD python benchmarks/autoscale_step.py --device cuda --worker-gpus 0.16 \\
+        --gpu-memory-fraction 0.1 --model <model> --tar step.tar.gz
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import random
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 
@@ -51,31 +61,94 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-workers", type=int, default=3, help="autoscale max per pool (min 1)")
     p.add_argument("--interval-s", type=float, default=3.0)
     p.add_argument("--cooldown-s", type=float, default=10.0)
-    p.add_argument("--worker-cpus", type=float, default=0.25)
-    p.add_argument("--kv-cache-gib", type=float, default=0.3, help="per worker (a small cache turns load into 429s)")
+    # 4 on the 2-core VM: 1P+2D met the SLO at 1 req/s with 3.3-3.7 in flight per decode worker
+    # (run 6, where 3 added a third decode worker), 1P+1D reached 4 at +19-21 s of the step
+    p.add_argument("--up-load", type=float, default=4.0, help="autoscale up_load: requests in flight per worker "
+                                                               "that add one before the SLO misses (0: off)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the workers' device")
+    p.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
+                   help="weights and activations (default: pdserve up's for the device)")
+    p.add_argument("--worker-cpus", type=float, default=None,
+                   help="CPUs per Ray worker (default: 0.25 on cpu, pdserve up's on cuda)")
+    p.add_argument("--worker-gpus", type=float, default=None,
+                   help="cuda: the fraction of the GPU per Ray worker, at most 1/(2 * --max-workers) "
+                        "(default: that bound, rounded down to Ray's two decimals)")
+    p.add_argument("--gpu-memory-fraction", type=float, default=None,
+                   help="cuda: the fraction of the free GPU memory each worker's KV cache takes "
+                        "(default: pdserve up's, scaled by the worker's GPU share)")
+    p.add_argument("--kv-cache-gib", type=float, default=0.3,
+                   help="cpu: KV cache per worker (a small cache turns load into 429s); not passed on cuda")
     p.add_argument("--settle-s", type=float, default=180.0, help="after the load, wait this long at most for "
                                                                   "the pools to be back at 1P+1D")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "autoscale_step.json"))
     p.add_argument("--plot", default=os.path.join(REPO, "docs", "autoscale.png"))
-    return p.parse_args(argv)
+    p.add_argument("--tar", default=None, help="also pack the record, the plot and the pdserve up log into this "
+                                               "tar.gz (also after a run that fails midway)")
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
 
 
-def start_cluster(args) -> tuple[subprocess.Popen, str]:
-    config = {"autoscale": {"min": {"prefill": 1, "decode": 1}, "max": {"prefill": args.max_workers,
-                                                                           "decode": args.max_workers},
-                            "interval": args.interval_s, "cooldown": args.cooldown_s, "window": args.window_s,
-                            "target": 0.9}}
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The device flags that fit together (argparse errors otherwise); fills the device defaults."""
+    if args.max_workers < 1:
+        p.error("--max-workers must be >= 1")
+    if args.device == "cpu":
+        for flag in ("worker_gpus", "gpu_memory_fraction"):
+            if getattr(args, flag) is not None:
+                p.error(f"--{flag.replace('_', '-')} applies to --device cuda")
+        if args.worker_cpus is None:
+            args.worker_cpus = 0.25
+        return
+    bound = 1.0 / (2 * args.max_workers)  # every pool at its max shares the one GPU
+    if args.worker_gpus is None:
+        args.worker_gpus = int(bound * 100) / 100  # Ray takes two decimals
+    if not 0 < args.worker_gpus <= bound + 1e-9:
+        p.error(f"--worker-gpus {args.worker_gpus:g}: up to {2 * args.max_workers} workers share the GPU "
+                f"(--max-workers {args.max_workers} a pool), so it must be in (0, {bound:.4g}]")
+    if args.gpu_memory_fraction is not None and not 0 < args.gpu_memory_fraction <= 1:
+        p.error(f"--gpu-memory-fraction must be in (0, 1], got {args.gpu_memory_fraction:g}")
+
+
+def up_command(args: argparse.Namespace, config_path: str) -> list[str]:
+    """The `pdserve up` command line (after the interpreter) for `args`: --kv-cache-gib only on
+    cpu (on cuda the KV cache is --gpu-memory-fraction of the free memory), --worker-gpus 0 on
+    cpu (a worker must not take a GPU share)."""
+    cmd = ["-m", "launcher.cli", "up", "--autoscale", "--config", config_path, "--model", args.model,
+           "--device", args.device, "--prefill", "1", "--decode", "1", "--port", str(args.port),
+           "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot), "--max-model-len", "512",
+           "--cluster-name", "autoscale-step", "--namespace", "pdserve-autoscale-step"]
+    if args.dtype is not None:
+        cmd += ["--dtype", args.dtype]
+    if args.worker_cpus is not None:
+        cmd += ["--worker-cpus", str(args.worker_cpus)]
+    if args.device == "cpu":
+        cmd += ["--worker-gpus", "0", "--kv-cache-gib", str(args.kv_cache_gib)]
+    else:
+        cmd += ["--worker-gpus", str(args.worker_gpus)]
+        if args.gpu_memory_fraction is not None:
+            cmd += ["--gpu-memory-fraction", str(args.gpu_memory_fraction)]
+    return cmd
+
+
+def autoscale_settings(args: argparse.Namespace) -> dict:
+    """The cluster file's `autoscale:` mapping for `args`."""
+    return {"min": {"prefill": 1, "decode": 1}, "max": {"prefill": args.max_workers, "decode": args.max_workers},
+            "interval": args.interval_s, "cooldown": args.cooldown_s, "window": args.window_s, "target": 0.9,
+            "up_load": args.up_load}
+
+
+def start_cluster(args, logs: dict) -> tuple[subprocess.Popen, str]:
+    """Starts `pdserve up`; its log's path goes in logs["up"] at once (for --tar, whatever happens)."""
     path = os.path.join(tempfile.mkdtemp(prefix="autoscale-"), "cluster.json")  # JSON is YAML
     with open(path, "w") as f:
-        json.dump(config, f)
+        json.dump({"autoscale": autoscale_settings(args)}, f)
     log = open(os.path.join(os.path.dirname(path), "up.log"), "w")
+    logs["up"] = log.name
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "launcher.cli", "up", "--autoscale", "--config", path, "--model", args.model,
-           "--prefill", "1", "--decode", "1", "--worker-cpus", str(args.worker_cpus), "--port", str(args.port),
-           "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot), "--max-model-len", "512",
-           "--kv-cache-gib", str(args.kv_cache_gib), "--cluster-name", "autoscale-step", "--namespace", "pdserve-autoscale-step"]
+    cmd = [sys.executable, *up_command(args, path)]
     print("starting:", " ".join(cmd[1:]), f"(log {log.name})", file=sys.stderr)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{args.port}"
@@ -106,7 +179,7 @@ def stop_cluster(proc: subprocess.Popen) -> None:
 def scrape(text: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {"workers": {}, "draining": {}, "attainment": None}
+    out = {"workers": {}, "draining": {}, "attainment": None, "busy": {}, "load": {}, "decisions": {}, "rate": None}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "pdserve:pool_workers":
@@ -114,6 +187,12 @@ def scrape(text: str) -> dict:
                 out[key][s.labels["pool"]] = s.value
             elif s.name == "pdserve:slo_attainment" and s.labels.get("slo") == "both":
                 out["attainment"] = s.value
+            elif s.name in ("pdserve:autoscale_pool_busy", "pdserve:autoscale_pool_load"):
+                out[s.name.rsplit("_", 1)[-1]][s.labels["pool"]] = s.value
+            elif s.name == "pdserve:autoscale_arrival_rate":
+                out["rate"] = s.value
+            elif s.name == "pdserve:autoscale_decisions_total" and s.labels.get("action") != "hold":
+                out["decisions"][f"{s.labels['action']} {s.labels['pool']} {s.labels['reason']}"] = s.value
     return out
 
 
@@ -298,25 +377,41 @@ def plot(requests, samples, series, args, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def pack(path: str, files: list[str | None]) -> None:
+    """The files that exist, flat, into the tar.gz `path`."""
+    with tarfile.open(path, "w:gz") as tar:
+        for name in files:
+            if name and os.path.exists(name):
+                tar.add(name, arcname=os.path.basename(name))
+    print(f"packed: {path}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     proc = None
     url = args.url
+    logs: dict[str, str] = {}
+    done = False
     try:
-        if url is None:
-            proc, url = start_cluster(args)
-        requests, samples, elapsed = asyncio.run(run_load(args, url))
+        try:
+            if url is None:
+                proc, url = start_cluster(args, logs)
+            requests, samples, elapsed = asyncio.run(run_load(args, url))
+        finally:
+            if proc is not None:
+                stop_cluster(proc)
+        series = attainment_series(requests, args, elapsed)
+        summary = summarize(requests, samples, series, args)
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "log": logs.get("up"), "summary": summary, "requests": requests,
+                       "samples": samples, "attainment": series}, f)
+        plot(requests, samples, series, args, args.plot)
+        print(json.dumps(summary, indent=1))
+        print(f"record: {args.out}; plot: {args.plot}; log: {logs.get('up')}")
+        done = True
     finally:
-        if proc is not None:
-            stop_cluster(proc)
-    series = attainment_series(requests, args, elapsed)
-    summary = summarize(requests, samples, series, args)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "summary": summary, "requests": requests, "samples": samples,
-                   "attainment": series}, f)
-    plot(requests, samples, series, args, args.plot)
-    print(json.dumps(summary, indent=1))
-    print(f"record: {args.out}; plot: {args.plot}")
+        if args.tar:  # after a failure too: the log says why
+            pack(args.tar, [args.out if done else None, args.plot if done else None, logs.get("up")])
     return 0
 
 

@@ -58,7 +58,8 @@ class Autoscaler:
         self.hybrid = bool(getattr(resizer.specs.get("mixed"), "moves_kv", False))
         self.memory = RuleMemory()
         self.last_change_end = -float("inf")
-        self._busy: deque[tuple[float, dict[str, float]]] = deque()
+        # (time, {pool: fraction of its workers busy}, {pool: requests in flight per worker})
+        self._busy: deque[tuple[float, dict[str, float], dict[str, float]]] = deque()
         self._change: asyncio.Task[None] | None = None
         self.decisions: list[tuple[float, Decision]] = []
 
@@ -72,12 +73,14 @@ class Autoscaler:
         since = max(now - self.config.window_s, self.last_change_end)
         pools: dict[str, PoolState] = {}
         busy_now: dict[str, float] = {}
+        load_now: dict[str, float] = {}
         for role in self.roles:
             workers = self._pool_workers(role)
             serving = [w for w in workers if not w.draining]
             waiting = running = 0.0
             full = 0.0
             busy = 0
+            inflight = 0
             for w in serving:
                 s = w.stats
                 if s is not None:
@@ -85,16 +88,21 @@ class Autoscaler:
                     running += s.num_running
                     usage = 1.0 - s.num_free_blocks / s.num_blocks if s.num_blocks else 0.0
                     full = max(full, s.num_running / self.max_num_seqs, usage)
-                if w.num_inflight > 0 or (s is not None and s.num_waiting + s.num_running + s.num_held > 0):
+                # the router's count (from its decision on: queued, reserved, running) or the worker's
+                load = max(w.num_inflight, s.num_waiting + s.num_running + s.num_held if s is not None else 0)
+                inflight += load
+                if load > 0:
                     busy += 1
             busy_now[role] = busy / len(serving) if serving else 0.0
+            load_now[role] = inflight / len(serving) if serving else 0.0
             pools[role] = PoolState(workers=len(serving), draining=len(workers) - len(serving), waiting=waiting,
                                     running=running, batch_full=full)
-        self._busy.append((now, busy_now))
+        self._busy.append((now, busy_now, load_now))
         while self._busy and self._busy[0][0] < since:
             self._busy.popleft()
-        samples = [b for t, b in self._busy if t >= since]
-        pools = {role: replace(p, busy=sum(s.get(role, 0.0) for s in samples) / len(samples))
+        samples = [(b, n) for t, b, n in self._busy if t >= since]
+        pools = {role: replace(p, busy=sum(b.get(role, 0.0) for b, _ in samples) / len(samples),
+                               load=sum(n.get(role, 0.0) for _, n in samples) / len(samples))
                  for role, p in pools.items()}
         att = self.window.attainment(since)
         duties: dict[str, int] = {}
@@ -167,6 +175,8 @@ class Autoscaler:
         for role, pool in state.pools.items():
             self.metrics.pool_workers.labels(role, "serving").set(pool.workers)
             self.metrics.pool_workers.labels(role, "draining").set(pool.draining)
+            self.metrics.pool_busy.labels(role).set(pool.busy)
+            self.metrics.pool_load.labels(role).set(pool.load)
 
     def _ended(self, what: str) -> None:
         self.last_change_end = self.clock()

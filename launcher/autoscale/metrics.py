@@ -4,7 +4,10 @@
   included (`pool` "none"), with the rule's short reason code;
 - `pdserve:pool_workers{pool,state}`: workers per pool, `state` serving or draining;
 - `pdserve:slo_attainment{slo}`: the window's SLO attainment, `slo` both, ttft or tpot;
-- `pdserve:autoscale_arrival_rate`: requests per second over the window.
+- `pdserve:autoscale_arrival_rate`: requests per second over the window;
+- `pdserve:autoscale_pool_busy{pool}`, `pdserve:autoscale_pool_load{pool}`: the window's mean
+  fraction of the pool's workers busy and requests in flight per worker (what the scale-down
+  and the `load_rising` trigger read).
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ class AutoscaleMetrics:
         self.arrival_rate = Gauge(
             "pdserve:autoscale_arrival_rate", "Requests per second arriving, over the autoscaler's window.",
             registry=registry)
+        self.pool_busy = Gauge(
+            "pdserve:autoscale_pool_busy", "Mean fraction of the pool's workers busy over the autoscaler's window.",
+            ["pool"], registry=registry)
+        self.pool_load = Gauge(
+            "pdserve:autoscale_pool_load",
+            "Mean requests in flight per worker of the pool over the autoscaler's window.",
+            ["pool"], registry=registry)
         for pool in pools:  # every series a dashboard queries exists before its first event
             for state in ("serving", "draining"):
                 self.pool_workers.labels(pool, state)

@@ -23,9 +23,24 @@ No I/O and no clock: the caller passes the time in the state. What it decides, i
    requests of a step up miss only once they have waited the TTFT SLO, and the attainment
    counts only those that arrived since the last change, so without this a second addition
    waits for the window to refill);
-5. attainment at least `down_attainment` and a pool whose busy workers would stay under
-   `down_utilisation` with one worker fewer, for `down_stable` consecutive intervals: drain one
+5. a load that rises before any request misses: a pool with at least `up_load` requests in
+   flight per worker (the router's count, averaged over the window since the last change) and
+   at least `up_utilisation` of its workers busy, the load not falling, for `up_stable`
+   consecutive intervals: add one there (`load_rising`; the pool the most over `up_load` first),
+   whatever the attainment (it is meant to fire while the SLO still holds: a worker takes tens
+   of seconds to load, and the misses show only once requests have waited out the SLO);
+6. attainment at least `down_attainment` and a pool whose busy workers would stay under
+   `down_utilisation` with one worker fewer, and whose load would stay under
+   `up_load * down_utilisation` per worker, for `down_stable` consecutive intervals: drain one
    worker of it (the pool with the lowest such utilisation first).
+
+Why the load trigger needs both figures: "busy" (a worker with anything in flight) saturates for
+a batching decode worker (one request keeps it busy), so alone it cannot tell a light load from
+a heavy one (on the CPU step, 1P+1D's decode worker was busy 0.86 of the time at 0.2-0.4 req/s);
+requests in flight per worker (Little's law: arrival rate x time in the system) grow with the
+load and with the latency (1.6-2 at 0.2 req/s, 3 at +12 s of 1 req/s, 4 at +21 s). How many a
+worker holds within the SLO depends on the model and the device (a GPU batches hundreds), so
+`up_load` is off (0) unless the cluster file sets it.
 
 Role shifts (hybrid workers): the router counts each hybrid worker as a prefill, decode or
 mixed worker (its duty, router.cluster.directory). Duties form a ladder prefill - mixed - decode;
@@ -35,10 +50,12 @@ prefill on TTFT misses. A shift that would leave no worker able to run the other
 prefill-capable or no decode-capable hybrid worker) is not made: then a process is added as
 before. A shift is a change: the cooldown follows it.
 
-Hysteresis: a scale-up needs attainment under `target_attainment`, a scale-down attainment over
-the higher `down_attainment` *and* low utilisation for several intervals *and* utilisation that
-stays low after the removal; and a cooldown follows every change. A steady load therefore
-settles: it adds what it needs and does not take it back.
+Hysteresis: a scale-up needs attainment under `target_attainment` (or a load at or over
+`up_load` per worker with `up_utilisation` busy), a scale-down attainment over the higher
+`down_attainment` *and* low utilisation for several intervals *and* utilisation (under
+`down_utilisation` < `up_utilisation`) and load (under `up_load * down_utilisation`) that stay low
+after the removal; and a cooldown follows every change. A steady load therefore settles: it adds
+what it needs and does not take it back, and what a removal leaves does not add again.
 """
 
 from __future__ import annotations
@@ -71,6 +88,9 @@ class AutoscaleConfig:
     prefill_queue: float = 1.0  # requests queued per prefill worker that make prefill the bound
     queue_up: float = 3.0  # requests queued per worker that, not falling, add a worker (0: off) ...
     queue_stable: int = 2  # ... after this many consecutive intervals
+    up_load: float = 0.0  # requests in flight per worker (window mean) that, not falling, add one (0: off) ...
+    up_utilisation: float = 0.8  # ... with at least this fraction of the pool's workers busy (> down_utilisation) ...
+    up_stable: int = 2  # ... for this many consecutive intervals
     drain_timeout_s: float = 600.0  # a drain that has not emptied the worker by then is abandoned (it stays)
 
     def __post_init__(self) -> None:
@@ -99,18 +119,21 @@ class AutoscaleConfig:
                 fail(key, f"must be a number > 0, got {value!r}")
         if not (isinstance(self.cooldown_s, (int, float)) and self.cooldown_s >= 0 and math.isfinite(self.cooldown_s)):
             fail("cooldown_s", f"must be a number >= 0, got {self.cooldown_s!r}")
-        for key in ("target_attainment", "down_attainment", "down_utilisation", "full_batch"):
+        for key in ("target_attainment", "down_attainment", "down_utilisation", "up_utilisation", "full_batch"):
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and 0 < value <= 1):
                 fail(key, f"must be in (0, 1], got {value!r}")
         if self.down_attainment < self.target_attainment:
             fail("down_attainment", f"must be >= autoscale.target_attainment ({self.target_attainment}), "
                                     f"got {self.down_attainment} (the gap is the hysteresis)")
-        for key in ("down_stable", "min_requests", "queue_stable"):
+        if self.up_utilisation <= self.down_utilisation:
+            fail("up_utilisation", f"must be > autoscale.down_utilisation ({self.down_utilisation}), got "
+                                   f"{self.up_utilisation} (a removal must not leave the pool busy enough to add)")
+        for key in ("down_stable", "min_requests", "queue_stable", "up_stable"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 fail(key, f"must be an integer >= 1, got {value!r}")
-        for key in ("prefill_queue", "queue_up"):
+        for key in ("prefill_queue", "queue_up", "up_load"):
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 fail(key, f"must be a number >= 0, got {value!r}")
@@ -146,6 +169,7 @@ class PoolState:
     waiting: float = 0.0  # requests queued at its workers now (the workers' queues + awaiting KV)
     running: float = 0.0  # requests in its workers' batches now
     busy: float = 0.0  # mean fraction of its workers busy over the window (0..1)
+    load: float = 0.0  # mean requests in flight per worker over the window (queued, running, reserved)
     batch_full: float = 0.0  # the fullest worker's max(running / max_num_seqs, KV usage), 0..1
 
 
@@ -181,6 +205,8 @@ class RuleMemory:
     calm: Mapping[str, int] = field(default_factory=dict)  # pool -> consecutive intervals it could shrink
     pressure: Mapping[str, int] = field(default_factory=dict)  # pool -> consecutive intervals its queue grew
     queue: Mapping[str, float] = field(default_factory=dict)  # pool -> requests queued per worker, last interval
+    loaded: Mapping[str, int] = field(default_factory=dict)  # pool -> consecutive intervals over up_load
+    load: Mapping[str, float] = field(default_factory=dict)  # pool -> requests in flight per worker, last interval
 
 
 def _hold(code: str, reason: str) -> Decision:
@@ -254,7 +280,10 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
     for name, pool in pools.items():
         if pool.workers > config.min_workers[name] and pool.draining == 0:
             after = pool.busy * pool.workers / (pool.workers - 1)
-            if after < config.down_utilisation and state.attainment >= config.down_attainment:
+            # nor a load per worker that the load trigger would read as rising (hysteresis)
+            load_after = pool.load * pool.workers / (pool.workers - 1)
+            light = config.up_load <= 0 or load_after < config.up_load * config.down_utilisation
+            if after < config.down_utilisation and light and state.attainment >= config.down_attainment:
                 calm[name] = memory.calm.get(name, 0) + 1
                 shrinkable[name] = after
     # how long each pool's queue has been long and not falling (counted every interval too)
@@ -264,7 +293,15 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
         queue[name] = pool.waiting / max(pool.workers, 1)
         if config.queue_up > 0 and queue[name] >= config.queue_up and queue[name] >= memory.queue.get(name, 0.0):
             pressure[name] = memory.pressure.get(name, 0) + 1
-    memory = replace(memory, calm=calm, pressure=pressure, queue=queue)
+    # how long each pool's load has been at or over up_load per worker, busy and not falling
+    loaded: dict[str, int] = {}
+    load: dict[str, float] = {}
+    for name, pool in pools.items():
+        load[name] = pool.load
+        if (config.up_load > 0 and pool.workers > 0 and pool.load >= config.up_load
+                and pool.busy >= config.up_utilisation and pool.load >= memory.load.get(name, 0.0)):
+            loaded[name] = memory.loaded.get(name, 0) + 1
+    memory = replace(memory, calm=calm, pressure=pressure, queue=queue, loaded=loaded, load=load)
 
     if state.changing:
         return _hold("changing", "a worker is starting or draining"), memory
@@ -299,6 +336,16 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
                         f"{name}: {queue[name]:.1f} requests queued per worker (>= {config.queue_up:g}) and not "
                         f"falling for {pressure[name]} intervals, attainment {state.attainment:.2f} over "
                         f"{state.finished} requests"), _changed(memory, state)
+    rising = [name for name, n in loaded.items() if n >= config.up_stable
+              and pools[name].workers + pools[name].draining < config.max_workers[name]]
+    if rising:
+        name = max(rising, key=lambda n: (load[n] / config.up_load, n))
+        pool = pools[name]
+        return Decision("add", name, "load_rising",
+                        f"{name}: {pool.load:.1f} requests in flight per worker (>= {config.up_load:g}), "
+                        f"{pool.busy:.2f} busy (>= {config.up_utilisation:.2f}), not falling for {loaded[name]} "
+                        f"intervals, {state.arrival_rate:.2f} req/s, attainment {state.attainment:.2f} over "
+                        f"{state.finished} requests"), _changed(memory, state)
     ready = {name: after for name, after in shrinkable.items() if calm[name] >= config.down_stable}
     if ready:
         name = min(ready, key=lambda n: (ready[n], n))
@@ -312,4 +359,4 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
 
 
 def _changed(memory: RuleMemory, state: ClusterState) -> RuleMemory:
-    return replace(memory, last_change_at=state.now, calm={}, pressure={})
+    return replace(memory, last_change_at=state.now, calm={}, pressure={}, loaded={})

@@ -115,6 +115,42 @@ def test_adds_the_bound_pool_then_drains_and_removes_an_idle_worker(monkeypatch)
     assert registry.get_sample_value("pdserve:slo_attainment", {"slo": "both"}) == 1.0
 
 
+def test_a_rising_load_adds_a_worker_before_any_miss():
+    """The loop's load (requests in flight per worker, the router's count or the worker's queue
+    and batch, averaged since the last change) reaches the rule: 4 in flight at the decode
+    worker, every request within the SLO: it adds a decode worker on load, and the gauges show
+    the figures."""
+    clock = Clock()
+    backend = SimpleNamespace(pool=SimpleNamespace(workers={
+        "p0": worker("p0", "prefill", running=0, inflight=0), "d0": worker("d0", "decode", running=4, inflight=1)}))
+    window = RequestWindow(slo_ttft=1.0, slo_tpot=0.1, clock=clock)
+    registry = CollectorRegistry()
+    resizer = FakeResizer(backend)
+    config = AutoscaleConfig(cooldown_s=10, window_s=30, interval_s=5, up_load=3, up_stable=2)
+    scaler = Autoscaler(config, backend, window, resizer, max_num_seqs=8,
+                        metrics=AutoscaleMetrics(registry, ("prefill", "decode")), clock=clock)
+
+    async def scenario() -> list:
+        decisions = []
+        for _ in range(3):
+            window.arrive()
+            window.finish(0.2, 0.01)  # within the SLO
+            decisions.append(await scaler.step())
+            clock.t += 5
+        await scaler.wait_change()
+        return decisions
+
+    decisions = asyncio.run(scenario())
+    assert [d.code for d in decisions[:2]] == ["steady", "load_rising"]
+    assert (decisions[1].action, decisions[1].pool) == ("add", "decode")
+    assert "4.0 requests in flight per worker" in decisions[1].reason
+    assert resizer.log == ["add decode-new"]
+    assert registry.get_sample_value("pdserve:autoscale_decisions_total",
+                                     {"action": "add", "pool": "decode", "reason": "load_rising"}) == 1
+    assert registry.get_sample_value("pdserve:autoscale_pool_load", {"pool": "decode"}) is not None
+    assert registry.get_sample_value("pdserve:autoscale_pool_busy", {"pool": "prefill"}) == 0.0
+
+
 def test_up_config_autoscale(tmp_path):
     path = tmp_path / "cluster.yaml"
     path.write_text("slo-ttft: 2\nautoscale:\n  min: {decode: 1}\n  max: {decode: 4}\n  cooldown: 15\n")

@@ -191,3 +191,137 @@ def test_a_growing_queue_holds_in_the_cooldown_and_at_max():
     for i in range(4):
         d, memory = decide(state(now=100 + 5 * i, p=3, finished=2, pw=12.0), CONFIG, memory)
         assert d.action == "hold"
+
+
+LOADED = AutoscaleConfig(min_workers={"prefill": 1, "decode": 1}, max_workers={"prefill": 3, "decode": 3},
+                         cooldown_s=20, interval_s=5, down_stable=3, up_load=3.0, up_utilisation=0.8, up_stable=2)
+
+
+def loaded(now, d=1, dload=0.0, dbusy=0.5, pload=0.0, pbusy=0.2, attainment=1.0, finished=20, dd=0) -> ClusterState:
+    return ClusterState(now=now, pools={"prefill": PoolState(1, busy=pbusy, load=pload),
+                                        "decode": PoolState(d, draining=dd, busy=dbusy, load=dload)},
+                        finished=finished, attainment=attainment, ttft_attainment=attainment, arrival_rate=0.8)
+
+
+def test_a_rising_load_adds_before_any_miss():
+    """The CPU step's figures: at 0.2-0.4 req/s the decode worker is busy 0.86 of the time with
+    about 2 requests in flight (no add: busy alone says nothing for a batching worker); from the
+    step up, 3 and more in flight, busy 1.0, all requests still within the SLO: it adds a decode
+    worker after two intervals, before any miss."""
+    memory = RuleMemory()
+    for i, (dl, db) in enumerate([(1.6, 0.86), (1.9, 1.0), (2.0, 0.86), (1.7, 0.86)] * 3):
+        d, memory = decide(loaded(5.0 * i, dload=dl, dbusy=db), LOADED, memory)
+        assert d.action == "hold", (i, d)
+    d, memory = decide(loaded(100, dload=3.1, dbusy=1.0, pload=0.3), LOADED, memory)
+    assert d.action == "hold" and memory.loaded == {"decode": 1}
+    d, memory = decide(loaded(105, dload=3.6, dbusy=1.0, pload=0.3), LOADED, memory)
+    assert (d.action, d.pool, d.code) == ("add", "decode", "load_rising")
+    assert "3.6 requests in flight per worker (>= 3)" in d.reason and "attainment 1.00" in d.reason
+    assert memory.loaded == {} and memory.last_change_at == 105
+    # busy but light, or loaded but mostly idle (a burst): no add
+    for kw in ({"dload": 2.5, "dbusy": 1.0}, {"dload": 4.0, "dbusy": 0.6}):
+        memory = RuleMemory()
+        for i in range(6):
+            d, memory = decide(loaded(100 + 5 * i, **kw), LOADED, memory)
+            assert d.action == "hold", kw
+    # off by default
+    memory = RuleMemory()
+    for i in range(6):
+        d, memory = decide(loaded(100 + 5 * i, dload=9.0, dbusy=1.0), CONFIG, memory)
+        assert d.action == "hold"
+
+
+def test_a_load_that_falls_adds_nothing():
+    memory = RuleMemory()
+    for i, dl in enumerate([5.0, 4.5, 4.0, 3.5, 3.2, 3.0]):  # over up_load but the backlog drains
+        d, memory = decide(loaded(100 + 5 * i, dload=dl, dbusy=1.0), LOADED, memory)
+        assert d.action == "hold"
+
+
+def test_the_load_trigger_respects_max_cooldown_and_changes():
+    memory = RuleMemory()
+    for i in range(6):  # at max
+        d, memory = decide(loaded(100 + 5 * i, d=3, dload=6.0 + i, dbusy=1.0), LOADED, memory)
+        assert d.action == "hold"
+    memory = RuleMemory()
+    for i in range(6):  # at max counting a worker still draining
+        d, memory = decide(loaded(100 + 5 * i, d=2, dd=1, dload=6.0 + i, dbusy=1.0), LOADED, memory)
+        assert d.action == "hold"
+    d, memory = decide(loaded(100, dload=4.0, dbusy=1.0, ), LOADED, RuleMemory(last_change_at=90))
+    d, memory = decide(loaded(105, dload=4.0, dbusy=1.0), LOADED, memory)
+    assert d.code == "cooldown" and memory.loaded == {"decode": 2}  # counted through the cooldown
+    d, memory = decide(loaded(110, dload=4.0, dbusy=1.0), LOADED, memory)
+    assert (d.action, d.code) == ("add", "load_rising")  # at once when it ends
+    d, memory = decide(ClusterState(**{**loaded(120, dload=5.0, dbusy=1.0).__dict__, "changing": True}), LOADED,
+                       RuleMemory(loaded={"decode": 5}, load={"decode": 4.0}))
+    assert d.code == "changing"
+
+
+def test_a_removal_does_not_leave_a_load_that_adds_again():
+    """The scale-down's hysteresis against the load trigger: it removes only when the load per
+    worker with one fewer stays under up_load * down_utilisation (1.5 here), and busy under
+    down_utilisation (< up_utilisation)."""
+    memory = RuleMemory()
+    for i in range(6):  # 2 decode, 1.0 in flight each: 2.0 with one, over 1.5: stays
+        d, memory = decide(loaded(100 + 5 * i, d=2, dload=1.0, dbusy=0.2), LOADED, memory)
+        assert d.action == "hold"
+    memory = RuleMemory()
+    codes = []
+    for i in range(4):  # 0.5 each: 1.0 with one: removed after down_stable intervals
+        d, memory = decide(loaded(100 + 5 * i, d=2, dload=0.5, dbusy=0.2), LOADED, memory)
+        codes.append(d.code)
+    assert codes == ["steady", "steady", "idle", "cooldown"]
+    with pytest.raises(ValueError, match=r"autoscale.up_utilisation: must be > autoscale.down_utilisation"):
+        AutoscaleConfig(up_utilisation=0.5, down_utilisation=0.5)
+    with pytest.raises(ValueError, match=r"autoscale.up_load: must be a number >= 0"):
+        AutoscaleConfig.from_mapping({"up-load": -1})
+    with pytest.raises(ValueError, match=r"autoscale.up_stable: must be an integer >= 1"):
+        AutoscaleConfig.from_mapping({"up_stable": 0})
+    c = AutoscaleConfig.from_mapping({"up_load": 3, "up_utilisation": 0.9, "up_stable": 3})
+    assert (c.up_load, c.up_utilisation, c.up_stable) == (3, 0.9, 3)
+
+
+def load_model(rate: float, workers: dict[str, int]) -> ClusterState:
+    """A steady arrival rate on pools whose workers each hold 2.5 requests in flight per unit of
+    rate (Little's law with a 2.5 s request; the prefill pool a fifth of that), busy as a Poisson
+    pool would be; one worker of either pool serves 1.5 units within the SLO, beyond it the
+    latency (so the load) and the misses grow."""
+    pools = {}
+    ttft = tpot = 1.0
+    for pool, n in workers.items():
+        per = rate / n
+        load = 2.5 * per * (1 + max(0.0, per - 1.5))  # latency grows over capacity
+        pools[pool] = PoolState(n, busy=1 - math.exp(-load), load=load if pool == "decode" else load / 5)
+        miss = min(1.0, max(0.0, (per - 1.5) * 2))
+        if pool == "decode":
+            tpot = 1 - miss
+        else:
+            ttft = 1 - miss
+    return ClusterState(now=0, pools=pools, finished=20, attainment=ttft * tpot, ttft_attainment=ttft,
+                        tpot_attainment=tpot, arrival_rate=rate)
+
+
+@pytest.mark.parametrize("rate", [0.2, 0.5, 1.3, 1.45, 1.9, 2.6, 4.0])
+def test_a_steady_load_with_the_load_trigger_settles_without_oscillating(rate):
+    workers = {"prefill": 1, "decode": 1}
+    memory = RuleMemory()
+    history = []
+    for i in range(200):
+        s = ClusterState(**{**load_model(rate, workers).__dict__, "now": 5.0 * i})
+        d, memory = decide(s, LOADED, memory)
+        if d.action == "add":
+            workers[d.pool] += 1
+        elif d.action == "remove":
+            workers[d.pool] -= 1
+        history.append((d.action, d.code))
+    actions = [a for a, _ in history]
+    assert "remove" not in actions, history  # nothing taken back
+    assert actions[-100:] == ["hold"] * 100
+    if rate <= 0.5:
+        assert workers == {"prefill": 1, "decode": 1}  # light: no add at all
+    else:  # the decode pool grows until its load is under up_load (or at max)
+        assert workers["decode"] == 3 or load_model(rate, workers).pools["decode"].load < LOADED.up_load
+        assert load_model(rate, workers).attainment >= LOADED.target_attainment or workers["prefill"] == 3
+    if 1.2 <= rate <= 1.5:  # over up_load per worker, no miss yet: the load adds, not a miss
+        assert history[0] == ("hold", "steady") and ("add", "load_rising") in history
+        assert [c for a, c in history if a == "add"] == ["load_rising"]

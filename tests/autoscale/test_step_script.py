@@ -1,0 +1,66 @@
+"""benchmarks/autoscale_step.py's arguments and the `pdserve up` command it builds, for cpu and
+cuda (no GPU needed: the command is parsed by pdserve's own parser and made an UpConfig)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from launcher.cli import build_parser
+from launcher.cluster.config import load_up_config
+
+_SPEC = importlib.util.spec_from_file_location(
+    "autoscale_step", Path(__file__).resolve().parents[2] / "benchmarks" / "autoscale_step.py")
+step = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(step)
+
+
+def up_config(args, tmp_path):
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({"autoscale": step.autoscale_settings(args)}))
+    cmd = step.up_command(args, str(path))
+    assert cmd[:3] == ["-m", "launcher.cli", "up"]
+    ns = build_parser().parse_args(cmd[2:])
+    flags = {k: v for k, v in vars(ns).items() if k not in ("command", "func", "log_level", "config")}
+    return cmd, load_up_config(flags, ns.config)
+
+
+def test_cpu_command(tmp_path):
+    cmd, config = up_config(step.parse_args([]), tmp_path)
+    assert config.device == "cpu" and config.worker_gpus == 0 and config.worker_cpus == 0.25
+    assert config.kv_cache_gib == 0.3 and "--gpu-memory-fraction" not in cmd and "--dtype" not in cmd
+    assert config.autoscale.max_workers["decode"] == 3 and config.autoscale.up_load == 4.0
+
+
+def test_cuda_command(tmp_path):
+    args = step.parse_args(["--device", "cuda", "--dtype", "bfloat16", "--gpu-memory-fraction", "0.1",
+                            "--max-workers", "2", "--worker-gpus", "0.25", "--up-load", "8"])
+    cmd, config = up_config(args, tmp_path)
+    assert (config.device, config.dtype, config.worker_gpus, config.gpu_memory_fraction) == ("cuda", "bfloat16", 0.25, 0.1)
+    assert "--kv-cache-gib" not in cmd and "--worker-cpus" not in cmd  # pdserve up's defaults on cuda
+    assert config.autoscale.max_workers == {"prefill": 2, "decode": 2, "mixed": 4} and config.autoscale.up_load == 8
+    # the default share: 1/(2M), in Ray's two decimals
+    assert step.parse_args(["--device", "cuda"]).worker_gpus == 0.16
+
+
+@pytest.mark.parametrize("argv", [["--device", "cuda", "--worker-gpus", "0.2"],  # 6 workers at max 3: > 1/6
+                                  ["--device", "cuda", "--worker-gpus", "0"],
+                                  ["--device", "cuda", "--gpu-memory-fraction", "1.5"],
+                                  ["--worker-gpus", "0.1"],  # cuda only
+                                  ["--gpu-memory-fraction", "0.1"]])
+def test_refused(argv):
+    with pytest.raises(SystemExit):
+        step.parse_args(argv)
+
+
+def test_pack_takes_what_exists(tmp_path):
+    log = tmp_path / "up.log"
+    log.write_text("pdserve up: ...")
+    out = tmp_path / "step.tar.gz"
+    step.pack(str(out), [str(tmp_path / "missing.json"), None, str(log)])
+    with tarfile.open(out) as tar:
+        assert tar.getnames() == ["up.log"]
