@@ -11,7 +11,14 @@
    deadline bounds the link's rate from above (its bytes over the deadline);
 3. per-link gauges (`pdserve:link_*`) follow every change;
 4. probes (router.cluster.probes), when `ProbeSettings.interval_s` is set: one round at `start` and one
-   every interval, one pair per link, one probe at a time.
+   every interval, one pair per link, one probe at a time;
+5. re-probes (`NetworkOptions.reprobe_after_s`, for a policy that prices links by their estimates,
+   network-aware): a link whose estimate is under its capacity and that no transfer has crossed
+   for that long gets one probe, the stalest such link first, one every half of that time.
+   An estimate that makes the policy avoid a link is otherwise corrected only by a transfer over
+   it, which the policy then never sends: one slow transfer (a first use, a burst of other
+   traffic) would keep a healthy link out for good. A link that is still slow costs the probe's
+   deadline (its reservation is freed), not a user's request.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from dataclasses import dataclass, field, replace
 
 from router.placement.congestion import Flow, LinkMonitor, usable_gbps
@@ -43,8 +52,13 @@ class NetworkOptions:
     kv_bytes_per_token: int = 0
     ewma_alpha: float = 0.3
     probes: ProbeSettings = field(default_factory=ProbeSettings)
+    reprobe_after_s: float | None = 60.0  # module docstring, 5; None: never
 
     def __post_init__(self) -> None:
+        if self.reprobe_after_s is not None and (
+                isinstance(self.reprobe_after_s, bool) or not isinstance(self.reprobe_after_s, (int, float))
+                or not math.isfinite(self.reprobe_after_s) or self.reprobe_after_s <= 0):
+            raise ValueError(f"reprobe_after_s must be > 0 seconds or None, got {self.reprobe_after_s!r}")
         if isinstance(self.kv_bytes_per_token, bool) or not isinstance(self.kv_bytes_per_token, int) \
                 or self.kv_bytes_per_token < 0:
             raise ValueError(f"kv_bytes_per_token must be an integer >= 0, got {self.kv_bytes_per_token!r}")
@@ -60,24 +74,32 @@ class NetworkTracker:
         self.metrics = metrics
         self.rpc_timeout_s = rpc_timeout_s
         self.max_model_len = max_model_len
+        self.policy = policy
         self.topology = options.topology or policy.topology or Topology()
         self.links = LinkMonitor(alpha=options.ewma_alpha)
         profile = getattr(policy, "profile", None)  # network-aware carries its measured profile
         self.kv_bytes_per_token: int = options.kv_bytes_per_token or getattr(profile, "kv_bytes_per_token", 0)
         self._num_probes = 0
         self._connected: set[tuple[str, str]] = set()  # P->D worker pairs that completed a transfer
+        self._last_flow: dict[str, float] = {}  # link key -> when a flow over it last ended (monotonic)
         self._probe_task: asyncio.Task[None] | None = None
+        self._reprobe_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         if self.options.probes.interval_s is not None and self._probe_task is None:
             self._probe_task = asyncio.create_task(self._probe_loop(), name="link-probes")
+        if (self.options.reprobe_after_s is not None and getattr(self.policy, "uses_link_estimates", False)
+                and self._reprobe_task is None):
+            self._reprobe_task = asyncio.create_task(self._reprobe_loop(), name="link-reprobes")
 
     async def close(self) -> None:
-        if self._probe_task is not None:
-            self._probe_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._probe_task
-            self._probe_task = None
+        for name in ("_probe_task", "_reprobe_task"):
+            task = getattr(self, name)
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                setattr(self, name, None)
 
     # ---------------------------------------------------------------- flows
 
@@ -96,6 +118,7 @@ class NetworkTracker:
                     missed_deadline_s: float | None = None) -> None:
         """`missed_deadline_s`: the Prefill failed because its KV missed that deadline (evidence
         that the link is slow: router.placement.congestion)."""
+        self._last_flow[flow.key] = time.monotonic()
         pair = flow.pair
         if result is None:
             self._connected.discard(pair)  # a peer that failed may come back as a new process
@@ -120,32 +143,79 @@ class NetworkTracker:
 
     # ---------------------------------------------------------------- probes
 
-    async def probe_links(self) -> dict[str, float | None]:
-        """One probe per link between healthy prefill and decode workers, one after the other;
-        link key -> the Gbit/s its transfer achieved (None: it failed)."""
+    def _probe_settings(self) -> ProbeSettings:
         settings = self.options.probes
         if settings.num_tokens + 1 > self.max_model_len:
             settings = replace(settings, num_tokens=max(1, self.max_model_len - 1))
+        return settings
+
+    async def _probe(self, key: str, prefill: PooledWorker, decode: PooledWorker) -> float | None:
+        """One probe over `key` through the pair; the Gbit/s its transfer achieved (None: it failed)."""
+        settings = self._probe_settings()
+        self._num_probes += 1
+        flows: list[Flow] = []
+        result: PrefillResult | None = None
+
+        def on_start() -> None:
+            flows.append(self.start_flow(prefill, decode, settings.num_tokens))
+
+        try:
+            result = await probe_pair(prefill, decode, f"probe-{self._num_probes}", settings,
+                                      self.rpc_timeout_s, on_start=on_start)
+        except WorkerError as exc:
+            logger.info("link probe %s (%s -> %s) failed: %s", key, prefill.worker_id, decode.worker_id, exc)
+        finally:
+            for flow in flows:
+                self.finish_flow(flow, result, settings.num_tokens)
+        ok = result is not None and result.kv_seconds > 0
+        return result.kv_bytes * 8 / result.kv_seconds / 1e9 if ok else None  # type: ignore[union-attr]
+
+    async def probe_links(self) -> dict[str, float | None]:
+        """One probe per link between healthy prefill and decode workers, one after the other;
+        link key -> the Gbit/s its transfer achieved (None: it failed)."""
         got: dict[str, float | None] = {}
         for key, (prefill, decode) in pairs_per_link(list(self.pool.workers.values()), self.link_of).items():
-            self._num_probes += 1
-            flows: list[Flow] = []
-            result: PrefillResult | None = None
-
-            def on_start(p: PooledWorker = prefill, d: PooledWorker = decode) -> None:
-                flows.append(self.start_flow(p, d, settings.num_tokens))
-
-            try:
-                result = await probe_pair(prefill, decode, f"probe-{self._num_probes}", settings,
-                                          self.rpc_timeout_s, on_start=on_start)
-            except WorkerError as exc:
-                logger.info("link probe %s (%s -> %s) failed: %s", key, prefill.worker_id, decode.worker_id, exc)
-            finally:
-                for flow in flows:
-                    self.finish_flow(flow, result, settings.num_tokens)
-            ok = result is not None and result.kv_seconds > 0
-            got[key] = result.kv_bytes * 8 / result.kv_seconds / 1e9 if ok else None  # type: ignore[union-attr]
+            got[key] = await self._probe(key, prefill, decode)
         return got
+
+    def stale_links(self, now: float) -> list[str]:
+        """Links a re-probe is due on (module docstring, 5), the stalest first: measured under
+        their capacity, nothing in flight, no flow ended for `reprobe_after_s`."""
+        after = self.options.reprobe_after_s
+        if after is None:
+            return []
+        due = []
+        for key, last in self._last_flow.items():
+            state = self.links.state(key)
+            src, dst = key.split("->", 1)
+            if (state.measured_gbps is not None and state.active_flows == 0 and now - last >= after
+                    and state.measured_gbps < self.topology.link(src, dst).capacity_gbps):
+                due.append((last, key))
+        return [key for _, key in sorted(due)]
+
+    async def reprobe_stale(self, now: float | None = None) -> tuple[str, float | None] | None:
+        """Probes the stalest link that is due (if a healthy pair crosses it); (key, Gbit/s or
+        None) or None when none was probed."""
+        now = time.monotonic() if now is None else now
+        pairs = pairs_per_link(list(self.pool.workers.values()), self.link_of)
+        for key in self.stale_links(now):
+            if key in pairs:
+                prefill, decode = pairs[key]
+                logger.info("re-probing link %s (%s -> %s): estimate %.3g Gbit/s, no transfer for %.0f s",
+                            key, prefill.worker_id, decode.worker_id, self.links.state(key).measured_gbps or 0.0,
+                            now - self._last_flow[key])
+                return key, await self._probe(key, prefill, decode)
+        return None
+
+    async def _reprobe_loop(self) -> None:
+        after = self.options.reprobe_after_s
+        assert after is not None
+        while True:
+            await asyncio.sleep(after / 2)
+            try:
+                await self.reprobe_stale()
+            except Exception:
+                logger.exception("link re-probe failed")
 
     async def _probe_loop(self) -> None:
         interval = self.options.probes.interval_s

@@ -240,6 +240,8 @@ class PlacementPolicy(ABC):
     (a round-robin counter, network-aware's calibration) is allowed, I/O and clocks are not."""
 
     name: ClassVar[str]
+    uses_link_estimates: ClassVar[bool] = False  # it prices links by their measured estimates (the
+    # backend then re-probes a link it may be avoiding on an old sample: router.cluster.network)
     topology: Topology | None = None  # set by policies built with a topology file; the backend uses it
 
     @abstractmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -147,3 +148,34 @@ def test_probes_measure_each_link():
             assert backend.snapshot().links.state(key).measured_gbps == pytest.approx(8 * 1000 * 8 / 0.002 / 1e9)
             assert backend.snapshot().links.state(key).active_flows == 0
     run(main)
+
+
+def test_a_link_avoided_on_an_old_low_estimate_is_probed_again():
+    async def main():
+        policy = NetworkAware(profile=PROFILE, topology=TOPOLOGY)
+        async with env(policy) as (backend, metrics, workers):
+            net = backend.network
+            assert net._reprobe_task is not None  # network-aware prices links: re-probes run
+            assert len(await generate(backend, "r1")) == 3  # a flow over na->nb ended now
+            now = time.monotonic()
+            assert net.stale_links(now + 3600) == []  # no estimate yet (the first transfer is a bound)
+            net.links.record("na->nb", 1e-6)  # one very slow sample: the policy would avoid the link
+            assert net.stale_links(now) == []  # a transfer crossed it just now
+            assert net.stale_links(now + 59) == [] and net.stale_links(now + 61) == ["na->nb"]
+            key, gbps = await net.reprobe_stale(now + 61)
+            assert key == "na->nb" and gbps is not None and gbps > 1e-6
+            probes = [c for c in workers["p0"].called("Prefill") if c.startswith("probe-")]
+            assert probes == ["probe-1"] and workers["d0"].called("Abort")[-1] == "probe-1"
+            assert net.links.state("na->nb").measured_gbps > 1e-6  # raised by the probe's sample
+            assert net.stale_links(time.monotonic() + 59) == []  # the probe's flow counts as a crossing
+            net.links.record("na->nb", 1e9)  # at (above) its capacity: not avoided, never due
+            assert net.stale_links(time.monotonic() + 3600) == []
+        async with env(make_policy("round-robin")) as (backend, _, _):
+            assert backend.network._reprobe_task is None  # estimates place nothing: no re-probes
+    run(main)
+
+
+def test_reprobe_setting_is_checked():
+    with pytest.raises(ValueError, match="reprobe_after_s"):
+        NetworkOptions(reprobe_after_s=0)
+    assert NetworkOptions(reprobe_after_s=None).reprobe_after_s is None

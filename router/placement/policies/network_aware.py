@@ -84,6 +84,7 @@ log = logging.getLogger(__name__)
 
 class NetworkAware(PoolPolicy):
     name = "network-aware"
+    uses_link_estimates = True
 
     def __init__(
         self, *, profile: Profile | None = None, topology: Topology | None = None,
