@@ -1,13 +1,17 @@
 """A load step against a live `pdserve up --autoscale`: rate, workers per pool and SLO attainment over time.
 
-Starts `pdserve up --autoscale` from 1P+1D (or attaches to a running one with --url), sends
+Starts `pdserve up --autoscale` from 1P+1D (`--mode hybrid`: two hybrid workers, mixed workers
+that also move KV, whose duties the autoscaler shifts; or attaches to a running one with --url), sends
 Poisson streaming /v1/completions requests at `--low` req/s, steps to `--high`, then back to
 `--low`, scrapes the router's /metrics every `--scrape-s` (pdserve:pool_workers,
 pdserve:slo_attainment), and measures each request on the client (TTFT, TPOT, status). Then:
 
 - the time from the step up until the client-side attainment (requests that arrived in the
   last `--window-s`, both SLOs met, failures missing) is back at or above 0.9;
-- the time from the step down until the pools are back at their starting size;
+- the time from the step down until the pools are back at their starting size (hybrid: and
+  every duty back to mixed);
+- the changes the autoscaler made and when (from its decision counters: add, remove, shift with
+  the reason code, e.g. shift_to_decode, relax_to_mixed);
 - the requests that failed or never ended (the issue's target: 0 through the scale-down);
 
 and writes the record (JSON, with the `pdserve up` log's path) to --out, the plot to --plot
@@ -48,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default=None, help="a running `pdserve up --autoscale` (default: start one)")
     p.add_argument("--model", default="random:smollm2-135m")
+    p.add_argument("--mode", default="disaggregated", choices=("disaggregated", "hybrid"),
+                   help="disaggregated: from 1 prefill + 1 decode worker; hybrid: from 2 hybrid workers (mixed "
+                        "workers that move KV, whose duties the autoscaler shifts), up to 2 * --max-workers")
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--low", type=float, default=0.2, help="req/s before and after the step")
     p.add_argument("--high", type=float, default=1.0, help="req/s during the step")
@@ -79,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-cache-gib", type=float, default=0.3,
                    help="cpu: KV cache per worker (a small cache turns load into 429s); not passed on cuda")
     p.add_argument("--settle-s", type=float, default=180.0, help="after the load, wait this long at most for "
-                                                                  "the pools to be back at 1P+1D")
+                                                                  "the pools to be back at their starting size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "autoscale_step.json"))
     p.add_argument("--plot", default=os.path.join(REPO, "docs", "autoscale.png"))
@@ -115,8 +122,10 @@ def up_command(args: argparse.Namespace, config_path: str) -> list[str]:
     """The `pdserve up` command line (after the interpreter) for `args`: --kv-cache-gib only on
     cpu (on cuda the KV cache is --gpu-memory-fraction of the free memory), --worker-gpus 0 on
     cpu (a worker must not take a GPU share)."""
+    workers = ["--prefill", "1", "--decode", "1"] if args.mode == "disaggregated" else [
+        "--mode", "hybrid", "--replicas", "2"]
     cmd = ["-m", "launcher.cli", "up", "--autoscale", "--config", config_path, "--model", args.model,
-           "--device", args.device, "--prefill", "1", "--decode", "1", "--port", str(args.port),
+           "--device", args.device, *workers, "--port", str(args.port),
            "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot), "--max-model-len", "512",
            "--cluster-name", "autoscale-step", "--namespace", "pdserve-autoscale-step"]
     if args.dtype is not None:
@@ -133,9 +142,13 @@ def up_command(args: argparse.Namespace, config_path: str) -> list[str]:
 
 
 def autoscale_settings(args: argparse.Namespace) -> dict:
-    """The cluster file's `autoscale:` mapping for `args`."""
-    return {"min": {"prefill": 1, "decode": 1}, "max": {"prefill": args.max_workers, "decode": args.max_workers},
-            "interval": args.interval_s, "cooldown": args.cooldown_s, "window": args.window_s, "target": 0.9,
+    """The cluster file's `autoscale:` mapping for `args` (hybrid: one pool, mixed, from 2 to the
+    disaggregated run's ceiling, 2 * --max-workers)."""
+    if args.mode == "hybrid":
+        bounds = {"min": {"mixed": 2}, "max": {"mixed": 2 * args.max_workers}}
+    else:
+        bounds = {"min": {"prefill": 1, "decode": 1}, "max": {"prefill": args.max_workers, "decode": args.max_workers}}
+    return {**bounds, "interval": args.interval_s, "cooldown": args.cooldown_s, "window": args.window_s, "target": 0.9,
             "up_load": args.up_load}
 
 
@@ -279,12 +292,41 @@ async def run_load(args, url: str) -> tuple[list[dict], list[dict], float]:
         requests = await asyncio.gather(*tasks)
         # watch the pools settle after the last request (extra workers leave), up to settle_s
         settle_until = time.monotonic() + args.settle_s
-        while time.monotonic() < settle_until and samples and (
-                sum(samples[-1]["workers"].values()) > 2 or sum(samples[-1]["draining"].values())):
+        while time.monotonic() < settle_until and samples and not settled(samples[-1]):
             await asyncio.sleep(1)
         stop.set()
         await sampling
     return list(requests), samples, time.monotonic() - t0
+
+
+def specialists(sample: dict) -> int:
+    """Hybrid workers with a prefill or decode duty, from the decision counters: a shift to a
+    specialist duty adds one, a shift to mixed (a specialist back one step, or relax_to_mixed)
+    takes one (the rule relaxes every duty before it removes a process)."""
+    n = 0
+    for key, count in sample["decisions"].items():
+        action, pool, _ = key.split(" ", 2)
+        if action == "shift":
+            n += -count if pool == "mixed" else count
+    return int(n)
+
+
+def settled(sample: dict) -> bool:
+    """Back at the starting size (two workers), none draining, no specialist duty left."""
+    return sum(sample["workers"].values()) <= 2 and not sum(sample["draining"].values()) and not specialists(sample)
+
+
+def changes(samples: list[dict]) -> list[dict]:
+    """The autoscaler's changes (decisions other than hold) in the order the scrapes saw them:
+    {t, decision: "action pool reason", n}, t the first scrape that counted it."""
+    out = []
+    seen: dict[str, float] = {}
+    for s in samples:
+        for key, count in sorted(s["decisions"].items()):
+            if count > seen.get(key, 0):
+                out.append({"t": round(s["t"], 1), "decision": key, "n": int(count - seen.get(key, 0))})
+                seen[key] = count
+    return out
 
 
 def attainment_series(requests: list[dict], args, until: float, step: float = 2.0) -> list[tuple[float, float | None]]:
@@ -315,8 +357,7 @@ def summarize(requests, samples, series, args) -> dict:
     # from when on it stays at or above 0.9 until the step down
     recovered = next((t for i, (t, a) in enumerate(high) if all(b >= 0.9 for _, b in high[i:])), None)
     dipped = any(a is not None and a < 0.9 for t, a in series if up_at < t <= down_at)
-    back = next((s["t"] for s in samples if s["t"] >= down_at and sum(s["workers"].values()) <= 2
-                 and not sum(s["draining"].values())), None)
+    back = next((s["t"] for s in samples if s["t"] >= down_at and settled(s)), None)
     peak = max((sum(s["workers"].values()) for s in samples), default=0)
     failed = [r for r in requests if r["status"] != "ok"]
     first_drain = next((s["t"] for s in samples if sum(s["draining"].values())), float("inf"))
@@ -328,6 +369,7 @@ def summarize(requests, samples, series, args) -> dict:
         "peak_workers": peak, "attainment_dipped_below_0.9": dipped,
         "attainment_back_above_0.9_s_after_step_up": None if recovered is None else round(recovered - up_at, 1),
         "pools_back_to_1p1d_s_after_step_down": None if back is None else round(back - down_at, 1),
+        "changes": changes(samples),
     }
 
 
@@ -356,6 +398,12 @@ def plot(requests, samples, series, args, path: str) -> None:
         ax.step([s["t"] for s in samples], [s["workers"].get(pool, 0) for s in samples], where="post", label=pool)
     ax.step([s["t"] for s in samples], [sum(s["draining"].values()) for s in samples], where="post", linestyle=":",
             label="draining")
+    for c in changes(samples):
+        action, pool, reason = c["decision"].split(" ", 2)
+        if action == "shift":  # duty shifts: no worker starts or leaves, so a mark of their own
+            ax.axvline(c["t"], color="tab:purple", linestyle="--", linewidth=0.8)
+            ax.annotate(f"{reason} ({pool})", (c["t"], 0.1), rotation=90, fontsize=7, color="tab:purple",
+                        xytext=(2, 0), textcoords="offset points")
     ax.set_ylabel("workers")
     ax.legend(loc="upper right")
     ax = axes[2]
@@ -371,7 +419,7 @@ def plot(requests, samples, series, args, path: str) -> None:
     for a in axes:
         for e in edges[1:3]:
             a.axvline(e, color="grey", linewidth=0.8)
-    fig.suptitle(f"pdserve up --autoscale, {args.model}, {args.low:g} -> {args.high:g} -> {args.low:g} req/s "
+    fig.suptitle(f"pdserve up --autoscale{' --mode hybrid' if args.mode == 'hybrid' else ''}, {args.model}, {args.low:g} -> {args.high:g} -> {args.low:g} req/s "
                  f"(TTFT <= {args.slo_ttft:g} s, TPOT <= {args.slo_tpot:g} s)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,6 +1,7 @@
 """The planner's Prometheus series, on the router's registry (one scrape of the router covers it).
 
-- `pdserve:autoscale_decisions_total{action,pool,reason}`: every decision the loop took, holds
+- `pdserve:autoscale_decisions_total{action,pool,reason}`: every decision the loop took (add,
+  remove, shift: a hybrid worker's duty, `pool` the duty it takes), holds
   included (`pool` "none"), with the rule's short reason code;
 - `pdserve:pool_workers{pool,state}`: workers per pool, `state` serving or draining;
 - `pdserve:slo_attainment{slo}`: the window's SLO attainment, `slo` both, ttft or tpot;
@@ -19,7 +20,7 @@ class AutoscaleMetrics:
     def __init__(self, registry: CollectorRegistry, pools: tuple[str, ...] = ()) -> None:
         self.decisions = Counter(
             "pdserve:autoscale_decisions_total",
-            "Autoscaler decisions by action (add, remove, hold), pool and reason code.",
+            "Autoscaler decisions by action (add, remove, shift, hold), pool and reason code.",
             ["action", "pool", "reason"], registry=registry)
         self.pool_workers = Gauge(
             "pdserve:pool_workers", "Workers per pool as the autoscaler sees them, by state (serving, draining).",

@@ -29,7 +29,12 @@ No I/O and no clock: the caller passes the time in the state. What it decides, i
    consecutive intervals: add one there (`load_rising`; the pool the most over `up_load` first),
    whatever the attainment (it is meant to fire while the SLO still holds: a worker takes tens
    of seconds to load, and the misses show only once requests have waited out the SLO);
-6. attainment at least `down_attainment` and a pool whose busy workers would stay under
+6. with hybrid workers of a specialist duty (prefill or decode), when the pool of the hybrid
+   workers (`mixed`) meets the scale-down's conditions (7) for `down_stable` consecutive
+   intervals, its minimum apart: one of them moves a step back to mixed duty (`relax_to_mixed`,
+   action shift; the duty with more workers first, decode on a tie), before any process is
+   removed (below);
+7. attainment at least `down_attainment` and a pool whose busy workers would stay under
    `down_utilisation` with one worker fewer, and whose load would stay under
    `up_load * down_utilisation` per worker, for `down_stable` consecutive intervals: drain one
    worker of it (the pool with the lowest such utilisation first).
@@ -48,7 +53,22 @@ when the bound phase is decode (TPOT misses, full decode batches) a worker moves
 decode: a prefill-duty worker back to mixed, else a mixed one to decode duty; the same toward
 prefill on TTFT misses. A shift that would leave no worker able to run the other phase (no
 prefill-capable or no decode-capable hybrid worker) is not made: then a process is added as
-before. A shift is a change: the cooldown follows it.
+before. Nor is a shift that undoes the last change: when the last change was a shift toward the
+other phase, the workers are too few for both phases and a process is added (without this a
+load that neither split of the workers serves swaps a duty back and forth every cooldown). A
+shift is a change: the cooldown follows it.
+
+Duties go back to mixed when the load falls (6): on the scale-down's own conditions and counts
+(attainment at least `down_attainment`, the pool under `down_utilisation` busy and under
+`up_load * down_utilisation` in flight per worker even with one worker fewer, for `down_stable`
+intervals; the pool's minimum does not matter here, as no process leaves), one step per
+decision, each a change with its cooldown, and all of them before a process is removed: the
+relax is tried first, and its conditions include the removal's, so while a specialist is left
+no removal can be ready without the relax being ready too. It does not oscillate: a shift needs
+attainment under `target_attainment`, a relax at least the higher `down_attainment` and the
+pool lightly used with a worker fewer (a load that caused a shift, TPOT misses or full busy
+batches, keeps its duties), and a relaxed worker does not shift back within the cooldown nor
+before the attainment falls below the target again.
 
 Hysteresis: a scale-up needs attainment under `target_attainment` (or a load at or over
 `up_load` per worker with `up_utilisation` busy), a scale-down attainment over the higher
@@ -206,6 +226,8 @@ class RuleMemory:
     pressure: Mapping[str, int] = field(default_factory=dict)  # pool -> consecutive intervals its queue grew
     queue: Mapping[str, float] = field(default_factory=dict)  # pool -> requests queued per worker, last interval
     loaded: Mapping[str, int] = field(default_factory=dict)  # pool -> consecutive intervals over up_load
+    quiet: int = 0  # consecutive intervals the hybrid workers' pool could relax a duty (calm, its minimum apart)
+    shifted_to: str | None = None  # the phase the last change shifted a duty toward; None: another change
     load: Mapping[str, float] = field(default_factory=dict)  # pool -> requests in flight per worker, last interval
 
 
@@ -244,13 +266,15 @@ def _bound_phase(state: ClusterState, config: AutoscaleConfig) -> str:
     return "prefill"
 
 
-def _shift(state: ClusterState, config: AutoscaleConfig, head: str) -> Decision | None:
+def _shift(state: ClusterState, config: AutoscaleConfig, head: str, memory: RuleMemory) -> Decision | None:
     """The role shift toward the bound phase (module docstring), or None when none can be made."""
     duties = {d: state.duties.get(d, 0) for d in DUTIES}
     if sum(duties.values()) < 2:
         return None
     phase = _bound_phase(state, config)
     other = "prefill" if phase == "decode" else "decode"
+    if memory.shifted_to == other:  # it would undo the last change: too few workers for both phases
+        return None
     step = 1 if phase == "decode" else -1
     for source in (other, "mixed"):  # the far end first: a specialist of the other phase back to mixed
         if duties[source] == 0:
@@ -278,14 +302,15 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
     calm: dict[str, int] = {}
     shrinkable: dict[str, float] = {}
     for name, pool in pools.items():
-        if pool.workers > config.min_workers[name] and pool.draining == 0:
-            after = pool.busy * pool.workers / (pool.workers - 1)
-            # nor a load per worker that the load trigger would read as rising (hysteresis)
-            load_after = pool.load * pool.workers / (pool.workers - 1)
-            light = config.up_load <= 0 or load_after < config.up_load * config.down_utilisation
-            if after < config.down_utilisation and light and state.attainment >= config.down_attainment:
-                calm[name] = memory.calm.get(name, 0) + 1
-                shrinkable[name] = after
+        after = _light_after_removal(pool, state, config)
+        if after is not None and pool.workers > config.min_workers[name]:
+            calm[name] = memory.calm.get(name, 0) + 1
+            shrinkable[name] = after
+    # how long the hybrid workers could have relaxed a duty (the same conditions, at any size)
+    specialists = {d: n for d, n in state.duties.items() if d != "mixed" and n > 0}
+    quiet = 0
+    if specialists and _light_after_removal(pools.get("mixed", PoolState(0)), state, config) is not None:
+        quiet = memory.quiet + 1
     # how long each pool's queue has been long and not falling (counted every interval too)
     pressure: dict[str, int] = {}
     queue: dict[str, float] = {}
@@ -301,7 +326,7 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
         if (config.up_load > 0 and pool.workers > 0 and pool.load >= config.up_load
                 and pool.busy >= config.up_utilisation and pool.load >= memory.load.get(name, 0.0)):
             loaded[name] = memory.loaded.get(name, 0) + 1
-    memory = replace(memory, calm=calm, pressure=pressure, queue=queue, loaded=loaded, load=load)
+    memory = replace(memory, calm=calm, pressure=pressure, queue=queue, loaded=loaded, load=load, quiet=quiet)
 
     if state.changing:
         return _hold("changing", "a worker is starting or draining"), memory
@@ -319,9 +344,9 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
         if state.duties:
             head = (f"attainment {state.attainment:.2f} < {config.target_attainment:.2f} "
                     f"(TTFT {state.ttft_attainment:.2f}, TPOT {state.tpot_attainment:.2f}, {state.finished} requests)")
-            shift = _shift(state, config, head)
+            shift = _shift(state, config, head, memory)
             if shift is not None:
-                return shift, _changed(memory, state)
+                return shift, replace(_changed(memory, state), shifted_to=shift.code.removeprefix("shift_to_"))
         name, code, reason = _bound_pool(state, config)
         pool = pools.get(name, PoolState(0))
         if pool.workers + pool.draining >= config.max_workers[name]:
@@ -346,6 +371,16 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
                         f"{pool.busy:.2f} busy (>= {config.up_utilisation:.2f}), not falling for {loaded[name]} "
                         f"intervals, {state.arrival_rate:.2f} req/s, attainment {state.attainment:.2f} over "
                         f"{state.finished} requests"), _changed(memory, state)
+    if quiet >= config.down_stable:  # duties back to mixed before any process leaves
+        source = max(specialists, key=lambda d: (specialists[d], d == "decode"))
+        pool = pools["mixed"]
+        counts = ", ".join(f"{d} {state.duties.get(d, 0)}" for d in DUTIES)
+        return Decision("shift", "mixed", "relax_to_mixed",
+                        f"attainment {state.attainment:.2f} >= {config.down_attainment:.2f} and mixed "
+                        f"{pool.busy:.2f} busy over {pool.workers} workers (< {config.down_utilisation:.2f} with one "
+                        f"fewer), {pool.load:.1f} in flight per worker, for {quiet} intervals; a hybrid worker "
+                        f"shifts from {source} back to mixed duty (duties: {counts})",
+                        source=source), _changed(memory, state)
     ready = {name: after for name, after in shrinkable.items() if calm[name] >= config.down_stable}
     if ready:
         name = min(ready, key=lambda n: (ready[n], n))
@@ -358,5 +393,17 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
                            f"{state.arrival_rate:.2f} req/s"), memory
 
 
+def _light_after_removal(pool: PoolState, state: ClusterState, config: AutoscaleConfig) -> float | None:
+    """The pool's busy fraction with one worker fewer when that, its load per worker with one
+    fewer and the attainment all allow a scale-down (module docstring, 7); else None."""
+    if pool.workers < 2 or pool.draining > 0 or state.attainment < config.down_attainment:
+        return None
+    after = pool.busy * pool.workers / (pool.workers - 1)
+    # nor a load per worker that the load trigger would read as rising (hysteresis)
+    load_after = pool.load * pool.workers / (pool.workers - 1)
+    light = config.up_load <= 0 or load_after < config.up_load * config.down_utilisation
+    return after if after < config.down_utilisation and light else None
+
+
 def _changed(memory: RuleMemory, state: ClusterState) -> RuleMemory:
-    return replace(memory, last_change_at=state.now, calm={}, pressure={}, loaded={})
+    return replace(memory, last_change_at=state.now, calm={}, pressure={}, loaded={}, quiet=0, shifted_to=None)

@@ -64,3 +64,28 @@ def test_pack_takes_what_exists(tmp_path):
     step.pack(str(out), [str(tmp_path / "missing.json"), None, str(log)])
     with tarfile.open(out) as tar:
         assert tar.getnames() == ["up.log"]
+
+
+def test_hybrid_command(tmp_path):
+    cmd, config = up_config(step.parse_args(["--mode", "hybrid", "--max-workers", "2"]), tmp_path)
+    assert (config.mode, config.replicas) == ("hybrid", 2) and "--prefill" not in cmd
+    assert config.autoscale.min_workers["mixed"] == 2 and config.autoscale.max_workers["mixed"] == 4
+
+
+def test_changes_and_duties_from_the_decision_counters():
+    samples = [{"t": 1.0, "workers": {"mixed": 2}, "draining": {}, "decisions": {}},
+               {"t": 3.0, "workers": {"mixed": 2}, "draining": {}, "decisions": {"shift decode shift_to_decode": 1}},
+               {"t": 5.0, "workers": {"mixed": 3}, "draining": {},
+                "decisions": {"shift decode shift_to_decode": 1, "add mixed slo_miss": 1}},
+               {"t": 7.0, "workers": {"mixed": 2}, "draining": {},
+                "decisions": {"shift decode shift_to_decode": 1, "add mixed slo_miss": 1,
+                              "remove mixed idle": 1}},
+               {"t": 9.0, "workers": {"mixed": 2}, "draining": {},
+                "decisions": {"shift decode shift_to_decode": 1, "add mixed slo_miss": 1, "remove mixed idle": 1,
+                              "shift mixed relax_to_mixed": 1}}]
+    assert step.changes(samples) == [{"t": 3.0, "decision": "shift decode shift_to_decode", "n": 1},
+                                     {"t": 5.0, "decision": "add mixed slo_miss", "n": 1},
+                                     {"t": 7.0, "decision": "remove mixed idle", "n": 1},
+                                     {"t": 9.0, "decision": "shift mixed relax_to_mixed", "n": 1}]
+    assert [step.specialists(s) for s in samples] == [0, 1, 1, 1, 0]
+    assert [step.settled(s) for s in samples] == [True, False, False, False, True]
