@@ -177,6 +177,8 @@ class Autoscaler:
             self.metrics.pool_workers.labels(role, "draining").set(pool.draining)
             self.metrics.pool_busy.labels(role).set(pool.busy)
             self.metrics.pool_load.labels(role).set(pool.load)
+        for duty in ("prefill", "mixed", "decode"):
+            self.metrics.duties.labels(duty).set(state.duties.get(duty, 0))
 
     def _ended(self, what: str) -> None:
         self.last_change_end = self.clock()

@@ -8,7 +8,9 @@
 - `pdserve:autoscale_arrival_rate`: requests per second over the window;
 - `pdserve:autoscale_pool_busy{pool}`, `pdserve:autoscale_pool_load{pool}`: the window's mean
   fraction of the pool's workers busy and requests in flight per worker (what the scale-down
-  and the `load_rising` trigger read).
+  and the `load_rising` trigger read);
+- `pdserve:autoscale_duties{duty}`: serving hybrid workers per duty (prefill, mixed, decode; all 0
+  without hybrid workers).
 """
 
 from __future__ import annotations
@@ -39,8 +41,15 @@ class AutoscaleMetrics:
             "pdserve:autoscale_pool_load",
             "Mean requests in flight per worker of the pool over the autoscaler's window.",
             ["pool"], registry=registry)
+        self.duties = Gauge(
+            "pdserve:autoscale_duties", "Serving hybrid workers per duty (prefill, mixed, decode).",
+            ["duty"], registry=registry)
         for pool in pools:  # every series a dashboard queries exists before its first event
             for state in ("serving", "draining"):
                 self.pool_workers.labels(pool, state)
+            self.pool_busy.labels(pool)
+            self.pool_load.labels(pool)
+        for duty in ("prefill", "mixed", "decode"):
+            self.duties.labels(duty)
         for slo in ("both", "ttft", "tpot"):
             self.attainment.labels(slo).set(1.0)

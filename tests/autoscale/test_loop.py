@@ -198,6 +198,9 @@ def test_a_hybrid_pool_shifts_a_worker_duty_instead_of_starting_one():
     assert backend.pool.workers["m0"].role == "decode" and backend.pool.workers["m0"].endpoint.role == "mixed"
     assert registry.get_sample_value("pdserve:autoscale_decisions_total",
                                      {"action": "shift", "pool": "decode", "reason": "shift_to_decode"}) == 1
+    # the second decision saw the shift: one decode-duty worker, two mixed
+    assert [registry.get_sample_value("pdserve:autoscale_duties", {"duty": d}) for d in ("prefill", "mixed", "decode")] \
+        == [0.0, 2.0, 1.0]
 
 
 def test_a_colocated_pool_has_no_duties():
