@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,13 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_serving import Cluster, log  # noqa: E402
 
 sys.path.insert(0, ROOT)
+from loadgen.launcher import free_port  # noqa: E402
 from loadgen.server_metrics import parse_prometheus_text  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric_total(url: str, name: str) -> float:

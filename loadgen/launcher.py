@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shlex
 import signal
 import socket
@@ -27,7 +28,40 @@ class LaunchError(LoadgenError):
     """The server did not start or did not become healthy."""
 
 
+# Ports a server is started on are drawn below the kernel's ephemeral range: a port the kernel
+# handed out for port 0 and took back can be handed out again at once to anything that binds port 0
+# (a worker's gRPC server, Ray's processes), so a server started on it a moment later finds it taken,
+# or a client finds another protocol behind it. Ray's own defaults (6379, 8265, 10002-19999) lie
+# below FIRST_PORT.
+FIRST_PORT = 20000
+_handed: set[int] = set()  # ports this process handed out: never twice
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that binds now, below the ephemeral range (see above) where there is room
+    (else one the kernel picks)."""
+    low, _ = _ephemeral_range()
+    if low - FIRST_PORT >= 1000:
+        rng = random.Random()
+        for _ in range(200):
+            port = rng.randrange(FIRST_PORT, low)
+            if port in _handed:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+            _handed.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

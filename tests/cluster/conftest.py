@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,16 +12,13 @@ from collections.abc import Iterable
 import httpx
 import psutil
 
+from loadgen.launcher import free_port  # noqa: F401 (the cluster tests import it from here)
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
 # A model with a tokenizer (the router needs one) that loads in about a second.
 MODEL = "random:smollm2-135m"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cluster_env(**extra: str) -> dict[str, str]:

@@ -5,7 +5,6 @@ the first transfer to the new process works."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -15,14 +14,10 @@ import kvtransfer
 from kvtransfer import KVTransferError
 from kvtransfer.ucx_runtime import address_incarnation, parse_address
 from kvx_peer import CacheSpec, Peer, make_caches
+from loadgen.launcher import free_port
 
 SPEC = CacheSpec(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def send(sender, address, tid, src_ids, dst_ids):
