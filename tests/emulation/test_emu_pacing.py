@@ -177,11 +177,13 @@ def test_measure_plan_several_rates_in_one_pair_of_processes(tmp_path):
         return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     start = time.monotonic()
-    results = measure_plan(spawn, "127.0.0.1", [(5.0, None), (2.5, "default=0.1"), (6.25, "default=0.25")], 2,
+    # three transfers a rate: the median then holds against one transfer that found the bucket
+    # not quite drained (CI once saw 0.281 and 0.250 Gbit/s at 0.25: a median of two is their mean)
+    results = measure_plan(spawn, "127.0.0.1", [(5.0, None), (2.5, "default=0.1"), (6.25, "default=0.25")], 3,
                            timeout_s=60)
     assert time.monotonic() - start < 30
-    assert [len(r["send_gbps"]) for r in results] == [2, 2, 2]
-    assert results[0]["link_gbps"] == [None, None]  # unpaced: no link-bound figure
+    assert [len(r["send_gbps"]) for r in results] == [3, 3, 3]
+    assert results[0]["link_gbps"] == [None, None, None]  # unpaced: no link-bound figure
     for result, gbps in zip(results[1:], (0.1, 0.25)):
         assert statistics.median(result["send_gbps"]) == pytest.approx(gbps, rel=0.05), result
         assert statistics.median(result["link_gbps"]) == pytest.approx(gbps, rel=0.05), result
