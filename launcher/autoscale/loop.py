@@ -28,7 +28,7 @@ from dataclasses import replace
 from typing import Any
 
 from launcher.autoscale.metrics import AutoscaleMetrics
-from launcher.autoscale.rule import AutoscaleConfig, ClusterState, Decision, PoolState, RuleMemory, decide
+from launcher.autoscale.rule import DUTIES, AutoscaleConfig, ClusterState, Decision, PoolState, RuleMemory, decide
 from launcher.autoscale.window import RequestWindow
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class Autoscaler:
             self.metrics.pool_workers.labels(role, "draining").set(pool.draining)
             self.metrics.pool_busy.labels(role).set(pool.busy)
             self.metrics.pool_load.labels(role).set(pool.load)
-        for duty in ("prefill", "mixed", "decode"):
+        for duty in DUTIES:
             self.metrics.duties.labels(duty).set(state.duties.get(duty, 0))
 
     def _ended(self, what: str) -> None:

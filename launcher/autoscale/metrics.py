@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from launcher.autoscale.rule import DUTIES
+
 
 class AutoscaleMetrics:
     def __init__(self, registry: CollectorRegistry, pools: tuple[str, ...] = ()) -> None:
@@ -49,7 +51,7 @@ class AutoscaleMetrics:
                 self.pool_workers.labels(pool, state)
             self.pool_busy.labels(pool)
             self.pool_load.labels(pool)
-        for duty in ("prefill", "mixed", "decode"):
+        for duty in DUTIES:
             self.duties.labels(duty)
         for slo in ("both", "ttft", "tpot"):
             self.attainment.labels(slo).set(1.0)

@@ -88,7 +88,7 @@ class NetworkTracker:
     def start(self) -> None:
         if self.options.probes.interval_s is not None and self._probe_task is None:
             self._probe_task = asyncio.create_task(self._probe_loop(), name="link-probes")
-        if (self.options.reprobe_after_s is not None and getattr(self.policy, "uses_link_estimates", False)
+        if (self.options.reprobe_after_s is not None and self.policy.uses_link_estimates
                 and self._reprobe_task is None):
             self._reprobe_task = asyncio.create_task(self._reprobe_loop(), name="link-reprobes")
 

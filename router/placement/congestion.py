@@ -30,7 +30,8 @@ slowly than the link carries it, every link converged to that rate.
 
 The first transfer between two workers also pays for their connection (UCX endpoint, remote
 keys, on a GPU the CUDA IPC mapping of the peer's pool: a one-time ~100 ms where the copy takes
-1-2 ms), so it too counts only as a lower bound (`finish(first_contact=True)`). Counted as a
+1-2 ms), so it too counts only as a lower bound (`Flow.first_contact`, set by the caller, which
+knows the pair). Counted as a
 measurement, the router's own warm-up requests set a same-host GPU link to about 1 Gbit/s; a
 local run then always priced lower than a pair, so no transfer ever ran to correct it.
 
