@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+import warnings
 
 import grpc
 import pytest
@@ -22,6 +23,9 @@ DEADLINE_S = 2.0
 
 
 def _serve(role: str, conn) -> None:
+    import faulthandler
+
+    faulthandler.enable()  # a crash of this worker prints its stacks into the test's output
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.worker.server import WorkerConfig, WorkerServer
 
@@ -31,10 +35,11 @@ def _serve(role: str, conn) -> None:
     server = WorkerServer(WorkerConfig(f"{role}-lease", role, config, kv_backend="ucx"),
                           default_deadline_s=DEADLINE_S, reservation_grace_s=1.0)
     conn.send(server.start())
-    conn.recv()
-    metrics = (server.sender or server.receiver).metrics()
-    conn.send((server.reservations_expired, metrics))
+    while (command := conn.recv()) == "metrics":
+        conn.send((server.reservations_expired, (server.sender or server.receiver).metrics()))
+    faulthandler.dump_traceback_later(60, exit=True)  # a hang in the stop prints where it hangs
     server.stop(grace=1)
+    conn.send("stopped")
 
 
 def _disaggregated(stubs, rid, prompt):
@@ -64,6 +69,7 @@ def test_stopped_receiver_releases_by_lease_and_drops_stale_transfers():
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(role, child), daemon=True)
             proc.start()
+            child.close()  # the worker holds the only other end: its death reads as EOF, not a hang
             assert parent.poll(120), f"{role} worker did not start"
             procs[role] = (proc, parent, parent.recv())
         stubs = {role: pb_grpc.WorkerStub(grpc.insecure_channel(addr)) for role, (_, _, addr) in procs.items()}
@@ -101,13 +107,18 @@ def test_stopped_receiver_releases_by_lease_and_drops_stale_transfers():
         assert late.value.code() == grpc.StatusCode.NOT_FOUND
         assert _disaggregated(stubs, "after", prompts[2]) == expected[2]  # the link serves again
         results = {}
-        for role, (proc, conn, _) in procs.items():
-            conn.send("stop")
+        for role, (proc, conn, _) in procs.items():  # both asked before either stops
+            conn.send("metrics")
+            assert conn.poll(60), f"the {role} worker did not answer (exit code {proc.exitcode})"
             results[role] = conn.recv()
-            proc.join(30)
         expired, metrics = results["decode"]
         assert expired == 1
         assert metrics["transfers_expired"] + metrics["transfers_cancelled"] >= 1
+        for role, (proc, conn, _) in procs.items():
+            conn.send("stop")
+            if not conn.poll(90):  # not this test's subject: reported, and the finally kills it
+                warnings.warn(f"the {role} worker did not stop within 90 s (exit code {proc.exitcode})")
+            proc.join(30)
     finally:
         for proc, _, _ in procs.values():
             if proc.is_alive():
