@@ -72,6 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     # (run 6, where 3 added a third decode worker), 1P+1D reached 4 at +19-21 s of the step
     p.add_argument("--up-load", type=float, default=4.0, help="autoscale up_load: requests in flight per worker "
                                                                "that add one before the SLO misses (0: off)")
+    p.add_argument("--spares", type=int, default=0, help="autoscale spares: warm spare workers per pool, which an "
+                   "addition takes at once (default 0)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the workers' device")
     p.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16"),
                    help="weights and activations (default: pdserve up's for the device)")
@@ -101,6 +103,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The device flags that fit together (argparse errors otherwise); fills the device defaults."""
     if args.max_workers < 1:
         p.error("--max-workers must be >= 1")
+    if args.spares < 0:
+        p.error("--spares must be >= 0")
     if args.device == "cpu":
         for flag in ("worker_gpus", "gpu_memory_fraction"):
             if getattr(args, flag) is not None:
@@ -149,7 +153,7 @@ def autoscale_settings(args: argparse.Namespace) -> dict:
     else:
         bounds = {"min": {"prefill": 1, "decode": 1}, "max": {"prefill": args.max_workers, "decode": args.max_workers}}
     return {**bounds, "interval": args.interval_s, "cooldown": args.cooldown_s, "window": args.window_s, "target": 0.9,
-            "up_load": args.up_load}
+            "up_load": args.up_load, "spares": args.spares}
 
 
 def start_cluster(args, logs: dict) -> tuple[subprocess.Popen, str]:
@@ -192,12 +196,13 @@ def stop_cluster(proc: subprocess.Popen) -> None:
 def scrape(text: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {"workers": {}, "draining": {}, "attainment": None, "busy": {}, "load": {}, "decisions": {}, "rate": None}
+    out = {"workers": {}, "draining": {}, "spares": {}, "attainment": None, "busy": {}, "load": {}, "decisions": {}, "rate": None}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "pdserve:pool_workers":
-                key = "workers" if s.labels.get("state") == "serving" else "draining"
-                out[key][s.labels["pool"]] = s.value
+                key = {"serving": "workers", "draining": "draining", "spare": "spares"}.get(s.labels.get("state"))
+                if key is not None:
+                    out[key][s.labels["pool"]] = s.value
             elif s.name == "pdserve:slo_attainment" and s.labels.get("slo") == "both":
                 out["attainment"] = s.value
             elif s.name in ("pdserve:autoscale_pool_busy", "pdserve:autoscale_pool_load"):

@@ -15,6 +15,13 @@ placement group first; drain it, wait until it is empty for three polls in a row
 it), or shift (a hybrid worker's duty: the directory's role override, router.cluster.directory;
 no process starts or stops, so it ends at once). One change at a time; the rule's cooldown counts
 from the end of the last one.
+
+Warm spares (`AutoscaleConfig.spares`, per pool): the loop starts them when it starts and after
+each addition that took one (a task beside the changes, not one of them: the cooldown does not
+wait for it), up to the pool's maximum with the serving workers; an addition takes a spare when
+the pool has one (it serves about a second later instead of after a model load and a warm-up),
+and a drained worker is parked as a spare instead of removed while its pool has fewer than it
+wants.
 """
 
 from __future__ import annotations
@@ -34,13 +41,14 @@ from launcher.autoscale.window import RequestWindow
 logger = logging.getLogger(__name__)
 
 DRAIN_POLL_S = 0.5
+SPARE_START_TIMEOUT_S = 300.0  # a spare that cannot be placed or started by then is given up (until the next addition)
 EMPTY_POLLS = 3  # consecutive empty observations before a drained worker leaves
 
 
 class Autoscaler:
     """`backend`: the router's `ClusterBackend` (its `pool.workers`); `resizer`: a
     `launcher.cluster.resize.PoolResizer` (or a fake with `specs`, `add`, `drain`, `undrain`,
-    `remove`, `own_group`, and `shift` for hybrid pools); `max_num_seqs`: the workers' batch limit (a full decode batch)."""
+    `remove`, `own_group`, `shift` for hybrid pools, and `spares`, `prepare_spare`, `park` for warm spares); `max_num_seqs`: the workers' batch limit (a full decode batch)."""
 
     def __init__(self, config: AutoscaleConfig, backend: Any, window: RequestWindow, resizer: Any, *,
                  max_num_seqs: int, metrics: AutoscaleMetrics | None = None,
@@ -61,6 +69,7 @@ class Autoscaler:
         # (time, {pool: fraction of its workers busy}, {pool: requests in flight per worker})
         self._busy: deque[tuple[float, dict[str, float], dict[str, float]]] = deque()
         self._change: asyncio.Task[None] | None = None
+        self._spares_task: asyncio.Task[None] | None = None
         self.decisions: list[tuple[float, Decision]] = []
 
     # ---------------------------------------------------------------- reading the router
@@ -118,6 +127,7 @@ class Autoscaler:
     # ---------------------------------------------------------------- deciding and acting
 
     async def run(self) -> None:
+        self.replenish_spares()
         while True:
             await asyncio.sleep(self.config.interval_s)
             try:
@@ -143,14 +153,56 @@ class Autoscaler:
             await self._change
 
     async def close(self) -> None:
-        if self._change is not None and not self._change.done():
-            self._change.cancel()
-            try:
-                await self._change
-            except asyncio.CancelledError:
-                pass
-            except Exception:  # a change that failed as it was cancelled: shutting down anyway
-                logger.debug("autoscale change failed while closing", exc_info=True)
+        for task in (self._change, self._spares_task):
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                except Exception:  # a change that failed as it was cancelled: shutting down anyway
+                    logger.debug("autoscale task failed while closing", exc_info=True)
+
+    # ---------------------------------------------------------------- warm spares
+
+    def _spares(self, role: str) -> list[str]:
+        spares = getattr(self.resizer, "spares", None)
+        return spares(role) if spares is not None else []
+
+    def spares_wanted(self, role: str) -> int:
+        """How many more spares `role` should have: its `spares` setting less those it has, and
+        no more than its maximum leaves room for beside the serving (and draining) workers."""
+        want = self.config.spares.get(role, 0)
+        if want <= 0:
+            return 0
+        have = len(self._spares(role))
+        room = self.config.max_workers.get(role, 0) - len(self._pool_workers(role)) - have
+        return max(0, min(want - have, room))
+
+    def replenish_spares(self) -> None:
+        """Starts the spares the pools lack, one at a time, in a task of its own (unless one runs)."""
+        if not any(self.config.spares.get(role, 0) > 0 for role in self.roles):
+            return
+        if self._spares_task is None or self._spares_task.done():
+            self._spares_task = asyncio.create_task(self._replenish(), name="autoscale-spares")
+
+    async def _replenish(self) -> None:
+        for role in self.roles:
+            while self.spares_wanted(role) > 0:
+                start = self.clock()
+                try:
+                    name = await asyncio.to_thread(self.resizer.prepare_spare, role, SPARE_START_TIMEOUT_S)
+                except Exception as exc:  # no room, or it failed: tried again after the next addition
+                    logger.warning("autoscale: starting a warm spare of the %s pool failed: %s", role, exc)
+                    break
+                self._spares_changed()
+                if self.on_change is not None:
+                    self.on_change(f"{name} is a warm spare of the {role} pool (ready in {self.clock() - start:.1f}s)")
+
+    def _spares_changed(self) -> None:
+        if self.metrics is not None:
+            for role in self.roles:
+                self.metrics.pool_workers.labels(role, "spare").set(len(self._spares(role)))
 
     def _record(self, state: ClusterState, decision: Decision) -> None:
         if decision.action == "shift":
@@ -215,19 +267,24 @@ class Autoscaler:
 
     async def _add(self, decision: Decision) -> None:
         assert decision.pool is not None
+        start = self.clock()
+        spare = bool(self._spares(decision.pool))
         try:
             name = await asyncio.to_thread(self.resizer.add, decision.pool)
         except Exception as exc:
             logger.warning("autoscale: adding a %s worker failed: %s", decision.pool, exc)
             self._ended(f"adding a {decision.pool} worker failed: {exc}")
             return
+        finally:
+            self._spares_changed()
         deadline = self.clock() + 60.0
         while self.clock() < deadline:  # until the router serves with it
             worker = self.backend.pool.workers.get(name)
             if worker is not None and worker.healthy:
                 break
             await asyncio.sleep(DRAIN_POLL_S)
-        self._ended(f"{name} serves")
+        self._ended(f"{name} serves ({'a warm spare, ' if spare else ''}{self.clock() - start:.1f}s after the decision)")
+        self.replenish_spares()
 
     def pick_to_remove(self, role: str) -> str | None:
         """The pool's worker to drain: one with its own placement group first, then the least
@@ -276,6 +333,16 @@ class Autoscaler:
                 worker.draining = False
                 logger.warning("autoscale: %s did not empty within %.0fs; it stays", name, self.config.drain_timeout_s)
                 self._ended(f"{name} did not drain; it stays")
+                return
+        role = worker.endpoint.role if worker is not None else None
+        if role is not None and self.config.spares.get(role, 0) > len(self._spares(role)):
+            try:
+                await asyncio.to_thread(self.resizer.park, name)
+            except Exception as exc:
+                logger.warning("autoscale: parking %s as a spare failed (%s); it is removed", name, exc)
+            else:
+                self._spares_changed()
+                self._ended(f"{name} drained in {self.clock() - start:.1f}s and is a warm spare")
                 return
         await asyncio.to_thread(self.resizer.remove, name)
         self._ended(f"{name} drained in {self.clock() - start:.1f}s and left")

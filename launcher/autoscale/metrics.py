@@ -3,7 +3,8 @@
 - `pdserve:autoscale_decisions_total{action,pool,reason}`: every decision the loop took (add,
   remove, shift: a hybrid worker's duty, `pool` the duty it takes), holds
   included (`pool` "none"), with the rule's short reason code;
-- `pdserve:pool_workers{pool,state}`: workers per pool, `state` serving or draining;
+- `pdserve:pool_workers{pool,state}`: workers per pool, `state` serving, draining or spare (warm,
+  not serving);
 - `pdserve:slo_attainment{slo}`: the window's SLO attainment, `slo` both, ttft or tpot;
 - `pdserve:autoscale_arrival_rate`: requests per second over the window;
 - `pdserve:autoscale_pool_busy{pool}`, `pdserve:autoscale_pool_load{pool}`: the window's mean
@@ -27,7 +28,7 @@ class AutoscaleMetrics:
             "Autoscaler decisions by action (add, remove, shift, hold), pool and reason code.",
             ["action", "pool", "reason"], registry=registry)
         self.pool_workers = Gauge(
-            "pdserve:pool_workers", "Workers per pool as the autoscaler sees them, by state (serving, draining).",
+            "pdserve:pool_workers", "Workers per pool as the autoscaler sees them, by state (serving, draining, spare).",
             ["pool", "state"], registry=registry)
         self.attainment = Gauge(
             "pdserve:slo_attainment",
@@ -47,7 +48,7 @@ class AutoscaleMetrics:
             "pdserve:autoscale_duties", "Serving hybrid workers per duty (prefill, mixed, decode).",
             ["duty"], registry=registry)
         for pool in pools:  # every series a dashboard queries exists before its first event
-            for state in ("serving", "draining"):
+            for state in ("serving", "draining", "spare"):
                 self.pool_workers.labels(pool, state)
             self.pool_busy.labels(pool)
             self.pool_load.labels(pool)

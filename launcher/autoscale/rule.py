@@ -112,12 +112,17 @@ class AutoscaleConfig:
     up_utilisation: float = 0.8  # ... with at least this fraction of the pool's workers busy (> down_utilisation) ...
     up_stable: int = 2  # ... for this many consecutive intervals
     drain_timeout_s: float = 600.0  # a drain that has not emptied the worker by then is abandoned (it stays)
+    # warm spares per pool: workers started and warmed but not serving, which an addition takes
+    # at once (launcher.autoscale.loop); a drained worker becomes one while the pool has fewer
+    spares: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         def fail(key: str, message: str) -> None:
             raise ValueError(f"autoscale.{key}: {message}")
 
-        for key in ("min_workers", "max_workers"):
+        if isinstance(self.spares, int) and not isinstance(self.spares, bool):  # one number: every pool
+            object.__setattr__(self, "spares", dict.fromkeys(POOLS, self.spares))
+        for key in ("min_workers", "max_workers", "spares"):
             value = getattr(self, key)
             if not isinstance(value, Mapping):
                 fail(key, f"must be a mapping of pool ({', '.join(POOLS)}) to a number of workers, got {value!r}")
@@ -168,7 +173,7 @@ class AutoscaleConfig:
             raise ValueError(f"autoscale: must be true or a mapping of settings, got {data!r}")
         names = {f for f in cls.__dataclass_fields__}
         aliases = {"min": "min_workers", "max": "max_workers", "cooldown": "cooldown_s", "interval": "interval_s",
-                   "window": "window_s", "target": "target_attainment"}
+                   "window": "window_s", "target": "target_attainment", "spare": "spares"}
         values: dict[str, Any] = {}
         for raw, value in data.items():
             key = str(raw).replace("-", "_")

@@ -8,7 +8,8 @@ calls. Answers are cached for `refresh_interval_s`; concurrent callers share one
 
 Resizing (`launcher.cluster.resize`): `add_worker(name)` follows one more actor; `drain(name)`
 puts it in `draining`, which the router's worker pool reads to keep placement off it while its
-requests finish; `remove_worker(name)` forgets it (the router then drops it).
+requests finish; `remove_worker(name)` forgets it (the router then drops it). A worker that says
+it is a warm spare (`info()["standby"]`) is left out until it is promoted.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class RayDirectory:
         answers = await asyncio.gather(*(self._probe(name) for name in names))
         endpoints = []
         for name, info in zip(names, answers):
-            if info is None:
+            if info is None or info.get("standby"):  # a warm spare serves once it is promoted
                 continue
             self.last_info[name] = info
             endpoints.append(WorkerEndpoint(worker_id=info["worker_id"], role=info["role"],

@@ -95,6 +95,7 @@ class WorkerActor:
             config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, device=f"cuda:{index}"))
             logger.info("worker %s on cuda:%d (all of the node's GPUs visible)", config.worker_id, index)
         self._config = config
+        self._standby = False  # a warm spare (launcher.cluster.resize): started, not yet serving
         self._started_at = time.time()
         self._server = WorkerServer(config)
         self._address = self._server.start()
@@ -120,7 +121,14 @@ class WorkerActor:
             "started_at": self._started_at,
             "startup_s": self._server.startup_s,
             "startup": self._server.startup,
+            "standby": self._standby,
         }
+
+    def set_standby(self, standby: bool) -> None:
+        """Marks the worker a warm spare (True) or a serving worker (False): a router that finds
+        its workers by name (`RayDirectory` without a list) leaves spares out. Ray restarts a
+        worker as a serving one."""
+        self._standby = bool(standby)
 
     def health(self) -> dict[str, Any]:
         """{"healthy": bool, "detail": str, **info()}: healthy while the engine loop runs."""

@@ -12,6 +12,12 @@
   shares that group: its bundle is released when the last of the group's workers leaves, or at
   shutdown.
 
+- Warm spares: `prepare_spare(role)` starts a worker as `add` does but leaves it out of the
+  directory (its actor says `standby`); `add(role)` takes a healthy spare of the pool first, so
+  it only has to announce it (about a second, against a model load and a warm-up), and
+  `park(name)` makes a drained worker a spare instead of removing it. Spares are in the pools
+  (shutdown stops them) and hold their bundle.
+
 - `shift(name, duty)`: a hybrid (mixed, KV-moving) worker takes prefill, decode or mixed duty:
   the directory's role override, which the router's pool applies (router.cluster.directory);
   no process starts or stops.
@@ -38,6 +44,7 @@ class PoolResizer:
         self.start_timeout_s = start_timeout_s
         self.specs = {spec.role: spec for spec in pools.specs}
         self._next_index = {spec.role: spec.size for spec in pools.specs}
+        self._spares: dict[str, list[str]] = {spec.role: [] for spec in pools.specs}
         self._lock = threading.Lock()
 
     def workers(self, role: str) -> list[str]:
@@ -47,9 +54,75 @@ class PoolResizer:
         """True when the worker has a placement group of its own (it was added)."""
         return self.pools.has_own_group(name)
 
+    def spares(self, role: str) -> list[str]:
+        """The pool's warm spares (started, not serving), oldest first."""
+        with self._lock:
+            return list(self._spares.get(role, ()))
+
     def add(self, role: str) -> str:
-        """Starts one worker of `role` and has the directory follow it; its name. ClusterStartError
-        (nothing left behind) when it cannot be placed or does not start within the timeout."""
+        """One more serving worker of `role`: a warm spare of the pool when one is healthy (the
+        directory follows it from now on), else one started now; its name. ClusterStartError
+        (nothing left behind) when a new one cannot be placed or does not start within the timeout."""
+        while True:
+            with self._lock:
+                name = self._spares[role].pop(0) if self._spares.get(role) else None
+            if name is None:
+                break
+            if self._promote(name):
+                return name
+        name = self._start(role, self.start_timeout_s)
+        self.directory.add_worker(name)
+        return name
+
+    def prepare_spare(self, role: str, timeout_s: float | None = None) -> str:
+        """Starts a warm spare of `role` (within `timeout_s`, default the start timeout); its name."""
+        name = self._start(role, self.start_timeout_s if timeout_s is None else timeout_s, standby=True)
+        with self._lock:
+            self._spares[role].append(name)
+        logger.info("worker %s is a warm spare of the %s pool", name, role)
+        return name
+
+    def park(self, name: str) -> None:
+        """A drained worker stops serving but stays, warm, as a spare of its pool."""
+        import ray
+
+        worker = self._worker(name)
+        self.directory.remove_worker(name)  # it stays in `draining` until promoted
+        ray.get(worker.handle.set_standby.remote(True), timeout=30)
+        with self._lock:
+            self._spares[worker.role].append(name)
+        logger.info("worker %s is parked as a warm spare of the %s pool", name, worker.role)
+
+    def _worker(self, name: str) -> Any:
+        worker = next((w for w in self.pools.workers if w.name == name), None)
+        if worker is None:
+            raise ValueError(f"no worker {name} in the pools")
+        return worker
+
+    def _promote(self, name: str) -> bool:
+        """A spare serves: False (and it is removed) when it is not healthy."""
+        import ray
+
+        worker = self._worker(name)
+        try:
+            health = ray.get(worker.handle.health.remote(), timeout=10)
+            healthy = bool(health.get("healthy"))
+            if healthy:
+                ray.get(worker.handle.set_standby.remote(False), timeout=10)
+        except Exception as exc:
+            logger.warning("warm spare %s does not answer (%s); it is removed", name, short_error(exc))
+            healthy = False
+        if not healthy:
+            self.remove(name)
+            return False
+        self.directory.draining.discard(name)  # a parked worker was drained
+        self.directory.add_worker(name)
+        logger.info("warm spare %s serves", name)
+        return True
+
+    def _start(self, role: str, timeout_s: float, standby: bool = False) -> str:
+        """Starts one worker of `role` in a placement group of its own and waits until it is
+        healthy; the pools own it from then on, the directory does not follow it yet."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -64,14 +137,14 @@ class PoolResizer:
             index = self._next_index[role]
             self._next_index[role] += 1
         name = actor_name(self.pools.cluster, role, index)
-        deadline = time.monotonic() + self.start_timeout_s
+        deadline = time.monotonic() + timeout_s
         group = placement_group([spec.bundle()], strategy="PACK", name=f"{NAME_PREFIX}:{self.pools.cluster}:{role}:{index}")
         handle = None
         try:
             ready, _ = ray.wait([group.ready()], timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 raise ClusterStartError(f"cannot place one more {role} worker ({spec.bundle()}) within "
-                                        f"{self.start_timeout_s:.0f}s")
+                                        f"{timeout_s:.0f}s")
             worker = WorkerSpec(role=role, worker_id=name, kv_backend=spec.kv_backend,
                                 cluster_token=spec.cluster_token, moves_kv=spec.moves_kv,
                                 tensor_parallel_size=spec.tensor_parallel_size)
@@ -80,6 +153,8 @@ class PoolResizer:
                 resources=spec.resources, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=group, placement_group_bundle_index=0))
             handle = ray.remote(WorkerActor).options(**options).remote(*args)
+            if standby:  # before anyone else's info() can see it serve (the actor runs a caller's calls in order)
+                handle.set_standby.remote(True)
             try:
                 health = ray.get(handle.health.remote(), timeout=max(1.0, deadline - time.monotonic()))
             except Exception as exc:
@@ -92,8 +167,7 @@ class PoolResizer:
             remove_placement_group(group)
             raise
         self.pools.adopt(name, role, handle, group)  # shutdown removes it unless `remove` does first
-        self.directory.add_worker(name)
-        logger.info("added worker %s at %s", name, health.get("address"))
+        logger.info("started worker %s at %s", name, health.get("address"))
         return name
 
     def drain(self, name: str) -> None:
@@ -114,11 +188,15 @@ class PoolResizer:
         self.directory.draining.discard(name)
 
     def remove(self, name: str, grace_s: float = 2.0) -> None:
-        """Forgets, stops and kills a drained worker; releases its placement group when no other
-        worker is in it."""
+        """Forgets, stops and kills a drained worker (or a spare); releases its placement group
+        when no other worker is in it."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        with self._lock:
+            for names in self._spares.values():
+                if name in names:
+                    names.remove(name)
         self.directory.remove_worker(name)
         worker, group = self.pools.release(name)
         release = group is not None

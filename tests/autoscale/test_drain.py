@@ -106,3 +106,59 @@ def test_drain_cuts_no_streaming_request_and_the_worker_leaves(local_ray):
         assert placement_group_table().get(group_id, {}).get("state") in (None, "REMOVED")
     finally:
         pools.shutdown()
+
+
+def test_a_warm_spare_hides_until_an_addition_takes_it_and_a_drained_worker_parks_as_one(local_ray):
+    pools = ClusterPools("spare", NAMESPACE, [PoolSpec("mixed", 1, tiny_engine("mixed"), kv_backend="fake")])
+    first = "pdserve:spare:mixed:0"
+    try:
+        pools.start(60)
+        pools.wait_ready(60)
+        directory = RayDirectory(NAMESPACE, "spare", pools.names, probe_timeout_s=2.0, refresh_interval_s=0)
+        discovering = RayDirectory(NAMESPACE, "spare", None, probe_timeout_s=2.0, refresh_interval_s=0)
+        resizer = PoolResizer(pools, directory, start_timeout_s=90)
+        spare = resizer.prepare_spare("mixed")
+        assert resizer.spares("mixed") == [spare] and spare in pools.names
+
+        async def scenario() -> None:
+            async def seen(d) -> list[str]:
+                return sorted(e.worker_id for e in await d.refresh())
+
+            assert await seen(directory) == [first]
+            assert await seen(discovering) == [first]  # a router that finds workers by name skips it too
+            assert ray.get(ray.get_actor(spare, namespace=NAMESPACE).info.remote())["standby"]
+
+            added = resizer.add("mixed")  # takes the spare: nothing starts
+            assert added == spare and resizer.spares("mixed") == []
+            assert await seen(directory) == [first, spare]
+            assert await seen(discovering) == [first, spare]
+            backend = ClusterBackend(directory, make_policy("round-robin"), object(), "tiny", 512, mode="colocated",
+                                     stats_interval_s=0.2, health_timeout_s=2.0)
+            window = RequestWindow(slo_ttft=60.0, slo_tpot=60.0)
+            served = ObservedBackend(backend, window)
+            autoscaler = Autoscaler(AutoscaleConfig(spares={"mixed": 1}), backend, window, resizer, max_num_seqs=8)
+            await backend.start()
+            try:
+                params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
+                where = set()
+                for i in range(4):
+                    async for out in served.generate(f"s{i}", [1, 2, 3, 4 + i], params):
+                        if out.finished:
+                            assert out.finish_reason == "length"
+                            where.add(out.timing.decode_worker)
+                assert where == {first, spare}  # the promoted spare serves
+                await asyncio.wait_for(autoscaler.drain_and_remove(spare), 60)  # the pool wants a spare: parked
+                assert resizer.spares("mixed") == [spare]
+                assert ray.get(ray.get_actor(spare, namespace=NAMESPACE).health.remote())["healthy"]
+                assert await seen(directory) == [first] and await seen(discovering) == [first]
+                again = resizer.add("mixed")
+                assert again == spare and spare not in directory.draining
+                assert await seen(directory) == [first, spare]
+            finally:
+                await backend.close()
+
+        asyncio.run(scenario())
+    finally:
+        pools.shutdown()
+    with pytest.raises(ValueError):  # the pools' shutdown stopped it with the others
+        ray.get_actor(spare, namespace=NAMESPACE)

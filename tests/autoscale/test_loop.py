@@ -209,3 +209,78 @@ def test_a_colocated_pool_has_no_duties():
     resizer.specs = {"mixed": SimpleNamespace(moves_kv=False)}
     scaler = Autoscaler(AutoscaleConfig(), backend, RequestWindow(1.0, 0.1), resizer, max_num_seqs=8)
     assert scaler.observe().duties == {}
+
+
+class SpareResizer(FakeResizer):
+    """FakeResizer with warm spares: `prepare_spare` starts one (not in the router's pool), `add`
+    takes one first, `park` makes a drained worker one."""
+
+    def __init__(self, backend) -> None:
+        super().__init__(backend)
+        self._spares: dict[str, list[str]] = {"prefill": [], "decode": []}
+        self.started = 0
+
+    def spares(self, role: str) -> list[str]:
+        return list(self._spares[role])
+
+    def prepare_spare(self, role: str, timeout_s: float | None = None) -> str:
+        self.started += 1
+        name = f"{role}-spare{self.started}"
+        self._spares[role].append(name)
+        self.log.append(f"spare {name}")
+        return name
+
+    def add(self, role: str) -> str:
+        if not self._spares[role]:
+            return super().add(role)
+        name = self._spares[role].pop(0)
+        self.backend.pool.workers[name] = worker(name, role)
+        self.log.append(f"promote {name}")
+        return name
+
+    def park(self, name: str) -> None:
+        role = self.backend.pool.workers.pop(name).endpoint.role
+        self._spares[role].append(name)
+        self.log.append(f"park {name}")
+
+
+def test_warm_spares_are_started_taken_by_an_addition_replaced_and_parked(monkeypatch):
+    monkeypatch.setattr(loop_module, "DRAIN_POLL_S", 0.01)
+    clock = Clock()
+    backend = SimpleNamespace(pool=SimpleNamespace(workers={
+        "p0": worker("p0", "prefill"), "d0": worker("d0", "decode")}))
+    window = RequestWindow(slo_ttft=1.0, slo_tpot=0.1, clock=clock)
+    registry = CollectorRegistry()
+    resizer = SpareResizer(backend)
+    # decode: one spare wanted, room for it (max 3); prefill: two wanted, but its max (2) leaves room for one
+    config = AutoscaleConfig(spares={"decode": 1, "prefill": 2}, max_workers={"prefill": 2, "decode": 3})
+    scaler = Autoscaler(config, backend, window, resizer, max_num_seqs=8,
+                        metrics=AutoscaleMetrics(registry, ("prefill", "decode")), clock=clock)
+
+    async def scenario() -> None:
+        scaler.replenish_spares()
+        await scaler._spares_task
+        assert resizer.log == ["spare prefill-spare1", "spare decode-spare2"]
+        assert registry.get_sample_value("pdserve:pool_workers", {"pool": "decode", "state": "spare"}) == 1
+        scaler.replenish_spares()  # nothing more is wanted
+        await scaler._spares_task
+        assert resizer.started == 2
+
+        from launcher.autoscale.rule import Decision
+        await scaler._add(Decision("add", "decode", "tpot_misses", "test"))
+        assert resizer.log[2] == "promote decode-spare2" and "decode-spare2" in backend.pool.workers
+        await scaler._spares_task  # the spare taken is replaced
+        assert resizer.log[3] == "spare decode-spare3"
+        await scaler._add(Decision("add", "decode", "tpot_misses", "test"))  # max 3: d0, spare2, spare3
+        await scaler._spares_task
+        assert resizer.spares("decode") == [] and resizer.started == 3  # no room for another
+
+        backend.pool.workers["decode-spare3"].stats = pb.StatsResponse(num_blocks=100, num_free_blocks=100)
+        await scaler.drain_and_remove("decode-spare3")  # the pool wants a spare and has none: parked
+        assert resizer.log[-2:] == ["drain decode-spare3", "park decode-spare3"]
+        assert resizer.spares("decode") == ["decode-spare3"]
+        assert registry.get_sample_value("pdserve:pool_workers", {"pool": "decode", "state": "spare"}) == 1
+        await scaler.drain_and_remove("decode-spare2")  # it has one: removed
+        assert resizer.log[-2:] == ["drain decode-spare2", "remove decode-spare2"]
+
+    asyncio.run(scenario())

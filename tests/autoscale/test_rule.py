@@ -325,3 +325,15 @@ def test_a_steady_load_with_the_load_trigger_settles_without_oscillating(rate):
     if 1.2 <= rate <= 1.5:  # over up_load per worker, no miss yet: the load adds, not a miss
         assert history[0] == ("hold", "steady") and ("add", "load_rising") in history
         assert [c for a, c in history if a == "add"] == ["load_rising"]
+
+
+def test_spares_setting():
+    assert AutoscaleConfig().spares == {}
+    assert AutoscaleConfig.from_mapping({"spares": 1}).spares == {"prefill": 1, "decode": 1, "mixed": 1}
+    assert AutoscaleConfig.from_mapping({"spare": {"decode": 2}}).spares == {"decode": 2}
+    with pytest.raises(ValueError, match="autoscale.spares"):
+        AutoscaleConfig.from_mapping({"spares": {"gpu": 1}})
+    with pytest.raises(ValueError, match="autoscale.spares"):
+        AutoscaleConfig.from_mapping({"spares": {"decode": -1}})
+    with pytest.raises(ValueError, match="autoscale.spares"):
+        AutoscaleConfig.from_mapping({"spares": "two"})
