@@ -286,10 +286,10 @@ class Autoscaler:
         self._ended(f"{name} serves ({'a warm spare, ' if spare else ''}{self.clock() - start:.1f}s after the decision)")
         self.replenish_spares()
 
-    def pick_to_remove(self, role: str) -> str | None:
-        """The pool's worker to drain: one with its own placement group first, then the least
-        loaded, then the newest."""
-        candidates = [w for w in self._pool_workers(role) if not w.draining]
+    def pick_to_remove(self, role: str, duty: str | None = None) -> str | None:
+        """The pool's worker to drain (of hybrid `duty` when given): one with its own placement
+        group first, then the least loaded, then the newest."""
+        candidates = [w for w in self._pool_workers(role) if not w.draining and (duty is None or w.role == duty)]
         if not candidates:
             return None
 
@@ -302,9 +302,9 @@ class Autoscaler:
 
     async def _remove(self, decision: Decision) -> None:
         assert decision.pool is not None
-        name = self.pick_to_remove(decision.pool)
+        name = self.pick_to_remove(decision.pool, decision.source)
         if name is None:
-            self._ended(f"no {decision.pool} worker to remove")
+            self._ended(f"no {decision.pool} worker{f' of {decision.source} duty' if decision.source else ''} to remove")
             return
         await self.drain_and_remove(name)
 

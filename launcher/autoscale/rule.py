@@ -31,9 +31,11 @@ No I/O and no clock: the caller passes the time in the state. What it decides, i
    of seconds to load, and the misses show only once requests have waited out the SLO);
 6. with hybrid workers of a specialist duty (prefill or decode), when the pool of the hybrid
    workers (`mixed`) meets the scale-down's conditions (7) for `down_stable` consecutive
-   intervals, its minimum apart: one of them moves a step back to mixed duty (`relax_to_mixed`,
-   action shift; the duty with more workers first, decode on a tie), before any process is
-   removed (below);
+   intervals: a worker of that duty (the duty with more workers first, decode on a tie) leaves
+   when the pool is above its minimum and the others can still run both phases
+   (`idle_specialist`, action remove, `source` the duty), else it moves a step back to mixed
+   duty (`relax_to_mixed`, action shift; the pool's minimum apart); no mixed-duty worker is
+   removed while a specialist is left (below);
 7. attainment at least `down_attainment` and a pool whose busy workers would stay under
    `down_utilisation` with one worker fewer, and whose load would stay under
    `up_load * down_utilisation` per worker, for `down_stable` consecutive intervals: drain one
@@ -61,10 +63,12 @@ shift is a change: the cooldown follows it.
 Duties go back to mixed when the load falls (6): on the scale-down's own conditions and counts
 (attainment at least `down_attainment`, the pool under `down_utilisation` busy and under
 `up_load * down_utilisation` in flight per worker even with one worker fewer, for `down_stable`
-intervals; the pool's minimum does not matter here, as no process leaves), one step per
-decision, each a change with its cooldown, and all of them before a process is removed: the
-relax is tried first, and its conditions include the removal's, so while a specialist is left
-no removal can be ready without the relax being ready too. It does not oscillate: a shift needs
+intervals), one step per decision, each a change with its cooldown. Where the pool may lose a
+worker (above its minimum), the specialist itself is removed instead of relaxed, so a step down
+from a peak takes one change per worker, not a relax and then a removal; only when the pool is
+at its minimum (or removing the specialist would leave a phase without a worker) does it relax.
+Either way no mixed-duty worker leaves while a specialist is left: this step is tried first,
+and its conditions include the removal's. It does not oscillate: a shift needs
 attainment under `target_attainment`, a relax at least the higher `down_attainment` and the
 pool lightly used with a worker fewer (a load that caused a shift, TPOT misses or full busy
 batches, keeps its duties), and a relaxed worker does not shift back within the cooldown nor
@@ -376,10 +380,18 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
                         f"{pool.busy:.2f} busy (>= {config.up_utilisation:.2f}), not falling for {loaded[name]} "
                         f"intervals, {state.arrival_rate:.2f} req/s, attainment {state.attainment:.2f} over "
                         f"{state.finished} requests"), _changed(memory, state)
-    if quiet >= config.down_stable:  # duties back to mixed before any process leaves
+    if quiet >= config.down_stable:  # no mixed worker leaves while a specialist is left
         source = max(specialists, key=lambda d: (specialists[d], d == "decode"))
         pool = pools["mixed"]
         counts = ", ".join(f"{d} {state.duties.get(d, 0)}" for d in DUTIES)
+        if calm.get("mixed", 0) >= config.down_stable and _both_phases_without(state.duties, source):
+            # the pool can lose a worker: the specialist itself leaves (one change, not a relax then a removal)
+            return Decision("remove", "mixed", "idle_specialist",
+                            f"attainment {state.attainment:.2f} >= {config.down_attainment:.2f} and mixed "
+                            f"{pool.busy:.2f} busy over {pool.workers} workers ({shrinkable['mixed']:.2f} with one "
+                            f"fewer, < {config.down_utilisation:.2f}) for {calm['mixed']} intervals; a hybrid "
+                            f"worker of {source} duty leaves (duties: {counts})",
+                            source=source), _changed(memory, state)
         return Decision("shift", "mixed", "relax_to_mixed",
                         f"attainment {state.attainment:.2f} >= {config.down_attainment:.2f} and mixed "
                         f"{pool.busy:.2f} busy over {pool.workers} workers (< {config.down_utilisation:.2f} with one "
@@ -396,6 +408,12 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
                         f"< {config.down_utilisation:.2f}) for {calm[name]} intervals"), _changed(memory, state)
     return _hold("steady", f"attainment {state.attainment:.2f} over {state.finished} requests, "
                            f"{state.arrival_rate:.2f} req/s"), memory
+
+
+def _both_phases_without(duties: Mapping[str, int], duty: str) -> bool:
+    """Whether hybrid workers of `duties` less one of `duty` can still run both phases."""
+    left = {**duties, duty: duties.get(duty, 0) - 1}
+    return (left.get("prefill", 0) + left.get("mixed", 0) > 0) and (left.get("decode", 0) + left.get("mixed", 0) > 0)
 
 
 def _light_after_removal(pool: PoolState, state: ClusterState, config: AutoscaleConfig) -> float | None:

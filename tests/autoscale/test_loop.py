@@ -201,6 +201,9 @@ def test_a_hybrid_pool_shifts_a_worker_duty_instead_of_starting_one():
     # the second decision saw the shift: one decode-duty worker, two mixed
     assert [registry.get_sample_value("pdserve:autoscale_duties", {"duty": d}) for d in ("prefill", "mixed", "decode")] \
         == [0.0, 2.0, 1.0]
+    # a removal of a specialist (idle_specialist: the decision's source is the duty) drains one of that duty
+    assert scaler.pick_to_remove("mixed", "decode") == "m0"
+    assert scaler.pick_to_remove("mixed", "prefill") is None
 
 
 def test_a_colocated_pool_has_no_duties():

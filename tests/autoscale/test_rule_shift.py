@@ -111,11 +111,24 @@ def test_a_specialist_relaxes_to_mixed_once_the_load_falls():
     assert memory.last_change_at == 110 and memory.quiet == 0  # a change: the cooldown follows, the count restarts
     # a relaxed worker is not shifted back at once: misses within the cooldown hold
     assert decide(hybrid({"mixed": 2}, now=120, tpot=0.6), config, memory)[0].code == "cooldown"
-    # the far specialist with more workers first; decode on a tie
-    d = run([light({"prefill": 2, "decode": 1}, now=5 * i) for i in range(3)])[0][-1]
+    # the far specialist with more workers first; decode on a tie (at the minimum: relaxed)
+    at_min = AutoscaleConfig(min_workers={"mixed": 3}, max_workers={"mixed": 4}, cooldown_s=20, interval_s=5)
+    d = run([light({"prefill": 2, "decode": 1}, now=5 * i) for i in range(3)], at_min)[0][-1]
     assert (d.code, d.source) == ("relax_to_mixed", "prefill")
-    d = run([light({"prefill": 1, "mixed": 1, "decode": 1}, now=5 * i) for i in range(3)])[0][-1]
+    d = run([light({"prefill": 1, "mixed": 1, "decode": 1}, now=5 * i) for i in range(3)], at_min)[0][-1]
     assert (d.code, d.source) == ("relax_to_mixed", "decode")
+
+
+def test_above_its_minimum_the_pool_loses_the_specialist_itself():
+    # min 1: the same light loads remove a specialist in one change instead of relaxing it
+    d = run([light({"prefill": 2, "decode": 1}, now=5 * i) for i in range(3)])[0][-1]
+    assert (d.action, d.pool, d.source, d.code) == ("remove", "mixed", "prefill", "idle_specialist")
+    assert "a hybrid worker of prefill duty leaves" in d.reason
+    d = run([light({"prefill": 1, "mixed": 1, "decode": 1}, now=5 * i) for i in range(3)])[0][-1]
+    assert (d.action, d.source, d.code) == ("remove", "decode", "idle_specialist")
+    # not one whose removal leaves a phase without a worker: then the duty relaxes
+    d = run([light({"prefill": 1, "decode": 1}, now=5 * i) for i in range(3)])[0][-1]
+    assert (d.action, d.source, d.code) == ("shift", "decode", "relax_to_mixed")
 
 
 def test_no_relax_while_the_load_holds():
@@ -139,9 +152,10 @@ def test_no_relax_while_the_load_holds():
     assert run([light({"mixed": 3}, now=5.0 * i) for i in range(3)])[0][-1].code == "idle"
 
 
-def test_duties_relax_before_any_process_is_removed():
+def test_specialists_leave_before_any_mixed_worker():
     """Down from a past peak (1 mixed, 2 decode-duty, 1 prefill-duty) at a light steady load:
-    every specialist back to mixed first, one per decision, then processes leave to the minimum."""
+    the specialists leave first, one per decision (one change each, not a relax and a removal),
+    then mixed workers to the minimum; no phase is left without a worker on the way."""
     duties = {"prefill": 1, "mixed": 1, "decode": 2}
     memory = RuleMemory()
     changes = []
@@ -152,12 +166,12 @@ def test_duties_relax_before_any_process_is_removed():
             duties[d.source] -= 1
             duties[d.pool] += 1
         elif d.action == "remove":
-            duties["mixed"] -= 1  # the specialists are gone by then (asserted below)
+            duties[d.source or "mixed"] -= 1
+        assert duties["prefill"] + duties["mixed"] > 0 and duties["decode"] + duties["mixed"] > 0
         if d.action != "hold":
             changes.append((d.action, d.source, d.code, 5.0 * i))
-    assert [c[:3] for c in changes] == [("shift", "decode", "relax_to_mixed"), ("shift", "decode", "relax_to_mixed"),
-                                        ("shift", "prefill", "relax_to_mixed"), ("remove", None, "idle"),
-                                        ("remove", None, "idle"), ("remove", None, "idle")]
+    assert [c[:3] for c in changes] == [("remove", "decode", "idle_specialist"), ("remove", "decode", "idle_specialist"),
+                                        ("remove", "prefill", "idle_specialist")]
     assert duties == {"prefill": 0, "mixed": 1, "decode": 0}
     gaps = [b[3] - a[3] for a, b in zip(changes, changes[1:])]
     assert min(gaps) >= CONFIG.cooldown_s  # one change per decision, the cooldown after each
@@ -197,7 +211,7 @@ def test_a_steady_load_on_hybrid_workers_settles(load, start):
         elif d.action == "add":
             duties["mixed"] += 1
         elif d.action == "remove":
-            duties["mixed" if duties["mixed"] else max(duties, key=duties.get)] -= 1
+            duties[d.source or "mixed"] -= 1
         history.append((d.action, d.code))
     changes = [h for h in history if h[0] != "hold"]
     assert history[-100:] == [("hold", history[-1][1])] * 100, changes  # settled
@@ -210,9 +224,9 @@ def test_a_steady_load_on_hybrid_workers_settles(load, start):
         assert all(i > last_relax for i, c in enumerate(codes) if c.startswith("shift_to")), changes
     ttft, tpot, _ = hybrid_model(load, duties)
     assert ttft * tpot >= CONFIG.target_attainment or sum(duties.values()) == CONFIG.max_workers["mixed"], duties
-    if "idle" in codes:  # removals only once no specialist is left
+    if "idle" in codes:  # mixed workers leave only once no specialist is left
         first_remove = codes.index("idle")
-        assert "relax_to_mixed" not in codes[first_remove:], changes
+        assert not {"relax_to_mixed", "idle_specialist"} & set(codes[first_remove:]), changes
 
 
 def test_a_shift_is_not_undone_by_the_next_one_a_process_is_added_instead():
