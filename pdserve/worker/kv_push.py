@@ -2,7 +2,8 @@
 
 A request with a destination pushes every block of its prompt exactly once per layer: a
 block goes as soon as a chunk completes it (or, for the trailing partial block, when the
-prompt's last chunk is computed). The engine's layer hook calls `on_layer`, so layer L of
+prompt's last chunk is computed). A transfer in FP8 sends its first `FP8_FULL_HEAD_BLOCKS`
+blocks at full precision all the same (kvtransfer.layout: the attention sink). The engine's layer hook calls `on_layer`, so layer L of
 a chunk is on the wire while layer L+1 computes.
 """
 
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvtransfer import KVLayout, KVSender
+from kvtransfer.layout import FP8_FULL_HEAD_BLOCKS
 from pdserve.scheduler import ScheduledBatch
 
 
@@ -32,6 +34,7 @@ class _Push:
     src: list[int]
     dst: list[int]
     end_block: int
+    precision: str = "full"
 
 
 @dataclass
@@ -60,7 +63,7 @@ class KVPusher:
                 continue
             try:
                 self.sender.send_layer(push.dest.address, push.dest.transfer_id, layer, push.src, push.dst,
-                                       precision=push.dest.precision)
+                                       precision=push.precision)
             except Exception as exc:  # the request fails, the step goes on
                 push.dest.error = exc
         if layer == self.num_layers - 1:
@@ -83,19 +86,25 @@ class KVPusher:
             end_block = min(end_block, len(dest.dst_block_ids))
             if end_block <= dest.num_sent_blocks:
                 continue
-            blocks = range(dest.num_sent_blocks, end_block)
-            pushes.append(_Push(dest, [seq.block_ids[i] for i in blocks],
-                                [dest.dst_block_ids[i] for i in blocks], end_block))
+            src = [seq.block_ids[i] for i in range(dest.num_sent_blocks, end_block)]
+            dst = dest.dst_block_ids[dest.num_sent_blocks:end_block]
+            head = min(FP8_FULL_HEAD_BLOCKS, end_block) - dest.num_sent_blocks if dest.precision == "fp8" else 0
+            if head > 0:  # the attention sink's block at full precision
+                pushes.append(_Push(dest, src[:head], dst[:head], end_block, "full"))
+                src, dst = src[head:], dst[head:]
+            if src:
+                pushes.append(_Push(dest, src, dst, end_block, dest.precision))
         return pushes
 
 
 def wire_precision(layout: KVLayout, precision: str, num_blocks: int, wire_bytes: int) -> tuple[str, int]:
     """(the precision a transfer's bytes had on the wire, the bytes FP8 saved against full
     precision) for a transfer of ``num_blocks`` blocks asked for at ``precision`` that moved
-    ``wire_bytes``. An FP8 pool's bytes are FP8 whatever was asked, and save nothing."""
+    ``wire_bytes``. An FP8 pool's bytes are FP8 whatever was asked, and save nothing; a transfer
+    no longer than its full-precision head (FP8_FULL_HEAD_BLOCKS) went at full precision."""
     if layout.torch_dtype.itemsize == 1:
         return "fp8", 0
-    if precision != "fp8" or not layout.fp8_wire:
+    if precision != "fp8" or not layout.fp8_wire or num_blocks <= FP8_FULL_HEAD_BLOCKS:
         return "full", 0
     full = layout.num_layers * layout.layer_message_bytes(num_blocks)
     return "fp8", max(0, full - wire_bytes)

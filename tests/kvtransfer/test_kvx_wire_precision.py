@@ -78,6 +78,34 @@ def test_full_then_fp8_then_full_on_one_pair(backend, opts, dtype, stacked):
     assert torch.equal(after[:, :, untouched], before[:, :, untouched])
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("backend, opts", CASES)
+def test_a_full_head_block_interleaved_with_an_fp8_rest(backend, opts):
+    """What the pusher sends for an FP8 transfer (pdserve.worker.kv_push): every layer, the head
+    block at full precision then the rest in FP8, one transfer. Both streams keep their own
+    coalescing (UCX: a message each when coalesced, not one per layer and precision), and the
+    head lands bit-exact, the rest as the round trip."""
+    if backend == "ucx":
+        pytest.importorskip("ucxx")
+    src_all, src = pools(torch.float32, 3, False)
+    _, dst = pools(torch.float32, 4, False)
+    head, rest, head_dst, rest_dst = [2], [4, 6, 8], [1], [3, 5, 7]
+    with kvtransfer.create_receiver(backend, dst) as receiver, \
+            kvtransfer.create_sender(backend, src, **opts) as sender:
+        receiver.expect("h", head_dst + rest_dst, LAYERS, 20.0)
+        for layer in range(LAYERS):
+            sender.send_layer(receiver.address(), "h", layer, head, head_dst, precision="full")
+            sender.send_layer(receiver.address(), "h", layer, rest, rest_dst, precision="fp8")
+        sender.finish("h", timeout=20)
+        receiver.wait("h", timeout=20)
+        m = receiver.metrics()
+        assert m["messages_fp8"] == (LAYERS if not opts else 1)
+        assert m["messages_received"] == (2 * LAYERS if not opts else 2)
+    after = stack(dst)
+    assert torch.equal(after[:, :, head_dst], src_all[:, :, head])
+    assert torch.equal(after[:, :, rest_dst], round_trip(src_all[:, :, rest]))
+
+
 def test_fp8_bytes_land_as_is_in_an_fp8_pool():
     """From an FP8 pool, "fp8" ships the pool's bytes: they are FP8 already (and scale rows too)."""
     shape = kv_quant.fp8_pool_shape(8, BS, HK, D)

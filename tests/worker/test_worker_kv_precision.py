@@ -52,8 +52,10 @@ def test_full_then_fp8_on_one_pair_decode_alike_and_free_every_block(ucx_workers
         assert full == expected[i]
         assert fp8[:EQUAL_PREFIX] == full[:EQUAL_PREFIX], f"prompt {i}: {fp8} vs {full}"
         assert (pre_full.kv_precision, pre_full.kv_bytes, pre_full.kv_bytes_saved) == ("full", blocks * full_block, 0)
-        assert (pre_fp8.kv_precision, pre_fp8.kv_bytes) == ("fp8", blocks * fp8_block)
-        assert pre_fp8.kv_bytes_saved == blocks * (full_block - fp8_block)
+        # the first block (the attention sink's) goes at full precision (kvtransfer.layout.FP8_FULL_HEAD_BLOCKS)
+        rest = blocks - 1
+        assert (pre_fp8.kv_precision, pre_fp8.kv_bytes) == ("fp8" if rest else "full", full_block + rest * fp8_block)
+        assert pre_fp8.kv_bytes_saved == rest * (full_block - fp8_block)
         moved += pre_full.kv_bytes + pre_fp8.kv_bytes
     with pytest.raises(Exception, match="kv_precision"):
         _run(stubs, "bad", PROMPTS[0], "fp4")
