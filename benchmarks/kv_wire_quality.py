@@ -121,7 +121,7 @@ def compare(llm, texts: list[str], max_tokens: int, progress: bool = False, head
             if fp8:
                 _round_trip_prompt(runner, len(prompt), head_blocks)
             logits = _forward(runner, cont[:-1], len(prompt))
-            logprobs.append(torch.log_softmax(logits, dim=-1))
+            logprobs.append(torch.log_softmax(logits, dim=-1).cpu())
         ref, got = logprobs
         same += int((ref.argmax(-1) == got.argmax(-1)).sum())
         ref_matches_generated += int((ref.argmax(-1) == targets).sum())
