@@ -36,7 +36,9 @@ def _serve(role: str, conn) -> None:
                           default_deadline_s=DEADLINE_S, reservation_grace_s=1.0)
     conn.send(server.start())
     while (command := conn.recv()) == "metrics":
+        faulthandler.dump_traceback_later(45)  # a hang here prints where (the test waits 60 s)
         conn.send((server.reservations_expired, (server.sender or server.receiver).metrics()))
+        faulthandler.cancel_dump_traceback_later()
     faulthandler.dump_traceback_later(60, exit=True)  # a hang in the stop prints where it hangs
     server.stop(grace=1)
     conn.send("stopped")
