@@ -46,9 +46,10 @@ def test_a_slow_link_sends_fp8(gbps, slo_ttft):
 
 def test_fp8_pricing_moves_a_prompt_off_local_prefill():
     """5 Gbit/s: at full precision the pair's TTFT (0.872 s) loses to a local run (0.410 s); priced
-    at FP8 (kv 18/32 of the bytes + the codec) it is 0.500 s, within network-aware's local margin."""
+    at FP8 (kv 18/32 of the bytes but the first block's + the codec) it is 0.502 s, within
+    network-aware's local margin."""
     decision = NetworkAware(profile=PROFILE).place(req(4096), snapshot(*reversed(_pair(5.0))))
-    assert decision.reason.startswith("TTFT 0.500s p0->d0")
+    assert decision.reason.startswith("TTFT 0.502s p0->d0")
     assert "53% of the TTFT 872 ms" in decision.kv_precision_reason
 
 
@@ -165,3 +166,21 @@ def test_the_switch_overrides_the_policy():
         backend = ClusterBackend(StaticDirectory([]), make_policy("round-robin"), CharTokenizer(), MODEL, 128,
                                  kv_wire_precision=switch)
         assert (backend.precision_of(fp8), backend.precision_of(full)) == expect
+
+
+def test_the_fp8_ratio_counts_the_full_precision_head_block():
+    import inspect
+
+    from kvtransfer.layout import FP8_FULL_HEAD_BLOCKS
+    from router.placement.policies.cost import FP8_WIRE_RATIO, fp8_wire_ratio
+
+    assert inspect.signature(fp8_wire_ratio).parameters["head_blocks"].default == FP8_FULL_HEAD_BLOCKS
+    assert fp8_wire_ratio(16) == fp8_wire_ratio(3) == 1.0  # one block: all of it at full precision
+    assert fp8_wire_ratio(32) == pytest.approx((1 + FP8_WIRE_RATIO) / 2)
+    assert fp8_wire_ratio(2048) == pytest.approx((1 + 127 * FP8_WIRE_RATIO) / 128)
+    # a one-block prompt is never sent in FP8 by choice: nothing to save
+    topo, workers = _pair(1.0)
+    snap = snapshot(workers, topo)
+    e = estimate_pair(PROFILE, req(10), snap.worker("p0"), snap.worker("d0"), snap)
+    assert choose_kv_precision(e, 10 * PREFILL_KV_BYTES_PER_TOKEN, ratio=fp8_wire_ratio(10))[0] == "full"
+    assert NetworkAware(profile=PROFILE, kv_wire_precision="auto").place(req(10), snap).kv_precision == "full"

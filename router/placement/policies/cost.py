@@ -156,6 +156,16 @@ def estimate_local(
 # tokens (head_dim >= 64) goes as 16 rows of e4m3, one row of float32 token scales and one row of
 # channel exponents, 18/32 of its bytes.
 FP8_WIRE_RATIO = 18 / 32
+
+
+def fp8_wire_ratio(num_tokens: int, block_size: int = 16, head_blocks: int = 1, ratio: float = FP8_WIRE_RATIO) -> float:
+    """FP8 bytes / full-precision bytes of a transfer of `num_tokens`: its first `head_blocks`
+    blocks go at full precision (kvtransfer.layout.FP8_FULL_HEAD_BLOCKS, the attention sink),
+    the rest at `ratio`. 1.0 for a prompt of no more blocks than that."""
+    blocks = -(-num_tokens // block_size) if num_tokens > 0 else 0
+    if blocks <= head_blocks:
+        return 1.0
+    return (head_blocks + ratio * (blocks - head_blocks)) / blocks
 # Quantize on P plus dequantize on D, in Gbit/s of full-precision KV (kernels.kv_quant.pack_blocks /
 # unpack_blocks, torch ops). CPU: 0.13 measured on the 2-core development VM (float32 pools, 4 MB);
 # CUDA: an estimate for memory-bound elementwise passes (not yet measured).

@@ -73,7 +73,7 @@ from router.placement.policies.baselines import PrefixIndex
 from router.placement.policies.calibration import Calibration, Prediction
 from router.placement.policies.search import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, Columns, Search
 from router.placement.congestion import transfer_seconds
-from router.placement.policies.cost import Estimate, at_wire_precision, estimate_local, estimate_pair
+from router.placement.policies.cost import Estimate, at_wire_precision, estimate_local, estimate_pair, fp8_wire_ratio
 from router.placement.policies.split import SplitChooser, SplitPrediction
 from router.placement.profiles import Profile
 from router.placement.topology import Topology
@@ -133,6 +133,7 @@ class NetworkAware(PoolPolicy):
         self._settle_until = -math.inf  # hybrid: the previous configuration's requests drain until then
         self._now = 0.0
         self._kv_bytes = 0
+        self._num_tokens = 0
         if columnar is not None:  # it chose between two searches; there is one now
             if not isinstance(columnar, bool):
                 raise ValueError(f"columnar must be true or false, got {columnar!r}")
@@ -149,6 +150,7 @@ class NetworkAware(PoolPolicy):
         self._now = snapshot.now
         # the prompt's KV bytes at full precision (measured per token when known): what the link moves
         self._kv_bytes = request.num_prompt_tokens * (snapshot.kv_bytes_per_token or self.profile.kv_bytes_per_token)
+        self._num_tokens = request.num_prompt_tokens
         self._columns.update(snapshot)
         decision = self._place_disaggregated(request, snapshot)
         if decision is None:
@@ -320,7 +322,8 @@ class NetworkAware(PoolPolicy):
         if e.prefill is None or e.kv_precision_reason:
             return e
         return at_wire_precision(e, self._kv_bytes, self.profile.num_layers, device=self.profile.device,
-                                 slo_ttft=self.slo_ttft, switch=self.kv_wire_precision)
+                                 slo_ttft=self.slo_ttft, switch=self.kv_wire_precision,
+                                 ratio=fp8_wire_ratio(self._num_tokens, self.prefixes.block_size))
 
     def _with_precision(self, decision: Decision, chosen: Estimate, request: RequestInfo) -> Decision:
         """`decision` with the chosen pair's KV precision on the wire and why."""
