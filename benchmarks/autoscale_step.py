@@ -196,13 +196,15 @@ def stop_cluster(proc: subprocess.Popen) -> None:
 def scrape(text: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {"workers": {}, "draining": {}, "spares": {}, "attainment": None, "busy": {}, "load": {}, "decisions": {}, "rate": None}
+    out = {"workers": {}, "draining": {}, "spares": {}, "duties": {}, "attainment": None, "busy": {}, "load": {}, "decisions": {}, "rate": None}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "pdserve:pool_workers":
                 key = {"serving": "workers", "draining": "draining", "spare": "spares"}.get(s.labels.get("state"))
                 if key is not None:
                     out[key][s.labels["pool"]] = s.value
+            elif s.name == "pdserve:autoscale_duties":
+                out["duties"][s.labels["duty"]] = s.value
             elif s.name == "pdserve:slo_attainment" and s.labels.get("slo") == "both":
                 out["attainment"] = s.value
             elif s.name in ("pdserve:autoscale_pool_busy", "pdserve:autoscale_pool_load"):
@@ -305,14 +307,20 @@ async def run_load(args, url: str) -> tuple[list[dict], list[dict], float]:
 
 
 def specialists(sample: dict) -> int:
-    """Hybrid workers with a prefill or decode duty, from the decision counters: a shift to a
-    specialist duty adds one, a shift to mixed (a specialist back one step, or relax_to_mixed)
-    takes one (the rule relaxes every duty before it removes a process)."""
+    """Hybrid workers with a prefill or decode duty: the router's `pdserve:autoscale_duties`
+    gauge when the sample has it, else from the decision counters (a record of an older run): a
+    shift to a specialist duty adds one, a shift to mixed (a specialist back one step, or
+    relax_to_mixed) and the removal of an idle specialist (idle_specialist) take one."""
+    duties = sample.get("duties")
+    if duties:
+        return int(duties.get("prefill", 0) + duties.get("decode", 0))
     n = 0
     for key, count in sample["decisions"].items():
-        action, pool, _ = key.split(" ", 2)
+        action, pool, reason = key.split(" ", 2)
         if action == "shift":
             n += -count if pool == "mixed" else count
+        elif action == "remove" and reason == "idle_specialist":
+            n -= count
     return int(n)
 
 

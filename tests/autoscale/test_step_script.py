@@ -89,3 +89,20 @@ def test_changes_and_duties_from_the_decision_counters():
                                      {"t": 9.0, "decision": "shift mixed relax_to_mixed", "n": 1}]
     assert [step.specialists(s) for s in samples] == [0, 1, 1, 1, 0]
     assert [step.settled(s) for s in samples] == [True, False, False, False, True]
+
+
+def test_specialists_from_the_duties_gauge_and_an_idle_specialist_removed():
+    # the gauge when the scrape has it
+    assert step.specialists({"decisions": {"shift decode shift_to_decode": 2},
+                             "duties": {"prefill": 0, "mixed": 2, "decode": 1}}) == 1
+    # a record without it: the counters, a removed idle specialist taking one
+    sample = {"t": 1.0, "workers": {"mixed": 2}, "draining": {},
+              "decisions": {"shift decode shift_to_decode": 2, "add mixed slo_miss": 2,
+                            "remove mixed idle_specialist": 2}}
+    assert step.specialists(sample) == 0 and step.settled(sample)
+    text = ('# TYPE pdserve:autoscale_duties gauge\npdserve:autoscale_duties{duty="decode"} 1.0\n'
+            'pdserve:autoscale_duties{duty="mixed"} 2.0\n'
+            '# TYPE pdserve:pool_workers gauge\npdserve:pool_workers{pool="mixed",state="spare"} 1.0\n')
+    scraped = step.scrape(text)
+    assert scraped["duties"] == {"decode": 1.0, "mixed": 2.0} and scraped["spares"] == {"mixed": 1.0}
+    assert scraped["draining"] == {}  # a spare is not draining
