@@ -384,20 +384,18 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
         source = max(specialists, key=lambda d: (specialists[d], d == "decode"))
         pool = pools["mixed"]
         counts = ", ".join(f"{d} {state.duties.get(d, 0)}" for d in DUTIES)
+        head = (f"attainment {state.attainment:.2f} >= {config.down_attainment:.2f} and mixed {pool.busy:.2f} busy "
+                f"over {pool.workers} workers")
         if calm.get("mixed", 0) >= config.down_stable and _both_phases_without(state.duties, source):
             # the pool can lose a worker: the specialist itself leaves (one change, not a relax then a removal)
             return Decision("remove", "mixed", "idle_specialist",
-                            f"attainment {state.attainment:.2f} >= {config.down_attainment:.2f} and mixed "
-                            f"{pool.busy:.2f} busy over {pool.workers} workers ({shrinkable['mixed']:.2f} with one "
-                            f"fewer, < {config.down_utilisation:.2f}) for {calm['mixed']} intervals; a hybrid "
-                            f"worker of {source} duty leaves (duties: {counts})",
+                            f"{head} ({shrinkable['mixed']:.2f} with one fewer, < {config.down_utilisation:.2f}) "
+                            f"for {calm['mixed']} intervals; a hybrid worker of {source} duty leaves (duties: {counts})",
                             source=source), _changed(memory, state)
         return Decision("shift", "mixed", "relax_to_mixed",
-                        f"attainment {state.attainment:.2f} >= {config.down_attainment:.2f} and mixed "
-                        f"{pool.busy:.2f} busy over {pool.workers} workers (< {config.down_utilisation:.2f} with one "
-                        f"fewer), {pool.load:.1f} in flight per worker, for {quiet} intervals; a hybrid worker "
-                        f"shifts from {source} back to mixed duty (duties: {counts})",
-                        source=source), _changed(memory, state)
+                        f"{head} (< {config.down_utilisation:.2f} with one fewer), {pool.load:.1f} in flight per "
+                        f"worker, for {quiet} intervals; a hybrid worker shifts from {source} back to mixed duty "
+                        f"(duties: {counts})", source=source), _changed(memory, state)
     ready = {name: after for name, after in shrinkable.items() if calm[name] >= config.down_stable}
     if ready:
         name = min(ready, key=lambda n: (ready[n], n))
