@@ -4,7 +4,10 @@ the ucxx context plus one asyncio event loop in a daemon thread, reference count
 Environment (read by UCX at the first use in the process, so set it before that):
 ``UCX_TLS`` / ``UCX_NET_DEVICES`` choose transports and NICs (defaults: UCX decides).
 ``UCX_WARN_UNUSED_ENV_VARS`` defaults to ``n`` here (ucxx sets variables that a given
-UCX build may not use). ucxx itself sets ``UCX_MEMTYPE_CACHE=n``,
+UCX build may not use). ``UCX_TCP_CM_REUSEADDR`` defaults to ``y`` here: the KV listener
+binds with SO_REUSEADDR, so a worker restarted at its address (a fixed ``--kv-port``) listens at
+once instead of waiting out the TIME_WAIT of its dead predecessor's connections (about 60 s on
+Linux). ucxx itself sets ``UCX_MEMTYPE_CACHE=n``,
 ``UCX_RNDV_THRESH=8192``, ``UCX_RNDV_FRAG_MEM_TYPE=cuda`` and
 ``UCX_MAX_RNDV_RAILS=1`` unless already set. ``PDSERVE_UCX_PROGRESS_MODE``:
 ``thread`` (default; the progress thread sleeps in epoll) or ``thread-polling`` (it
@@ -40,6 +43,7 @@ _CALL_TIMEOUT_S = 30.0
 
 def _import_ucxx():
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
     try:
         import ucxx
     except Exception as e:  # ImportError, or an OSError from loading the UCX libraries

@@ -49,7 +49,9 @@ def test_restart_at_the_same_address():
             old.process.kill()  # kill -9: no BYE, the sender still holds its endpoints
             old.process.join(10)
             new = Peer()
-            # the receiver waits while the port is still held by the dead process's connections
+            # the dead process's connections may hold the port in TIME_WAIT: the runtime's listener
+            # binds with SO_REUSEADDR (UCX_TCP_CM_REUSEADDR=y), so it listens at once (without it,
+            # the receiver waits them out, about 60 s)
             new_address = new.call("open_receiver", SPEC, port=port, timeout=120)
             assert new_address != old_address and new_address.partition("#")[0] == old_address.partition("#")[0]
 
@@ -75,3 +77,15 @@ def test_restart_at_the_same_address():
             old.process.kill()
         if new is not None:
             assert new.stop() == 0
+
+
+def test_the_runtime_listens_with_reuseaddr_unless_told_otherwise(monkeypatch):
+    from kvtransfer import ucx_runtime
+
+    pytest.importorskip("ucxx")
+    monkeypatch.delenv("UCX_TCP_CM_REUSEADDR", raising=False)
+    ucx_runtime._import_ucxx()
+    assert ucx_runtime.os.environ["UCX_TCP_CM_REUSEADDR"] == "y"
+    monkeypatch.setenv("UCX_TCP_CM_REUSEADDR", "n")  # a user's setting stays
+    ucx_runtime._import_ucxx()
+    assert ucx_runtime.os.environ["UCX_TCP_CM_REUSEADDR"] == "n"
