@@ -101,10 +101,11 @@ def wire_precision(layout: KVLayout, precision: str, num_blocks: int, wire_bytes
     """(the precision a transfer's bytes had on the wire, the bytes FP8 saved against full
     precision) for a transfer of ``num_blocks`` blocks asked for at ``precision`` that moved
     ``wire_bytes``. An FP8 pool's bytes are FP8 whatever was asked, and save nothing; a transfer
-    no longer than its full-precision head (FP8_FULL_HEAD_BLOCKS) went at full precision."""
+    no longer than its full-precision head (FP8_FULL_HEAD_BLOCKS) went at full precision, and so
+    did one that moved no fewer bytes than full precision (a backend without FP8 on its wire)."""
     if layout.torch_dtype.itemsize == 1:
         return "fp8", 0
     if precision != "fp8" or not layout.fp8_wire or num_blocks <= FP8_FULL_HEAD_BLOCKS:
         return "full", 0
-    full = layout.num_layers * layout.layer_message_bytes(num_blocks)
-    return "fp8", max(0, full - wire_bytes)
+    saved = layout.num_layers * layout.layer_message_bytes(num_blocks) - wire_bytes
+    return ("fp8", saved) if saved > 0 else ("full", 0)

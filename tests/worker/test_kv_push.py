@@ -59,3 +59,16 @@ def test_full_precision_is_one_push_and_a_one_block_fp8_transfer_is_all_full():
     pusher.add("r", Destination("a", "t", [10], precision="fp8"))
     step(pusher, seq(3, 0), 3)
     assert sender.sent == [(0, (100,), (10,), "full"), (1, (100,), (10,), "full")]
+
+
+def test_wire_precision_names_what_the_bytes_were():
+    from kvtransfer import KVLayout
+    from pdserve.worker.kv_push import wire_precision
+
+    layout = KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    full = 2 * layout.layer_message_bytes(4)
+    fp8 = 2 * (layout.layer_message_bytes(1) + layout.layer_message_bytes(3, "fp8"))
+    assert wire_precision(layout, "fp8", 4, fp8) == ("fp8", full - fp8)
+    assert wire_precision(layout, "fp8", 4, full) == ("full", 0)  # a backend that moved the pool's bytes
+    assert wire_precision(layout, "fp8", 1, full // 4) == ("full", 0)  # one block: the head, at full precision
+    assert wire_precision(layout, "full", 4, full) == ("full", 0)
