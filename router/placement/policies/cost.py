@@ -157,6 +157,12 @@ def estimate_local(
 # channel exponents, 18/32 of its bytes.
 FP8_WIRE_RATIO = 18 / 32
 
+# Quantize on P plus dequantize on D, in Gbit/s of full-precision KV (kernels.kv_quant.pack_blocks /
+# unpack_blocks, torch ops). CPU: 0.13 measured on the 2-core development VM (float32 pools, 4 MB);
+# CUDA: an estimate for memory-bound elementwise passes (not yet measured).
+CODEC_GBPS = {"cpu": 0.13, "cuda": 1000.0}
+KV_PRECISIONS = ("full", "fp8")
+
 
 def fp8_wire_ratio(num_tokens: int, block_size: int = 16, head_blocks: int = 1, ratio: float = FP8_WIRE_RATIO) -> float:
     """FP8 bytes / full-precision bytes of a transfer of `num_tokens`: its first `head_blocks`
@@ -166,11 +172,6 @@ def fp8_wire_ratio(num_tokens: int, block_size: int = 16, head_blocks: int = 1, 
     if blocks <= head_blocks:
         return 1.0
     return (head_blocks + ratio * (blocks - head_blocks)) / blocks
-# Quantize on P plus dequantize on D, in Gbit/s of full-precision KV (kernels.kv_quant.pack_blocks /
-# unpack_blocks, torch ops). CPU: 0.13 measured on the 2-core development VM (float32 pools, 4 MB);
-# CUDA: an estimate for memory-bound elementwise passes (not yet measured).
-CODEC_GBPS = {"cpu": 0.13, "cuda": 1000.0}
-KV_PRECISIONS = ("full", "fp8")
 
 
 def choose_kv_precision(
