@@ -36,6 +36,8 @@ MAX_WARMUP_STEPS = 64  # the requests below finish in about 12 steps; a bound, n
 PREFILL_BUCKETS = (64, 256, 1024, 4096)  # prompt lengths below the token budget (part 3)
 CPU_BUCKET_CAP = 512  # on the CPU, buckets below this only
 MAX_WARMUP_DECODES = 8  # requests decoding together while the buckets prefill
+LONG_DECODE_TOKENS = 10  # the long warm-up request decodes this many tokens after its prompt
+SHORT_DECODE_TOKENS = 6
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,15 @@ def _device_name(engine) -> str:
     return "cpu"
 
 
+def warmup_lengths(budget: int, max_model_len: int, on_cuda: bool) -> tuple[int, int]:
+    """The long and the short warm-up prompt's lengths: the long one up to the whole token budget
+    on CUDA (16 tokens on the CPU), each short enough that its prompt and its decoded tokens fit
+    in the context (a budget of 8192 with --max-model-len 4096 once asked for 4088 + 10)."""
+    long_len = max(1, min(budget if on_cuda else 16, max_model_len - LONG_DECODE_TOKENS))
+    short_len = max(1, min(37 if on_cuda else 8, max_model_len - SHORT_DECODE_TOKENS))
+    return long_len, short_len
+
+
 def warm_up(engine) -> WarmupReport:
     """Warms `engine` (pdserve.engine.LLMEngine) up; it must have no requests of its own yet."""
     if engine.requests:
@@ -81,16 +92,15 @@ def warm_up(engine) -> WarmupReport:
                               _device_name(engine))
         logger.info("%s", report.describe())
         return report
-    budget = engine.scheduler.config.max_num_batched_tokens
-    long_len = max(1, min(budget if on_cuda else 16, engine.max_model_len - 8))
-    short_len = max(1, min(37 if on_cuda else 8, engine.max_model_len - 8))
+    long_len, short_len = warmup_lengths(engine.scheduler.config.max_num_batched_tokens, engine.max_model_len,
+                                         on_cuda)
     vocab = engine.model_config.vocab_size
     prompts = [[(7919 * seed + 31 * i) % (vocab - 2) + 1 for i in range(n)]
                for seed, n in ((1, long_len), (2, short_len))]
     # the first outlives the second by a few greedy decode steps: the overlapped decode path
     # (device sampling, pinned token buffers, a step launched ahead) runs before serving does
-    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=6, temperature=0.7, top_k=20, top_p=0.9, logprobs=2,
+    params = [SamplingParams(max_tokens=LONG_DECODE_TOKENS, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=SHORT_DECODE_TOKENS, temperature=0.7, top_k=20, top_p=0.9, logprobs=2,
                              frequency_penalty=0.1, ignore_eos=True)]
     role, hook = engine.role, engine.layer_hook
     engine.role, engine.layer_hook = "mixed", None

@@ -8,7 +8,7 @@ import pytest
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.engine import LLMEngine
 from pdserve.sampling_params import SamplingParams
-from pdserve.warmup import warm_up
+from pdserve.warmup import LONG_DECODE_TOKENS, SHORT_DECODE_TOKENS, warm_up, warmup_lengths
 
 
 def make_engine(role="mixed", prefix=True):
@@ -114,3 +114,24 @@ def test_release_before_the_prefill_finished_frees_every_block():
         engine.step()
     assert not engine.requests and not engine.scheduler.held
     assert engine.block_manager.num_free_blocks == free
+
+
+@pytest.mark.parametrize("budget,max_model_len", [(8192, 4096), (8192, 8192), (512, 512), (8192, 20), (512, 16384)])
+@pytest.mark.parametrize("on_cuda", [True, False])
+def test_warm_up_prompts_and_their_decodes_fit_the_context(budget, max_model_len, on_cuda):
+    """`pdserve up --max-model-len 4096` on a GPU (budget 8192) once failed to start: the long
+    warm-up prompt took 4088 tokens and then asked for 10 more."""
+    long_len, short_len = warmup_lengths(budget, max_model_len, on_cuda)
+    assert long_len + LONG_DECODE_TOKENS <= max_model_len
+    assert short_len + SHORT_DECODE_TOKENS <= max_model_len
+    assert long_len == min(budget if on_cuda else 16, max_model_len - LONG_DECODE_TOKENS)
+
+
+def test_warm_up_with_the_context_below_the_budget():
+    """The same on the CPU engine end to end: a context of 40 tokens under a budget of 64."""
+    engine = LLMEngine(EngineConfig(model="random:tiny-llama", device="cpu", max_model_len=40,
+                                    cache=CacheConfig(num_blocks=32),
+                                    scheduler=SchedulerConfig(max_num_batched_tokens=64)))
+    report = warm_up(engine)
+    assert report.prompt_tokens[0] + LONG_DECODE_TOKENS <= 40
+    assert not engine.has_unfinished_requests()
