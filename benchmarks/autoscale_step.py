@@ -61,6 +61,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--phases", default="60,120,120", help="seconds at low, high, low")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--max-model-len", type=int, default=512,
+                   help="the workers' context (at least --prompt-tokens + --max-tokens)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="each worker's token budget per step (default: pdserve up's for the device)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="each worker's running requests at most (default: pdserve up's for the device)")
     p.add_argument("--slo-ttft", type=float, default=2.0)
     p.add_argument("--slo-tpot", type=float, default=0.25)
     p.add_argument("--window-s", type=float, default=20.0, help="sliding window of the client-side attainment")
@@ -105,6 +111,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--max-workers must be >= 1")
     if args.spares < 0:
         p.error("--spares must be >= 0")
+    if args.prompt_tokens < 1 or args.max_tokens < 1:
+        p.error("--prompt-tokens and --max-tokens must be >= 1")
+    if args.prompt_tokens + args.max_tokens > args.max_model_len:
+        p.error(f"--max-model-len {args.max_model_len} is below --prompt-tokens + --max-tokens "
+                f"({args.prompt_tokens} + {args.max_tokens})")
     if args.device == "cpu":
         for flag in ("worker_gpus", "gpu_memory_fraction"):
             if getattr(args, flag) is not None:
@@ -130,10 +141,14 @@ def up_command(args: argparse.Namespace, config_path: str) -> list[str]:
         "--mode", "hybrid", "--replicas", "2"]
     cmd = ["-m", "launcher.cli", "up", "--autoscale", "--config", config_path, "--model", args.model,
            "--device", args.device, *workers, "--port", str(args.port),
-           "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot), "--max-model-len", "512",
+           "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot), "--max-model-len", str(args.max_model_len),
            "--cluster-name", "autoscale-step", "--namespace", "pdserve-autoscale-step"]
     if args.dtype is not None:
         cmd += ["--dtype", args.dtype]
+    if args.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.max_num_seqs is not None:
+        cmd += ["--max-num-seqs", str(args.max_num_seqs)]
     if args.worker_cpus is not None:
         cmd += ["--worker-cpus", str(args.worker_cpus)]
     if args.device == "cpu":
@@ -216,9 +231,12 @@ def scrape(text: str) -> dict:
     return out
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int, t0: float) -> dict:
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int, t0: float,
+                      scheduled: float) -> dict:
+    """One streaming request; `scheduled` is its time in the Poisson schedule (seconds from t0): a
+    `lag` over a fraction of a second means the client, not the server, set the offered load."""
     arrival = time.monotonic()
-    rec = {"arrival": arrival - t0, "ttft": None, "tpot": None, "status": "ok"}
+    rec = {"arrival": arrival - t0, "lag": arrival - t0 - scheduled, "ttft": None, "tpot": None, "status": "ok"}
     first = last = None
     tokens = 0
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
@@ -270,7 +288,10 @@ async def run_load(args, url: str) -> tuple[list[dict], list[dict], float]:
     tasks: list[asyncio.Task] = []
     stop = asyncio.Event()
 
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=200)) as client:
+    # no bound on connections: a bounded pool makes a backlog of requests wait in the client, whose
+    # pool then scans its waiters on every release (the one-H200 run 12 fell 50 s behind its schedule)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits) as client:
         async def sampler() -> None:
             while not stop.is_set():
                 try:
@@ -292,8 +313,8 @@ async def run_load(args, url: str) -> tuple[list[dict], list[dict], float]:
                 if t >= start + duration:
                     break
                 await asyncio.sleep(max(0.0, t - (time.monotonic() - t0)))
-                prompt = " ".join(rng.choice(words) for _ in range(args.prompt_tokens))
-                tasks.append(asyncio.create_task(one_request(client, url, model, prompt, args.max_tokens, t0)))
+                prompt = " ".join(rng.choices(words, k=args.prompt_tokens))
+                tasks.append(asyncio.create_task(one_request(client, url, model, prompt, args.max_tokens, t0, t)))
             start += duration
             await asyncio.sleep(max(0.0, start - (time.monotonic() - t0)))
         requests = await asyncio.gather(*tasks)
@@ -374,6 +395,7 @@ def summarize(requests, samples, series, args) -> dict:
     peak = max((sum(s["workers"].values()) for s in samples), default=0)
     failed = [r for r in requests if r["status"] != "ok"]
     first_drain = next((s["t"] for s in samples if sum(s["draining"].values())), float("inf"))
+    lags = sorted(r["lag"] for r in requests if r.get("lag") is not None)
     return {
         "requests": len(requests), "failed": len(failed), "failures": sorted({r["status"] for r in failed}),
         # ended after the first drain began: what a scale-down could have cut
@@ -383,6 +405,10 @@ def summarize(requests, samples, series, args) -> dict:
         "attainment_back_above_0.9_s_after_step_up": None if recovered is None else round(recovered - up_at, 1),
         "pools_back_to_1p1d_s_after_step_down": None if back is None else round(back - down_at, 1),
         "changes": changes(samples),
+        # how far the client fell behind its Poisson schedule: over a second, the offered load was
+        # the client's, not --high (a warning says so)
+        "sender_lag_p99_s": round(lags[min(len(lags) - 1, int(0.99 * len(lags)))], 3) if lags else None,
+        "sender_lag_max_s": round(lags[-1], 3) if lags else None,
     }
 
 
@@ -468,6 +494,10 @@ def main(argv=None) -> int:
                        "samples": samples, "attainment": series}, f)
         plot(requests, samples, series, args, args.plot)
         print(json.dumps(summary, indent=1))
+        if (summary["sender_lag_max_s"] or 0) > 1.0:
+            print(f"warning: the client fell up to {summary['sender_lag_max_s']:.1f} s behind its schedule: the "
+                  f"offered load was lower than --high {args.high:g} req/s (a faster client, or fewer req/s)",
+                  file=sys.stderr)
         print(f"record: {args.out}; plot: {args.plot}; log: {logs.get('up')}")
         done = True
     finally:

@@ -106,3 +106,32 @@ def test_specialists_from_the_duties_gauge_and_an_idle_specialist_removed():
     scraped = step.scrape(text)
     assert scraped["duties"] == {"decode": 1.0, "mixed": 2.0} and scraped["spares"] == {"mixed": 1.0}
     assert scraped["draining"] == {}  # a spare is not draining
+
+
+def test_context_and_engine_budget_reach_pdserve_up(tmp_path):
+    args = step.parse_args(["--device", "cuda", "--prompt-tokens", "3072", "--max-tokens", "32",
+                            "--max-model-len", "4096", "--max-num-batched-tokens", "1024", "--max-num-seqs", "64"])
+    cmd, config = up_config(args, tmp_path)
+    assert config.max_model_len == 4096
+    assert (config.max_num_batched_tokens, config.max_num_seqs) == (1024, 64)
+    cmd, _ = up_config(step.parse_args([]), tmp_path)  # the engine's defaults unless asked
+    assert "--max-num-batched-tokens" not in cmd and "--max-num-seqs" not in cmd
+
+
+@pytest.mark.parametrize("argv", [["--prompt-tokens", "500", "--max-tokens", "48"],  # over the default 512
+                                  ["--prompt-tokens", "3072", "--max-model-len", "3000"],
+                                  ["--prompt-tokens", "0"]])
+def test_requests_that_do_not_fit_the_context_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        step.parse_args(argv)
+    assert "--" in capsys.readouterr().err
+
+
+def test_summary_says_how_far_the_client_fell_behind():
+    args = step.parse_args(["--phases", "10,10,10"])
+    requests = [{"arrival": 1.0 + i, "lag": lag, "ttft": 0.1, "tpot": 0.01, "status": "ok", "end": 2.0 + i}
+                for i, lag in enumerate([0.001, 0.002, 0.5, 3.0])]
+    summary = step.summarize(requests, [], [], args)
+    assert summary["sender_lag_max_s"] == 3.0 and summary["sender_lag_p99_s"] == 3.0
+    old = [{k: v for k, v in r.items() if k != "lag"} for r in requests]  # a record from before the field
+    assert step.summarize(old, [], [], args)["sender_lag_max_s"] is None
