@@ -242,22 +242,95 @@ def load_tokenizer_json(path: str, eos_token_ids: Sequence[int] = ()) -> Tokeniz
     return Tokenizer(hf, eos_token_ids, source=path)
 
 
+# bump when what is saved changes; the transformers version is in the key too (its conversion)
+_TOKENIZER_CACHE_FORMAT = 1
+_HASHED_HEAD_BYTES = 16 << 20  # the GGUF's metadata (vocabulary, merges, template) sits at its start
+
+
+def cache_root() -> str | None:
+    """Where pdserve keeps what it derives from a model file (GGUF tokenizers): `$PDSERVE_CACHE_DIR`,
+    else `$XDG_CACHE_HOME/pdserve`, else `~/.cache/pdserve`; None when `PDSERVE_CACHE_DIR` is set
+    empty (no cache)."""
+    explicit = os.environ.get("PDSERVE_CACHE_DIR")
+    if explicit is not None:
+        return explicit or None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "pdserve")
+
+
+def _gguf_tokenizer_cache_dir(path: str) -> str | None:
+    """The cache folder of `path`'s converted tokenizer: keyed by the file's size, its first 16 MiB
+    (the metadata) and the transformers version, so a changed file or converter misses."""
+    root = cache_root()
+    if root is None:
+        return None
+    import hashlib
+
+    import transformers
+
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{_TOKENIZER_CACHE_FORMAT}|{transformers.__version__}|{os.path.getsize(path)}|".encode())
+    with open(path, "rb") as f:
+        digest.update(f.read(_HASHED_HEAD_BYTES))
+    return os.path.join(root, "tokenizers", f"{os.path.basename(path)}-{digest.hexdigest()}")
+
+
+def _save_tokenizer(hf: Any, directory: str) -> None:
+    """Saves into a fresh folder beside `directory`, then renames it into place: a reader sees a
+    whole tokenizer or none, and of two processes converting at once the second's rename loses."""
+    import shutil
+    import tempfile
+
+    parent = os.path.dirname(directory)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=".partial-", dir=parent)
+    except OSError as exc:
+        logger.debug("tokenizer cache not written (%s)", exc)
+        return
+    try:
+        hf.save_pretrained(staging)
+        os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide it from the cache's other users
+        os.rename(staging, directory)
+    except OSError:  # another process got there first, or the cache is read-only
+        shutil.rmtree(staging, ignore_errors=True)
+    except Exception as exc:  # a tokenizer that cannot be saved still serves: no cache then
+        logger.warning("tokenizer cache not written for %s: %s", directory, _one_line(exc))
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 @functools.lru_cache(maxsize=4)
 def _gguf_hf_tokenizer(path: str) -> Any:
+    """The converted tokenizer of a GGUF file: from the on-disk cache when it holds this file's
+    conversion (a fraction of a second), else converted by `transformers` from the GGUF metadata
+    (seconds: it parses the file's metadata again) and saved there for the next process."""
     from transformers import AutoTokenizer
 
+    cached = _gguf_tokenizer_cache_dir(path)
+    if cached is not None and os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        try:
+            return AutoTokenizer.from_pretrained(cached, local_files_only=True)
+        except Exception as exc:  # a damaged cache entry: convert again, and replace it
+            logger.warning("tokenizer cache %s unreadable (%s); converting %s again", cached, _one_line(exc), path)
+            import shutil
+
+            shutil.rmtree(cached, ignore_errors=True)
     try:
-        return AutoTokenizer.from_pretrained(
+        hf = AutoTokenizer.from_pretrained(
             os.path.dirname(path) or ".", gguf_file=os.path.basename(path), local_files_only=True
         )
     except Exception as exc:
         raise ValueError(f"{path}: cannot build tokenizer from GGUF metadata ({_one_line(exc)})") from exc
+    if cached is not None:
+        _save_tokenizer(hf, cached)
+    return hf
 
 
 def load_gguf_tokenizer(path: str, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
     """A tokenizer and chat template from GGUF metadata, converted by `transformers`.
 
-    The conversion takes seconds, so the result is cached per file.
+    The conversion takes seconds, so the result is cached per file: in the process, and on disk
+    (`cache_root()`) for the next process.
     """
     path = os.path.abspath(path)
     return Tokenizer(_gguf_hf_tokenizer(path), eos_token_ids, source=path)

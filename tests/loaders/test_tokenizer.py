@@ -152,3 +152,73 @@ def test_byte_table_detokenizer_equals_window_decoding(tokenizer, skip_special_t
         slow._bytes = None  # the window-decoding path every other tokenizer takes
         assert [fast.add(i) for i in ids] + [fast.flush()] == [slow.add(i) for i in ids] + [slow.flush()]
         assert fast.text == slow.text
+
+
+# ---- the on-disk cache of GGUF tokenizers -------------------------------------------------------
+
+_TEXTS = ["The capital of France is", "  leading spaces\tand tabs\n\nnew lines", "émigré naïve 東京 🚀 ü",
+          "<|im_start|>user\nhi<|im_end|>", "def f(x):\n    return x ** 2  # code", "1234567890 3.14159", ""]
+
+
+def _fresh_gguf_tokenizer(path, monkeypatch, cache_dir):
+    from pdserve import tokenizer as tk
+
+    tk._gguf_hf_tokenizer.cache_clear()
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", cache_dir)
+    try:
+        return tk.load_gguf_tokenizer(path)
+    finally:
+        tk._gguf_hf_tokenizer.cache_clear()
+
+
+def test_gguf_tokenizer_from_the_disk_cache_equals_the_conversion(smollm2_path, tmp_path, monkeypatch):
+    """The second process loads the saved conversion: same ids, text, special tokens and chat prompt."""
+    converted = _fresh_gguf_tokenizer(smollm2_path, monkeypatch, "")  # no cache: converted
+    first = _fresh_gguf_tokenizer(smollm2_path, monkeypatch, str(tmp_path))  # converts and saves
+    entries = list((tmp_path / "tokenizers").iterdir())
+    assert len(entries) == 1 and (entries[0] / "tokenizer.json").is_file()
+    cached = _fresh_gguf_tokenizer(smollm2_path, monkeypatch, str(tmp_path))  # from the cache
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    for tok in (first, cached):
+        assert tok.vocab_size == converted.vocab_size and tok.bos_token_id == converted.bos_token_id
+        assert tok.chat_template == converted.chat_template
+        assert tok.apply_chat_template(messages) == converted.apply_chat_template(messages)
+        for text in _TEXTS:
+            ids = converted.encode(text)
+            assert tok.encode(text) == ids and tok.encode(text, add_special_tokens=False) == converted.encode(
+                text, add_special_tokens=False)
+            assert tok.decode(ids) == converted.decode(ids)
+            assert tok.decode(ids, skip_special_tokens=False) == converted.decode(ids, skip_special_tokens=False)
+        assert [tok.token_to_str(i) for i in range(0, converted.vocab_size, 997)] == [
+            converted.token_to_str(i) for i in range(0, converted.vocab_size, 997)]
+        assert tok.byte_table == converted.byte_table
+
+
+def test_a_damaged_cache_entry_is_converted_again(smollm2_path, tmp_path, monkeypatch, caplog):
+    good = _fresh_gguf_tokenizer(smollm2_path, monkeypatch, str(tmp_path))
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    (entry / "tokenizer.json").write_text("{not json")
+    with caplog.at_level("WARNING", logger="pdserve.tokenizer"):
+        again = _fresh_gguf_tokenizer(smollm2_path, monkeypatch, str(tmp_path))
+    assert "unreadable" in caplog.text
+    assert again.encode(_TEXTS[2]) == good.encode(_TEXTS[2])
+    assert (entry / "tokenizer.json").read_text().startswith("{\n")  # replaced by a whole one
+
+
+def test_no_cache_when_its_folder_cannot_be_written(smollm2_path, tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the cache folder would go")
+    tok = _fresh_gguf_tokenizer(smollm2_path, monkeypatch, str(blocked))
+    assert tok.encode(_TEXTS[0]) and blocked.is_file()
+
+
+def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
+    from pdserve.tokenizer import cache_root
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    assert cache_root() == str(tmp_path)
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", "")
+    assert cache_root() is None
+    monkeypatch.delenv("PDSERVE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == str(tmp_path / "xdg" / "pdserve")
