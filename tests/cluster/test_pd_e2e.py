@@ -8,6 +8,7 @@ import random
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -108,9 +109,13 @@ def test_token_identical_to_single_engine_and_colocated(cluster):
     prompts = twenty_prompts()
     engine = LLM(MODEL, device="cpu", dtype="float32", kv_cache_gib=0.05, max_num_batched_tokens=64)
     expected = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
-    for prompt, ref in zip(prompts, expected):
-        pd = complete(cluster.pd, prompt, logprobs=0)
-        colo = complete(cluster.colocated, prompt, logprobs=0)
+    # one request at a time through each router (each worker sees the batches it saw before), the two
+    # routers at once: their workers are disjoint processes
+    with ThreadPoolExecutor(1) as to_pd, ThreadPoolExecutor(1) as to_colo:
+        pds = to_pd.map(lambda p: complete(cluster.pd, p, logprobs=0), prompts)
+        colos = to_colo.map(lambda p: complete(cluster.colocated, p, logprobs=0), prompts)
+        served = list(zip(pds, colos))
+    for prompt, ref, (pd, colo) in zip(prompts, expected, served):
         want = [engine.tokenizer.token_to_str(t) for t in ref.token_ids]
         assert pd["choices"][0]["logprobs"]["tokens"] == want
         assert colo["choices"][0]["logprobs"]["tokens"] == want
