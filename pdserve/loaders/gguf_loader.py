@@ -128,11 +128,34 @@ class _Metadata:
             raise ValueError(f"{self._path}: GGUF metadata key {key!r} must be an integer, got {value!r}") from None
 
 
+def _plain_reader_class() -> Any:
+    """`gguf.GGUFReader` reading through a plain ndarray view of its memory map: the same fields
+    and tensors (views of the same mapped file), but slicing an ndarray skips numpy's memmap
+    bookkeeping, which the reader pays for each of the ~200,000 parts of a vocabulary (SmolLM2:
+    2.7 s -> 0.7 s to open on the 2-core VM)."""
+    from gguf import GGUFReader
+
+    class PlainGGUFReader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain")
+            if plain is None:
+                plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+            count = int(count)
+            dt = np.dtype(dtype)
+            arr = plain[offset:offset + dt.itemsize * count].view(dtype=dt)[:count]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return PlainGGUFReader
+
+
 def _open_reader(path: str) -> Any:
     from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(path)
+        try:
+            reader = _plain_reader_class()(path)
+        except Exception:  # whatever it is, the library's own reader says it (or reads what we could not)
+            reader = GGUFReader(path)
     except Exception as exc:  # bad magic, unsupported version, truncated header
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"{path}: not a valid GGUF file ({detail})") from exc

@@ -242,3 +242,27 @@ def test_smollm2_weights_match_transformers(smollm2_source, smollm2_path):
             seen.add(name)
     assert seen == wanted
     assert names == set(reference) - {"lm_head.weight"}
+
+
+def test_the_plain_reader_reads_what_the_library_reader_reads(smollm2_path):
+    """pdserve opens GGUF files through a faster reader (a plain ndarray view of the memory map):
+    every field's type and contents and every tensor's name, type, shape, dtype and bytes equal
+    gguf.GGUFReader's."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from pdserve.loaders.gguf_loader import _open_reader, _plain_reader_class
+
+    lib, plain = GGUFReader(smollm2_path), _open_reader(smollm2_path)
+    assert isinstance(plain, _plain_reader_class().__mro__[1]) and type(plain).__name__ == "PlainGGUFReader"
+    assert list(lib.fields) == list(plain.fields)
+    for key, field in lib.fields.items():
+        other = plain.fields[key]
+        assert (field.types, field.data, field.offset) == (other.types, other.data, other.offset), key
+        want, got = field.contents(), other.contents()
+        assert np.array_equal(want, got) if isinstance(want, np.ndarray) else want == got, key
+    assert len(lib.tensors) == len(plain.tensors)
+    for a, b in zip(lib.tensors, plain.tensors):
+        assert (a.name, a.tensor_type, a.data.shape, a.data.dtype, a.data_offset) == (
+            b.name, b.tensor_type, b.data.shape, b.data.dtype, b.data_offset)
+        assert np.array_equal(a.data, b.data) and not b.data.flags.writeable
