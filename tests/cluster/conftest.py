@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -102,6 +103,45 @@ def kill_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait(10)
+
+
+def assert_all_gone(proc, port, addresses, tree, t0, bound_s: float = 15.0):
+    """`pdserve up` (`proc`), every process of `tree` gone and the router's and workers' ports free
+    within `bound_s` of `t0` (when the signal went)."""
+    try:
+        proc.wait(bound_s)
+    except Exception:
+        pass
+    left = wait_gone(tree, max(0.0, bound_s - (time.monotonic() - t0)))
+    elapsed = time.monotonic() - t0
+    assert proc.poll() is not None, f"pdserve up still running {elapsed:.1f}s after the signal"
+    assert left == [], f"still running {elapsed:.1f}s after the signal: {left}"
+    assert elapsed < bound_s
+    for host, p in [("127.0.0.1", port)] + [tuple(a.rsplit(":", 1)) for a in addresses]:
+        assert free_within(host, int(p), t0 + bound_s), f"{host}:{p} still in use: {port_holders(int(p))}"
+
+
+def free_within(host: str, port: int, until: float) -> bool:
+    while True:
+        try:
+            socket.create_server((host, port)).close()
+            return True
+        except OSError:
+            if time.monotonic() > until:
+                return False
+            time.sleep(0.2)
+
+
+def port_holders(port: int) -> list[str]:
+    out = []
+    for c in psutil.net_connections("tcp"):
+        if c.laddr and c.laddr.port == port:
+            try:
+                name = psutil.Process(c.pid).cmdline() if c.pid else None
+            except psutil.Error:
+                name = None
+            out.append(f"{c.status} pid={c.pid} {name}")
+    return out
 
 
 def _tail(path: str, n: int = 40) -> str:

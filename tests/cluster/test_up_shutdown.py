@@ -1,19 +1,19 @@
 """Bounded shutdown of a real `pdserve up` (tiny random model, CPU): SIGTERM to its whole
 process group (what `timeout` and supervisors do, so Ray's daemons get it too), or Ray dying
-under it, ends every process it started within 15 s and frees the ports."""
+under it, ends every process it started within 15 s and frees the ports. (SIGTERM to the whole process
+group after serving: tests/cluster/test_up_e2e.py.)"""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 
 import httpx
 import psutil
 import pytest
 
-from tests.cluster.conftest import MODEL, descendants, free_port, kill_group, pdserve, wait_gone, wait_healthy
+from tests.cluster.conftest import MODEL, assert_all_gone, descendants, free_port, kill_group, pdserve, wait_healthy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,71 +37,13 @@ def _start(tmp_path):
     return proc, port, addresses, tree, log
 
 
-def _assert_all_gone(proc, port, addresses, tree, t0):
-    try:
-        proc.wait(BOUND_S)
-    except Exception:
-        pass
-    left = wait_gone(tree, max(0.0, BOUND_S - (time.monotonic() - t0)))
-    elapsed = time.monotonic() - t0
-    assert proc.poll() is not None, f"pdserve up still running {elapsed:.1f}s after the signal"
-    assert left == [], f"still running {elapsed:.1f}s after the signal: {left}"
-    assert elapsed < BOUND_S
-    for host, p in [("127.0.0.1", port)] + [tuple(a.rsplit(":", 1)) for a in addresses]:
-        assert _free(host, int(p), t0 + BOUND_S), f"{host}:{p} still in use: {_holders(int(p))}"
-
-
-def _free(host: str, port: int, until: float) -> bool:
-    while True:
-        try:
-            socket.create_server((host, port)).close()
-            return True
-        except OSError:
-            if time.monotonic() > until:
-                return False
-            time.sleep(0.2)
-
-
-def _holders(port: int) -> list[str]:
-    out = []
-    for c in psutil.net_connections("tcp"):
-        if c.laddr and c.laddr.port == port:
-            try:
-                name = psutil.Process(c.pid).cmdline() if c.pid else None
-            except psutil.Error:
-                name = None
-            out.append(f"{c.status} pid={c.pid} {name}")
-    return out
-
-
-def test_sigterm_to_the_process_group_ends_everything_within_15s(tmp_path):
-    proc, port, addresses, tree, log = _start(tmp_path)
-    try:
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
-        assert r.status_code == 200, r.text
-        t0 = time.monotonic()
-        os.killpg(proc.pid, signal.SIGTERM)
-        _assert_all_gone(proc, port, addresses, tree, t0)
-    finally:
-        if proc.poll() is None or any(p.is_running() for p in tree):
-            kill_group(proc)
-            for p in tree:
-                try:
-                    p.kill()
-                except psutil.Error:
-                    pass
-    with open(log) as f:
-        assert "shutting down" in f.read()
-
-
 def test_ray_dying_under_it_ends_everything_within_15s(tmp_path):
     proc, port, addresses, tree, log = _start(tmp_path)
     try:
         gcs = next(p for p in tree if p.name() == "gcs_server")
         t0 = time.monotonic()
         gcs.kill()
-        _assert_all_gone(proc, port, addresses, tree, t0)
+        assert_all_gone(proc, port, addresses, tree, t0)
     finally:
         if proc.poll() is None or any(p.is_running() for p in tree):
             kill_group(proc)
@@ -143,7 +85,7 @@ def test_a_clean_stop_is_quick_and_quiet(tmp_path, how):
         except Exception:
             pass
         exited_s = time.monotonic() - t0
-        _assert_all_gone(proc, port, addresses, tree, t0)
+        assert_all_gone(proc, port, addresses, tree, t0)
         assert exited_s < CLEAN_EXIT_S, f"pdserve up took {exited_s:.1f}s to exit"
     finally:
         if proc.poll() is None or any(p.is_running() for p in tree):
