@@ -12,9 +12,10 @@
    logprobs);
 3. `buckets`: serving's shapes the two requests above miss: a few requests decoding together
    (up to MAX_WARMUP_DECODES, a wider decode batch), joined one after another by prompts of
-   PREFILL_BUCKETS tokens below the token budget (CPU_BUCKET_CAP on the CPU; mixed steps with longer prefills and more
-   sequences; on the CPU these are the only prompts longer than 16 tokens). A bucket that does not
-   fit the KV cache is skipped; the report's prompt lengths list those that ran.
+   PREFILL_BUCKETS tokens below the token budget (mixed steps with longer prefills and more
+   sequences). A bucket that does not fit the KV cache is skipped; the report's prompt lengths
+   list those that ran. On the CPU they run only with torch.compile'd decode steps (below
+   CPU_BUCKET_CAP): otherwise they compile nothing there and only lengthen the start.
 
 The requests run as role "mixed" with no layer hook (a prefill worker's hook would push their
 KV), then are aborted; the prefix cache forgets their blocks. On the CPU the prompts are short
@@ -118,7 +119,9 @@ def warm_up(engine) -> WarmupReport:
             engine.step()
         seconds["requests"] = time.perf_counter() - t
         t = time.perf_counter()
-        buckets = _run_buckets(engine, ids, short_len, vocab)
+        # on the CPU the buckets compile nothing (first prompts of 256 tokens as slow after them: 0.81-0.83 s
+        # against 0.73-0.79 s without, SmolLM2 shape, 2-core VM) unless torch.compile'd decode steps need them
+        buckets = _run_buckets(engine, ids, short_len, vocab) if on_cuda or runner.compiled_decode else ()
         if on_cuda:
             import torch
 

@@ -135,3 +135,13 @@ def test_warm_up_with_the_context_below_the_budget():
     report = warm_up(engine)
     assert report.prompt_tokens[0] + LONG_DECODE_TOKENS <= 40
     assert not engine.has_unfinished_requests()
+
+
+def test_cpu_warm_up_runs_no_buckets():
+    """On the CPU the prefill buckets compile nothing (unless decode steps are torch.compile'd):
+    the warm-up runs its two requests only, whatever the token budget."""
+    engine = LLMEngine(EngineConfig(model="random:tiny-llama", device="cpu", cache=CacheConfig(num_blocks=128),
+                                    scheduler=SchedulerConfig(max_num_batched_tokens=512)))
+    report = warm_up(engine)
+    assert report.prompt_tokens == (16, 8) and "buckets" in report.seconds
+    assert not engine.has_unfinished_requests()
