@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 CUDA ?=
 FLAVOUR = $(PY) deploy/setup_flavour.py
 
-.PHONY: setup serve test generate bench clean
+.PHONY: setup serve test test-all generate bench clean
 
 # Sets up a fresh machine: a virtualenv with the build of torch that matches the machine (CPU, CUDA 12
 # or 13), triton (interpreter mode on CPU), the cluster stack (Ray, ucxx of the same CUDA flavour) and
@@ -31,6 +31,10 @@ generate: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# the whole suite: the default one and the slow end-to-end tests (marked slow)
+test-all: setup
+	$(BIN)/python -m pytest -q -m 'slow or not slow'
 
 bench: setup
 	$(BIN)/python benchmarks/bench_engine_cpu.py

@@ -65,7 +65,7 @@ FALLBACK_WARNINGS = ("giving up on it", "killed what was left", "did not stop wi
 CLEAN_EXIT_S = 7.0
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl-c", pytest.param("sigterm", marks=pytest.mark.slow)])
 def test_a_clean_stop_is_quick_and_quiet(tmp_path, how):
     """Ctrl-C (SIGINT to the foreground process group; Ray's daemons block it) or SIGTERM to
     `pdserve up` alone: the workers stop on request, Ray shuts down, every process it started is

@@ -163,6 +163,7 @@ def test_pacing_rate_within_5_percent_over_ucx(gbps):
     assert abs(statistics.median(rates) / gbps - 1) <= 0.05, f"paced at {gbps} Gbit/s, achieved {rates}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_measure_plan_several_rates_in_one_pair_of_processes(tmp_path):
     """benchmarks/bench_pacing.py's path: the unpaced ceiling and two rates measured by one pair

@@ -86,6 +86,7 @@ def test_bench_engine_replay_points_write_records_the_simulator_reads(tmp_path):
         bench.main(["--device", "cpu", "--point", "20:4"])
 
 
+@pytest.mark.slow  # two pdserve up clusters' worth of start-up
 def test_served_vs_bare_cpu_path(tmp_path):
     """The served-vs-bare benchmark end to end on the CPU: the bare engine in its own process, a real
     `pdserve up` with its defaults, two loadgen runs; the table's ratios are computed from them."""
@@ -102,6 +103,7 @@ def test_served_vs_bare_cpu_path(tmp_path):
     assert {"served_minus_bare_ttft_p50_ms", "served_over_bare_tpot_p50", "first_over_second_ttft_p50"} <= set(results["ratios"])
 
 
+@pytest.mark.slow
 def test_defaults_vs_flags_cpu_path(tmp_path):
     """The defaults-vs-flags benchmark end to end on the CPU: a real `pdserve up` with its defaults and one
     with flags, one loadgen run each; the table has both, goodput is computed per SLO set from the records,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 import kernels
 
 from pdserve.engine_args import engine_config
@@ -27,6 +29,7 @@ def _run(compile: bool, packed_weights: bool = True, seed: int = 5):
     return [o.token_ids for o in outs], llm
 
 
+@pytest.mark.slow  # torch.compile on the CPU, an option off by default: ~30 s of compiling
 def test_compiled_decode_matches_eager_tokens():
     eager, eager_llm = _run(False)
     compiled, llm = _run(True)

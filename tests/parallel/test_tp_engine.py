@@ -95,6 +95,7 @@ SMOL_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a ti
                 "The quick brown fox", "Water boils at", "My favourite colour is", "import numpy as"]
 
 
+@pytest.mark.slow  # the tiny models' logits at TP 2 and 3 run in the default suite
 def test_smollm2_tp3_gives_the_tp1_greedy_text():
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     engine = dict(device="cpu", dtype="float32", kv_cache_gib=0.02)
