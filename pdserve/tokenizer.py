@@ -269,9 +269,12 @@ def _gguf_tokenizer_cache_dir(path: str) -> str | None:
     import transformers
 
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{_TOKENIZER_CACHE_FORMAT}|{transformers.__version__}|{os.path.getsize(path)}|".encode())
-    with open(path, "rb") as f:
-        digest.update(f.read(_HASHED_HEAD_BYTES))
+    try:
+        digest.update(f"{_TOKENIZER_CACHE_FORMAT}|{transformers.__version__}|{os.path.getsize(path)}|".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(_HASHED_HEAD_BYTES))
+    except OSError:  # unreadable: no cache; the conversion says what is wrong with the file
+        return None
     return os.path.join(root, "tokenizers", f"{os.path.basename(path)}-{digest.hexdigest()}")
 
 
