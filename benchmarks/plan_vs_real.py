@@ -45,6 +45,8 @@ PY = sys.executable
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--profile", help="a `pdserve profile` JSON (default: a committed one of this CPU, else measure)")
+    p.add_argument("--model", default=None, help="the model of the profile and the run (default: SmolLM2, the "
+                   "default model; `random:smollm2-135m` has its shape where its weights are not installed)")
     p.add_argument("--gpus", type=int, default=2, help="the budget: workers, one CPU each (default 2)")
     p.add_argument("--slo-ttft", type=float, default=4.0)
     p.add_argument("--slo-tpot", type=float, default=0.5)
@@ -103,9 +105,15 @@ def wait_share(before: tuple[float, float], after: tuple[float, float]) -> dict:
             "wait_share": round(wait / (run + wait), 3) if run + wait > 0 else None}
 
 
+def model_flag(args) -> list[str]:
+    return ["--model", args.model] if args.model else []
+
+
 def pick_profile(args) -> str:
     if args.profile:
         return args.profile
+    if args.model:  # the committed profiles are the default model's
+        return measure_profile(args)
     from router.placement.profiles import load_profile
     from sim.profile_check import local_hardware, profile_problems
 
@@ -116,12 +124,17 @@ def pick_profile(args) -> str:
             print(f"profile: {path} (measured on this CPU, {here}, by this engine)", file=sys.stderr)
             return path
         print(f"profile: not {os.path.relpath(path, REPO)}: {problems[0].split(';')[0]}", file=sys.stderr)
+    print(f"profile: none committed for {here}", file=sys.stderr)
+    return measure_profile(args)
+
+
+def measure_profile(args) -> str:
     out = os.path.join(args.out, "profile.json")
-    print(f"profile: none committed for {here}; measuring one into {out}", file=sys.stderr)
+    print(f"profile: measuring one into {out}", file=sys.stderr)
     cmd = [PY, "-m", "launcher.cli", "profile", "--device", "cpu", "--dtype", "float32", "--out", out,
            "--prefill-tokens", "16,32,64,128,256", "--decode-batches", "1,2,4,8", "--decode-contexts", "128,256",
            "--mixed", "--mixed-batches", "1,2,4", "--mixed-chunks", "32,64,128", "--mixed-context", "128",
-           "--repeats", "3", "--decode-steps", "8", "-q"]
+           "--repeats", "3", "--decode-steps", "8", "-q", *model_flag(args)]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     last = (0.0, 0.0)
     while proc.poll() is None:
@@ -148,7 +161,8 @@ def run_plan(args, profile: str) -> dict:
 def up_command(best: dict, policy: str, args) -> list[str]:
     cmd = [PY, "-m", "launcher.cli", "up", "--device", "cpu", "--dtype", "float32", "--worker-cpus", "1",
            "--port", str(args.port), "--kv-cache-gib", str(args.kv_cache_gib), "--max-model-len", "1024",
-           "--max-num-batched-tokens", "512", "--cluster-name", "planvr", "--namespace", "pdserve-plan-vs-real"]
+           "--max-num-batched-tokens", "512", "--cluster-name", "planvr", "--namespace", "pdserve-plan-vs-real",
+           *model_flag(args)]
     if best["mode"] == "disaggregated":
         cmd += ["--prefill", str(best["prefill"]), "--decode", str(best["decode"]), "--policy", policy]
     else:

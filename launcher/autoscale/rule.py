@@ -36,10 +36,17 @@ No I/O and no clock: the caller passes the time in the state. What it decides, i
    (`idle_specialist`, action remove, `source` the duty), else it moves a step back to mixed
    duty (`relax_to_mixed`, action shift; the pool's minimum apart); no mixed-duty worker is
    removed while a specialist is left (below);
-7. attainment at least `down_attainment` and a pool whose busy workers would stay under
-   `down_utilisation` with one worker fewer, and whose load would stay under
-   `up_load * down_utilisation` per worker, for `down_stable` consecutive intervals: drain one
-   worker of it (the pool with the lowest such utilisation first).
+7. attainment at least `down_attainment` and a pool whose utilisation would stay under
+   `down_utilisation` with one worker fewer, for `down_stable` consecutive intervals: drain one
+   worker of it (the pool with the lowest such utilisation first). A decode or mixed pool's
+   utilisation is the load trigger's when it is on (requests in flight per worker over
+   `up_load`: under `up_load * down_utilisation` per worker), not the share of its workers that
+   are busy: a batching worker is busy with one request in its batch, so the busy share kept
+   every decode worker of a GPU step from leaving at a light load (run 13: 0.62-0.81 of three
+   decode workers busy at 2 req/s with 0.5-0.9 requests in flight each). A prefill pool's, and
+   every pool's with the load trigger off, is the busy share (and, with it on, the load must
+   stay under `up_load * down_utilisation` too): a prefill worker holds a request only while it
+   prefills, so far fewer than a decode batch at its capacity.
 
 Why the load trigger needs both figures: "busy" (a worker with anything in flight) saturates for
 a batching decode worker (one request keeps it busy), so alone it cannot tell a light load from
@@ -61,9 +68,8 @@ load that neither split of the workers serves swaps a duty back and forth every 
 shift is a change: the cooldown follows it.
 
 Duties go back to mixed when the load falls (6): on the scale-down's own conditions and counts
-(attainment at least `down_attainment`, the pool under `down_utilisation` busy and under
-`up_load * down_utilisation` in flight per worker even with one worker fewer, for `down_stable`
-intervals), one step per decision, each a change with its cooldown. Where the pool may lose a
+(attainment at least `down_attainment`, the pool's utilisation under `down_utilisation` even
+with one worker fewer, for `down_stable` intervals), one step per decision, each a change with its cooldown. Where the pool may lose a
 worker (above its minimum), the specialist itself is removed instead of relaxed, so a step down
 from a peak takes one change per worker, not a relax and then a removal; only when the pool is
 at its minimum (or removing the specialist would leave a phase without a worker) does it relax.
@@ -76,9 +82,10 @@ before the attainment falls below the target again.
 
 Hysteresis: a scale-up needs attainment under `target_attainment` (or a load at or over
 `up_load` per worker with `up_utilisation` busy), a scale-down attainment over the higher
-`down_attainment` *and* low utilisation for several intervals *and* utilisation (under
-`down_utilisation` < `up_utilisation`) and load (under `up_load * down_utilisation`) that stay low
-after the removal; and a cooldown follows every change. A steady load therefore settles: it adds
+`down_attainment` *and* low utilisation for several intervals *and* a utilisation that stays
+low after the removal (with the load trigger on, a load under `up_load * down_utilisation` per
+worker, half the trigger's at the default; else a busy share under `down_utilisation` <
+`up_utilisation`); and a cooldown follows every change. A steady load therefore settles: it adds
 what it needs and does not take it back, and what a removal leaves does not add again.
 """
 
@@ -105,7 +112,8 @@ class AutoscaleConfig:
     window_s: float = 30.0  # the sliding window of finished requests (and of utilisation samples)
     target_attainment: float = 0.9  # scale up below this
     down_attainment: float = 0.97  # scale down only at or above this ...
-    down_utilisation: float = 0.5  # ... and when the pool would stay below this busy with one worker fewer
+    down_utilisation: float = 0.5  # ... and when the pool would stay below this utilisation with one worker fewer
+    # (up_load on: requests in flight per worker over up_load; off: the share of workers busy)
     down_stable: int = 3  # ... for this many consecutive intervals
     min_requests: int = 5  # finished requests in the window before attainment counts
     full_batch: float = 0.9  # decode batch (running / max_num_seqs) or KV usage counted as full
@@ -311,14 +319,14 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
     calm: dict[str, int] = {}
     shrinkable: dict[str, float] = {}
     for name, pool in pools.items():
-        after = _light_after_removal(pool, state, config)
+        after = _light_after_removal(name, pool, state, config)
         if after is not None and pool.workers > config.min_workers[name]:
             calm[name] = memory.calm.get(name, 0) + 1
             shrinkable[name] = after
     # how long the hybrid workers could have relaxed a duty (the same conditions, at any size)
     specialists = {d: n for d, n in state.duties.items() if d != "mixed" and n > 0}
     quiet = 0
-    if specialists and _light_after_removal(pools.get("mixed", PoolState(0)), state, config) is not None:
+    if specialists and _light_after_removal("mixed", pools.get("mixed", PoolState(0)), state, config) is not None:
         quiet = memory.quiet + 1
     # how long each pool's queue has been long and not falling (counted every interval too)
     pressure: dict[str, int] = {}
@@ -384,26 +392,24 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
         source = max(specialists, key=lambda d: (specialists[d], d == "decode"))
         pool = pools["mixed"]
         counts = ", ".join(f"{d} {state.duties.get(d, 0)}" for d in DUTIES)
-        head = (f"attainment {state.attainment:.2f} >= {config.down_attainment:.2f} and mixed {pool.busy:.2f} busy "
-                f"over {pool.workers} workers")
+        head = f"attainment {state.attainment:.2f} >= {config.down_attainment:.2f} and"
         if calm.get("mixed", 0) >= config.down_stable and _both_phases_without(state.duties, source):
             # the pool can lose a worker: the specialist itself leaves (one change, not a relax then a removal)
             return Decision("remove", "mixed", "idle_specialist",
-                            f"{head} ({shrinkable['mixed']:.2f} with one fewer, < {config.down_utilisation:.2f}) "
+                            f"{head} {_lightness('mixed', pool, shrinkable['mixed'], config)} "
                             f"for {calm['mixed']} intervals; a hybrid worker of {source} duty leaves (duties: {counts})",
                             source=source), _changed(memory, state)
+        after = _light_after_removal("mixed", pool, state, config) or 0.0
         return Decision("shift", "mixed", "relax_to_mixed",
-                        f"{head} (< {config.down_utilisation:.2f} with one fewer), {pool.load:.1f} in flight per "
-                        f"worker, for {quiet} intervals; a hybrid worker shifts from {source} back to mixed duty "
-                        f"(duties: {counts})", source=source), _changed(memory, state)
+                        f"{head} {_lightness('mixed', pool, after, config)} for {quiet} intervals; a hybrid worker "
+                        f"shifts from {source} back to mixed duty (duties: {counts})", source=source), _changed(memory, state)
     ready = {name: after for name, after in shrinkable.items() if calm[name] >= config.down_stable}
     if ready:
         name = min(ready, key=lambda n: (ready[n], n))
         pool = pools[name]
         return Decision("remove", name, "idle",
-                        f"attainment {state.attainment:.2f} >= {config.down_attainment:.2f} and {name} "
-                        f"{pool.busy:.2f} busy over {pool.workers} workers ({ready[name]:.2f} with one fewer, "
-                        f"< {config.down_utilisation:.2f}) for {calm[name]} intervals"), _changed(memory, state)
+                        f"attainment {state.attainment:.2f} >= {config.down_attainment:.2f} and "
+                        f"{_lightness(name, pool, ready[name], config)} for {calm[name]} intervals"), _changed(memory, state)
     return _hold("steady", f"attainment {state.attainment:.2f} over {state.finished} requests, "
                            f"{state.arrival_rate:.2f} req/s"), memory
 
@@ -414,16 +420,40 @@ def _both_phases_without(duties: Mapping[str, int], duty: str) -> bool:
     return (left.get("prefill", 0) + left.get("mixed", 0) > 0) and (left.get("decode", 0) + left.get("mixed", 0) > 0)
 
 
-def _light_after_removal(pool: PoolState, state: ClusterState, config: AutoscaleConfig) -> float | None:
+def _light_after_removal(name: str, pool: PoolState, state: ClusterState, config: AutoscaleConfig) -> float | None:
     """The pool's busy fraction with one worker fewer when that, its load per worker with one
     fewer and the attainment all allow a scale-down (module docstring, 7); else None."""
     if pool.workers < 2 or pool.draining > 0 or state.attainment < config.down_attainment:
         return None
-    after = pool.busy * pool.workers / (pool.workers - 1)
+    fewer = pool.workers / (pool.workers - 1)
+    if _by_load(name, config):
+        # the load trigger's scale: requests in flight per worker as a share of up_load. Not the
+        # busy share: a batching worker with one request in its batch is busy, so at a light
+        # load every decode worker of a pool is busy and none could ever leave (module docstring)
+        after = pool.load * fewer / config.up_load
+        return after if after < config.down_utilisation else None
+    after = pool.busy * fewer
     # nor a load per worker that the load trigger would read as rising (hysteresis)
-    load_after = pool.load * pool.workers / (pool.workers - 1)
-    light = config.up_load <= 0 or load_after < config.up_load * config.down_utilisation
+    light = config.up_load <= 0 or pool.load * fewer < config.up_load * config.down_utilisation
     return after if after < config.down_utilisation and light else None
+
+
+def _by_load(name: str, config: AutoscaleConfig) -> bool:
+    """Whether pool `name`'s utilisation is its load (module docstring, 7): with the load trigger
+    on, for the pools that batch decodes. A prefill worker holds a request only while it
+    prefills, so its busy share is its utilisation, and up_load (sized on decode batches) is
+    not its scale: at its capacity it holds far fewer requests."""
+    return config.up_load > 0 and name != "prefill"
+
+
+def _lightness(name: str, pool: PoolState, after: float, config: AutoscaleConfig) -> str:
+    """The figures of a scale-down's utilisation test, for its reason."""
+    if _by_load(name, config):
+        return (f"{name} {pool.load:.2f} in flight per worker over {pool.workers} workers "
+                f"({after * config.up_load:.2f} with one fewer, < {config.up_load * config.down_utilisation:.2f} "
+                f"= up_load x down_utilisation)")
+    return (f"{name} {pool.busy:.2f} busy over {pool.workers} workers ({after:.2f} with one fewer, "
+            f"< {config.down_utilisation:.2f})")
 
 
 def _changed(memory: RuleMemory, state: ClusterState) -> RuleMemory:

@@ -281,6 +281,36 @@ def test_a_removal_does_not_leave_a_load_that_adds_again():
     assert (c.up_load, c.up_utilisation, c.up_stable) == (3, 0.9, 3)
 
 
+def test_with_the_load_trigger_on_a_busy_decode_pool_at_a_light_load_shrinks_and_a_prefill_pool_by_its_busy_share():
+    """GPU step (run 13): three decode workers of eight-request batches, each with a request in
+    its batch most of the time (busy 0.7) but 0.7 in flight per worker. Their load with one
+    fewer (1.05) is under up_load * down_utilisation (1.5): one leaves, though the busy share
+    with one fewer (1.05) is over down_utilisation. With the load trigger off the busy share
+    rules and nothing leaves; a prefill pool is judged by its busy share either way."""
+    def light(now, config, pool="decode"):
+        pools = {"prefill": PoolState(1, busy=0.1, load=0.1), "decode": PoolState(1, busy=0.1, load=0.1)}
+        pools[pool] = PoolState(3, busy=0.7, load=0.7)
+        return decide(ClusterState(now=now, pools=pools, finished=20, attainment=1.0, ttft_attainment=1.0,
+                                   arrival_rate=2.0), config, memory)
+
+    memory, codes = RuleMemory(), []
+    for i in range(4):
+        d, memory = light(100 + 5 * i, LOADED)
+        codes.append(d.code)
+    assert codes == ["steady", "steady", "idle", "cooldown"]
+    memory = RuleMemory()
+    d, memory = light(100, LOADED)
+    d, memory = light(105, LOADED)
+    d, memory = light(110, LOADED)
+    assert (d.action, d.pool, d.code) == ("remove", "decode", "idle")
+    assert "0.70 in flight per worker over 3 workers (1.05 with one fewer, < 1.50" in d.reason
+    for config, pool in ((CONFIG, "decode"), (LOADED, "prefill")):
+        memory = RuleMemory()
+        for i in range(6):
+            d, memory = light(100 + 5 * i, config, pool)
+            assert d.action == "hold", (config.up_load, pool, d)
+
+
 def load_model(rate: float, workers: dict[str, int]) -> ClusterState:
     """A steady arrival rate on pools whose workers each hold 2.5 requests in flight per unit of
     rate (Little's law with a 2.5 s request; the prefill pool a fifth of that), busy as a Poisson
