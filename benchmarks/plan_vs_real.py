@@ -132,8 +132,8 @@ def measure_profile(args) -> str:
     out = os.path.join(args.out, "profile.json")
     print(f"profile: measuring one into {out}", file=sys.stderr)
     cmd = [PY, "-m", "launcher.cli", "profile", "--device", "cpu", "--dtype", "float32", "--out", out,
-           "--prefill-tokens", "16,32,64,128,256", "--decode-batches", "1,2,4,8", "--decode-contexts", "128,256",
-           "--mixed", "--mixed-batches", "1,2,4", "--mixed-chunks", "32,64,128", "--mixed-context", "128",
+           "--prefill-tokens", "16,32,64,128,256", "--decode-batches", "1,2,4,8,16,32,64", "--decode-contexts", "128,256",
+           "--mixed", "--mixed-batches", "1,4,16", "--mixed-chunks", "32,64,128", "--mixed-context", "128",
            "--repeats", "3", "--decode-steps", "8", "-q", *model_flag(args)]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     last = (0.0, 0.0)

@@ -280,8 +280,8 @@ class Autoscaler:
         deadline = self.clock() + 60.0
         while self.clock() < deadline:  # until the router serves with it
             worker = self.backend.pool.workers.get(name)
-            if worker is not None and worker.healthy:
-                break
+            if worker is not None and worker.healthy and not getattr(worker, "warming", False):
+                break  # placed from now on (a joiner's KV pairs are warmed first)
             await asyncio.sleep(DRAIN_POLL_S)
         self._ended(f"{name} serves ({'a warm spare, ' if spare else ''}{self.clock() - start:.1f}s after the decision)")
         self.replenish_spares()

@@ -22,6 +22,11 @@ Draining: a directory may name workers to drain (a `draining` set of worker ids,
 keeps its connection and its live requests, but `snapshots()` leave it out, so that placement
 sends it nothing new.
 
+Warming: a worker that turns healthy (it joined, or came back) is handed to `on_healthy` when
+set (the cluster backend sets it once its own warm-up is done); while that keeps the worker's
+`warming` flag, `snapshots()` leave it out too. The backend uses it to move a first KV block
+over each of the worker's prefill-decode pairs before placement sends it a request.
+
 Duties: a directory may give a mixed worker a role to play (`duties`, worker id -> role;
 router.cluster.directory): the pool then counts and places it as that role (`PooledWorker.role`,
 its snapshots), while its connection and its own requests stay as they were. A duty given to a
@@ -35,7 +40,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from pdserve.proto import worker_pb2 as pb
 from router.cluster.directory import WorkerDirectory, WorkerEndpoint, check_duty
@@ -64,6 +69,7 @@ class PooledWorker:
     draining: bool = False  # placement skips it; its requests run to their end
     duty: str | None = None  # a mixed worker's role override (the directory's `duties`); None: its own
     refused_duty: str | None = None  # the last duty ignored (not mixed), warned about once
+    warming: bool = False  # healthy, its KV pairs being warmed (WorkerPool.on_healthy): not placed yet
 
     @property
     def role(self) -> str:
@@ -120,6 +126,9 @@ class WorkerPool:
         self.workers: dict[str, PooledWorker] = {}
         self._cluster_token = cluster_token
         self._monitor: asyncio.Task[None] | None = None
+        # called with a worker that turned healthy (joined, came back); while it sets the
+        # worker's `warming`, placement leaves the worker out (the backend warms its KV pairs)
+        self.on_healthy: Callable[[PooledWorker], None] | None = None
         # worker id -> {request id its Abort did not reach: when it was kept}
         self._unsent_aborts: dict[str, dict[str, float]] = {}
 
@@ -144,7 +153,7 @@ class WorkerPool:
         await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
 
     def snapshots(self) -> tuple[WorkerSnapshot, ...]:
-        return tuple(w.snapshot() for w in self.workers.values() if not w.draining)
+        return tuple(w.snapshot() for w in self.workers.values() if not w.draining and not w.warming)
 
     def describe(self) -> dict[str, dict[str, Any]]:
         """Per worker: role, address, node, healthy, inflight and (when unhealthy) why."""
@@ -154,6 +163,8 @@ class WorkerPool:
                                  "healthy": w.healthy, "inflight": w.num_inflight}
             if w.draining:
                 info[w.worker_id]["draining"] = True
+            if w.warming:
+                info[w.worker_id]["warming"] = True
             if w.duty:
                 info[w.worker_id]["duty"] = w.duty
             if w.detail:
@@ -238,9 +249,16 @@ class WorkerPool:
             worker.role_mismatch_logged = True
             logger.warning("worker %s reports role %r, the directory says %r",
                            worker.worker_id, stats.role, worker.endpoint.role)
-        if not worker.healthy:
+        turned = not worker.healthy
+        if turned:
             logger.info("worker %s is healthy", worker.worker_id)
         worker.healthy, worker.detail = True, ""
+        if turned and self.on_healthy is not None and not worker.warming:
+            try:
+                self.on_healthy(worker)
+            except Exception:
+                logger.exception("on_healthy hook failed for worker %s", worker.worker_id)
+                worker.warming = False
         if self._unsent_aborts.get(worker.worker_id):
             await self._resend_aborts(worker)
 
