@@ -111,7 +111,7 @@ KV_WIRE_PRECISIONS = ("auto", "full", "fp8")
 WARM_PAIRS_MAX = 64  # KV pairs a warm-up covers (at start: the first ones; later: a joiner's)
 WARM_PAIRS_CONCURRENCY = 8
 WARM_PASSES = 2  # per pair and wire precision: the link's first transfer goes staged, the next pulled
-WARM_JOINER_TIMEOUT_S = 30.0
+WARM_JOINER_TIMEOUT_S = 10.0  # a new worker is placed after this even if a pair is still warming
 
 
 # (client, worker-side request id) of one worker's part in a request
@@ -340,12 +340,13 @@ class ClusterBackend:
                 await self._abort_parts(parts)
         return finished
 
-    def _warm_joiner(self, worker) -> None:
-        """WorkerPool.on_healthy: a worker that joined (or came back) is left out of placement
-        until its KV pairs are warmed (bounded by WARM_JOINER_TIMEOUT_S)."""
+    def _warm_joiner(self, worker, joined: bool) -> None:
+        """WorkerPool.on_healthy: a worker that joined (or moved to a new address) is left out of
+        placement until its KV pairs are warmed (at most WARM_JOINER_TIMEOUT_S); one back after a
+        failed check (a restart at the same address looks the same) is warmed while it serves."""
         if self._closed or not self._pairs_to_warm(worker.worker_id):
             return
-        worker.warming = True
+        worker.warming = joined
 
         async def warm() -> None:
             try:

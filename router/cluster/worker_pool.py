@@ -25,7 +25,9 @@ sends it nothing new.
 Warming: a worker that turns healthy (it joined, or came back) is handed to `on_healthy` when
 set (the cluster backend sets it once its own warm-up is done); while that keeps the worker's
 `warming` flag, `snapshots()` leave it out too. The backend uses it to move a first KV block
-over each of the worker's prefill-decode pairs before placement sends it a request.
+over each of the worker's prefill-decode pairs: before placement sends a new worker a request,
+beside its requests for one that is back after a failed check (leaving it out then would keep
+a cluster's last decode worker from serving while a dead peer's pair times out).
 
 Duties: a directory may give a mixed worker a role to play (`duties`, worker id -> role;
 router.cluster.directory): the pool then counts and places it as that role (`PooledWorker.role`,
@@ -70,6 +72,7 @@ class PooledWorker:
     duty: str | None = None  # a mixed worker's role override (the directory's `duties`); None: its own
     refused_duty: str | None = None  # the last duty ignored (not mixed), warned about once
     warming: bool = False  # healthy, its KV pairs being warmed (WorkerPool.on_healthy): not placed yet
+    joined: bool = True  # not healthy yet since it entered the directory (or moved to a new address)
 
     @property
     def role(self) -> str:
@@ -126,9 +129,10 @@ class WorkerPool:
         self.workers: dict[str, PooledWorker] = {}
         self._cluster_token = cluster_token
         self._monitor: asyncio.Task[None] | None = None
-        # called with a worker that turned healthy (joined, came back); while it sets the
-        # worker's `warming`, placement leaves the worker out (the backend warms its KV pairs)
-        self.on_healthy: Callable[[PooledWorker], None] | None = None
+        # called with a worker that turned healthy and whether it is new (joined, or moved to a
+        # new address) rather than back after a failed check; while it sets the worker's
+        # `warming`, placement leaves the worker out (the backend warms its KV pairs)
+        self.on_healthy: Callable[[PooledWorker, bool], None] | None = None
         # worker id -> {request id its Abort did not reach: when it was kept}
         self._unsent_aborts: dict[str, dict[str, float]] = {}
 
@@ -198,6 +202,7 @@ class WorkerPool:
                 old = worker.client
                 worker.endpoint, worker.client = endpoint, self._connect(endpoint)
                 worker.healthy, worker.detail, worker.stats = False, "moved, not checked yet", None
+                worker.joined = True
                 await old.close()  # its streams raise WorkerFailed and migrate
         for worker in self.workers.values():
             if worker.draining != (worker.worker_id in draining):
@@ -253,9 +258,10 @@ class WorkerPool:
         if turned:
             logger.info("worker %s is healthy", worker.worker_id)
         worker.healthy, worker.detail = True, ""
+        joined, worker.joined = worker.joined, False
         if turned and self.on_healthy is not None and not worker.warming:
             try:
-                self.on_healthy(worker)
+                self.on_healthy(worker, joined)
             except Exception:
                 logger.exception("on_healthy hook failed for worker %s", worker.worker_id)
                 worker.warming = False

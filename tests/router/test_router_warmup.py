@@ -60,8 +60,8 @@ def test_cluster_warm_up_sends_each_worker_one_token():
 def test_cluster_warm_up_moves_kv_over_every_pair_and_a_joiner_is_placed_only_once_warmed():
     """Disaggregated: the warm-up runs a two-token PD request over each prefill -> decode pair
     (Reserve and Decode on D, Prefill on P), twice, outside the router's metrics and queue. A
-    worker that joins later is left out of placement until its own pairs are warmed; one whose
-    pair fails is placed anyway."""
+    worker that joins later is left out of placement until its own pairs are warmed; one back
+    after a failed check is warmed while it serves."""
     from tests.router.fake_workers import MutableDirectory
 
     loop = LoopThread()
@@ -115,6 +115,19 @@ def test_cluster_warm_up_moves_kv_over_every_pair_and_a_joiner_is_placed_only_on
         assert d1.called("Prefill") == [] and p0.called("Prefill")[2:] == ["__warmup-kv-p0-d1-full-0",
                                                                            "__warmup-kv-p0-d1-full-1"]
         assert d1.called("Decode") == p0.called("Prefill")[2:]
+
+        # back after a failed check: warmed again while it serves, not left out
+        gate.clear()
+        backend.pool.mark_down(joiner, "a missed poll", cancel_streams=False)
+        loop.call(backend.refresh())
+        assert joiner.healthy and not joiner.warming
+        assert "d1" in {s.worker_id for s in backend.snapshot().workers}
+        loop.call(_set(gate))
+        for _ in range(100):
+            if len(p0.called("Prefill")) == 6:
+                break
+            loop.call(asyncio.sleep(0.02))
+        assert p0.called("Prefill")[4:] == ["__warmup-kv-p0-d1-full-0", "__warmup-kv-p0-d1-full-1"]
         loop.call(backend.close())
     finally:
         for worker in workers:
