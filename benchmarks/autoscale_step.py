@@ -48,6 +48,15 @@ import httpx
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def up_load_arg(text: str) -> float | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or auto, got {text!r}") from None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--url", default=None, help="a running `pdserve up --autoscale` (default: start one)")
@@ -76,8 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cooldown-s", type=float, default=10.0)
     # 4 on the 2-core VM: 1P+2D met the SLO at 1 req/s with 3.3-3.7 in flight per decode worker
     # (run 6, where 3 added a third decode worker), 1P+1D reached 4 at +19-21 s of the step
-    p.add_argument("--up-load", type=float, default=4.0, help="autoscale up_load: requests in flight per worker "
-                                                               "that add one before the SLO misses (0: off)")
+    p.add_argument("--up-load", type=up_load_arg, default=4.0, help="autoscale up_load: requests in flight per "
+                   "worker that add one before the SLO misses (0: off; auto: from the workers' max_num_seqs)")
     p.add_argument("--spares", type=int, default=0, help="autoscale spares: warm spare workers per pool, which an "
                    "addition takes at once (default 0)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="the workers' device")

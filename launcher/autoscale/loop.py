@@ -35,7 +35,8 @@ from dataclasses import replace
 from typing import Any
 
 from launcher.autoscale.metrics import AutoscaleMetrics
-from launcher.autoscale.rule import DUTIES, AutoscaleConfig, ClusterState, Decision, PoolState, RuleMemory, decide
+from launcher.autoscale.rule import (AUTO, DUTIES, AutoscaleConfig, ClusterState, Decision, PoolState, RuleMemory,
+                                     auto_up_load, decide)
 from launcher.autoscale.window import RequestWindow
 
 logger = logging.getLogger(__name__)
@@ -53,11 +54,11 @@ class Autoscaler:
     def __init__(self, config: AutoscaleConfig, backend: Any, window: RequestWindow, resizer: Any, *,
                  max_num_seqs: int, metrics: AutoscaleMetrics | None = None,
                  on_change: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.config = config
+        self.max_num_seqs = max(1, max_num_seqs)
+        self.config, _ = resolve_up_load(config, max_num_seqs=self.max_num_seqs, slo_tpot=None)  # "auto" made a number
         self.backend = backend
         self.window = window
         self.resizer = resizer
-        self.max_num_seqs = max(1, max_num_seqs)
         self.metrics = metrics
         self.on_change = on_change
         self.clock = clock
@@ -353,13 +354,35 @@ def _index_desc(name: str) -> int:
     return -int(tail) if tail.isdigit() else 0
 
 
+def resolve_up_load(config: AutoscaleConfig, *, max_num_seqs: int, slo_tpot: float | None,
+                    profile: Any = None) -> tuple[AutoscaleConfig, str | None]:
+    """`up_load: auto` made a number (`rule.auto_up_load`) from the workers' batch cap and, when
+    the cluster has one, the profile's decode steps at its longest profiled context; the config
+    as given otherwise. Returns (config, the sentence saying how, or None)."""
+    if config.up_load != AUTO:
+        return config, None
+    step = None
+    if profile is not None:
+        context = max(profile.decode_contexts)
+        step = lambda batch: profile.decode_step_seconds(batch, context)  # noqa: E731
+    value, why = auto_up_load(max_num_seqs, slo_tpot, step)
+    return replace(config, up_load=value), why
+
+
 def attach(config: AutoscaleConfig, pools: Any, directory: Any, *, slo_ttft: float | None, slo_tpot: float | None,
-           max_num_seqs: int, on_change: Callable[[str], None] | None = None):
+           max_num_seqs: int, on_change: Callable[[str], None] | None = None, profile: Any = None):
     """What `pdserve up --autoscale` hands the router: (wrap_backend, background) for
     `launcher.cluster.serving.build_app` and `serve_router`. The wrapper records each request
     in the window and, once the app is built, makes the `Autoscaler` over the real backend;
-    the background task runs its loop."""
+    the background task runs its loop. `profile` (a `router.placement.profiles.Profile`, or
+    None) sizes `up_load: auto`."""
     from launcher.cluster.resize import PoolResizer
+
+    config, why = resolve_up_load(config, max_num_seqs=max_num_seqs, slo_tpot=slo_tpot, profile=profile)
+    if why is not None:
+        logger.info("autoscale: %s", why)
+        if on_change is not None:
+            on_change(why)
 
     window = RequestWindow(slo_ttft, slo_tpot, horizon_s=max(300.0, 2 * config.window_s))
     resizer = PoolResizer(pools, directory)

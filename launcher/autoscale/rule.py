@@ -92,13 +92,45 @@ what it needs and does not take it back, and what a removal leaves does not add 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 POOLS = ("prefill", "decode", "mixed")
 Action = Literal["add", "remove", "shift", "hold"]
 DUTIES = ("prefill", "mixed", "decode")  # the ladder a hybrid worker's duty moves along
+
+
+AUTO = "auto"
+UP_LOAD_SHARE = 0.75  # `up_load: auto`: this share of the requests a worker holds within its bounds
+
+
+def auto_up_load(max_num_seqs: int, slo_tpot: float | None = None,
+                 decode_step_s: Callable[[int], float] | None = None) -> tuple[float, str]:
+    """`up_load: auto`: the requests in flight per worker at which a pool counts as loaded, and why.
+    A decode worker holds at most `max_num_seqs` requests in its batch, and with a profile
+    (`decode_step_s`: batch -> seconds a decode step takes) and a TPOT SLO, at most the largest
+    batch whose step stays within the SLO; the threshold is UP_LOAD_SHARE of the smaller, at
+    least 1 (run 14 on the H200 set 6 of 8 slots by hand). A removal then needs the load under
+    `down_utilisation` of it (the rule's hysteresis)."""
+    if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+    held, why = max_num_seqs, f"max_num_seqs {max_num_seqs}"
+    if decode_step_s is not None and slo_tpot is not None and slo_tpot > 0:
+        lo, hi = 0, max_num_seqs  # the largest batch within the SLO (step time grows with the batch)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if decode_step_s(mid) <= slo_tpot:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo < held:
+            held, why = max(lo, 1), (f"the profile's decode step is within the TPOT SLO {slo_tpot:g}s up to "
+                                     f"batch {lo} (max_num_seqs {max_num_seqs})")
+        else:
+            why += f"; the profile's decode step stays within the TPOT SLO {slo_tpot:g}s there"
+    value = max(1.0, round(UP_LOAD_SHARE * held, 2))
+    return value, f"up_load auto = {value:g}: {UP_LOAD_SHARE:g} of the {held} requests a worker holds ({why})"
 
 
 @dataclass(frozen=True)
@@ -120,7 +152,9 @@ class AutoscaleConfig:
     prefill_queue: float = 1.0  # requests queued per prefill worker that make prefill the bound
     queue_up: float = 3.0  # requests queued per worker that, not falling, add a worker (0: off) ...
     queue_stable: int = 2  # ... after this many consecutive intervals
-    up_load: float = 0.0  # requests in flight per worker (window mean) that, not falling, add one (0: off) ...
+    # requests in flight per worker (window mean) that, not falling, add one (0: off; "auto": from
+    # the workers' batch cap and profile, `auto_up_load`, resolved when the loop starts) ...
+    up_load: float | str = 0.0
     up_utilisation: float = 0.8  # ... with at least this fraction of the pool's workers busy (> down_utilisation) ...
     up_stable: int = 2  # ... for this many consecutive intervals
     drain_timeout_s: float = 600.0  # a drain that has not emptied the worker by then is abandoned (it stays)
@@ -170,8 +204,14 @@ class AutoscaleConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 fail(key, f"must be an integer >= 1, got {value!r}")
+        if isinstance(self.up_load, str) and self.up_load.strip().lower() == AUTO:
+            object.__setattr__(self, "up_load", AUTO)
+        elif isinstance(self.up_load, str):
+            fail("up_load", f"must be a number >= 0 or {AUTO!r}, got {self.up_load!r}")
         for key in ("prefill_queue", "queue_up", "up_load"):
             value = getattr(self, key)
+            if value == AUTO:
+                continue
             if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
                 fail(key, f"must be a number >= 0, got {value!r}")
 

@@ -99,6 +99,19 @@ def pool_specs(config: UpConfig, gpus_in_cluster: float, cluster_token: str | No
     ]
 
 
+def _autoscale_profile(config: UpConfig):
+    """The cluster's profile (--profile, the network-aware policy's) for `up_load: auto`, or None."""
+    if not config.profile:
+        return None
+    from router.placement.profiles import load_profile
+
+    try:
+        return load_profile(config.profile)
+    except ValueError as exc:  # the policy reports it; the autoscaler sizes without it
+        logger.warning("autoscale: the profile is not used for up_load: %s", exc)
+        return None
+
+
 def _policy_slos(config: UpConfig) -> dict:
     """The SLOs the placement policy gets: all given, except that with --autoscale they are the
     autoscaler's, and a policy that does not use them (all but network-aware) gets none."""
@@ -287,7 +300,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
 
             wrap_backend, background = attach(
                 config.autoscale, pools, directory, slo_ttft=config.slo_ttft, slo_tpot=config.slo_tpot,
-                max_num_seqs=specs[0].engine.scheduler.max_num_seqs,
+                max_num_seqs=specs[0].engine.scheduler.max_num_seqs, profile=_autoscale_profile(config),
                 on_change=lambda what: print(f"pdserve up: autoscale: {what}", file=sys.stderr, flush=True))
         app, backend = build_app(directory, settings, model, policy, wrap_backend=wrap_backend)
         scheme_host = f"http://{config.host}:{config.port}"

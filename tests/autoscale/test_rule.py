@@ -367,3 +367,43 @@ def test_spares_setting():
         AutoscaleConfig.from_mapping({"spares": {"decode": -1}})
     with pytest.raises(ValueError, match="autoscale.spares"):
         AutoscaleConfig.from_mapping({"spares": "two"})
+
+
+def test_up_load_auto_from_the_batch_cap_and_the_profile():
+    from launcher.autoscale.loop import resolve_up_load
+    from launcher.autoscale.rule import auto_up_load
+
+    value, why = auto_up_load(8)  # run 14's hand-set 6 of 8 slots
+    assert value == 6.0 and "max_num_seqs 8" in why
+    assert auto_up_load(1)[0] == 1.0  # at least one request
+    # a decode step of 20 ms + 2 ms a request: within a TPOT SLO of 100 ms up to batch 40
+    value, why = auto_up_load(256, 0.1, lambda b: 0.02 + 0.002 * b)
+    assert value == 30.0 and "up to batch 40" in why
+    value, why = auto_up_load(16, 0.1, lambda b: 0.02 + 0.002 * b)  # the cap binds first
+    assert value == 12.0 and "stays within" in why
+    assert auto_up_load(64, 0.01, lambda b: 0.02)[0] == 1.0  # no batch within the SLO: 1
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        auto_up_load(0)
+
+    config = AutoscaleConfig.from_mapping({"up_load": "Auto"})
+    assert config.up_load == "auto"
+    resolved, why = resolve_up_load(config, max_num_seqs=8, slo_tpot=0.05)
+    assert resolved.up_load == 6.0 and why.startswith("up_load auto = 6")
+    assert resolve_up_load(LOADED, max_num_seqs=8, slo_tpot=0.05) == (LOADED, None)
+    with pytest.raises(ValueError, match=r"autoscale.up_load: must be a number >= 0 or 'auto'"):
+        AutoscaleConfig.from_mapping({"up_load": "high"})
+
+
+def test_up_load_auto_reads_the_profile_decode_steps():
+    from launcher.autoscale.loop import resolve_up_load
+    from router.placement.profiles import Profile
+
+    profile = Profile.from_dict({
+        "version": 1, "hardware": {"device": "cpu", "name": "test"}, "model": "m", "dtype": "float32",
+        "num_layers": 2, "kv_bytes_per_token": 1024,
+        "block_size": 16, "max_num_batched_tokens": 512,
+        "prefill": {"tokens": [16, 256], "seconds": [0.01, 0.1]},
+        "decode": {"batch_sizes": [1, 64], "contexts": [128, 1024], "seconds": [[0.02, 0.03], [0.15, 0.3]]}})
+    # at the longest context (1024): 0.03 s at batch 1 to 0.3 s at 64; a 0.1 s SLO holds batch 17
+    resolved, why = resolve_up_load(AutoscaleConfig(up_load="auto"), max_num_seqs=256, slo_tpot=0.1, profile=profile)
+    assert "up to batch 17" in why and resolved.up_load == 12.75
