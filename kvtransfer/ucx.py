@@ -276,7 +276,7 @@ class UcxReceiver(LedgerReceiver):
         self._tasks = TaskSet()
         self._closed = False
         self._close_lock = threading.Lock()
-        self._rt = UcxRuntime.acquire()
+        self._rt = UcxRuntime.acquire(host_memory=self._device.type != "cuda")
         try:
             self._listener = self._listen_retrying(port)
         except BaseException:
@@ -691,7 +691,7 @@ class UcxSender(KVSender):
         # (pdserve.worker.kv_push), in a stream of their own, layer after layer, beside the rest
         self._groups: dict[tuple[str, bool], _Group] = {}
         self._groups_lock = threading.Lock()
-        self._rt = UcxRuntime.acquire()
+        self._rt = UcxRuntime.acquire(host_memory=not kv_caches[0][0].is_cuda)
         _LIVE.add(self)
 
     def _indices(self, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],

@@ -9,7 +9,13 @@ binds with SO_REUSEADDR, so a worker restarted at its address (a fixed ``--kv-po
 once instead of waiting out the TIME_WAIT of its dead predecessor's connections (about 60 s on
 Linux). ucxx itself sets ``UCX_MEMTYPE_CACHE=n``,
 ``UCX_RNDV_THRESH=8192``, ``UCX_RNDV_FRAG_MEM_TYPE=cuda`` and
-``UCX_MAX_RNDV_RAILS=1`` unless already set. ``PDSERVE_UCX_PROGRESS_MODE``:
+``UCX_MAX_RNDV_RAILS=1`` unless already set. A process whose KV pools are in host memory (the
+CPU path: the first sender or receiver that makes the runtime says so) gets
+``UCX_RNDV_THRESH=inf`` instead, unless set: every KV message goes eagerly. Under rendezvous
+(UCX 1.21), a receiver whose sender died while it was fetching a message's payload crashed
+in ``ucp_proto_rndv_send_reply`` (SIGSEGV in its progress thread: 1 of 8 kills of a prefill
+worker mid-transfer took its decode worker with it); an eager message has no reply to send.
+CUDA pools keep rendezvous (zero-copy; the same-host pull path sends no payload messages). ``PDSERVE_UCX_PROGRESS_MODE``:
 ``thread`` (default; the progress thread sleeps in epoll) or ``thread-polling`` (it
 spins: lower latency per message, one core busy). ``PDSERVE_GIL_SWITCH_INTERVAL_S``
 (default 0.0002): the runtime lowers ``sys.setswitchinterval`` to it (never raises it), so
@@ -38,12 +44,16 @@ from kvtransfer.errors import KVTransferError, KVTransferTimeout
 logger = logging.getLogger(__name__)
 
 SCHEME = "ucx://"
+HOST_RNDV_THRESH = "inf"  # UCX_RNDV_THRESH when the process's KV pools are host memory
 _CALL_TIMEOUT_S = 30.0
 
 
-def _import_ucxx():
+def _import_ucxx(host_memory: bool = False):
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
+    if host_memory and "ucxx" not in sys.modules:
+        # before ucxx's own default (8192): see the module docstring
+        os.environ.setdefault("UCX_RNDV_THRESH", HOST_RNDV_THRESH)
     try:
         import ucxx
     except Exception as e:  # ImportError, or an OSError from loading the UCX libraries
@@ -90,8 +100,8 @@ class UcxRuntime:
     _instance: UcxRuntime | None = None
     _refs = 0
 
-    def __init__(self):
-        self.ucxx = _import_ucxx()
+    def __init__(self, host_memory: bool = False):
+        self.ucxx = _import_ucxx(host_memory)
         _lower_switch_interval()
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="kvtransfer-ucx-loop", daemon=True)
@@ -114,10 +124,12 @@ class UcxRuntime:
         self.worker_address = bytes(self.ucxx.get_worker_address())
 
     @classmethod
-    def acquire(cls) -> UcxRuntime:
+    def acquire(cls, host_memory: bool = False) -> UcxRuntime:
+        """The runtime, made on the first call; `host_memory`: the caller's KV pools are in host
+        memory (UCX_RNDV_THRESH's default then, if this call makes the runtime)."""
         with cls._lock:
             if cls._instance is None:
-                cls._instance = UcxRuntime()
+                cls._instance = UcxRuntime(host_memory)
             cls._refs += 1
             return cls._instance
 

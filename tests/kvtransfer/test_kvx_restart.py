@@ -5,6 +5,7 @@ the first transfer to the new process works."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -89,3 +90,30 @@ def test_the_runtime_listens_with_reuseaddr_unless_told_otherwise(monkeypatch):
     monkeypatch.setenv("UCX_TCP_CM_REUSEADDR", "n")  # a user's setting stays
     ucx_runtime._import_ucxx()
     assert ucx_runtime.os.environ["UCX_TCP_CM_REUSEADDR"] == "n"
+
+
+@pytest.mark.parametrize("preset", [None, "16384"])
+def test_host_pools_send_eagerly_unless_told_otherwise(preset):
+    """A process whose KV pools are host memory makes its UCX runtime with UCX_RNDV_THRESH=inf
+    (ucx_runtime's docstring: under rendezvous a receiver could crash in its progress thread
+    when its sender died mid-message); a user's setting stays. A fresh process: UCX reads the
+    variable once."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("ucxx")
+    code = (
+        "import os\n"
+        "from tests.kvtransfer.kvx_peer import CacheSpec, make_caches\n"
+        "from kvtransfer.ucx import UcxReceiver\n"
+        "r = UcxReceiver(make_caches(CacheSpec(), seed=None))\n"
+        "print('RNDV', os.environ.get('UCX_RNDV_THRESH'))\n"
+        "r.close()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "UCX_RNDV_THRESH"}
+    if preset is not None:
+        env["UCX_RNDV_THRESH"] = preset
+    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"RNDV {preset or 'inf'}" in out.stdout
