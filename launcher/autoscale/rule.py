@@ -161,6 +161,8 @@ class AutoscaleConfig:
     # warm spares per pool: workers started and warmed but not serving, which an addition takes
     # at once (launcher.autoscale.loop); a drained worker becomes one while the pool has fewer
     spares: Mapping[str, int] = field(default_factory=dict)
+    # a `pdserve profile` JSON for `up_load: auto` (default: the cluster's --profile, if any)
+    profile: str | None = None
 
     def __post_init__(self) -> None:
         def fail(key: str, message: str) -> None:
@@ -204,6 +206,8 @@ class AutoscaleConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 fail(key, f"must be an integer >= 1, got {value!r}")
+        if self.profile is not None and (not isinstance(self.profile, str) or not self.profile.strip()):
+            fail("profile", f"must be the path of a `pdserve profile` JSON, got {self.profile!r}")
         if isinstance(self.up_load, str) and self.up_load.strip().lower() == AUTO:
             object.__setattr__(self, "up_load", AUTO)
         elif isinstance(self.up_load, str):

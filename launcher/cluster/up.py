@@ -100,14 +100,22 @@ def pool_specs(config: UpConfig, gpus_in_cluster: float, cluster_token: str | No
 
 
 def _autoscale_profile(config: UpConfig):
-    """The cluster's profile (--profile, the network-aware policy's) for `up_load: auto`, or None."""
-    if not config.profile:
-        return None
+    """The profile `up_load: auto` reads: `autoscale.profile`, else the cluster's --profile (the
+    network-aware policy's), else None. A bad `autoscale.profile` is a ValueError naming it (run
+    before Ray starts); a bad --profile is the policy's to report."""
     from router.placement.profiles import load_profile
 
+    own = getattr(config.autoscale, "profile", None)
+    if own:
+        try:
+            return load_profile(own)
+        except ValueError as exc:
+            raise ValueError(f"autoscale.profile: {exc}") from None
+    if not config.profile:
+        return None
     try:
         return load_profile(config.profile)
-    except ValueError as exc:  # the policy reports it; the autoscaler sizes without it
+    except ValueError as exc:
         logger.warning("autoscale: the profile is not used for up_load: %s", exc)
         return None
 
@@ -230,6 +238,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
     engine_config(config.engine_values())  # bad engine values fail here, before Ray starts
     check_tensor_parallel_pools(config, _local_gpus(config))
     check_listen(config.host, config.port)
+    autoscale_profile = _autoscale_profile(config) if config.autoscale is not None else None
     model = load_router_model(config.model, config.max_model_len, config.served_model_name,
                               tokenizer=config.tokenizer)
     from pdserve.proto.auth import new_token
@@ -300,7 +309,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
 
             wrap_backend, background = attach(
                 config.autoscale, pools, directory, slo_ttft=config.slo_ttft, slo_tpot=config.slo_tpot,
-                max_num_seqs=specs[0].engine.scheduler.max_num_seqs, profile=_autoscale_profile(config),
+                max_num_seqs=specs[0].engine.scheduler.max_num_seqs, profile=autoscale_profile,
                 on_change=lambda what: print(f"pdserve up: autoscale: {what}", file=sys.stderr, flush=True))
         app, backend = build_app(directory, settings, model, policy, wrap_backend=wrap_backend)
         scheme_host = f"http://{config.host}:{config.port}"

@@ -5,6 +5,7 @@ decision in the metrics. Also the `autoscale` setting of `pdserve up`."""
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -287,3 +288,27 @@ def test_warm_spares_are_started_taken_by_an_addition_replaced_and_parked(monkey
         assert resizer.log[-2:] == ["drain decode-spare2", "remove decode-spare2"]
 
     asyncio.run(scenario())
+
+
+def test_up_load_auto_reads_the_autoscale_profile_and_names_a_bad_one(tmp_path):
+    from launcher.cluster.up import _autoscale_profile
+
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({
+        "version": 1, "hardware": {"device": "cpu", "name": "test"}, "model": "m", "dtype": "float32",
+        "num_layers": 2, "kv_bytes_per_token": 1024, "block_size": 16, "max_num_batched_tokens": 512,
+        "prefill": {"tokens": [16, 256], "seconds": [0.01, 0.1]},
+        "decode": {"batch_sizes": [1, 64], "contexts": [128], "seconds": [[0.02], [0.3]]}}))
+    path = tmp_path / "cluster.yaml"
+    path.write_text(f"slo-tpot: 0.1\nautoscale:\n  up_load: auto\n  profile: {profile}\n")
+    config = load_up_config({}, str(path))
+    assert config.autoscale.up_load == "auto" and config.autoscale.profile == str(profile)
+    loaded = _autoscale_profile(config)
+    assert list(loaded.decode_batch_sizes) == [1, 64]
+    assert _autoscale_profile(load_up_config({"autoscale": True, "slo_tpot": 0.1})) is None  # no profile
+    path.write_text(f"slo-tpot: 0.1\nautoscale:\n  up_load: auto\n  profile: {tmp_path / 'missing.json'}\n")
+    with pytest.raises(ValueError, match=r"autoscale.profile: .*missing.json"):
+        _autoscale_profile(load_up_config({}, str(path)))
+    path.write_text("slo-tpot: 0.1\nautoscale:\n  profile: ''\n")
+    with pytest.raises(ValueError, match=r"autoscale.profile: must be the path"):
+        load_up_config({}, str(path))
