@@ -267,9 +267,10 @@ class ClusterBackend:
                 logger.warning("warm-up Generate on worker %s failed: %s", worker.worker_id, exc)
 
         await asyncio.gather(*(one(w) for w in list(self.pool.workers.values()) if w.healthy))
-        await self.warm_pairs(prompt_token_ids)
+        # joiners are warmed from now on, also if the caller's time runs out in the pairs below
         self._warm_prompt = list(prompt_token_ids)
         self.pool.on_healthy = self._warm_joiner
+        await self.warm_pairs(prompt_token_ids)
 
     async def warm_pairs(self, prompt_token_ids: list[int], joiner: str | None = None) -> int:
         """Moves a first KV block over each prefill -> decode pair (of `joiner` only, when given;
