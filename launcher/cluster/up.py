@@ -101,10 +101,14 @@ def pool_specs(config: UpConfig, gpus_in_cluster: float, cluster_token: str | No
 
 def _autoscale_profile(config: UpConfig):
     """The profile `up_load: auto` reads: `autoscale.profile`, else the cluster's --profile (the
-    network-aware policy's), else None. A bad `autoscale.profile` is a ValueError naming it (run
-    before Ray starts); a bad --profile is the policy's to report."""
+    network-aware policy's), else None (also when up_load is not auto: nothing is read). A bad
+    `autoscale.profile` is a ValueError naming it (run before Ray starts); a bad --profile is the
+    policy's to report."""
+    from launcher.autoscale.rule import AUTO
     from router.placement.profiles import load_profile
 
+    if config.autoscale is None or config.autoscale.up_load != AUTO:
+        return None
     own = getattr(config.autoscale, "profile", None)
     if own:
         try:
@@ -238,7 +242,7 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
     engine_config(config.engine_values())  # bad engine values fail here, before Ray starts
     check_tensor_parallel_pools(config, _local_gpus(config))
     check_listen(config.host, config.port)
-    autoscale_profile = _autoscale_profile(config) if config.autoscale is not None else None
+    autoscale_profile = _autoscale_profile(config)
     model = load_router_model(config.model, config.max_model_len, config.served_model_name,
                               tokenizer=config.tokenizer)
     from pdserve.proto.auth import new_token

@@ -353,12 +353,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.w.loop.subscribe(rid, stream)
         released = False
 
+        def free(e: LLMEngine) -> None:  # on the engine thread
+            self.w.pusher.remove(rid)
+            e.release(rid)
+            e.abort_request(rid)
+
         async def release():
             nonlocal released
             if not released:
                 released = True
                 self.w.loop.unsubscribe(rid)
-                await self._engine_cleanup(lambda e: (self.w.pusher.remove(rid), e.release(rid), e.abort_request(rid)))
+                await self._engine_cleanup(free)
 
         try:
             try:
@@ -389,7 +394,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             # request's own still finds them freed first.
             released = True
             self.w.loop.unsubscribe(rid)
-            self.w.loop.submit(lambda e: (self.w.pusher.remove(rid), e.release(rid), e.abort_request(rid)))
+            self.w.loop.submit(free)
             self.w.kv_bytes += result.num_bytes
             self.w.kv_seconds += result.seconds
             chunk = output_to_chunk(first)
@@ -408,7 +413,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         finally:
             if not released:  # cancelled by the caller
                 self.w.loop.unsubscribe(rid)
-                self.w.loop.submit(lambda e: (self.w.pusher.remove(rid), e.release(rid), e.abort_request(rid)))
+                self.w.loop.submit(free)
 
     async def Decode(self, request: pb.DecodeRequest, context):
         if (err := self._check_role("receive", "Decode")) is not None:

@@ -90,6 +90,7 @@ from router.placement.base import (
     PlacementPolicy,
     RequestInfo,
     SLOUnattainable,
+    kv_keys_pair,
 )
 from router.cluster.network import NetworkOptions, NetworkTracker
 from router.cluster.worker_client import PrefillResult, WorkerClient
@@ -112,6 +113,10 @@ WARM_PAIRS_MAX = 64  # KV pairs a warm-up covers (at start: the first ones; late
 WARM_PAIRS_CONCURRENCY = 8
 WARM_PASSES = 2  # per pair and wire precision: the link's first transfer goes staged, the next pulled
 WARM_JOINER_TIMEOUT_S = 10.0  # a new worker is placed after this even if a pair is still warming
+
+
+def _kv_compat(worker) -> str:
+    return worker.stats.kv_compat if worker.stats else ""
 
 
 # (client, worker-side request id) of one worker's part in a request
@@ -307,13 +312,10 @@ class ClusterBackend:
         workers = [w for w in self.pool.workers.values()
                    if w.healthy and not w.draining and (not w.warming or w.worker_id == joiner)]
 
-        def compatible(a, b) -> bool:
-            ka, kb = (a.stats.kv_compat if a.stats else ""), (b.stats.kv_compat if b.stats else "")
-            return not ka or not kb or ka == kb
-
         pairs = [(p, d) for p in workers if p.endpoint.role in ("prefill", "mixed")
                  for d in workers if d.endpoint.role in ("decode", "mixed")
-                 and p is not d and compatible(p, d) and joiner in (None, p.worker_id, d.worker_id)]
+                 and p is not d and kv_keys_pair(_kv_compat(p), _kv_compat(d))
+                 and joiner in (None, p.worker_id, d.worker_id)]
         return pairs[:WARM_PAIRS_MAX]
 
     async def _warm_once(self, prefill, decode, wire_id: str, prompt: list[int], params: SamplingParams,

@@ -23,7 +23,8 @@ keeps its connection and its live requests, but `snapshots()` leave it out, so t
 sends it nothing new.
 
 Warming: a worker that turns healthy (it joined, or came back) is handed to `on_healthy` when
-set (the cluster backend sets it once its own warm-up is done); while that keeps the worker's
+set (the cluster backend sets it during its own warm-up, once every worker had its one-token
+Generate); while that keeps the worker's
 `warming` flag, `snapshots()` leave it out too. The backend uses it to move a first KV block
 over each of the worker's prefill-decode pairs: before placement sends a new worker a request,
 beside its requests for one that is back after a failed check (leaving it out then would keep

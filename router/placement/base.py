@@ -334,6 +334,12 @@ class PoolPolicy(PlacementPolicy):
         return Decision("local", None, self.pick(decodes, "local", request, snapshot).worker_id, reason)
 
 
+def kv_keys_pair(a: str, b: str) -> bool:
+    """Whether workers of `kv_compat` keys `a` and `b` can move KV between them (an empty key
+    matches any)."""
+    return not a or not b or a == b
+
+
 def compatible_pools(
     prefills: Sequence[WorkerSnapshot], decodes: Sequence[WorkerSnapshot]
 ) -> tuple[list[WorkerSnapshot], list[WorkerSnapshot]]:
@@ -346,7 +352,7 @@ def compatible_pools(
         return prefills, decodes
 
     def pairs_with(key: str, w: WorkerSnapshot) -> bool:
-        return not w.kv_compat or not key or w.kv_compat == key
+        return kv_keys_pair(key, w.kv_compat)
 
     # a decode worker that can pair with some prefill worker other than itself
     pairable = [d for d in decodes if any(pairs_with(d.kv_compat, p) for p in prefills if p.worker_id != d.worker_id)]
