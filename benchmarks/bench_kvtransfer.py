@@ -55,6 +55,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from kvtransfer import trace  # noqa: E402  (after the path; PDSERVE_KV_TRACE=1: print where the time goes)
+
 BLOCK_SIZE = 16
 RAW_TAG = 0x5244
 
@@ -132,6 +134,10 @@ def _receiver_main(conn, shape: Shape, num_blocks: int, device: str, backend: st
             conn.send(None)
         elif cmd == "metrics":
             conn.send(receiver.metrics())
+        elif cmd == "trace":
+            from kvtransfer import trace
+
+            conn.send(trace.drain())
 
 
 def _raw_receiver_main(conn, device: str) -> None:
@@ -400,14 +406,34 @@ def copy_gbps(nbytes: int, device: str, repeat: int) -> float:
 
 
 def one_transfer(sender, address: str, transfer_id: str, shape: Shape, src_ids, dst_ids, expect, wait):
+    """GB/s to the sender's ACK, the sender's and the receiver's results, and the seconds from the
+    first send_layer to the receiver's landing (``time.monotonic`` is one clock for the host)."""
     expect(transfer_id, dst_ids, shape.num_layers, 120.0)
     start = time.perf_counter()
+    start_mono = time.monotonic()
     for layer in range(shape.num_layers):
         sender.send_layer(address, transfer_id, layer, src_ids, dst_ids)
     sent = sender.finish(transfer_id, timeout=120)
     seconds = time.perf_counter() - start
     landed = wait(transfer_id, 120.0)
-    return sent.num_bytes / seconds / 1e9, sent, landed
+    return sent.num_bytes / seconds / 1e9, sent, landed, landed.finished_at - start_mono
+
+
+def timeline(points: list[tuple[str, int, int, float]]) -> list[tuple[str, float]]:
+    """Median time of each trace point (``kvtransfer.trace``) after the transfer's first point,
+    over the transfers after the first (warm-up), in the order they happen: where the time goes."""
+    by_key: dict[int, list[tuple[str, int, float]]] = {}
+    for point, key, layer, t in points:
+        by_key.setdefault(key, []).append((point, layer, t))
+    offsets: dict[str, list[float]] = {}
+    for rows in list(by_key.values())[1:]:
+        t0 = min(t for _, _, t in rows)
+        seen: dict[str, int] = {}
+        for point, layer, t in sorted(rows, key=lambda r: r[2]):
+            n = seen[point] = seen.get(point, 0) + 1
+            name = point if n == 1 else f"{point}#{n}"  # the 2nd message's point, and so on
+            offsets.setdefault(name, []).append(t - t0)
+    return sorted(((name, statistics.median(v)) for name, v in offsets.items()), key=lambda kv: kv[1])
 
 
 def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, repeat: int, nixl: bool = False,
@@ -460,6 +486,8 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
                 if call("digest", dst_ids) != want:
                     raise RuntimeError(f"{mode}: the received KV blocks differ from the sent ones")
                 out[f"{mode}_pulled"] = call("metrics")["messages_pulled"] - before
+                if trace.ENABLED:
+                    out[f"{mode}_trace"] = timeline(trace.drain() + call("trace"))
             call("stop")
         finally:
             child.join(30)
@@ -475,6 +503,7 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
     out["staged_phases"].update({name: statistics.median(r[2].phases.get(name, 0.0) for r in by_mode["staged"][1:])
                                  for name in kvtransfer.RECEIVER_PHASES})
     out["kvx"] = statistics.median(r[0] for r in runs)
+    out["kvx_landed_s"] = statistics.median(r[3] for r in runs)
     out["kvx_recv"] = statistics.median(r[2].num_bytes / r[2].seconds / 1e9 for r in runs)
     out["phases"] = {name: statistics.median(r[1].phases.get(name, 0.0) for r in runs)
                      for name in kvtransfer.SENDER_PHASES}
@@ -499,6 +528,7 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
         nixl_runs = backend_runs("nixl", (("kvx_nixl", {}),))["kvx_nixl"][1:]
         out["kvx_nixl"] = statistics.median(r[0] for r in nixl_runs)
         out["kvx_nixl_seconds"] = statistics.median(r[1].seconds for r in nixl_runs)
+        out["kvx_nixl_landed_s"] = statistics.median(r[3] for r in nixl_runs)
     return out
 
 
@@ -587,16 +617,30 @@ def main() -> int:
                      if mode == "kvx" else f"  (messages pulled: {r['staged_pulled']:.0f})")
             print(f"{tokens:>7} {mode:>6}: stage {p['stage']:.2f} queue {p['queue']:.2f} wire {p['wire']:.2f} "
                   f"ack {p['ack']:.2f} | scatter {p['scatter']:.2f} land {p['land']:.2f}{extra}")
+        print(f"{tokens:>7}    kvx: first send_layer to landed at the receiver {r['kvx_landed_s'] * 1e3:.2f} ms "
+              f"({r['bytes'] / r['kvx_landed_s'] / 1e9:.1f} GB/s), to the sender's ACK {r['seconds'] * 1e3:.2f} ms")
+    if trace.ENABLED:
+        print("\ntrace (PDSERVE_KV_TRACE=1): median ms after the transfer's first point; s. sender, r. receiver;"
+              "\n#2: the transfer's second message")
+        for tokens, r in results:
+            for mode in ("kvx", "staged"):
+                cells = " ".join(f"{name} {t * 1e3:.3f}" for name, t in r.get(f"{mode}_trace", []))
+                print(f"{tokens:>7} {mode:>6}: {cells}")
     if missing is None:
         print(f"\nNIXL, same run ({shape.num_layers} descriptors = one per layer; GB/s)")
         head = (f"{'tokens':>7} {'nixl W same':>12} {'nixl W one':>11} {'nixl R same':>12} {'nixl R one':>11} "
-                f"{'raw same':>9} {'kvx nixl':>9} {'kvx':>8} {'kvx nixl ms':>12}")
+                f"{'raw same':>9} {'kvx nixl':>9} {'kvx':>8} {'kvx landed':>11} {'kvx/W same':>11} "
+                f"{'landed/W same':>14} {'kvx nixl ms':>12}")
         print(head)
         print("-" * len(head))
         for tokens, r in results:
+            landed = r["bytes"] / r["kvx_landed_s"] / 1e9
             print(f"{tokens:>7} {r['nixl_WRITE_same']:>12.2f} {r['nixl_WRITE_one']:>11.2f} {r['nixl_READ_same']:>12.2f} "
                   f"{r['nixl_READ_one']:>11.2f} {r['raw_same']:>9.2f} {r['kvx_nixl']:>9.2f} {r['kvx']:>8.2f} "
+                  f"{landed:>11.2f} {r['kvx'] / r['nixl_WRITE_same']:>11.2f} {landed / r['nixl_WRITE_same']:>14.2f} "
                   f"{r['kvx_nixl_seconds'] * 1e3:>12.2f}")
+        print("kvx landed: first send_layer to the receiver's landing (what a decode worker waits for); "
+              "kvx: to the sender's ACK")
         if args.nixl_diag:
             print("\nraw NIXL variants, one descriptor per layer (GB/s): handle prepared once or made per transfer"
                   "\n(initialize_xfer); state polled back to back (spin) or with 1 ms sleeps")

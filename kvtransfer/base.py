@@ -59,7 +59,8 @@ class TransferResult:
     last landing (receiver) or to the acknowledgement (sender), the rate in Gbit/s, and
     where the time went (``phases``, see SENDER_PHASES / RECEIVER_PHASES); ``link_bytes``
     (sender, paced links): the bytes the link carried while it was the bottleneck (phase
-    ``link``)."""
+    ``link``); ``finished_at``: the ``time.monotonic()`` of that end (landing or acknowledgement), one
+    clock for every process of a host, so a sender's start and a receiver's landing compare."""
 
     transfer_id: str
     num_bytes: int
@@ -67,12 +68,14 @@ class TransferResult:
     gbps: float
     phases: dict[str, float] = field(default_factory=dict, compare=False)
     link_bytes: int = field(default=0, compare=False)
+    finished_at: float = field(default=0.0, compare=False)
 
     @classmethod
     def of(cls, transfer_id: str, num_bytes: int, seconds: float,
-           phases: dict[str, float] | None = None, link_bytes: int = 0) -> TransferResult:
+           phases: dict[str, float] | None = None, link_bytes: int = 0, finished_at: float = 0.0) -> TransferResult:
         seconds = max(seconds, 1e-9)
-        return cls(transfer_id, num_bytes, seconds, num_bytes * 8 / seconds / 1e9, dict(phases or {}), int(link_bytes))
+        return cls(transfer_id, num_bytes, seconds, num_bytes * 8 / seconds / 1e9, dict(phases or {}), int(link_bytes),
+                   float(finished_at))
 
 
 class KVReceiver(abc.ABC):

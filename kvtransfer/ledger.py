@@ -20,6 +20,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from kernels.kv_quant import unpack_blocks
+from kvtransfer import trace
 from kvtransfer.base import RECEIVER_PHASES, SENDER_PHASES, KVCaches, KVReceiver, TransferResult
 from kvtransfer.errors import KVTransferCorrupt, KVTransferError, KVTransferTimeout
 from kvtransfer.layout import KVLayout, NackReason, transfer_key
@@ -271,6 +272,9 @@ class ReceiveLedger:
                 logger.debug("dropped KV message for transfer key %#x layer %d: %s", key, layer, reason.name)
                 if reason != NackReason.NONE:
                     self._on_nack({peer}, key, reason)
+            if trace.ENABLED:
+                for incoming, layers, *_ in landed:
+                    trace.mark("r.launched", incoming.key, layers.start)
             if landed and self._device.type == "cuda":
                 torch.cuda.current_stream(self._device).synchronize()
             elapsed = time.perf_counter() - start
@@ -421,7 +425,8 @@ class ReceiveLedger:
 
     def _result(self, incoming: _Incoming) -> TransferResult:
         seconds = (incoming.done_at or 0.0) - (incoming.first_at or incoming.done_at or 0.0)
-        return TransferResult.of(incoming.transfer_id, incoming.num_bytes, seconds, self._phases(incoming))
+        return TransferResult.of(incoming.transfer_id, incoming.num_bytes, seconds, self._phases(incoming),
+                                 finished_at=incoming.done_at or 0.0)
 
     def snapshot(self) -> dict[str, float]:
         with self._cond:
@@ -589,7 +594,7 @@ class SendLedger:
                 for phase, value in phases.items():
                     self.counters[f"{phase}_seconds"] += value
                 self.counters["link_bytes"] += out.link_bytes
-                return TransferResult.of(transfer_id, out.num_bytes, seconds, phases, out.link_bytes)
+                return TransferResult.of(transfer_id, out.num_bytes, seconds, phases, out.link_bytes, out.acked_at)
             finally:
                 del self._by_id[transfer_id]
                 del self._by_key[out.key]

@@ -125,6 +125,7 @@ from kvtransfer.auth import (
     sender_proof,
     verify,
 )
+from kvtransfer import trace
 from kvtransfer.faults import FaultInjector, FaultSpec
 from kvtransfer.ipc import MAX_DESCRIPTOR_BYTES, export_pools, import_pools
 from kvtransfer.ledger import LedgerReceiver, FP8Payload, PullSource, ReceiveLedger, SendLedger
@@ -232,6 +233,10 @@ class _Lander:
                 if None in batch:
                     closing = True
                     batch = batch[:batch.index(None)]
+                if trace.ENABLED:
+                    for items, _ in batch:
+                        for item in items:
+                            trace.mark("r.lander", item[0], item[1])
                 try:
                     ledger.land_many([item for items, _ in batch for item in items])
                 except Exception as e:  # a failed scatter fails the transfer, not the thread
@@ -488,6 +493,7 @@ class UcxReceiver(LedgerReceiver):
                     raise KVTransferError(f"LAYER header with {n} blocks, {layers} layers and {header.num_bytes} "
                                           "bytes is inconsistent")
                 dst_ids = control[HEADER_BYTES:HEADER_BYTES + n * BLOCK_ID_BYTES].view("<i4").tolist()
+                trace.mark("r.control", header.transfer_key, header.layer)
                 if header.status == PULL:
                     if conn.remote is None:
                         raise KVTransferError("a pull LAYER message on a link without mapped pools")
@@ -541,6 +547,7 @@ class UcxReceiver(LedgerReceiver):
     # ---- ledger callbacks (any thread) -------------------------------------------------
 
     def _on_ack(self, peers: set, key: int, nbytes: int) -> None:
+        trace.mark("r.ack", key)
         self._reply(peers, WireHeader(MsgKind.ACK, key, num_bytes=nbytes, fingerprint=self.layout.fingerprint))
 
     def _on_nack(self, peers: set, key: int, reason: NackReason) -> None:
@@ -557,8 +564,11 @@ class UcxReceiver(LedgerReceiver):
             self._tasks.spawn(self._send_reply(conn, payload))
 
     async def _send_reply(self, conn: _Conn, payload: np.ndarray) -> None:
+        key = unpack_header(payload).transfer_key if trace.ENABLED else 0
+        trace.mark("r.reply", key)
         try:
             await conn.ep.send(payload)
+            trace.mark("r.replied", key)
         except Exception as e:
             logger.debug("could not send ACK/NACK: %s", e)
 
@@ -793,6 +803,7 @@ class UcxSender(KVSender):
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
         key = self._ledger.on_enqueue(group.transfer_id, group.address, nbytes)
+        trace.mark("s.flush", key, group.first_layer)
         status, crc = (PULL, b"") if payload is None else (FP8_WIRE if group.fp8 else 0, b"")
         if payload is not None and self._checksum and device.type == "cpu":
             status |= CHECKSUM
@@ -852,6 +863,7 @@ class UcxSender(KVSender):
                 msg.ready = None
                 msg.ready_at = now
                 self._ledger.on_staged(msg.key)
+                trace.mark("s.ready", msg.key)
             try:
                 self._rt.call_soon(self._enqueue_many, batch)
             except Exception as e:  # runtime gone (closing)
@@ -889,6 +901,7 @@ class UcxSender(KVSender):
             self._enqueue(address, msg)
 
     def _enqueue(self, address: str, msg: _Message) -> None:
+        trace.mark("s.loop", msg.key)
         if self._closed:
             self._ledger.fail_key(msg.key, KVTransferError("sender closed"))
             return
@@ -1036,6 +1049,7 @@ class UcxSender(KVSender):
                 if fault == "corrupt" and msg.payload is not None:
                     flat = msg.payload.view(torch.uint8).reshape(-1)
                     flat[self._faults.byte_to_flip(flat.numel())] ^= 0x5A
+                trace.mark("s.post", msg.key)
                 self._post(link, msg, inflight)
                 if fault == "duplicate":
                     copy = _Message(msg.key, msg.control.copy(), None if msg.payload is None else msg.payload.clone(),
@@ -1112,6 +1126,7 @@ class UcxSender(KVSender):
             task.add_done_callback(done)
 
     def _sent(self, msg: _Message) -> None:
+        trace.mark("s.sent", msg.key)
         msg.completed = True
         self._ledger.on_sent(msg.key, msg.payload_bytes)
         if self._host_buffers is not None and msg.payload is not None:
@@ -1133,6 +1148,7 @@ class UcxSender(KVSender):
                 await link.ep.recv(buf)
                 header = unpack_header(buf, expected_fingerprint=self.layout.fingerprint)
                 if header.kind == MsgKind.ACK:
+                    trace.mark("s.ack", header.transfer_key)
                     self._ledger.on_ack(header.transfer_key)
                 elif header.kind == MsgKind.NACK:
                     self._ledger.on_nack(header.transfer_key, NackReason(header.status))

@@ -1,0 +1,66 @@
+"""kvtransfer.trace: the time points of a real UCX transfer, in a fresh process (the switch is
+read at import), and the monotonic end times the benchmark lines up across processes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SCRIPT = r"""
+import json, time, torch, kvtransfer
+from kvtransfer import trace
+
+def caches():
+    return [(torch.randn(8, 4, 2, 8), torch.randn(8, 4, 2, 8)) for _ in range(3)]
+
+with kvtransfer.create_receiver("ucx", caches()) as receiver, kvtransfer.create_sender("ucx", caches()) as sender:
+    out = []
+    for n in range(2):
+        receiver.expect(f"t{n}", [1, 5], 3, 20.0)
+        start = time.monotonic()
+        for layer in range(3):
+            sender.send_layer(receiver.address(), f"t{n}", layer, [0, 2], [1, 5])
+        sent = sender.finish(f"t{n}", timeout=20)
+        landed = receiver.wait(f"t{n}", 20.0)
+        out.append([start, sent.finished_at, landed.finished_at, time.monotonic()])
+print(json.dumps({"enabled": trace.ENABLED, "points": trace.drain(), "ends": out, "after": trace.drain()}))
+"""
+
+
+def run(trace: str) -> dict:
+    env = dict(os.environ, PDSERVE_KV_TRACE=trace, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_trace_marks_each_leg_in_order():
+    got = run("1")
+    assert got["enabled"] and got["after"] == []  # drain empties the buffer
+    by_key: dict[int, list] = {}
+    for point, key, layer, t in got["points"]:
+        by_key.setdefault(key, []).append((t, point))
+    assert len(by_key) == 2  # one key a transfer, on both sides
+    for rows in by_key.values():
+        first = {}
+        for t, point in sorted(rows):
+            first.setdefault(point, t)
+        # host pools: one message a layer, each through every sender leg, then the receiver's
+        assert sum(1 for _, p in rows if p == "s.flush") == 3
+        assert sum(1 for _, p in rows if p == "r.control") == 3
+        order = ["s.flush", "s.loop", "s.post", "r.control", "r.lander", "r.launched", "r.ack", "r.reply", "s.ack"]
+        assert [first[p] for p in order] == sorted(first[p] for p in order), sorted(rows)
+    for start, acked, landed, end in got["ends"]:
+        assert start < landed <= acked <= end  # one monotonic clock: landing, then the ACK
+
+
+def test_trace_off_marks_nothing():
+    got = run("0")
+    assert not got["enabled"] and got["points"] == []
+    assert all(start < landed <= acked for start, acked, landed, _ in got["ends"])
