@@ -437,7 +437,7 @@ def timeline(points: list[tuple[str, int, int, float]]) -> list[tuple[str, float
 
 
 def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, repeat: int, nixl: bool = False,
-                 nixl_diag: bool = False) -> dict:
+                 nixl_diag: bool = False, nixl_ops: tuple[str, ...] = ("WRITE", "READ")) -> dict:
     import kvtransfer
 
     blocks = -(-tokens // BLOCK_SIZE)
@@ -477,6 +477,9 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
 
             by_mode = {}
             for mode, opts in modes:
+                if trace.ENABLED:  # this mode's points only
+                    trace.drain()
+                    call("trace")
                 call("zero")
                 before = call("metrics")["messages_pulled"]
                 with kvtransfer.create_sender(backend, src, **opts) as sender:
@@ -518,6 +521,9 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
     if nixl:
         # raw NIXL: the same bytes as one descriptor per layer (K then V of its blocks), and as one
         for op in ("WRITE", "READ"):
+            if op not in nixl_ops:
+                out[f"nixl_{op}_same"] = out[f"nixl_{op}_one"] = float("nan")
+                continue
             out[f"nixl_{op}_same"] = raw_nixl_gbps([layer] * shape.num_layers, op, device, receiver_device, repeat)
             out[f"nixl_{op}_one"] = raw_nixl_gbps([nbytes], op, device, receiver_device, repeat)
         if nixl_diag:  # what moves READ: a handle per transfer, polling with sleeps
@@ -540,11 +546,16 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--no-nixl", action="store_true", help="leave out the NIXL rows")
+    parser.add_argument("--nixl-ops", default="WRITE,READ",
+                        help="raw NIXL operations to time, comma-separated (WRITE, READ); the others print nan")
     parser.add_argument("--nixl-diag", action="store_true",
                         help="also raw NIXL with a handle per transfer and with 1 ms polling (what slows READ)")
     args = parser.parse_args()
     if args.repeat < 1 or any(t < 1 for t in args.tokens):
         parser.error("--repeat and --tokens must be positive")
+    nixl_ops = tuple(op.strip().upper() for op in args.nixl_ops.split(",") if op.strip())
+    if not nixl_ops or any(op not in ("WRITE", "READ") for op in nixl_ops):
+        parser.error(f"--nixl-ops: WRITE and/or READ, comma-separated, got {args.nixl_ops!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_kvtransfer: --device cuda requested but CUDA is not available "
               f"(torch {torch.__version__}, cuda build: {torch.version.cuda}); nothing measured.", file=sys.stderr)
@@ -598,7 +609,7 @@ def main() -> int:
     results = []
     for tokens in args.tokens:
         r = bench_tokens(shape, tokens, device, receiver_device, args.repeat, nixl=missing is None,
-                         nixl_diag=args.nixl_diag)
+                         nixl_diag=args.nixl_diag, nixl_ops=nixl_ops)
         results.append((tokens, r))
         def na(value, width, digits=2):
             return f"{value:>{width}.{digits}f}" if value is not None else f"{'n/a':>{width}}"

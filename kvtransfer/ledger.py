@@ -253,7 +253,10 @@ class ReceiveLedger:
                             staged = unpack_blocks(staged.raw, self._layout.torch_dtype)
                         if pull:
                             src_index = self._index(incoming, staged.src_ids)
+                            trace.mark("r.indexed", key, layer)
+                            timer = trace.gpu_timer(self._device)
                             copy_layers(staged.pools, self.stacked, layer, layers, src_index, index)
+                            trace.gpu_timer_stop(timer, "r.kernel", key, layer)
                         elif self.stacked is not None:
                             scatter_layers(self.stacked, layer, index, staged)
                         else:
@@ -277,6 +280,10 @@ class ReceiveLedger:
                     trace.mark("r.launched", incoming.key, layers.start)
             if landed and self._device.type == "cuda":
                 torch.cuda.current_stream(self._device).synchronize()
+            trace.flush_gpu_timers()
+            if trace.ENABLED:
+                for incoming, layers, *_ in landed:
+                    trace.mark("r.copied", incoming.key, layers.start)
             elapsed = time.perf_counter() - start
             received_at = self._clock()
             for incoming, layer, dst_ids, nbytes, pool_bytes in landed:

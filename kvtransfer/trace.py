@@ -25,6 +25,53 @@ def mark(point: str, key: int, layer: int = -1) -> None:
         _points.append((point, key, layer, time.monotonic()))
 
 
+def mark_at(point: str, key: int, layer: int, t: float) -> None:
+    """A point at ``t`` (``time.monotonic``) worked out after the fact (a GPU timer's end)."""
+    if ENABLED:
+        _points.append((point, key, layer, t))
+
+
+_local = threading.local()  # each thread's GPU timers stopped and not yet marked
+
+
+def _pending() -> list:
+    if not hasattr(_local, "pending"):
+        _local.pending = []
+    return _local.pending
+
+
+def gpu_timer(device):
+    """Start a timer of the GPU work queued next on ``device``'s current stream (None when off or
+    not CUDA); ``gpu_timer_stop`` ends it, and ``flush_gpu_timers``, once the stream is waited
+    for, marks the point at the host time of the start plus the GPU's elapsed time."""
+    if not ENABLED or getattr(device, "type", "cpu") != "cuda":
+        return None
+    import torch
+
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    return start, time.monotonic()
+
+
+def gpu_timer_stop(timer, point: str, key: int, layer: int = -1) -> None:
+    if timer is None:
+        return
+    import torch
+
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    _pending().append((timer, end, point, key, layer))
+
+
+def flush_gpu_timers() -> None:
+    """Mark every stopped GPU timer (call after waiting for their streams)."""
+    pending = _pending() if ENABLED else ()
+    while pending:
+        (start, host_start), end, point, key, layer = pending.pop(0)
+        end.synchronize()
+        mark_at(point, key, layer, host_start + start.elapsed_time(end) / 1e3)
+
+
 def drain() -> list[tuple[str, int, int, float]]:
     """The points marked so far, oldest first; the buffer is emptied."""
     with _lock:

@@ -109,6 +109,7 @@ from kvtransfer.layout import (
     hello_extra,
     hello_model,
     pack_hello,
+    transfer_key,
     unpack_header,
     unpack_layout,
 )
@@ -732,6 +733,8 @@ class UcxSender(KVSender):
             raise KVTransferError("sender is closed")
         if not isinstance(layer, int) or not 0 <= layer < self.layout.num_layers:
             raise ValueError(f"layer {layer!r} outside [0, {self.layout.num_layers})")
+        if trace.ENABLED and layer == 0:
+            trace.mark("s.layer0", transfer_key(transfer_id))
         pool = self._caches[layer][0]
         src, dst_bytes, ids = self._indices(src_block_ids, dst_block_ids, pool)
         key = (transfer_id, fp8)
