@@ -83,8 +83,7 @@ class _Incoming:
     received_at: float | None = None  # the last payload handed to land()
     peers: set = field(default_factory=set)
     lock: threading.RLock = field(default_factory=threading.RLock)  # held while its blocks are written
-    # block ids on the pools' device: a list's, or a pull's (source, destination) pair
-    indices: dict[tuple, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    indices: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # block ids on the pools' device
 
     @property
     def complete(self) -> bool:
@@ -249,13 +248,11 @@ class ReceiveLedger:
                     incoming.lock.acquire()
                     held.append(incoming)
                     if incoming.state == _PENDING:
-                        if pull:  # both lists in one host-to-device copy
-                            src_index, index = self._indices(incoming, staged.src_ids, dst_ids)
-                        else:
-                            index = self._index(incoming, dst_ids)
+                        index = self._index(incoming, dst_ids)
                         if fp8:  # dequantized on landing, into the pools' dtype
                             staged = unpack_blocks(staged.raw, self._layout.torch_dtype)
                         if pull:
+                            src_index = self._index(incoming, staged.src_ids)
                             trace.mark("r.indexed", key, layer)
                             timer = trace.gpu_timer(self._device)
                             copy_layers(staged.pools, self.stacked, layer, layers, src_index, index)
@@ -306,20 +303,6 @@ class ReceiveLedger:
         if index is None:
             index = incoming.indices[key] = torch.tensor(key, dtype=torch.int64, device=self._device)
         return index
-
-    def _indices(self, incoming: _Incoming, src_ids: list[int], dst_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A pull's source and destination ids as indices on the pools' device, cached like
-        ``_index``: on CUDA both go up in one copy from pinned memory, queued on the current
-        stream ahead of the copy that reads them (two pageable copies cost the landing thread
-        two host waits)."""
-        key = (tuple(src_ids), tuple(dst_ids))
-        cached = incoming.indices.get(key)
-        if cached is None:
-            both = torch.tensor(key[0] + key[1], dtype=torch.int64)
-            if self._device.type == "cuda":
-                both = both.pin_memory().to(self._device, non_blocking=True)
-            cached = incoming.indices[key] = (both[:len(src_ids)], both[len(src_ids):])
-        return cached
 
     def _admit(self, key: int, layer: int, dst_ids: Sequence[int], peer: Peer,
                layers: int = 1) -> tuple[_Incoming | None, NackReason]:

@@ -52,3 +52,21 @@ def test_a_pulled_message_with_bad_source_ids_is_dropped():
     assert torch.equal(dst[:, :, 3], remote[:, :, 2])
     assert ledger.wait("u", 1.0).num_bytes == 2 * 2 * 4 * 2 * 8 * 4
     assert PULL == 1
+
+
+def test_pulled_messages_map_each_source_block_to_its_destination():
+    from kvtransfer.layout import transfer_key
+
+    dst = torch.zeros(2, 2, 6, 4, 2, 8)
+    caches = [(dst[i, 0], dst[i, 1]) for i in range(2)]
+    ledger = ReceiveLedger(caches, KVLayout.from_caches(caches))
+    ledger.expect("m", [5, 0, 3], 2, 10.0)
+    remote = stacked(blocks=4)
+    key = transfer_key("m")
+    # one message a layer, the same block lists: the second reuses the first's device indices
+    assert ledger.land_many([(key, 0, [5, 0, 3], PullSource(remote, [2, 3, 0], 1), "peer")]) == [True]
+    assert ledger.land_many([(key, 1, [5, 0, 3], PullSource(remote, [2, 3, 0], 1), "peer")]) == [True]
+    for d, s in ((5, 2), (0, 3), (3, 0)):
+        assert torch.equal(dst[:, :, d], remote[:, :, s])
+    assert not dst[:, :, [1, 2, 4]].any()
+    assert ledger.wait("m", 1.0).num_bytes == 2 * 3 * 2 * 4 * 2 * 8 * 4
