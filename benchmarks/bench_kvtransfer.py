@@ -24,9 +24,10 @@ Reported, median of ``--repeat`` transfers after a warm-up:
   re-posted, from the post to the initiator's DONE (spinning on ``check_xfer_state``); the landed
   bytes are checked. ``--nixl-diag`` adds the variants that cost throughput (a handle made per
   transfer with ``initialize_xfer``; 1 ms sleeps between state checks);
-- ``kvx nixl``: pdserve's NIXL backend (``--kv-backend nixl``) end to end, as ``kvx``: the
-  receiver READs each layer's blocks (one descriptor per block) into a staging buffer and
-  scatters them, then ACKs; checked byte for byte. NIXL rows are left out, with the reason, where
+- ``kvx nixl`` / ``nixl read``: pdserve's NIXL backend (``--kv-backend nixl``) end to end, as
+  ``kvx``: the sender WRITEs each layer's blocks (one descriptor per block) into the receiver's
+  staging, which scatters them (the default), or the receiver READs them (``op="read"``); then
+  ACK; checked byte for byte. NIXL rows are left out, with the reason, where
   NIXL is not importable (``pip install 'pdserve[nixl]'``);
 - ``fake``: the in-process fake backend (gather + copy + scatter, no network);
 - ``copy``: a plain device copy of the same bytes on the sender's device.
@@ -436,8 +437,35 @@ def timeline(points: list[tuple[str, int, int, float]]) -> list[tuple[str, float
     return sorted(((name, statistics.median(v)) for name, v in offsets.items()), key=lambda kv: kv[1])
 
 
+def ucx_rows(out: dict, backend_runs, shape: Shape, blocks: int, nbytes: int, device: str, receiver_device: str,
+             repeat: int) -> None:
+    """The UCX backend (pull and staged), raw ucxx and NCCL rows of one token count, into ``out``."""
+    import kvtransfer
+
+    by_mode = backend_runs("ucx", (("kvx", {"pull": True}), ("staged", {"pull": False})))
+    runs = by_mode["kvx"][1:]
+    out["staged"] = statistics.median(r[0] for r in by_mode["staged"][1:])
+    out["staged_phases"] = {name: statistics.median(r[1].phases.get(name, 0.0) for r in by_mode["staged"][1:])
+                            for name in kvtransfer.SENDER_PHASES}
+    out["staged_phases"].update({name: statistics.median(r[2].phases.get(name, 0.0) for r in by_mode["staged"][1:])
+                                 for name in kvtransfer.RECEIVER_PHASES})
+    out["kvx"] = statistics.median(r[0] for r in runs)
+    out["kvx_landed_s"] = statistics.median(r[3] for r in runs)
+    out["kvx_recv"] = statistics.median(r[2].num_bytes / r[2].seconds / 1e9 for r in runs)
+    out["phases"] = {name: statistics.median(r[1].phases.get(name, 0.0) for r in runs)
+                     for name in kvtransfer.SENDER_PHASES}
+    out["phases"].update({name: statistics.median(r[2].phases.get(name, 0.0) for r in runs)
+                          for name in kvtransfer.RECEIVER_PHASES})
+    out["seconds"] = statistics.median(r[1].seconds for r in runs)
+    layer = shape.layer_bytes(blocks * BLOCK_SIZE)
+    out["raw_same"] = raw_ucxx_gbps([layer] * shape.num_layers, device, receiver_device, repeat)
+    out["raw_one"] = raw_ucxx_gbps([nbytes], device, receiver_device, repeat)
+    out["nccl_same"] = nccl_gbps([layer] * shape.num_layers, device, receiver_device, repeat)
+    out["nccl_one"] = nccl_gbps([nbytes], device, receiver_device, repeat)
+
+
 def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, repeat: int, nixl: bool = False,
-                 nixl_diag: bool = False, nixl_ops: tuple[str, ...] = ("WRITE", "READ")) -> dict:
+                 nixl_diag: bool = False, nixl_ops: tuple[str, ...] = ("WRITE", "READ"), nixl_only: bool = False) -> dict:
     import kvtransfer
 
     blocks = -(-tokens // BLOCK_SIZE)
@@ -447,14 +475,15 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
     dst_ids = torch.randperm(pool_blocks, generator=gen)[:blocks].tolist()
     nbytes = shape.kv_bytes(blocks * BLOCK_SIZE)
     src = make_caches(shape, pool_blocks, device, fill=True)
-    out: dict = {"bytes": float(nbytes), "copy": copy_gbps(nbytes, device, repeat)}
-
-    dst = make_caches(shape, pool_blocks, device, fill=False)
-    with kvtransfer.create_receiver("fake", dst) as receiver, kvtransfer.create_sender("fake", src) as sender:
-        runs = [one_transfer(sender, receiver.address(), f"fake-{i}", shape, src_ids, dst_ids, receiver.expect,
-                             receiver.wait)[0] for i in range(repeat + 1)]
-        out["fake"] = statistics.median(runs[1:])
-    del dst
+    out: dict = {"bytes": float(nbytes)}
+    if not nixl_only:
+        out["copy"] = copy_gbps(nbytes, device, repeat)
+        dst = make_caches(shape, pool_blocks, device, fill=False)
+        with kvtransfer.create_receiver("fake", dst) as receiver, kvtransfer.create_sender("fake", src) as sender:
+            runs = [one_transfer(sender, receiver.address(), f"fake-{i}", shape, src_ids, dst_ids, receiver.expect,
+                                 receiver.wait)[0] for i in range(repeat + 1)]
+            out["fake"] = statistics.median(runs[1:])
+        del dst
 
     want = block_digest(src, src_ids)
 
@@ -498,26 +527,13 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
                 child.kill()
         return by_mode
 
-    by_mode = backend_runs("ucx", (("kvx", {"pull": True}), ("staged", {"pull": False})))
-    runs = by_mode["kvx"][1:]
-    out["staged"] = statistics.median(r[0] for r in by_mode["staged"][1:])
-    out["staged_phases"] = {name: statistics.median(r[1].phases.get(name, 0.0) for r in by_mode["staged"][1:])
-                            for name in kvtransfer.SENDER_PHASES}
-    out["staged_phases"].update({name: statistics.median(r[2].phases.get(name, 0.0) for r in by_mode["staged"][1:])
-                                 for name in kvtransfer.RECEIVER_PHASES})
-    out["kvx"] = statistics.median(r[0] for r in runs)
-    out["kvx_landed_s"] = statistics.median(r[3] for r in runs)
-    out["kvx_recv"] = statistics.median(r[2].num_bytes / r[2].seconds / 1e9 for r in runs)
-    out["phases"] = {name: statistics.median(r[1].phases.get(name, 0.0) for r in runs)
-                     for name in kvtransfer.SENDER_PHASES}
-    out["phases"].update({name: statistics.median(r[2].phases.get(name, 0.0) for r in runs)
-                          for name in kvtransfer.RECEIVER_PHASES})
-    out["seconds"] = statistics.median(r[1].seconds for r in runs)
     layer = shape.layer_bytes(blocks * BLOCK_SIZE)
-    out["raw_same"] = raw_ucxx_gbps([layer] * shape.num_layers, device, receiver_device, repeat)
-    out["raw_one"] = raw_ucxx_gbps([nbytes], device, receiver_device, repeat)
-    out["nccl_same"] = nccl_gbps([layer] * shape.num_layers, device, receiver_device, repeat)
-    out["nccl_one"] = nccl_gbps([nbytes], device, receiver_device, repeat)
+    if nixl_only:  # the NIXL rows alone (a short GPU call): the UCX and reference rows are nan
+        out.update(dict.fromkeys(("copy", "fake", "staged", "kvx", "kvx_recv", "seconds", "kvx_landed_s", "raw_same",
+                                  "raw_one"), float("nan")))
+        out["nccl_same"] = out["nccl_one"] = None
+    else:
+        ucx_rows(out, backend_runs, shape, blocks, nbytes, device, receiver_device, repeat)
     if nixl:
         # raw NIXL: the same bytes as one descriptor per layer (K then V of its blocks), and as one
         for op in ("WRITE", "READ"):
@@ -531,11 +547,35 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
                 for op in ("WRITE", "READ"):
                     out[f"nixl_{op}_same_{'prepped' if prepped else 'init'}_{poll}"] = raw_nixl_gbps(
                         [layer] * shape.num_layers, op, device, receiver_device, repeat, prepped, poll)
-        nixl_runs = backend_runs("nixl", (("kvx_nixl", {}),))["kvx_nixl"][1:]
-        out["kvx_nixl"] = statistics.median(r[0] for r in nixl_runs)
-        out["kvx_nixl_seconds"] = statistics.median(r[1].seconds for r in nixl_runs)
-        out["kvx_nixl_landed_s"] = statistics.median(r[3] for r in nixl_runs)
+        by_op = backend_runs("nixl", (("kvx_nixl", {"op": "write"}), ("kvx_nixl_read", {"op": "read"})))
+        for mode, nixl_runs in by_op.items():
+            nixl_runs = nixl_runs[1:]
+            out[mode] = statistics.median(r[0] for r in nixl_runs)
+            out[f"{mode}_seconds"] = statistics.median(r[1].seconds for r in nixl_runs)
+            out[f"{mode}_landed_s"] = statistics.median(r[3] for r in nixl_runs)
     return out
+
+
+def print_breakdown(results: list) -> None:
+    """The UCX rows' per-transfer phases, their landing time, and (PDSERVE_KV_TRACE=1) the trace."""
+    print("\nper-transfer breakdown, ms (median): sender stage / queue / wire / ack; receiver scatter (pulled:"
+          "\nthe copy from the sender's pools) / land")
+    for tokens, r in results:
+        for mode, phases in (("kvx", r["phases"]), ("staged", r["staged_phases"])):
+            p = {k: v * 1e3 for k, v in phases.items()}
+            extra = (f"  (receiver first byte to landed: {r['kvx_recv']:.2f} GB/s; messages pulled: {r['kvx_pulled']:.0f})"
+                     if mode == "kvx" else f"  (messages pulled: {r['staged_pulled']:.0f})")
+            print(f"{tokens:>7} {mode:>6}: stage {p['stage']:.2f} queue {p['queue']:.2f} wire {p['wire']:.2f} "
+                  f"ack {p['ack']:.2f} | scatter {p['scatter']:.2f} land {p['land']:.2f}{extra}")
+        print(f"{tokens:>7}    kvx: first send_layer to landed at the receiver {r['kvx_landed_s'] * 1e3:.2f} ms "
+              f"({r['bytes'] / r['kvx_landed_s'] / 1e9:.1f} GB/s), to the sender's ACK {r['seconds'] * 1e3:.2f} ms")
+    if trace.ENABLED:
+        print("\ntrace (PDSERVE_KV_TRACE=1): median ms after the transfer's first point; s. sender, r. receiver;"
+              "\n#2: the transfer's second message")
+        for tokens, r in results:
+            for mode in ("kvx", "staged"):
+                cells = " ".join(f"{name} {t * 1e3:.3f}" for name, t in r.get(f"{mode}_trace", []))
+                print(f"{tokens:>7} {mode:>6}: {cells}")
 
 
 def main() -> int:
@@ -548,9 +588,13 @@ def main() -> int:
     parser.add_argument("--no-nixl", action="store_true", help="leave out the NIXL rows")
     parser.add_argument("--nixl-ops", default="WRITE,READ",
                         help="raw NIXL operations to time, comma-separated (WRITE, READ); the others print nan")
+    parser.add_argument("--nixl-only", action="store_true",
+                        help="only the NIXL rows: raw NIXL and pdserve's NIXL backend (a short GPU call)")
     parser.add_argument("--nixl-diag", action="store_true",
                         help="also raw NIXL with a handle per transfer and with 1 ms polling (what slows READ)")
     args = parser.parse_args()
+    if args.nixl_only and args.no_nixl:
+        parser.error("--nixl-only and --no-nixl exclude each other")
     if args.repeat < 1 or any(t < 1 for t in args.tokens):
         parser.error("--repeat and --tokens must be positive")
     nixl_ops = tuple(op.strip().upper() for op in args.nixl_ops.split(",") if op.strip())
@@ -609,7 +653,7 @@ def main() -> int:
     results = []
     for tokens in args.tokens:
         r = bench_tokens(shape, tokens, device, receiver_device, args.repeat, nixl=missing is None,
-                         nixl_diag=args.nixl_diag, nixl_ops=nixl_ops)
+                         nixl_diag=args.nixl_diag, nixl_ops=nixl_ops, nixl_only=args.nixl_only)
         results.append((tokens, r))
         def na(value, width, digits=2):
             return f"{value:>{width}.{digits}f}" if value is not None else f"{'n/a':>{width}}"
@@ -619,39 +663,25 @@ def main() -> int:
               f"{r['kvx'] / r['raw_same']:>13.2f} "
               f"{na(r['kvx'] / r['nccl_same'] if r['nccl_same'] else None, 14)} {r['seconds'] * 1e3:>8.2f}",
               flush=True)
-    print("\nper-transfer breakdown, ms (median): sender stage / queue / wire / ack; receiver scatter (pulled:"
-          "\nthe copy from the sender's pools) / land")
-    for tokens, r in results:
-        for mode, phases in (("kvx", r["phases"]), ("staged", r["staged_phases"])):
-            p = {k: v * 1e3 for k, v in phases.items()}
-            extra = (f"  (receiver first byte to landed: {r['kvx_recv']:.2f} GB/s; messages pulled: {r['kvx_pulled']:.0f})"
-                     if mode == "kvx" else f"  (messages pulled: {r['staged_pulled']:.0f})")
-            print(f"{tokens:>7} {mode:>6}: stage {p['stage']:.2f} queue {p['queue']:.2f} wire {p['wire']:.2f} "
-                  f"ack {p['ack']:.2f} | scatter {p['scatter']:.2f} land {p['land']:.2f}{extra}")
-        print(f"{tokens:>7}    kvx: first send_layer to landed at the receiver {r['kvx_landed_s'] * 1e3:.2f} ms "
-              f"({r['bytes'] / r['kvx_landed_s'] / 1e9:.1f} GB/s), to the sender's ACK {r['seconds'] * 1e3:.2f} ms")
-    if trace.ENABLED:
-        print("\ntrace (PDSERVE_KV_TRACE=1): median ms after the transfer's first point; s. sender, r. receiver;"
-              "\n#2: the transfer's second message")
-        for tokens, r in results:
-            for mode in ("kvx", "staged"):
-                cells = " ".join(f"{name} {t * 1e3:.3f}" for name, t in r.get(f"{mode}_trace", []))
-                print(f"{tokens:>7} {mode:>6}: {cells}")
+    if not args.nixl_only:
+        print_breakdown(results)
     if missing is None:
         print(f"\nNIXL, same run ({shape.num_layers} descriptors = one per layer; GB/s)")
         head = (f"{'tokens':>7} {'nixl W same':>12} {'nixl W one':>11} {'nixl R same':>12} {'nixl R one':>11} "
-                f"{'raw same':>9} {'kvx nixl':>9} {'kvx':>8} {'kvx landed':>11} {'kvx/W same':>11} "
+                f"{'raw same':>9} {'kvx nixl':>9} {'nixl read':>10} {'kvx':>8} {'kvx landed':>11} {'kvx/W same':>11} "
                 f"{'landed/W same':>14} {'kvx nixl ms':>12}")
         print(head)
         print("-" * len(head))
         for tokens, r in results:
             landed = r["bytes"] / r["kvx_landed_s"] / 1e9
             print(f"{tokens:>7} {r['nixl_WRITE_same']:>12.2f} {r['nixl_WRITE_one']:>11.2f} {r['nixl_READ_same']:>12.2f} "
-                  f"{r['nixl_READ_one']:>11.2f} {r['raw_same']:>9.2f} {r['kvx_nixl']:>9.2f} {r['kvx']:>8.2f} "
+                  f"{r['nixl_READ_one']:>11.2f} {r['raw_same']:>9.2f} {r['kvx_nixl']:>9.2f} {r['kvx_nixl_read']:>10.2f} "
+                  f"{r['kvx']:>8.2f} "
                   f"{landed:>11.2f} {r['kvx'] / r['nixl_WRITE_same']:>11.2f} {landed / r['nixl_WRITE_same']:>14.2f} "
                   f"{r['kvx_nixl_seconds'] * 1e3:>12.2f}")
         print("kvx landed: first send_layer to the receiver's landing (what a decode worker waits for); "
-              "kvx: to the sender's ACK")
+              "kvx: to the sender's ACK;\nkvx nixl / nixl read: pdserve's NIXL backend (--kv-backend nixl), "
+              "WRITE into the receiver's staging (the default) / READ of the sender's pools")
         if args.nixl_diag:
             print("\nraw NIXL variants, one descriptor per layer (GB/s): handle prepared once or made per transfer"
                   "\n(initialize_xfer); state polled back to back (spin) or with 1 ms sleeps")

@@ -38,7 +38,7 @@ RECEIVER_COUNTERS = (
     "transfers_expected", "transfers_completed", "transfers_expired", "transfers_cancelled", "transfers_failed",
     "messages_received", "messages_dropped", "bytes_received", "bytes_dropped", "bytes_landed",
     "transfer_seconds", "handshake_errors", "protocol_errors", "pull_links", "messages_pulled", "checksum_failures",
-    "messages_fp8", "peers_refused",
+    "messages_fp8", "peers_refused", "messages_written",
 ) + tuple(f"{phase}_seconds" for phase in RECEIVER_PHASES)
 SENDER_COUNTERS = (
     "transfers_started", "transfers_completed", "transfers_failed", "messages_sent", "bytes_sent", "transfer_seconds",

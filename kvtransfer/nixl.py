@@ -9,26 +9,42 @@ The same wire semantics as the UCX backend (``kvtransfer.ucx``), with NIXL movin
    HELLO_REJECT naming what differs) and answers HELLO_OK. The address,
    ``nixl://host:port/<incarnation>``, names the receiver's process: a receiver restarted at
    the same port refuses transfers meant for the old one.
-2. Per ``send_layer`` the sender sends a LAYER message: header, destination block ids, then
-   source block ids (status PULL). Nothing else crosses from the sender: it keeps its blocks
-   until the ACK (the prefill worker releases them after ``finish``), as on the UCX pull path.
-3. The receiver checks the message against the transfer it expects (unknown id, blocks not
-   reserved, deadline passed: NACK, and nothing is read); otherwise it READs the source blocks
-   (one NIXL descriptor per block, K then V) from the sender's registered pools into a staging
-   buffer of its own, registered once (re-registered only when a larger message comes), and
-   the ledger scatters them into the reserved blocks under the transfer's lock, so a cancel or
-   an expired deadline still promises that nothing is written after it returns. When the
-   transfer has landed the receiver sends ACK to every sender that contributed.
+2. WRITE (``op="write"``, the default): the receiver answers HELLO_OK with its agent's metadata
+   and a staging buffer of its own for this connection (``slots`` slots of ``slot_bytes``,
+   registered once). Per ``send_layer`` the sender takes a free slot, WRITEs the layer's source
+   blocks into it (one NIXL descriptor per block, K then V; a layer with more blocks than a slot
+   holds goes in several messages), waits for NIXL's DONE, then sends a LAYER message (status
+   WRITTEN): header, the slot, the destination block ids. The receiver checks it against the
+   transfer it expects (unknown id, blocks not reserved, deadline passed: NACK), the ledger
+   scatters the slot into the reserved blocks under the transfer's lock (so a cancel or an
+   expired deadline still promises that nothing is written into the pools after it returns),
+   and the receiver hands the slot back (a CREDIT frame). The sender only ever writes into its
+   connection's staging, never into the pools: a late or stray WRITE can spoil nothing but a
+   slot the receiver has not landed yet. A connection's staging is kept until the receiver
+   closes (a dead or hung sender's WRITE may still be in flight).
+3. READ (``op="read"``; what a receiver that does not offer staging gets): per ``send_layer`` the
+   sender sends a LAYER message (status PULL): header, destination block ids, then source block
+   ids; the receiver checks it, READs the source blocks from the sender's registered pools into
+   a staging buffer and the ledger scatters them as above. On one H200 NIXL's READ ran at
+   0.4-0.6 GB/s between two processes where its WRITE ran at 0.4-1.2 TB/s.
 
-NIXL's agent runs its UCX progress thread (``enable_prog_thread``); the receiver waits for a
-READ by polling ``check_xfer_state``, yielding the GIL between polls. Transfer handles are
+In both, the sender keeps its blocks until the ACK (the prefill worker releases them after
+``finish``), and when a transfer has landed the receiver sends ACK to every sender that
+contributed.
+
+NIXL's agent runs its UCX progress thread (``enable_prog_thread``); the initiator (the sender of a
+WRITE, the receiver of a READ) waits by polling ``check_xfer_state``, yielding the GIL between
+polls. Transfer handles are
 made per message from descriptor lists (``initialize_xfer``); memory is registered once per
 pool and per staging size, never per message.
 
 Not here (the UCX backend has them): pacing, fault injection, checksums, FP8 on the wire (an
-``"fp8"`` message moves the pool's bytes as is) and coalescing of layers. On a GPU this backend is
-slow (one H200: 2k tokens of Llama-3.1-8B KV in 3.8 s, against 1.8 ms on the UCX backend; NIXL's
-own READ ran at 0.4-0.6 GB/s there, its WRITE at 0.4-1.2 TB/s): pools on CUDA log a warning.
+``"fp8"`` message moves the pool's bytes as is) and coalescing of layers. With READ this backend
+was slow on a GPU (one H200: 2k tokens of Llama-3.1-8B KV in 3.8 s, against 1.8 ms on the UCX
+backend); the WRITE path has not run on a GPU yet.
+
+Environment: ``PDSERVE_NIXL_SLOT_BYTES`` (default 16 MiB) and ``PDSERVE_NIXL_SLOTS`` (default 4),
+the receiver's staging per WRITE connection.
 """
 
 from __future__ import annotations
@@ -58,6 +74,7 @@ from kvtransfer.layout import (
     HEADER_BYTES,
     LAYOUT_BYTES,
     PULL,
+    WRITTEN,
     KVLayout,
     MsgKind,
     NackReason,
@@ -77,6 +94,9 @@ logger = logging.getLogger(__name__)
 
 SCHEME = "nixl://"
 _FRAME = struct.Struct("<I")
+CREDIT = b"PDKVC"  # receiver -> sender frame: CREDIT + u32 slot, the slot is free again (WRITE)
+_SLOT = struct.Struct("<I")
+OPS = ("write", "read")
 _MAX_FRAME = 64 << 20
 
 
@@ -105,14 +125,31 @@ def _agent(api, role: str, progress_thread: bool = True):
 _CUDA_WARNED = threading.Event()
 
 
+def _warn_read_on_cuda(device: torch.device) -> None:
+    if device.type == "cuda" and not _CUDA_WARNED.is_set():
+        _CUDA_WARNED.set()
+        logger.warning("NIXL KV transfers by READ are slow on GPUs: on one H200 a 2k-token Llama-3.1-8B KV took "
+                       "3.8 s (0.07 GB/s), against 1.8 ms on the UCX backend (docs/results.md)")
+
+
+def _slot_config() -> tuple[int, int]:
+    """(slot bytes, slots) of a WRITE connection's staging, from the environment."""
+    out = []
+    for name, default in (("PDSERVE_NIXL_SLOT_BYTES", 16 << 20), ("PDSERVE_NIXL_SLOTS", 4)):
+        raw = os.environ.get(name, str(default))
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise KVTransferError(f"{name} must be a positive integer, got {raw!r}")
+        out.append(value)
+    return out[0], out[1]
+
+
 def _mem(device: torch.device) -> tuple[str, int]:
     """NIXL memory type and device id of tensors on ``device``."""
     if device.type == "cuda":
-        if not _CUDA_WARNED.is_set():
-            _CUDA_WARNED.set()
-            logger.warning("the NIXL KV backend is slow on GPUs: on one H200 it moved a 2k-token Llama-3.1-8B KV "
-                           "in 3.8 s (0.07 GB/s, READ per layer), the UCX backend in 1.8 ms; use --kv-backend ucx "
-                           "there (docs/results.md)")
         return "VRAM", device.index if device.index is not None else torch.cuda.current_device()
     if device.type != "cpu":
         raise ValueError(f"the NIXL backend moves CPU or CUDA pools, not {device.type}")
@@ -212,6 +249,9 @@ class _RecvConn:
         self.remote_mem = "DRAM"
         self.staging: torch.Tensor | None = None
         self.staging_reg = None
+        self.write = False  # the sender WRITEs into this connection's staging slots
+        self.slot_bytes = 0
+        self.slots = 0
 
     def send(self, data: bytes) -> None:
         try:
@@ -242,6 +282,7 @@ class NixlReceiver(LedgerReceiver):
         self._address = f"{SCHEME}{host}:{self._listener.getsockname()[1]}/{self.incarnation:08x}"
         self._closed = threading.Event()
         self._conns: set[_RecvConn] = set()
+        self._retired: list[_RecvConn] = []  # closed WRITE connections: their staging stays (see the docstring)
         self._lock = threading.Lock()
         self._accept = threading.Thread(target=self._accept_loop, name="kvtransfer-nixl-accept", daemon=True)
         self._accept.start()
@@ -309,9 +350,12 @@ class NixlReceiver(LedgerReceiver):
                 header = unpack_header(frame, expected_fingerprint=self.layout.fingerprint)
                 if header.kind == MsgKind.BYE:
                     return
-                if header.kind != MsgKind.LAYER or not header.status & PULL:
+                if header.kind != MsgKind.LAYER or not header.status & (WRITTEN if conn.write else PULL):
                     raise KVTransferError(f"unexpected KV message {header.kind.name} on a NIXL connection")
-                self._on_layer(conn, header, frame)
+                if conn.write:
+                    self._on_written(conn, header, frame)
+                else:
+                    self._on_layer(conn, header, frame)
         except (KVTransferError, OSError, ValueError) as e:
             if not self._closed.is_set():
                 self._ledger.count("protocol_errors")
@@ -319,9 +363,11 @@ class NixlReceiver(LedgerReceiver):
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                if conn.write:
+                    self._retired.append(conn)
             agent = self._agent
             if agent is not None:
-                if conn.staging_reg is not None:
+                if conn.staging_reg is not None and not conn.write:
                     agent.deregister_memory(conn.staging_reg)
                 if conn.remote_agent is not None:
                     agent.remove_remote_agent(conn.remote_agent)
@@ -373,6 +419,20 @@ class NixlReceiver(LedgerReceiver):
         if info["mem"] != self._mem:
             logger.info("NIXL KV sender pools in %s, receiver pools in %s", info["mem"], self._mem)
         conn.remote_mem = info["mem"]
+        if info.get("op") == "write":
+            slot_bytes, slots = _slot_config()
+            slot_bytes = max(slot_bytes, 2 * self.layout.block_bytes)  # at least one block's K and V
+            conn.write, conn.slot_bytes, conn.slots = True, slot_bytes, slots
+            staging = self._staging(conn, slot_bytes * slots)
+            offer = json.dumps({
+                "metadata": base64.b64encode(self._agent.get_agent_metadata()).decode(),
+                "base": staging.data_ptr(), "slot_bytes": slot_bytes, "slots": slots,
+                "dev": self._dev, "mem": self._mem,
+            }).encode()
+            conn.send(pack_hello(MsgKind.HELLO_OK, self.layout, model=self._model, incarnation=self.incarnation,
+                                 extra=offer))
+            return True
+        _warn_read_on_cuda(self._device)
         conn.send(pack_hello(MsgKind.HELLO_OK, self.layout, model=self._model, incarnation=self.incarnation,
                              status=PULL))
         return True
@@ -421,6 +481,29 @@ class NixlReceiver(LedgerReceiver):
         self._ledger.count("messages_pulled")
         self._ledger.land(key, layer, dst, staged, conn)
 
+    def _on_written(self, conn: _RecvConn, header: WireHeader, frame: bytes) -> None:
+        """A LAYER the sender WROTE into slot ``slot`` of this connection's staging: land it (or
+        drop it, NACKing), then hand the slot back."""
+        n = header.num_blocks
+        (slot,) = _SLOT.unpack_from(frame, HEADER_BYTES)
+        nbytes = 2 * n * self.layout.block_bytes
+        if not 0 <= slot < conn.slots or not 0 < nbytes <= conn.slot_bytes or len(frame) < HEADER_BYTES + 4 + 4 * n:
+            raise KVTransferError(f"bad WRITTEN message: slot {slot}, {n} blocks")
+        dst = np.frombuffer(frame, dtype=np.int32, count=n, offset=HEADER_BYTES + _SLOT.size).tolist()
+        key, layer = header.transfer_key, header.layer
+        try:
+            if self._ledger.check_message(key, layer, dst, conn) != NackReason.NONE:
+                self._ledger.land(key, layer, dst, torch.empty(0, device=self._device), conn)  # counted, NACKed
+                return
+            if not 0 <= layer < self.layout.num_layers:
+                raise KVTransferError(f"bad WRITTEN message: layer {layer}")
+            start = slot * conn.slot_bytes
+            staged = conn.staging[start:start + nbytes].view(self.layout.torch_dtype).view(2, n, *self.layout.block_shape)
+            self._ledger.count("messages_written")
+            self._ledger.land(key, layer, dst, staged, conn)
+        finally:
+            conn.send(CREDIT + _SLOT.pack(slot))
+
 
 class _Link:
     """One receiver, as the sender sees it: a control connection and a thread that sends."""
@@ -432,13 +515,26 @@ class _Link:
         self.lock = threading.Lock()
         self.error: KVTransferError | None = None
         self.threads: list[threading.Thread] = []
+        # WRITE: the receiver's staging as it offered it at handshake, and its free slots
+        self.write = False
+        self.remote_agent: str | None = None
+        self.base = 0
+        self.slot_bytes = 0
+        self.remote_dev = 0
+        self.remote_mem = "DRAM"
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
 
 
 class NixlSender(KVSender):
     def __init__(self, kv_caches: KVCaches, connect_timeout: float = 5.0, model: str = "",
-                 token: str | None = None):
-        """`token`: the cluster's secret, proved to each receiver (None: a cluster without one)."""
+                 token: str | None = None, op: str = "write"):
+        """`token`: the cluster's secret, proved to each receiver (None: a cluster without one);
+        `op`: ``"write"`` (the sender WRITEs into the receiver's staging) or ``"read"`` (the
+        receiver READs the sender's pools); a receiver that offers no staging gets READ."""
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
         api = load_nixl()
+        self._op = op
         self._token = token
         self._pools = _pools(kv_caches)
         self.layout = KVLayout.from_caches(kv_caches)
@@ -453,7 +549,7 @@ class NixlSender(KVSender):
         self._hello_extra = json.dumps({
             "metadata": base64.b64encode(self._agent.get_agent_metadata()).decode(),
             "pools": [[k.data_ptr(), v.data_ptr()] for k, v in self._pools],
-            "dev": self._dev, "mem": self._mem,
+            "dev": self._dev, "mem": self._mem, "op": op,
         }).encode()
         self._links: dict[str, _Link] = {}
         self._lock = threading.Lock()
@@ -533,6 +629,16 @@ class NixlSender(KVSender):
             raise KVTransferError(f"expected HELLO_OK from {link.address}, got {header.kind.name}")
         if header.layers != incarnation:
             raise KVTransferError(f"KV receiver {link.address} restarted (another incarnation)")
+        if not header.status & PULL:  # the receiver offers staging for WRITEs
+            offer = json.loads(hello_extra(answer, header))
+            link.remote_agent = self._agent.add_remote_agent(base64.b64decode(offer["metadata"]))
+            link.base, link.slot_bytes = int(offer["base"]), int(offer["slot_bytes"])
+            link.remote_dev, link.remote_mem = int(offer["dev"]), offer["mem"]
+            for slot in range(int(offer["slots"])):
+                link.free.put(slot)
+            link.write = True
+        else:
+            _warn_read_on_cuda(self._device)
         sock.settimeout(None)
         reader = threading.Thread(target=self._read, args=(link,), name="kvtransfer-nixl-ack", daemon=True)
         link.threads.append(reader)
@@ -571,6 +677,9 @@ class NixlSender(KVSender):
                 frame = _recv_frame(link.sock)
                 if frame is None:
                     break
+                if frame[:len(CREDIT)] == CREDIT:
+                    link.free.put(_SLOT.unpack_from(frame, len(CREDIT))[0])
+                    continue
                 header = unpack_header(frame)
                 if header.kind == MsgKind.ACK:
                     self._ledger.on_ack(header.transfer_key)
@@ -581,6 +690,49 @@ class NixlSender(KVSender):
         error = KVTransferError(f"KV receiver {link.address} closed the connection")
         link.error = link.error or error
         self._ledger.fail_address(link.address, link.error)
+
+    def _take_slot(self, link: _Link) -> int:
+        """A free staging slot of the receiver (waits for its CREDIT); raises once the link failed."""
+        while True:
+            if link.error is not None:
+                raise link.error
+            if self._closed:
+                raise KVTransferError("sender is closed")
+            try:
+                return link.free.get(timeout=0.2)
+            except queue.Empty:
+                continue
+
+    def _write_layer(self, link: _Link, key: int, layer: int, src: list[int], dst: list[int]) -> None:
+        """WRITE a layer's source blocks (K then V) into the receiver's staging, as many slots as
+        they need, each followed by its WRITTEN message once NIXL says DONE."""
+        block = self.layout.block_bytes
+        per = max(1, link.slot_bytes // (2 * block))
+        k_base, v_base = self._pools[layer][0].data_ptr(), self._pools[layer][1].data_ptr()
+        agent = self._agent
+        for start in range(0, len(src), per):
+            s_ids, d_ids = src[start:start + per], dst[start:start + per]
+            n = len(s_ids)
+            slot = self._take_slot(link)
+            offsets = np.asarray(s_ids, dtype=np.uint64) * np.uint64(block)
+            local = np.empty((2 * n, 3), dtype=np.uint64)
+            local[:n, 0] = np.uint64(k_base) + offsets
+            local[n:, 0] = np.uint64(v_base) + offsets
+            local[:, 1] = block
+            local[:, 2] = self._dev
+            remote = np.empty((2 * n, 3), dtype=np.uint64)
+            remote[:, 0] = np.uint64(link.base + slot * link.slot_bytes) + np.arange(2 * n, dtype=np.uint64) * np.uint64(block)
+            remote[:, 1] = block
+            remote[:, 2] = link.remote_dev
+            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, self._mem),
+                                           agent.get_xfer_descs(remote, link.remote_mem), link.remote_agent)
+            try:
+                _wait_xfer(agent, handle, "WRITE")
+            finally:
+                handle.release()
+            header = WireHeader(MsgKind.LAYER, transfer_key=key, layer=layer, num_blocks=n, num_bytes=2 * n * block,
+                                fingerprint=self.layout.fingerprint, status=WRITTEN)
+            _send_frame(link.sock, link.lock, header.pack() + _SLOT.pack(slot) + np.asarray(d_ids, dtype=np.int32).tobytes())
 
     def _drive(self, link: _Link) -> None:
         try:
@@ -604,14 +756,17 @@ class NixlSender(KVSender):
                 if event is not None:
                     event.synchronize()
                 self._ledger.on_staged(key)
-                header = WireHeader(MsgKind.LAYER, transfer_key=key, layer=layer, num_blocks=len(src),
-                                    num_bytes=nbytes, fingerprint=self.layout.fingerprint, status=PULL)
-                msg = header.pack() + np.asarray(dst + src, dtype=np.int32).tobytes()
                 self._ledger.on_posted(key)
                 try:
-                    _send_frame(link.sock, link.lock, msg)
-                except OSError as e:
-                    link.error = KVTransferError(f"KV receiver {link.address}: {e}")
+                    if link.write:
+                        self._write_layer(link, key, layer, src, dst)
+                    else:
+                        header = WireHeader(MsgKind.LAYER, transfer_key=key, layer=layer, num_blocks=len(src),
+                                            num_bytes=nbytes, fingerprint=self.layout.fingerprint, status=PULL)
+                        _send_frame(link.sock, link.lock, header.pack() + np.asarray(dst + src, dtype=np.int32).tobytes())
+                except (OSError, KVTransferError) as e:
+                    link.error = link.error or (e if isinstance(e, KVTransferError)
+                                                else KVTransferError(f"KV receiver {link.address}: {e}"))
                     self._ledger.fail_address(link.address, link.error)
                     continue
                 self._ledger.on_sent(key, nbytes)

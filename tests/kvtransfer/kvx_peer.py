@@ -92,6 +92,15 @@ class _Child:
         self.sender_caches = make_caches(spec, seed)
         self.sender = kvtransfer.create_sender(self.backend, self.sender_caches, **options)
 
+    def setenv(self, name: str, value: str | None):
+        """Set (None: unset) an environment variable of this process."""
+        import os
+
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
     def use_backend(self, backend: str):
         """The backend of the receiver and sender opened next (default ``"ucx"``)."""
         self.backend = backend

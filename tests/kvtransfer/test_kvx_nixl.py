@@ -57,12 +57,13 @@ def test_nixl_is_a_registered_backend():
     assert "nixl" in kvtransfer.available_backends()
 
 
-def test_nixl_fp32_lands_exact_blocks(peer):
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_nixl_fp32_lands_exact_blocks(peer, op):
     src = make_caches(FP32, seed=11)
     address = peer.call("open_receiver", FP32)
     assert address.startswith("nixl://127.0.0.1:")
     src_ids, dst_ids = [9, 2, 14, 5, 0], [3, 11, 0, 7, 15]
-    with kvtransfer.create_sender("nixl", src) as sender:
+    with kvtransfer.create_sender("nixl", src, op=op) as sender:
         for n in range(2):  # a second transfer reuses the connection
             transfer_id = f"fp32-{n}"
             peer.call("expect", transfer_id, dst_ids, 3, 20.0)
@@ -82,7 +83,51 @@ def test_nixl_fp32_lands_exact_blocks(peer):
             assert torch.equal(raw[untouched], zeros[layer][pool][untouched])
     metrics = peer.call("metrics")
     assert metrics["transfers_completed"] == 2 and metrics["messages_dropped"] == 0
-    assert metrics["messages_pulled"] == 6
+    assert metrics["messages_written" if op == "write" else "messages_pulled"] == 6
+
+
+def test_nixl_write_splits_a_layer_over_slots_and_waits_for_credits(peer):
+    """A receiver offering one slot of two blocks: each 5-block layer goes in three WRITEs, each
+    waiting for the slot to come back; the blocks land exactly."""
+    block = FP32.block_size * 2 * 8 * 4  # one block's K (or V) bytes
+    peer.call("setenv", "PDSERVE_NIXL_SLOT_BYTES", str(2 * 2 * block))
+    peer.call("setenv", "PDSERVE_NIXL_SLOTS", "1")
+    try:
+        address = peer.call("open_receiver", FP32)
+        src = make_caches(FP32, seed=12)
+        src_ids, dst_ids = [4, 8, 1, 13, 6], [2, 9, 12, 5, 1]
+        with kvtransfer.create_sender("nixl", src) as sender:
+            peer.call("expect", "split", dst_ids, 3, 20.0)
+            for layer in range(3):
+                sender.send_layer(address, "split", layer, src_ids, dst_ids)
+            sender.finish("split", timeout=20)
+            peer.call("wait", "split", 20.0)
+        after = peer.call("read_all")
+        for layer in range(3):
+            for pool in range(2):
+                raw = torch.frombuffer(bytearray(after[layer][pool]), dtype=torch.float32).view(16, 4, 2, 8)
+                assert torch.equal(raw[dst_ids], src[layer][pool][src_ids])
+        assert peer.call("metrics")["messages_written"] == 9
+    finally:
+        peer.call("setenv", "PDSERVE_NIXL_SLOT_BYTES", None)
+        peer.call("setenv", "PDSERVE_NIXL_SLOTS", None)
+
+
+def test_nixl_bad_slot_environment_is_refused_by_name():
+    import os
+
+    from kvtransfer.nixl import _slot_config
+
+    old = os.environ.get("PDSERVE_NIXL_SLOTS")
+    os.environ["PDSERVE_NIXL_SLOTS"] = "zero"
+    try:
+        with pytest.raises(_Err, match="PDSERVE_NIXL_SLOTS"):
+            _slot_config()
+    finally:
+        if old is None:
+            os.environ.pop("PDSERVE_NIXL_SLOTS")
+        else:
+            os.environ["PDSERVE_NIXL_SLOTS"] = old
 
 
 def test_nixl_bf16_child_sends_to_parent_in_chunks():

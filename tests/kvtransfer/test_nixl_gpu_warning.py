@@ -1,5 +1,5 @@
-"""The NIXL backend on CUDA pools warns once per process that it is slow on GPUs (no NIXL or GPU
-needed: the memory-type mapping is where the warning lives)."""
+"""NIXL by READ on CUDA pools warns once per process that it is slow on GPUs (no NIXL or GPU
+needed: the warning is a function of the device)."""
 
 import logging
 
@@ -8,12 +8,13 @@ import torch
 from kvtransfer import nixl
 
 
-def test_cuda_pools_warn_once_and_host_pools_never(caplog, monkeypatch):
+def test_read_on_cuda_pools_warns_once_and_host_pools_never(caplog, monkeypatch):
     monkeypatch.setattr(nixl, "_CUDA_WARNED", type(nixl._CUDA_WARNED)())
     with caplog.at_level(logging.WARNING, logger="kvtransfer.nixl"):
-        assert nixl._mem(torch.device("cpu")) == ("DRAM", 0)
+        nixl._warn_read_on_cuda(torch.device("cpu"))
         assert not caplog.records
-        assert nixl._mem(torch.device("cuda", 1)) == ("VRAM", 1)
-        assert nixl._mem(torch.device("cuda", 0)) == ("VRAM", 0)
+        nixl._warn_read_on_cuda(torch.device("cuda", 1))
+        nixl._warn_read_on_cuda(torch.device("cuda", 0))
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "--kv-backend ucx" in warnings[0].getMessage()
+    assert len(warnings) == 1 and "UCX backend" in warnings[0].getMessage()
+    assert nixl._mem(torch.device("cuda", 1)) == ("VRAM", 1) and nixl._mem(torch.device("cpu")) == ("DRAM", 0)
