@@ -547,7 +547,11 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
                 for op in ("WRITE", "READ"):
                     out[f"nixl_{op}_same_{'prepped' if prepped else 'init'}_{poll}"] = raw_nixl_gbps(
                         [layer] * shape.num_layers, op, device, receiver_device, repeat, prepped, poll)
-        by_op = backend_runs("nixl", (("kvx_nixl", {"op": "write"}), ("kvx_nixl_read", {"op": "read"})))
+        modes = [("kvx_nixl", {"op": "write"}), ("kvx_nixl_read", {"op": "read"})]
+        if "READ" not in nixl_ops:  # READ left out: the backend's too
+            modes.pop()
+            out["kvx_nixl_read"] = float("nan")
+        by_op = backend_runs("nixl", modes)
         for mode, nixl_runs in by_op.items():
             nixl_runs = nixl_runs[1:]
             out[mode] = statistics.median(r[0] for r in nixl_runs)
@@ -587,7 +591,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--no-nixl", action="store_true", help="leave out the NIXL rows")
     parser.add_argument("--nixl-ops", default="WRITE,READ",
-                        help="raw NIXL operations to time, comma-separated (WRITE, READ); the others print nan")
+                        help="NIXL operations to time, comma-separated (WRITE, READ): raw, and pdserve's NIXL "
+                             "backend by that operation; the others print nan")
     parser.add_argument("--nixl-only", action="store_true",
                         help="only the NIXL rows: raw NIXL and pdserve's NIXL backend (a short GPU call)")
     parser.add_argument("--nixl-diag", action="store_true",
