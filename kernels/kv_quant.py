@@ -86,15 +86,17 @@ def split_pool(pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_scales(amax: torch.Tensor) -> torch.Tensor:
-    """float32 amax [...] -> float32 scales: amax / 448 correctly rounded, 1 where that is 0."""
-    scale = (amax.double() / FP8_MAX).float()
+    """float32 amax [...] -> float32 scales: amax / 448 correctly rounded, 1 where that is 0.
+    (IEEE float32 division is correctly rounded, and so equals the division in float64 rounded
+    to float32: float64 has more than 2 x 24 + 2 bits, so the double rounding is exact.)"""
+    scale = amax.float() / FP8_MAX
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
 def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 x [..., D] / scale [..., 1] (correctly rounded), clamped to +-448, cast with
     round-to-nearest-even: what the kernels store."""
-    q = (x.double() / scale.double()).float()
+    q = x.float() / scale.float()  # correctly rounded (see fp8_scales)
     return q.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
@@ -105,8 +107,37 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_e4m3(xf, scale[..., None]), scale
 
 
+_FP8_VALUES: dict[torch.device, torch.Tensor] = {}
+
+
+_POW2: dict[torch.device, torch.Tensor] = {}
+
+
+def _scale_by_pow2(x: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
+    """x * 2**exp for float32 x and integer exp in [-127, 127] (broadcast), exactly as
+    torch.ldexp rounds it: a product by a power of two that float32 holds exactly (2**-127 as a
+    subnormal) is correctly rounded, like ldexp. The powers come from a table: torch.ldexp runs at
+    about 1 GB/s on a CPU core, the product over 10 times faster."""
+    table = _POW2.get(x.device)
+    if table is None:
+        table = _POW2[x.device] = torch.tensor([2.0 ** e for e in range(-127, 128)], dtype=torch.float32,
+                                               device=x.device)
+    return x * torch.take(table, exp.to(torch.int64) + 127)
+
+
+def fp8_to_float(data: torch.Tensor) -> torch.Tensor:
+    """float8 e4m3 ``data`` as float32 (exact). On the CPU through a table of the 256 byte values:
+    torch's elementwise conversion runs there at under 1 GB/s of output, the lookup 2-3x faster."""
+    if data.device.type != "cpu":
+        return data.float()
+    table = _FP8_VALUES.get(data.device)
+    if table is None:
+        table = _FP8_VALUES[data.device] = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    return torch.take(table, data.contiguous().view(torch.uint8).long())
+
+
 def dequantize(data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (data.float() * scales[..., None]).to(dtype)
+    return (fp8_to_float(data) * scales[..., None]).to(dtype)
 
 
 def write_fp8_ref(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -194,7 +225,7 @@ def pack_blocks(x: torch.Tensor) -> torch.Tensor:
         n *= size
     xf = x.reshape(n, bs, hk, d).float()
     exp = channel_exponents(xf)
-    y = torch.ldexp(xf, -exp[:, None].to(torch.int32))
+    y = _scale_by_pow2(xf, -exp[:, None].to(torch.int32))
     rows = fp8_block_rows(bs, d)
     out = torch.zeros(n, rows, hk, d, dtype=torch.uint8, device=x.device)
     data, scales = split_pool(out[:, :rows - 1].view(FP8_DTYPE))
@@ -211,8 +242,8 @@ def unpack_blocks(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     blocks = raw.reshape(-1, rows, hk, d)
     data, scales = split_pool(blocks[:, :rows - 1].view(FP8_DTYPE))
     exp = blocks[:, rows - 1].view(torch.int8).to(torch.int32)
-    y = data.float() * scales[..., None]
-    return torch.ldexp(y, exp[:, None]).to(dtype).view(*lead, data.shape[1], hk, d)
+    y = fp8_to_float(data) * scales[..., None]
+    return _scale_by_pow2(y, exp[:, None]).to(dtype).view(*lead, data.shape[1], hk, d)
 
 
 def round_trip(x: torch.Tensor, block_size: int) -> torch.Tensor:
