@@ -158,9 +158,11 @@ def estimate_local(
 FP8_WIRE_RATIO = 18 / 32
 
 # Quantize on P plus dequantize on D, in Gbit/s of full-precision KV (kernels.kv_quant.pack_blocks /
-# unpack_blocks, torch ops). CPU: 0.13 measured on the 2-core development VM (float32 pools, 4 MB);
+# unpack_blocks, torch ops). CPU: 0.13 was measured on the 2-core development VM under load (float32
+# pools, 4 MB); the codec has since become 2.2x faster (benchmarks/bench_kv_codec.py, one thread,
+# idle, side by side: 1.53 -> 3.30 Gbit/s for 3 MB), so the price under load is scaled by that: 0.28.
 # CUDA: an estimate for memory-bound elementwise passes (not yet measured).
-CODEC_GBPS = {"cpu": 0.13, "cuda": 1000.0}
+CODEC_GBPS = {"cpu": 0.28, "cuda": 1000.0}
 KV_PRECISIONS = ("full", "fp8")
 
 
