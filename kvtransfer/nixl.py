@@ -13,8 +13,9 @@ The same wire semantics as the UCX backend (``kvtransfer.ucx``), with NIXL movin
    and a staging buffer of its own for this connection (``slots`` slots of ``slot_bytes``,
    registered once). Per ``send_layer`` the sender takes a free slot, WRITEs the layer's source
    blocks into it (one NIXL descriptor per block, K then V; a layer with more blocks than a slot
-   holds goes in several messages), waits for NIXL's DONE, then sends a LAYER message (status
-   WRITTEN): header, the slot, the destination block ids. The receiver checks it against the
+   holds goes in several messages) and, once NIXL says DONE, sends a LAYER message (status
+   WRITTEN): header, the slot, the destination block ids. WRITEs are posted ahead, up to the free
+   slots, and their LAYER messages go in order. The receiver checks it against the
    transfer it expects (unknown id, blocks not reserved, deadline passed: NACK), the ledger
    scatters the slot into the reserved blocks under the transfer's lock (so a cancel or an
    expired deadline still promises that nothing is written into the pools after it returns),
@@ -41,8 +42,8 @@ pool and per staging size, never per message.
 Not here (the UCX backend has them): pacing, fault injection, checksums, FP8 on the wire (an
 ``"fp8"`` message moves the pool's bytes as is) and coalescing of layers. On a GPU it is slow next
 to the UCX backend (one H200, 2k tokens of Llama-3.1-8B KV: 94 ms by WRITE, 3.8 s by READ, 1.8 ms
-on the UCX backend; a layer's WRITE waits for NIXL's DONE before the next is posted): a sender
-on CUDA pools logs a warning once.
+on the UCX backend, measured before WRITEs were posted ahead): a sender on CUDA pools logs a
+warning once.
 
 Environment: ``PDSERVE_NIXL_SLOT_BYTES`` (default 16 MiB) and ``PDSERVE_NIXL_SLOTS`` (default 4),
 the receiver's staging per WRITE connection.
@@ -51,6 +52,7 @@ the receiver's staging per WRITE connection.
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import importlib
 import json
@@ -525,6 +527,9 @@ class _Link:
         self.remote_dev = 0
         self.remote_mem = "DRAM"
         self.free: queue.SimpleQueue = queue.SimpleQueue()
+        # WRITEs posted and not yet reaped, oldest first: [handle, state, WRITTEN frame, (key, bytes) when
+        # the frame ends its send_layer's message, else None]
+        self.pending: collections.deque = collections.deque()
 
 
 class NixlSender(KVSender):
@@ -693,20 +698,70 @@ class NixlSender(KVSender):
         self._ledger.fail_address(link.address, link.error)
 
     def _take_slot(self, link: _Link) -> int:
-        """A free staging slot of the receiver (waits for its CREDIT); raises once the link failed."""
+        """A free staging slot of the receiver (waits for its CREDIT, finishing posted WRITEs
+        meanwhile: their slots come back only after their WRITTEN frames); raises once the link
+        failed."""
         while True:
             if link.error is not None:
                 raise link.error
             if self._closed:
                 raise KVTransferError("sender is closed")
             try:
+                return link.free.get_nowait()
+            except queue.Empty:
+                pass
+            if link.pending:
+                self._reap(link)
+                continue
+            try:
                 return link.free.get(timeout=0.2)
             except queue.Empty:
                 continue
 
-    def _write_layer(self, link: _Link, key: int, layer: int, src: list[int], dst: list[int]) -> None:
-        """WRITE a layer's source blocks (K then V) into the receiver's staging, as many slots as
-        they need, each followed by its WRITTEN message once NIXL says DONE."""
+    def _reap(self, link: _Link) -> None:
+        """Waits for the oldest posted WRITE's DONE, then sends its WRITTEN frame (and, for a
+        message's last frame, counts the message sent)."""
+        entry = link.pending[0]
+        handle, state, frame, done = entry
+        while state == "PROC":
+            time.sleep(0)  # yield the GIL; NIXL's progress thread moves the bytes
+            state = self._agent.check_xfer_state(handle)
+        link.pending.popleft()
+        handle.release()
+        if state != "DONE":
+            raise KVTransferError(f"NIXL WRITE failed (state {state})")
+        _send_frame(link.sock, link.lock, frame)
+        if done is not None:
+            self._ledger.on_sent(*done)
+
+    def _next_item(self, link: _Link):
+        """The next queued message; while WRITEs are posted, finishes them until one comes."""
+        while link.pending and link.error is None:
+            try:
+                return link.queue.get_nowait()
+            except queue.Empty:
+                self._reap_or_fail(link)
+        return link.queue.get()
+
+    def _reap_or_fail(self, link: _Link) -> None:
+        try:
+            self._reap(link)
+        except Exception as e:  # OSError, KVTransferError, or NIXL's own: the link fails, not the thread
+            self._fail_link(link, e)
+
+    def _fail_link(self, link: _Link, e: Exception) -> None:
+        link.error = link.error or (e if isinstance(e, KVTransferError)
+                                    else KVTransferError(f"KV receiver {link.address}: {e}"))
+        self._ledger.fail_address(link.address, link.error)
+        while link.pending:  # the receiver is gone or broke the protocol: what is posted is lost
+            with contextlib.suppress(Exception):
+                link.pending.popleft()[0].release()
+
+    def _write_layer(self, link: _Link, key: int, layer: int, src: list[int], dst: list[int], nbytes: int) -> None:
+        """Post the WRITEs of a layer's source blocks (K then V) into the receiver's staging, as many
+        slots as they need; each one's WRITTEN frame goes once NIXL says DONE (``_reap``), in order.
+        Up to a slot per WRITE is in flight, so the next layer's WRITE is posted before this one's
+        DONE."""
         block = self.layout.block_bytes
         per = max(1, link.slot_bytes // (2 * block))
         k_base, v_base = self._pools[layer][0].data_ptr(), self._pools[layer][1].data_ptr()
@@ -727,19 +782,20 @@ class NixlSender(KVSender):
             remote[:, 2] = link.remote_dev
             handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, self._mem),
                                            agent.get_xfer_descs(remote, link.remote_mem), link.remote_agent)
-            try:
-                _wait_xfer(agent, handle, "WRITE")
-            finally:
-                handle.release()
+            state = agent.transfer(handle)
             header = WireHeader(MsgKind.LAYER, transfer_key=key, layer=layer, num_blocks=n, num_bytes=2 * n * block,
                                 fingerprint=self.layout.fingerprint, status=WRITTEN)
-            _send_frame(link.sock, link.lock, header.pack() + _SLOT.pack(slot) + np.asarray(d_ids, dtype=np.int32).tobytes())
+            frame = header.pack() + _SLOT.pack(slot) + np.asarray(d_ids, dtype=np.int32).tobytes()
+            last = start + per >= len(src)
+            link.pending.append((handle, state, frame, (key, nbytes) if last else None))
 
     def _drive(self, link: _Link) -> None:
         try:
             while True:
-                item = link.queue.get()
+                item = self._next_item(link)
                 if item is None:
+                    while link.pending and link.error is None:  # what is posted goes before BYE
+                        self._reap_or_fail(link)
                     break
                 key, layer, src, dst, nbytes, event = item
                 if link.error is None and link.sock is None:
@@ -759,16 +815,14 @@ class NixlSender(KVSender):
                 self._ledger.on_staged(key)
                 self._ledger.on_posted(key)
                 try:
-                    if link.write:
-                        self._write_layer(link, key, layer, src, dst)
-                    else:
-                        header = WireHeader(MsgKind.LAYER, transfer_key=key, layer=layer, num_blocks=len(src),
-                                            num_bytes=nbytes, fingerprint=self.layout.fingerprint, status=PULL)
-                        _send_frame(link.sock, link.lock, header.pack() + np.asarray(dst + src, dtype=np.int32).tobytes())
-                except (OSError, KVTransferError) as e:
-                    link.error = link.error or (e if isinstance(e, KVTransferError)
-                                                else KVTransferError(f"KV receiver {link.address}: {e}"))
-                    self._ledger.fail_address(link.address, link.error)
+                    if link.write:  # counted sent when its last WRITTEN frame goes (_reap)
+                        self._write_layer(link, key, layer, src, dst, nbytes)
+                        continue
+                    header = WireHeader(MsgKind.LAYER, transfer_key=key, layer=layer, num_blocks=len(src),
+                                        num_bytes=nbytes, fingerprint=self.layout.fingerprint, status=PULL)
+                    _send_frame(link.sock, link.lock, header.pack() + np.asarray(dst + src, dtype=np.int32).tobytes())
+                except Exception as e:  # OSError, KVTransferError, or NIXL's own: the link fails, not the thread
+                    self._fail_link(link, e)
                     continue
                 self._ledger.on_sent(key, nbytes)
         finally:
