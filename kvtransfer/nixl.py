@@ -71,7 +71,7 @@ import torch
 
 from kvtransfer import auth
 from kvtransfer import layout as wire
-from kvtransfer.base import KVCaches, KVSender, TransferResult, wire_fp8
+from kvtransfer.base import KVCaches, KVSender, TransferResult, env_positive_int, wire_fp8
 from kvtransfer.errors import KVTransferError
 from kvtransfer.layout import (
     HEADER_BYTES,
@@ -139,17 +139,8 @@ def _warn_on_cuda(device: torch.device, op: str) -> None:
 
 def _slot_config() -> tuple[int, int]:
     """(slot bytes, slots) of a WRITE connection's staging, from the environment."""
-    out = []
-    for name, default in (("PDSERVE_NIXL_SLOT_BYTES", 16 << 20), ("PDSERVE_NIXL_SLOTS", 4)):
-        raw = os.environ.get(name, str(default))
-        try:
-            value = int(raw)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise KVTransferError(f"{name} must be a positive integer, got {raw!r}")
-        out.append(value)
-    return out[0], out[1]
+    return (env_positive_int("PDSERVE_NIXL_SLOT_BYTES", 16 << 20, KVTransferError),
+            env_positive_int("PDSERVE_NIXL_SLOTS", 4, KVTransferError))
 
 
 def _mem(device: torch.device) -> tuple[str, int]:
@@ -220,8 +211,10 @@ def parse_address(address: str) -> tuple[str, int, int]:
         raise ValueError(f"not a NIXL KV address: {address!r}") from None
 
 
-def _wait_xfer(agent, handle, what: str) -> None:
-    state = agent.transfer(handle)
+def _wait_xfer(agent, handle, what: str, state: str | None = None) -> None:
+    """Post ``handle`` (or, given the ``state`` its post returned, only wait) until NIXL says DONE."""
+    if state is None:
+        state = agent.transfer(handle)
     while state == "PROC":
         time.sleep(0)  # yield the GIL; NIXL's progress thread moves the bytes
         state = agent.check_xfer_state(handle)
@@ -706,10 +699,8 @@ class NixlSender(KVSender):
                 raise link.error
             if self._closed:
                 raise KVTransferError("sender is closed")
-            try:
+            with contextlib.suppress(queue.Empty):
                 return link.free.get_nowait()
-            except queue.Empty:
-                pass
             if link.pending:
                 self._reap(link)
                 continue
@@ -721,15 +712,11 @@ class NixlSender(KVSender):
     def _reap(self, link: _Link) -> None:
         """Waits for the oldest posted WRITE's DONE, then sends its WRITTEN frame (and, for a
         message's last frame, counts the message sent)."""
-        entry = link.pending[0]
-        handle, state, frame, done = entry
-        while state == "PROC":
-            time.sleep(0)  # yield the GIL; NIXL's progress thread moves the bytes
-            state = self._agent.check_xfer_state(handle)
-        link.pending.popleft()
-        handle.release()
-        if state != "DONE":
-            raise KVTransferError(f"NIXL WRITE failed (state {state})")
+        handle, state, frame, done = link.pending.popleft()
+        try:
+            _wait_xfer(self._agent, handle, "WRITE", state)
+        finally:
+            handle.release()
         _send_frame(link.sock, link.lock, frame)
         if done is not None:
             self._ledger.on_sent(*done)

@@ -87,7 +87,7 @@ import numpy as np
 import torch
 
 from kernels.kv_quant import fp8_block_rows, pack_blocks
-from kvtransfer.base import KVCaches, KVSender, TransferResult, wire_fp8
+from kvtransfer.base import KVCaches, KVSender, TransferResult, env_positive_int, wire_fp8
 from kvtransfer.errors import KVTransferError
 from kvtransfer.layout import (
     BLOCK_ID_BYTES,
@@ -160,14 +160,7 @@ def _check_token(token) -> None:
 
 
 def _recv_slots() -> int:
-    value = os.environ.get("PDSERVE_KV_RECV_SLOTS", "8")
-    try:
-        slots = int(value)
-    except ValueError:
-        slots = 0
-    if slots < 1:
-        raise ValueError(f"PDSERVE_KV_RECV_SLOTS must be an int >= 1, got {value!r}")
-    return slots
+    return env_positive_int("PDSERVE_KV_RECV_SLOTS", 8)
 
 
 # ---------------------------------------------------------------------------------------
