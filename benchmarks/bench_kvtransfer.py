@@ -464,8 +464,12 @@ def ucx_rows(out: dict, backend_runs, shape: Shape, blocks: int, nbytes: int, de
     out["nccl_one"] = nccl_gbps([nbytes], device, receiver_device, repeat)
 
 
+NIXL_MODES = {"direct": "kvx_nixl_direct", "write": "kvx_nixl", "read": "kvx_nixl_read"}  # --nixl-modes -> result key
+
+
 def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, repeat: int, nixl: bool = False,
-                 nixl_diag: bool = False, nixl_ops: tuple[str, ...] = ("WRITE", "READ"), nixl_only: bool = False) -> dict:
+                 nixl_diag: bool = False, nixl_ops: tuple[str, ...] = ("WRITE", "READ"), nixl_only: bool = False,
+                 nixl_modes: tuple[str, ...] = tuple(NIXL_MODES)) -> dict:
     import kvtransfer
 
     blocks = -(-tokens // BLOCK_SIZE)
@@ -538,19 +542,21 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
         # raw NIXL: the same bytes as one descriptor per layer (K then V of its blocks), and as one
         for op in ("WRITE", "READ"):
             if op not in nixl_ops:
-                out[f"nixl_{op}_same"] = out[f"nixl_{op}_one"] = float("nan")
+                out[f"nixl_{op}_same"] = out[f"nixl_{op}_one"] = out[f"nixl_{op}_kv"] = float("nan")
                 continue
             out[f"nixl_{op}_same"] = raw_nixl_gbps([layer] * shape.num_layers, op, device, receiver_device, repeat)
             out[f"nixl_{op}_one"] = raw_nixl_gbps([nbytes], op, device, receiver_device, repeat)
+            # the descriptors pdserve's DIRECT WRITE posts here: a layer's K blocks, then its V blocks
+            out[f"nixl_{op}_kv"] = raw_nixl_gbps([layer // 2] * (2 * shape.num_layers), op, device, receiver_device,
+                                                 repeat)
         if nixl_diag:  # what moves READ: a handle per transfer, polling with sleeps
             for prepped, poll in ((False, "spin"), (True, "sleep"), (False, "sleep")):
                 for op in ("WRITE", "READ"):
                     out[f"nixl_{op}_same_{'prepped' if prepped else 'init'}_{poll}"] = raw_nixl_gbps(
                         [layer] * shape.num_layers, op, device, receiver_device, repeat, prepped, poll)
-        modes = [("kvx_nixl", {"op": "write"}), ("kvx_nixl_read", {"op": "read"})]
-        if "READ" not in nixl_ops:  # READ left out: the backend's too
-            modes.pop()
-            out["kvx_nixl_read"] = float("nan")
+        modes = [(NIXL_MODES[m], {"op": m}) for m in nixl_modes if m != "read" or "READ" in nixl_ops]
+        for key in NIXL_MODES.values():
+            out[key] = out[f"{key}_seconds"] = out[f"{key}_landed_s"] = float("nan")
         by_op = backend_runs("nixl", modes)
         for mode, nixl_runs in by_op.items():
             nixl_runs = nixl_runs[1:]
@@ -593,6 +599,9 @@ def main() -> int:
     parser.add_argument("--nixl-ops", default="WRITE,READ",
                         help="NIXL operations to time, comma-separated (WRITE, READ): raw, and pdserve's NIXL "
                              "backend by that operation; the others print nan")
+    parser.add_argument("--nixl-modes", default=",".join(NIXL_MODES),
+                        help="pdserve's NIXL backend modes to time, comma-separated: direct (WRITE into the "
+                             "reserved blocks, the default), write (into staging), read")
     parser.add_argument("--nixl-only", action="store_true",
                         help="only the NIXL rows: raw NIXL and pdserve's NIXL backend (a short GPU call)")
     parser.add_argument("--nixl-diag", action="store_true",
@@ -605,6 +614,9 @@ def main() -> int:
     nixl_ops = tuple(op.strip().upper() for op in args.nixl_ops.split(",") if op.strip())
     if not nixl_ops or any(op not in ("WRITE", "READ") for op in nixl_ops):
         parser.error(f"--nixl-ops: WRITE and/or READ, comma-separated, got {args.nixl_ops!r}")
+    nixl_modes = tuple(m.strip().lower() for m in args.nixl_modes.split(",") if m.strip())
+    if any(m not in NIXL_MODES for m in nixl_modes):
+        parser.error(f"--nixl-modes: direct, write and/or read, comma-separated, got {args.nixl_modes!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_kvtransfer: --device cuda requested but CUDA is not available "
               f"(torch {torch.__version__}, cuda build: {torch.version.cuda}); nothing measured.", file=sys.stderr)
@@ -658,7 +670,8 @@ def main() -> int:
     results = []
     for tokens in args.tokens:
         r = bench_tokens(shape, tokens, device, receiver_device, args.repeat, nixl=missing is None,
-                         nixl_diag=args.nixl_diag, nixl_ops=nixl_ops, nixl_only=args.nixl_only)
+                         nixl_diag=args.nixl_diag, nixl_ops=nixl_ops, nixl_only=args.nixl_only,
+                         nixl_modes=nixl_modes)
         results.append((tokens, r))
         def na(value, width, digits=2):
             return f"{value:>{width}.{digits}f}" if value is not None else f"{'n/a':>{width}}"
@@ -671,22 +684,32 @@ def main() -> int:
     if not args.nixl_only:
         print_breakdown(results)
     if missing is None:
-        print(f"\nNIXL, same run ({shape.num_layers} descriptors = one per layer; GB/s)")
-        head = (f"{'tokens':>7} {'nixl W same':>12} {'nixl W one':>11} {'nixl R same':>12} {'nixl R one':>11} "
-                f"{'raw same':>9} {'kvx nixl':>9} {'nixl read':>10} {'kvx':>8} {'kvx landed':>11} {'kvx/W same':>11} "
-                f"{'landed/W same':>14} {'kvx nixl ms':>12}")
+        print(f"\nNIXL, same run (GB/s; same: {shape.num_layers} descriptors, one per layer; kv: {2 * shape.num_layers}, "
+              f"a layer's K and its V, the descriptors pdserve's DIRECT WRITE posts here)")
+        head = (f"{'tokens':>7} {'nixl W same':>12} {'nixl W kv':>10} {'nixl W one':>11} {'nixl R same':>12} "
+                f"{'nixl R one':>11} {'raw same':>9} {'direct':>8} {'direct landed':>14} {'staged W':>9} {'read':>7} "
+                f"{'kvx landed':>11} {'direct landed/W kv':>19} {'/W same':>8} {'kvx landed/W same':>18}")
         print(head)
         print("-" * len(head))
         for tokens, r in results:
             landed = r["bytes"] / r["kvx_landed_s"] / 1e9
-            print(f"{tokens:>7} {r['nixl_WRITE_same']:>12.2f} {r['nixl_WRITE_one']:>11.2f} {r['nixl_READ_same']:>12.2f} "
-                  f"{r['nixl_READ_one']:>11.2f} {r['raw_same']:>9.2f} {r['kvx_nixl']:>9.2f} {r['kvx_nixl_read']:>10.2f} "
-                  f"{r['kvx']:>8.2f} "
-                  f"{landed:>11.2f} {r['kvx'] / r['nixl_WRITE_same']:>11.2f} {landed / r['nixl_WRITE_same']:>14.2f} "
-                  f"{r['kvx_nixl_seconds'] * 1e3:>12.2f}")
-        print("kvx landed: first send_layer to the receiver's landing (what a decode worker waits for); "
-              "kvx: to the sender's ACK;\nkvx nixl / nixl read: pdserve's NIXL backend (--kv-backend nixl), "
-              "WRITE into the receiver's staging (the default) / READ of the sender's pools")
+            direct_landed = r["bytes"] / r["kvx_nixl_direct_landed_s"] / 1e9
+            print(f"{tokens:>7} {r['nixl_WRITE_same']:>12.2f} {r['nixl_WRITE_kv']:>10.2f} {r['nixl_WRITE_one']:>11.2f} "
+                  f"{r['nixl_READ_same']:>12.2f} {r['nixl_READ_one']:>11.2f} {r['raw_same']:>9.2f} "
+                  f"{r['kvx_nixl_direct']:>8.2f} {direct_landed:>14.2f} {r['kvx_nixl']:>9.2f} {r['kvx_nixl_read']:>7.2f} "
+                  f"{landed:>11.2f} {direct_landed / r['nixl_WRITE_kv']:>19.2f} "
+                  f"{direct_landed / r['nixl_WRITE_same']:>8.2f} {landed / r['nixl_WRITE_same']:>18.2f}")
+        for tokens, r in results:
+            print(f"{tokens:>7} ms: direct to landed {r['kvx_nixl_direct_landed_s'] * 1e3:.3f}, to the sender's ACK "
+                  f"{r['kvx_nixl_direct_seconds'] * 1e3:.3f}; staged WRITE to ACK {r['kvx_nixl_seconds'] * 1e3:.2f}")
+        if trace.ENABLED:
+            for tokens, r in results:
+                cells = " ".join(f"{name} {t * 1e3:.3f}" for name, t in r.get("kvx_nixl_direct_trace", []))
+                print(f"{tokens:>7} direct trace: {cells}")
+        print("direct / staged W / read: pdserve's NIXL backend (--kv-backend nixl) to the sender's ACK: WRITE straight "
+              "into the\nreserved blocks (the default), WRITE into the receiver's staging, READ of the sender's pools; "
+              "landed: first send_layer\nto the receiver's landing (what a decode worker waits for); kvx landed: the "
+              "UCX backend's pull, the same")
         if args.nixl_diag:
             print("\nraw NIXL variants, one descriptor per layer (GB/s): handle prepared once or made per transfer"
                   "\n(initialize_xfer); state polled back to back (spin) or with 1 ms sleeps")

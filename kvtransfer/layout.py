@@ -314,6 +314,7 @@ MAX_MODEL_NAME_BYTES = 512
 FP8_WIRE = 4  # LAYER status bit: the payload's blocks are FP8 (module docstring)
 HELLO_AUTH = 8  # HELLO status bit: the sender holds a cluster token and answers a CHALLENGE
 WRITTEN = 16  # LAYER status bit (NIXL backend): the sender wrote the blocks into the receiver's staging slot
+DIRECT = 32  # LAYER / HELLO_OK status bit (NIXL backend): the sender wrote the blocks straight into the reserved blocks
 
 WIRE_PRECISIONS = ("full", "fp8")  # a transfer's KV precision on the wire
 # An FP8 transfer sends the sequence's first block(s) at full precision: the first token is the

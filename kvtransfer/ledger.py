@@ -38,7 +38,7 @@ RECEIVER_COUNTERS = (
     "transfers_expected", "transfers_completed", "transfers_expired", "transfers_cancelled", "transfers_failed",
     "messages_received", "messages_dropped", "bytes_received", "bytes_dropped", "bytes_landed",
     "transfer_seconds", "handshake_errors", "protocol_errors", "pull_links", "messages_pulled", "checksum_failures",
-    "messages_fp8", "peers_refused", "messages_written",
+    "messages_fp8", "peers_refused", "messages_written", "messages_direct", "fences", "fence_timeouts",
 ) + tuple(f"{phase}_seconds" for phase in RECEIVER_PHASES)
 SENDER_COUNTERS = (
     "transfers_started", "transfers_completed", "transfers_failed", "messages_sent", "bytes_sent", "transfer_seconds",
@@ -63,6 +63,14 @@ class FP8Payload:
     into the pools' dtype (kernels.kv_quant.unpack_blocks) before the scatter."""
 
     raw: torch.Tensor
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """A message whose blocks the sender already wrote into the reserved destination blocks (the
+    NIXL backend's direct WRITE): ``land_many`` checks and records it, with nothing to copy."""
+
+    layers: int
 
 
 @dataclass
@@ -182,6 +190,19 @@ class ReceiveLedger:
         if incoming is not None:
             self._drop(incoming, NackReason.CANCELLED)
 
+    def drop_reason(self, transfer_id: str) -> NackReason:
+        """Why a transfer that is no longer pending was dropped (BAD_MESSAGE when it failed)."""
+        with self._cond:
+            tomb = self._tombstones.get(transfer_key(transfer_id))
+        return tomb[0] if tomb is not None else NackReason.BAD_MESSAGE
+
+    def pending(self, transfer_id: str) -> bool:
+        """Whether ``transfer_id`` is expected and still open to its data (not landed, failed,
+        cancelled or expired)."""
+        with self._cond:
+            incoming = self._by_id.get(transfer_id)
+            return incoming is not None and incoming.state == _PENDING
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -215,6 +236,7 @@ class ReceiveLedger:
         still promise that nothing is written after they return. On CUDA, call it from a
         thread that may block, with a stream of its own."""
         landed: list[tuple[_Incoming, int, list[int], int]] = []
+        copied = False  # a copy was enqueued (in-place messages have none to wait for)
         held: list[_Incoming] = []
         results = [False] * len(items)
         start = time.perf_counter()
@@ -222,7 +244,12 @@ class ReceiveLedger:
             for i, (key, layer, dst_ids, staged, peer) in enumerate(items):
                 pull = isinstance(staged, PullSource)
                 fp8 = isinstance(staged, FP8Payload)
-                if fp8:
+                in_place = isinstance(staged, InPlace)
+                if in_place:
+                    layers = staged.layers
+                    nbytes = layers * self._layout.layer_message_bytes(len(dst_ids))
+                    self.count("messages_direct")
+                elif fp8:
                     nbytes = staged.raw.numel()
                     layers = staged.raw.shape[0]
                     self.count("messages_fp8")
@@ -251,7 +278,9 @@ class ReceiveLedger:
                         index = self._index(incoming, dst_ids)
                         if fp8:  # dequantized on landing, into the pools' dtype
                             staged = unpack_blocks(staged.raw, self._layout.torch_dtype)
-                        if pull:
+                        if in_place:
+                            pass  # already in the blocks: nothing to copy or wait for
+                        elif pull:
                             src_index = self._index(incoming, staged.src_ids)
                             trace.mark("r.indexed", key, layer)
                             timer = trace.gpu_timer(self._device)
@@ -264,6 +293,7 @@ class ReceiveLedger:
                                 scatter_layer(self._caches, layer + offset, index, staged[offset])
                         landed.append((incoming, range(layer, layer + layers), dst_ids, nbytes,
                                        layers * self._layout.layer_message_bytes(len(dst_ids))))
+                        copied = copied or not in_place
                         results[i] = True
                         continue
                     if incoming.state == _DONE:  # a duplicate after completion: harmless, nobody to tell
@@ -278,7 +308,7 @@ class ReceiveLedger:
             if trace.ENABLED:
                 for incoming, layers, *_ in landed:
                     trace.mark("r.launched", incoming.key, layers.start)
-            if landed and self._device.type == "cuda":
+            if copied and self._device.type == "cuda":
                 torch.cuda.current_stream(self._device).synchronize()
             trace.flush_gpu_timers()
             if trace.ENABLED:

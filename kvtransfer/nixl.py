@@ -9,7 +9,24 @@ The same wire semantics as the UCX backend (``kvtransfer.ucx``), with NIXL movin
    HELLO_REJECT naming what differs) and answers HELLO_OK. The address,
    ``nixl://host:port/<incarnation>``, names the receiver's process: a receiver restarted at
    the same port refuses transfers meant for the old one.
-2. WRITE (``op="write"``, the default): the receiver answers HELLO_OK with its agent's metadata
+2. DIRECT (``op="direct"``, the default): the receiver registers its pools with its agent once
+   and answers HELLO_OK (status DIRECT) with its agent's metadata and the pools' addresses. The
+   sender WRITEs each message's source blocks straight into the reserved destination blocks: one
+   NIXL descriptor per run of consecutive source blocks onto consecutive destination blocks, K
+   and V, and every message queued at the time in one transfer (one handle, posted ahead of the
+   previous one's DONE). Once NIXL says DONE it sends a LAYER (status DIRECT, ``layers``
+   consecutive layers onto the same blocks): header and destination block ids. The receiver
+   checks it against the transfer (a drop is counted and NACKed) and records the landing: there
+   is no copy on the receiving side. Since the bytes are in the pool before the receiver sees
+   the message, a dropped transfer (cancelled, expired, failed) is *fenced* before its blocks go
+   back to the engine (``NixlReceiver.cancel`` and ``wait``): every DIRECT sender gets FENCE
+   (the transfer's key and the reason); it drops what it has queued for that transfer, waits
+   for everything it posted to be DONE and answers FENCED. A sender that does not answer
+   within ``fence_timeout`` is disconnected; a sender that connects later is told the recent
+   fences in HELLO_OK. What a DIRECT receiver trusts: that an authenticated sender writes only
+   the destination ids it was given for a live transfer (the router's reservation); a sender
+   given ids that were never reserved writes them before the NACK.
+3. WRITE (``op="write"``): the receiver answers HELLO_OK with its agent's metadata
    and a staging buffer of its own for this connection (``slots`` slots of ``slot_bytes``,
    registered once). Per ``send_layer`` the sender takes a free slot, WRITEs the layer's source
    blocks into it (one NIXL descriptor per block, K then V; a layer with more blocks than a slot
@@ -23,7 +40,7 @@ The same wire semantics as the UCX backend (``kvtransfer.ucx``), with NIXL movin
    connection's staging, never into the pools: a late or stray WRITE can spoil nothing but a
    slot the receiver has not landed yet. A connection's staging is kept until the receiver
    closes (a dead or hung sender's WRITE may still be in flight).
-3. READ (``op="read"``; what a receiver that does not offer staging gets): per ``send_layer`` the
+4. READ (``op="read"``; what a receiver that does not offer staging gets): per ``send_layer`` the
    sender sends a LAYER message (status PULL): header, destination block ids, then source block
    ids; the receiver checks it, READs the source blocks from the sender's registered pools into
    a staging buffer and the ledger scatters them as above. On one H200 NIXL's READ ran at
@@ -39,10 +56,10 @@ polls. Transfer handles are
 made per message from descriptor lists (``initialize_xfer``); memory is registered once per
 pool and per staging size, never per message.
 
-Not here (the UCX backend has them): pacing, fault injection, checksums, FP8 on the wire (an
-``"fp8"`` message moves the pool's bytes as is) and coalescing of layers. On a GPU it is slow next
-to the UCX backend (one H200, 2k tokens of Llama-3.1-8B KV: 94 ms by WRITE, 3.8 s by READ, 1.8 ms
-on the UCX backend, measured before WRITEs were posted ahead): a sender on CUDA pools logs a
+Not here (the UCX backend has them): pacing, fault injection, checksums and FP8 on the wire (an
+``"fp8"`` message moves the pool's bytes as is). WRITE and READ are slow on a GPU next to the UCX
+backend (one H200, 2k tokens of Llama-3.1-8B KV: 94 ms by WRITE, 3.8 s by READ, 1.8 ms on the UCX
+backend, measured before WRITEs were posted ahead): a sender using them on CUDA pools logs a
 warning once.
 
 Environment: ``PDSERVE_NIXL_SLOT_BYTES`` (default 16 MiB) and ``PDSERVE_NIXL_SLOTS`` (default 4),
@@ -69,11 +86,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvtransfer import auth
+from kvtransfer import auth, trace
 from kvtransfer import layout as wire
 from kvtransfer.base import KVCaches, KVSender, TransferResult, env_positive_int, wire_fp8
 from kvtransfer.errors import KVTransferError
 from kvtransfer.layout import (
+    DIRECT,
     HEADER_BYTES,
     LAYOUT_BYTES,
     PULL,
@@ -87,10 +105,11 @@ from kvtransfer.layout import (
     hello_extra,
     hello_model,
     pack_hello,
+    transfer_key,
     unpack_header,
     unpack_layout,
 )
-from kvtransfer.ledger import LedgerReceiver, ReceiveLedger, SendLedger
+from kvtransfer.ledger import InPlace, LedgerReceiver, ReceiveLedger, SendLedger
 from kvtransfer.staging import block_index
 
 logger = logging.getLogger(__name__)
@@ -99,7 +118,16 @@ SCHEME = "nixl://"
 _FRAME = struct.Struct("<I")
 CREDIT = b"PDKVC"  # receiver -> sender frame: CREDIT + u32 slot, the slot is free again (WRITE)
 _SLOT = struct.Struct("<I")
-OPS = ("write", "read")
+# DIRECT: receiver -> sender FENCE + u64 transfer key + u64 fence id + u32 NackReason (write nothing
+# more for that transfer; answer once what is posted is DONE); sender -> receiver FENCED + u64 fence id
+FENCE, FENCED = b"PDKVF", b"PDKVG"
+_FENCE = struct.Struct("<QQI")
+_FENCE_ID = struct.Struct("<Q")
+FENCE_TIMEOUT_S = 5.0
+_MAX_FENCED, _FENCED_KEEP_S = 65536, 300.0  # fences a DIRECT sender is told at handshake
+_MAX_BATCH = 256  # queued messages a DIRECT sender gathers into one WRITE
+_WAKE = ("wake",)  # a _Link.queue item: a FENCE came (the sending thread serves it)
+OPS = ("direct", "write", "read")
 _MAX_FRAME = 64 << 20
 
 
@@ -178,6 +206,13 @@ def _send_frame(sock: socket.socket, lock: threading.Lock, data: bytes) -> None:
         sock.sendall(_FRAME.pack(len(data)) + data)
 
 
+def _send_frames(sock: socket.socket, lock: threading.Lock, frames: Sequence[bytes]) -> None:
+    """Several frames in one ``sendall``."""
+    if frames:
+        with lock:
+            sock.sendall(b"".join(_FRAME.pack(len(f)) + f for f in frames))
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
@@ -209,6 +244,18 @@ def parse_address(address: str) -> tuple[str, int, int]:
         return host.strip("[]"), int(port), int(inc or "0", 16)
     except ValueError:
         raise ValueError(f"not a NIXL KV address: {address!r}") from None
+
+
+def _descs(parts: list[tuple[np.ndarray, np.ndarray]], dev: int) -> np.ndarray:
+    """NIXL descriptors ``[n, 3]`` (address, bytes, device) from (addresses, sizes) pairs."""
+    out = np.empty((sum(a.size for a, _ in parts), 3), dtype=np.uint64)
+    at = 0
+    for addrs, sizes in parts:
+        out[at:at + addrs.size, 0] = addrs
+        out[at:at + addrs.size, 1] = sizes
+        at += addrs.size
+    out[:, 2] = dev
+    return out
 
 
 def _wait_xfer(agent, handle, what: str, state: str | None = None) -> None:
@@ -248,6 +295,7 @@ class _RecvConn:
         self.staging: torch.Tensor | None = None
         self.staging_reg = None
         self.write = False  # the sender WRITEs into this connection's staging slots
+        self.direct = False  # the sender WRITEs straight into the reserved blocks (and answers FENCE)
         self.slot_bytes = 0
         self.slots = 0
 
@@ -260,9 +308,11 @@ class _RecvConn:
 
 class NixlReceiver(LedgerReceiver):
     def __init__(self, kv_caches: KVCaches, host: str = "127.0.0.1", port: int = 0, connect_timeout: float = 5.0,
-                 model: str = "", token: str | None = None, interface: str | None = None):
+                 model: str = "", token: str | None = None, interface: str | None = None,
+                 fence_timeout: float = FENCE_TIMEOUT_S):
         """`token`: the cluster's secret, which every sender must prove (None: nothing checked);
-        `interface`: the local address(es) a connection must arrive on (default `host`; "any": any)."""
+        `interface`: the local address(es) a connection must arrive on (default `host`; "any": any);
+        `fence_timeout`: seconds a dropped transfer waits for its DIRECT senders (``_fence``)."""
         api = load_nixl()
         self._token = token
         self._allowed = auth.allowed_addresses(host, interface)
@@ -274,6 +324,14 @@ class NixlReceiver(LedgerReceiver):
         self._connect_timeout = connect_timeout
         self._ledger = ReceiveLedger(kv_caches, self.layout, on_ack=self._ack, on_nack=self._nack)
         self._agent = _agent(api, "recv")
+        self._pool_reg = None  # the pools, registered for DIRECT senders on the first one's handshake
+        self._fence_cond = threading.Condition()
+        self._fencing: dict[int, set[_RecvConn]] = {}  # fence id -> DIRECT connections yet to answer
+        self._fence_seq = 0
+        # transfer key -> (NackReason, when) of the recent fences: a DIRECT sender that connects later
+        # learns them at handshake (under self._lock, like the fence's choice of connections)
+        self._fenced: collections.OrderedDict[int, tuple[int, float]] = collections.OrderedDict()
+        self.fence_timeout = fence_timeout
         self._listener = socket.create_server((host, port))
         self._listener.settimeout(0.2)
         self.incarnation = int.from_bytes(os.urandom(4), "little") or 1
@@ -300,7 +358,72 @@ class NixlReceiver(LedgerReceiver):
         for conn in conns:
             if conn.thread is not None:
                 conn.thread.join(5)
+        with self._fence_cond:
+            self._fence_cond.notify_all()
         self._agent = None
+
+    # ---- DIRECT senders: what a dropped transfer waits for -------------------------------
+
+    def wait(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
+        try:
+            return self._ledger.wait(transfer_id, timeout)
+        except KVTransferError:
+            if not self._ledger.pending(transfer_id):  # failed, expired or dropped: its blocks go back
+                self._fence(transfer_id, self._ledger.drop_reason(transfer_id))
+            raise
+
+    def cancel(self, transfer_id: str) -> None:
+        self._ledger.cancel(transfer_id)
+        self._fence(transfer_id, NackReason.CANCELLED)
+
+    def _fence(self, transfer_id: str, reason: NackReason) -> None:
+        """Before a dropped transfer's blocks go back to the engine: every DIRECT sender stops
+        writing into them. Each is sent FENCE; it skips what it has queued for the transfer,
+        waits for what it posted to be DONE and answers FENCED. A sender that does not answer
+        within ``fence_timeout`` is disconnected (its link fails, and it posts nothing more)."""
+        key, now = transfer_key(transfer_id), time.monotonic()
+        with self._lock:  # kept even with no DIRECT sender yet: one that connects later is told
+            self._fenced[key] = (int(reason), now)
+            self._fenced.move_to_end(key)
+            while self._fenced and (len(self._fenced) > _MAX_FENCED
+                                    or next(iter(self._fenced.values()))[1] < now - _FENCED_KEEP_S):
+                self._fenced.popitem(last=False)
+            conns = [c for c in self._conns if c.direct]
+        if not conns:
+            return
+        with self._fence_cond:
+            self._fence_seq += 1
+            fence_id = self._fence_seq
+            waiting = self._fencing[fence_id] = set(conns)
+        msg = FENCE + _FENCE.pack(key, fence_id, int(reason))
+        for conn in conns:
+            conn.send(msg)
+        end = time.monotonic() + self.fence_timeout
+        with self._fence_cond:
+            while waiting and not self._closed.is_set():
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._fence_cond.wait(left)
+            late = list(waiting)
+            del self._fencing[fence_id]
+        self._ledger.count("fences")
+        for conn in late:
+            self._ledger.count("fence_timeouts")
+            logger.warning("a NIXL KV sender did not answer a fence within %.1f s for transfer %r: disconnected",
+                           self.fence_timeout, transfer_id)
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
+
+    def _on_fenced(self, conn: _RecvConn, frame: bytes) -> None:
+        if len(frame) != len(FENCED) + _FENCE_ID.size:
+            raise KVTransferError("bad FENCED message")
+        (fence_id,) = _FENCE_ID.unpack_from(frame, len(FENCED))
+        with self._fence_cond:
+            waiting = self._fencing.get(fence_id)
+            if waiting is not None:
+                waiting.discard(conn)
+                self._fence_cond.notify_all()
 
     # ---- ledger callbacks ------------------------------------------------------------
 
@@ -345,12 +468,18 @@ class NixlReceiver(LedgerReceiver):
                 frame = _recv_frame(conn.sock)
                 if frame is None:
                     return
+                if conn.direct and frame[:len(FENCED)] == FENCED:
+                    self._on_fenced(conn, frame)
+                    continue
                 header = unpack_header(frame, expected_fingerprint=self.layout.fingerprint)
                 if header.kind == MsgKind.BYE:
                     return
-                if header.kind != MsgKind.LAYER or not header.status & (WRITTEN if conn.write else PULL):
+                expected = DIRECT if conn.direct else WRITTEN if conn.write else PULL
+                if header.kind != MsgKind.LAYER or not header.status & expected:
                     raise KVTransferError(f"unexpected KV message {header.kind.name} on a NIXL connection")
-                if conn.write:
+                if conn.direct:
+                    self._on_direct(conn, header, frame)
+                elif conn.write:
                     self._on_written(conn, header, frame)
                 else:
                     self._on_layer(conn, header, frame)
@@ -363,6 +492,11 @@ class NixlReceiver(LedgerReceiver):
                 self._conns.discard(conn)
                 if conn.write:
                     self._retired.append(conn)
+            if conn.direct:  # a closed connection answers no fence: nothing waits for it
+                with self._fence_cond:
+                    for waiting in self._fencing.values():
+                        waiting.discard(conn)
+                    self._fence_cond.notify_all()
             agent = self._agent
             if agent is not None:
                 if conn.staging_reg is not None and not conn.write:
@@ -417,6 +551,20 @@ class NixlReceiver(LedgerReceiver):
         if info["mem"] != self._mem:
             logger.info("NIXL KV sender pools in %s, receiver pools in %s", info["mem"], self._mem)
         conn.remote_mem = info["mem"]
+        if info.get("op") == "direct":
+            with self._lock:
+                if self._pool_reg is None:
+                    self._pool_reg = _register(self._agent, self._pools, self._mem, self._dev)
+                conn.direct = True  # from here on a fence includes it; the ones before, it is told now
+                fenced = [[key, reason] for key, (reason, _) in self._fenced.items()]
+            offer = json.dumps({
+                "metadata": base64.b64encode(self._agent.get_agent_metadata()).decode(),
+                "pools": [[k.data_ptr(), v.data_ptr()] for k, v in self._pools],
+                "blocks": self._pools[0][0].shape[0], "dev": self._dev, "mem": self._mem, "fenced": fenced,
+            }).encode()
+            conn.send(pack_hello(MsgKind.HELLO_OK, self.layout, model=self._model, incarnation=self.incarnation,
+                                 status=DIRECT, extra=offer))
+            return True
         if info.get("op") == "write":
             slot_bytes, slots = _slot_config()
             slot_bytes = max(slot_bytes, 2 * self.layout.block_bytes)  # at least one block's K and V
@@ -478,6 +626,16 @@ class NixlReceiver(LedgerReceiver):
         self._ledger.count("messages_pulled")
         self._ledger.land(key, layer, dst, staged, conn)
 
+    def _on_direct(self, conn: _RecvConn, header: WireHeader, frame: bytes) -> None:
+        """LAYER (status DIRECT): the sender's WRITE of these blocks into ``header.layers`` layers
+        from ``header.layer`` is DONE; check and record it (a drop is counted and NACKed)."""
+        n = header.num_blocks
+        if n < 1 or header.layers < 1 or len(frame) != HEADER_BYTES + 4 * n:
+            raise KVTransferError(f"bad DIRECT message: {n} blocks, {header.layers} layers, {len(frame)} bytes")
+        trace.mark("r.control", header.transfer_key, header.layer)
+        dst = np.frombuffer(frame, dtype=np.int32, count=n, offset=HEADER_BYTES).tolist()
+        self._ledger.land_many([(header.transfer_key, header.layer, dst, InPlace(header.layers), conn)])
+
     def _on_written(self, conn: _RecvConn, header: WireHeader, frame: bytes) -> None:
         """A LAYER the sender WROTE into slot ``slot`` of this connection's staging: land it (or
         drop it, NACKing), then hand the slot back."""
@@ -520,17 +678,25 @@ class _Link:
         self.remote_dev = 0
         self.remote_mem = "DRAM"
         self.free: queue.SimpleQueue = queue.SimpleQueue()
-        # WRITEs posted and not yet reaped, oldest first: [handle, state, WRITTEN frame, (key, bytes) when
-        # the frame ends its send_layer's message, else None]
+        # WRITEs posted and not yet reaped, oldest first: (handle, state, the frames that say they landed,
+        # the (key, bytes) of each send_layer message they end)
         self.pending: collections.deque = collections.deque()
+        # DIRECT: the receiver's pools ([layers, 2] base addresses) and block count, FENCEs to serve
+        # (key, fence id), and the transfer keys fenced so far (newest last; what is queued for them is dropped)
+        self.direct = False
+        self.remote_pools: np.ndarray | None = None
+        self.remote_blocks = 0
+        self.fences: collections.deque = collections.deque()
+        self.fenced: collections.OrderedDict[int, NackReason] = collections.OrderedDict()
 
 
 class NixlSender(KVSender):
     def __init__(self, kv_caches: KVCaches, connect_timeout: float = 5.0, model: str = "",
-                 token: str | None = None, op: str = "write"):
+                 token: str | None = None, op: str = "direct"):
         """`token`: the cluster's secret, proved to each receiver (None: a cluster without one);
-        `op`: ``"write"`` (the sender WRITEs into the receiver's staging) or ``"read"`` (the
-        receiver READs the sender's pools); a receiver that offers no staging gets READ."""
+        `op`: ``"direct"`` (the sender WRITEs into the receiver's reserved blocks), ``"write"``
+        (into the receiver's staging, which it copies into the blocks) or ``"read"`` (the
+        receiver READs the sender's pools); the receiver answers which it takes."""
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
         api = load_nixl()
@@ -546,6 +712,7 @@ class NixlSender(KVSender):
         self._ledger = SendLedger()
         self._agent = _agent(api, "send")
         self._reg = _register(self._agent, self._pools, self._mem, self._dev)
+        self._pool_base = np.array([[k.data_ptr(), v.data_ptr()] for k, v in self._pools], dtype=np.uint64)
         self._hello_extra = json.dumps({
             "metadata": base64.b64encode(self._agent.get_agent_metadata()).decode(),
             "pools": [[k.data_ptr(), v.data_ptr()] for k, v in self._pools],
@@ -629,7 +796,16 @@ class NixlSender(KVSender):
             raise KVTransferError(f"expected HELLO_OK from {link.address}, got {header.kind.name}")
         if header.layers != incarnation:
             raise KVTransferError(f"KV receiver {link.address} restarted (another incarnation)")
-        if not header.status & PULL:  # the receiver offers staging for WRITEs
+        if header.status & DIRECT:  # the receiver offers its pools for WRITEs into the reserved blocks
+            offer = json.loads(hello_extra(answer, header))
+            link.remote_agent = self._agent.add_remote_agent(base64.b64decode(offer["metadata"]))
+            link.remote_pools = np.array(offer["pools"], dtype=np.uint64).reshape(self.layout.num_layers, 2)
+            link.remote_blocks = int(offer["blocks"])
+            link.remote_dev, link.remote_mem = int(offer["dev"]), offer["mem"]
+            for key, reason in offer.get("fenced", []):
+                link.fenced[int(key)] = NackReason(int(reason))
+            link.direct = True
+        elif not header.status & PULL:  # the receiver offers staging for WRITEs
             offer = json.loads(hello_extra(answer, header))
             link.remote_agent = self._agent.add_remote_agent(base64.b64decode(offer["metadata"]))
             link.base, link.slot_bytes = int(offer["base"]), int(offer["slot_bytes"])
@@ -637,7 +813,8 @@ class NixlSender(KVSender):
             for slot in range(int(offer["slots"])):
                 link.free.put(slot)
             link.write = True
-        _warn_on_cuda(self._device, "write" if link.write else "read")
+        if not link.direct:
+            _warn_on_cuda(self._device, "write" if link.write else "read")
         sock.settimeout(None)
         reader = threading.Thread(target=self._read, args=(link,), name="kvtransfer-nixl-ack", daemon=True)
         link.threads.append(reader)
@@ -679,6 +856,12 @@ class NixlSender(KVSender):
                 if frame[:len(CREDIT)] == CREDIT:
                     link.free.put(_SLOT.unpack_from(frame, len(CREDIT))[0])
                     continue
+                if frame[:len(FENCE)] == FENCE:
+                    if len(frame) != len(FENCE) + _FENCE.size:
+                        raise KVTransferError("bad FENCE message")
+                    link.fences.append(_FENCE.unpack_from(frame, len(FENCE)))
+                    link.queue.put(_WAKE)  # the sending thread serves it
+                    continue
                 header = unpack_header(frame)
                 if header.kind == MsgKind.ACK:
                     self._ledger.on_ack(header.transfer_key)
@@ -712,14 +895,17 @@ class NixlSender(KVSender):
     def _reap(self, link: _Link) -> None:
         """Waits for the oldest posted WRITE's DONE, then sends its WRITTEN frame (and, for a
         message's last frame, counts the message sent)."""
-        handle, state, frame, done = link.pending.popleft()
+        handle, state, frames, done = link.pending.popleft()
         try:
             _wait_xfer(self._agent, handle, "WRITE", state)
         finally:
             handle.release()
-        _send_frame(link.sock, link.lock, frame)
-        if done is not None:
-            self._ledger.on_sent(*done)
+        _send_frames(link.sock, link.lock, frames)
+        if trace.ENABLED:
+            for key, _ in done:
+                trace.mark("s.sent", key)
+        for key, nbytes in done:
+            self._ledger.on_sent(key, nbytes)
 
     def _next_item(self, link: _Link):
         """The next queued message; while WRITEs are posted, finishes them until one comes."""
@@ -774,15 +960,113 @@ class NixlSender(KVSender):
                                 fingerprint=self.layout.fingerprint, status=WRITTEN)
             frame = header.pack() + _SLOT.pack(slot) + np.asarray(d_ids, dtype=np.int32).tobytes()
             last = start + per >= len(src)
-            link.pending.append((handle, state, frame, (key, nbytes) if last else None))
+            link.pending.append((handle, state, [frame], [(key, nbytes)] if last else []))
+
+    def _gather(self, link: _Link, first) -> tuple[list, bool]:
+        """``first`` and the messages queued behind it now (DIRECT: one WRITE carries them all);
+        and whether the queue's end (close) came."""
+        batch, stop = [first], False
+        while len(batch) < _MAX_BATCH:
+            try:
+                item = link.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                stop = True
+                break
+            if item is not _WAKE:  # the FENCE it stands for is served before the batch is posted
+                batch.append(item)
+        return batch, stop
+
+    def _serve_fences(self, link: _Link) -> None:
+        """Each FENCE: nothing more is posted for its transfer, what is posted finishes (its
+        frames go), then FENCED."""
+        while link.fences:
+            key, fence_id, reason = link.fences.popleft()
+            link.fenced[key] = NackReason(reason)
+            while len(link.fenced) > 65536:
+                link.fenced.popitem(last=False)
+            while link.pending and link.error is None:
+                self._reap_or_fail(link)
+            if link.error is None:
+                try:
+                    _send_frame(link.sock, link.lock, FENCED + _FENCE_ID.pack(fence_id))
+                except OSError as e:
+                    self._fail_link(link, e)
+
+    def _post_direct(self, link: _Link, batch: list) -> None:
+        """One WRITE for every message of ``batch`` still wanted, straight into the receiver's
+        reserved blocks."""
+        if link.fences:
+            self._serve_fences(link)
+        ready = []
+        for key, layer, src, dst, nbytes, event in batch:
+            if key in link.fenced:  # the receiver dropped it: fail it as its NACK would
+                self._ledger.on_nack(key, link.fenced[key])
+                continue
+            if self._ledger.should_skip(key):
+                continue
+            if dst and max(dst) >= link.remote_blocks:
+                self._ledger.fail_key(key, KVTransferError(
+                    f"destination block id {max(dst)} outside the {link.remote_blocks} blocks of KV receiver "
+                    f"{link.address}"))
+                continue
+            if event is not None:
+                event.synchronize()
+            self._ledger.on_staged(key)
+            self._ledger.on_posted(key)
+            ready.append((key, layer, src, dst, nbytes))
+        if not ready:
+            return
+        try:
+            self._write_direct(link, ready)
+        except Exception as e:  # NIXL's own errors too: the link fails, not the thread
+            self._fail_link(link, e)
+
+    def _write_direct(self, link: _Link, ready: list) -> None:
+        """Post one WRITE of ``ready``'s blocks (K and V; a run of consecutive source blocks onto
+        consecutive destination blocks is one descriptor) and queue the frames that say so."""
+        block = np.uint64(self.layout.block_bytes)
+        local_parts, remote_parts, done, groups = [], [], [], []
+        for key, layer, src, dst, nbytes in ready:
+            s_ids, d_ids = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+            cut = np.flatnonzero((np.diff(s_ids) != 1) | (np.diff(d_ids) != 1)) + 1
+            starts = np.concatenate(([0], cut))
+            size = np.diff(np.append(starts, s_ids.size)).astype(np.uint64) * block
+            s_off, d_off = s_ids[starts].astype(np.uint64) * block, d_ids[starts].astype(np.uint64) * block
+            for side in (0, 1):
+                local_parts.append((self._pool_base[layer, side] + s_off, size))
+                remote_parts.append((link.remote_pools[layer, side] + d_off, size))
+            done.append((key, nbytes))
+            last = groups[-1] if groups else None
+            if last is not None and last[0] == key and last[1] + last[2] == layer and last[3] == dst:
+                last[2] += 1  # consecutive layers onto the same blocks: one frame
+            else:
+                groups.append([key, layer, 1, dst])
+        agent = self._agent
+        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(_descs(local_parts, self._dev), self._mem),
+                                       agent.get_xfer_descs(_descs(remote_parts, link.remote_dev), link.remote_mem),
+                                       link.remote_agent)
+        state = agent.transfer(handle)
+        if trace.ENABLED:
+            for key, layer, *_ in ready:
+                trace.mark("s.post", key, layer)
+        frames = [WireHeader(MsgKind.LAYER, transfer_key=key, layer=layer, num_blocks=len(dst),
+                             num_bytes=n * self.layout.layer_message_bytes(len(dst)),
+                             fingerprint=self.layout.fingerprint, status=DIRECT, layers=n).pack()
+                  + np.asarray(dst, dtype=np.int32).tobytes() for key, layer, n, dst in groups]
+        link.pending.append((handle, state, frames, done))
 
     def _drive(self, link: _Link) -> None:
         try:
-            while True:
+            stop = False
+            while not stop:
                 item = self._next_item(link)
+                if link.fences:
+                    self._serve_fences(link)
+                if item is _WAKE:
+                    continue
                 if item is None:
-                    while link.pending and link.error is None:  # what is posted goes before BYE
-                        self._reap_or_fail(link)
                     break
                 key, layer, src, dst, nbytes, event = item
                 if link.error is None and link.sock is None:
@@ -794,6 +1078,10 @@ class NixlSender(KVSender):
                         self._ledger.fail_address(link.address, link.error)
                 if link.error is not None:
                     self._ledger.fail_key(key, link.error)
+                    continue
+                if link.direct:
+                    batch, stop = self._gather(link, item)
+                    self._post_direct(link, batch)
                     continue
                 if self._ledger.should_skip(key):
                     continue
@@ -812,6 +1100,8 @@ class NixlSender(KVSender):
                     self._fail_link(link, e)
                     continue
                 self._ledger.on_sent(key, nbytes)
+            while link.pending and link.error is None:  # what is posted goes before BYE
+                self._reap_or_fail(link)
         finally:
             if link.sock is not None:
                 try:

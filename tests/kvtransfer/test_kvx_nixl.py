@@ -57,7 +57,7 @@ def test_nixl_is_a_registered_backend():
     assert "nixl" in kvtransfer.available_backends()
 
 
-@pytest.mark.parametrize("op", ["write", "read"])
+@pytest.mark.parametrize("op", ["direct", "write", "read"])
 def test_nixl_fp32_lands_exact_blocks(peer, op):
     src = make_caches(FP32, seed=11)
     address = peer.call("open_receiver", FP32)
@@ -83,7 +83,10 @@ def test_nixl_fp32_lands_exact_blocks(peer, op):
             assert torch.equal(raw[untouched], zeros[layer][pool][untouched])
     metrics = peer.call("metrics")
     assert metrics["transfers_completed"] == 2 and metrics["messages_dropped"] == 0
-    assert metrics["messages_written" if op == "write" else "messages_pulled"] == 6
+    if op == "direct":  # one WRITE may carry several layers (one frame each run of layers)
+        assert 2 <= metrics["messages_direct"] <= 6 and metrics["messages_written"] == metrics["messages_pulled"] == 0
+    else:
+        assert metrics["messages_written" if op == "write" else "messages_pulled"] == 6
 
 
 def test_nixl_write_splits_a_layer_over_slots_and_waits_for_credits(peer):
@@ -96,7 +99,7 @@ def test_nixl_write_splits_a_layer_over_slots_and_waits_for_credits(peer):
         address = peer.call("open_receiver", FP32)
         src = make_caches(FP32, seed=12)
         src_ids, dst_ids = [4, 8, 1, 13, 6], [2, 9, 12, 5, 1]
-        with kvtransfer.create_sender("nixl", src) as sender:
+        with kvtransfer.create_sender("nixl", src, op="write") as sender:
             peer.call("expect", "split", dst_ids, 3, 20.0)
             for layer in range(3):
                 sender.send_layer(address, "split", layer, src_ids, dst_ids)
@@ -154,11 +157,12 @@ def test_nixl_bf16_child_sends_to_parent_in_chunks():
         assert peer.stop() == 0
 
 
-def test_nixl_nack_on_unknown_id_and_unreserved_blocks(peer):
+@pytest.mark.parametrize("op", ["direct", "write", "read"])
+def test_nixl_nack_on_unknown_id_and_unreserved_blocks(peer, op):
     src = make_caches(FP32, seed=3)
     zeros = make_caches(FP32, seed=None)
     address = peer.call("open_receiver", FP32)
-    with kvtransfer.create_sender("nixl", src) as sender:
+    with kvtransfer.create_sender("nixl", src, op=op) as sender:
         sender.send_layer(address, "never-expected", 0, [1], [2])
         with pytest.raises(KVTransferError, match="unknown_transfer"):
             sender.finish("never-expected", timeout=10)
@@ -175,9 +179,68 @@ def test_nixl_nack_on_unknown_id_and_unreserved_blocks(peer):
         sender.finish("next", timeout=20)
         peer.call("wait", "next", 20.0)
         assert peer.call("read", 2, [6]) == block_bytes(src, 2, [3])
-    for ids in ([2], [4, 5]):
-        assert peer.call("read", 0, ids) == block_bytes(zeros, 0, ids)
+    if op != "direct":  # a DIRECT sender has already written the ids it was given; the others never do
+        for ids in ([2], [4, 5]):
+            assert peer.call("read", 0, ids) == block_bytes(zeros, 0, ids)
     assert peer.call("metrics")["messages_dropped"] == 2
+
+
+def _warm_direct_link(peer, sender, address, src):
+    """One transfer, so that the DIRECT sender is connected before the test's fence."""
+    peer.call("expect", "warm", [0], 3, 20.0)
+    for layer in range(3):
+        sender.send_layer(address, "warm", layer, [1], [0])
+    sender.finish("warm", timeout=20)
+    peer.call("wait", "warm", 20.0)
+    assert peer.call("read", 1, [0]) == block_bytes(src, 1, [1])
+
+
+def test_nixl_direct_cancel_fences_the_sender(peer):
+    """A cancelled transfer's blocks go back only once every DIRECT sender is fenced: the sender
+    then drops what it is given for the transfer, and its finish says why."""
+    src = make_caches(FP32, seed=41)
+    zeros = make_caches(FP32, seed=None)
+    address = peer.call("open_receiver", FP32)
+    with kvtransfer.create_sender("nixl", src) as sender:
+        _warm_direct_link(peer, sender, address, src)
+        peer.call("expect", "gone", [8, 9], 3, 20.0)
+        peer.call("cancel", "gone")
+        for layer in range(3):
+            sender.send_layer(address, "gone", layer, [2, 3], [8, 9])
+        with pytest.raises(KVTransferError, match="cancelled"):
+            sender.finish("gone", timeout=10)
+        # the link stays up: the next transfer lands
+        peer.call("expect", "after", [10], 3, 20.0)
+        for layer in range(3):
+            sender.send_layer(address, "after", layer, [4], [10])
+        sender.finish("after", timeout=20)
+        peer.call("wait", "after", 20.0)
+    for layer in range(3):
+        assert peer.call("read", layer, [8, 9]) == block_bytes(zeros, layer, [8, 9])
+        assert peer.call("read", layer, [10]) == block_bytes(src, layer, [4])
+    metrics = peer.call("metrics")
+    assert metrics["fences"] == 1 and metrics["fence_timeouts"] == 0 and metrics["transfers_cancelled"] == 1
+
+
+def test_nixl_direct_sender_that_ignores_a_fence_is_disconnected(peer, monkeypatch):
+    from kvtransfer.nixl import NixlSender
+
+    monkeypatch.setattr(NixlSender, "_serve_fences", lambda self, link: None)
+    src = make_caches(FP32, seed=42)
+    address = peer.call("open_receiver", FP32, fence_timeout=0.5)
+    with kvtransfer.create_sender("nixl", src) as sender:
+        _warm_direct_link(peer, sender, address, src)
+        peer.call("expect", "ignored", [5], 3, 20.0)
+        started = time.monotonic()
+        peer.call("cancel", "ignored")
+        assert 0.4 < time.monotonic() - started < 5
+        metrics = peer.call("metrics")
+        assert metrics["fences"] == 1 and metrics["fence_timeouts"] == 1
+        wait_for(lambda: sender._links[address].error is not None)  # the receiver hung up
+        sender.send_layer(address, "late", 0, [1], [6])
+        with pytest.raises(KVTransferError, match="closed the connection"):
+            sender.finish("late", timeout=10)
+    assert peer.call("read", 0, [6]) == block_bytes(make_caches(FP32, seed=None), 0, [6])
 
 
 def test_nixl_deadline_drops_late_data(peer):
