@@ -314,12 +314,14 @@ def _nixl_descs(base: int, sizes: list[int], dev: int):
 
 
 def _nixl_initiator_main(conn, op: str, sizes: list[int], device: str, repeat: int, prepped: bool, poll: str,
-                         progress_thread: bool = True) -> None:
+                         progress_thread: bool = True, thread: str = "") -> None:
     """Child process: the NIXL initiator. WRITE: it holds the source (sender side); READ: the
     destination (receiver side). ``prepped``: descriptor lists prepared once and one transfer
     handle re-posted (else ``initialize_xfer`` per transfer); ``poll``: ``spin`` (check the state
     back to back) or ``sleep`` (1 ms between checks); ``progress_thread``: NIXL's own UCX progress
-    thread in the initiator (the passive side always runs one)."""
+    thread in the initiator (the passive side always runs one); ``thread``: post from the main
+    thread (``""``), from a new thread (``"bare"``), or from a new thread that first calls
+    ``torch.cuda.set_device`` (``"device"``), as a backend's sending thread would."""
     total = sum(sizes)
     agent, buf, mem, dev = _nixl_side(total, device, op == "WRITE", progress_thread)
     metadata, remote_base, remote_dev, remote_mem = conn.recv()
@@ -333,6 +335,37 @@ def _nixl_initiator_main(conn, op: str, sizes: list[int], device: str, repeat: i
         handle = agent.make_prepped_xfer(op, agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, mem), idx,
                                          agent.prep_xfer_dlist(name, remote, remote_mem), idx, b"done")
     times = []
+    if thread:
+        import threading
+
+        result: list = []
+
+        def posting():
+            if thread == "device" and device.startswith("cuda"):
+                torch.cuda.set_device(torch.device(device))
+            result.append(_post_and_time(agent, op, handle if prepped else None, local, remote, mem, remote_mem, name,
+                                         repeat, poll))
+
+        t = threading.Thread(target=posting)
+        t.start()
+        t.join()
+        times, error = result[0]
+    else:
+        times, error = _post_and_time(agent, op, handle if prepped else None, local, remote, mem, remote_mem, name,
+                                      repeat, poll)
+    if error:
+        conn.send(("err", error))
+        return
+    ok = op == "WRITE" or torch.equal(buf, _nixl_pattern(total, device))
+    conn.send(("ok", (times, ok)))
+    conn.recv()  # the parent checked its side and removed us
+
+
+def _post_and_time(agent, op, handle, local, remote, mem, remote_mem, name, repeat, poll):
+    """(seconds of each of ``repeat`` + 1 transfers, error or None): ``handle`` re-posted, or
+    (None) one made per transfer."""
+    prepped = handle is not None
+    times = []
     for _ in range(repeat + 1):
         if not prepped:
             handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, remote_mem),
@@ -345,17 +378,14 @@ def _nixl_initiator_main(conn, op: str, sizes: list[int], device: str, repeat: i
             state = agent.check_xfer_state(handle)
         times.append(time.perf_counter() - start)
         if state != "DONE":
-            conn.send(("err", f"NIXL {op} ended in state {state}"))
-            return
+            return times, f"NIXL {op} ended in state {state}"
         if not prepped:
             handle.release()
-    ok = op == "WRITE" or torch.equal(buf, _nixl_pattern(total, device))
-    conn.send(("ok", (times, ok)))
-    conn.recv()  # the parent checked its side and removed us
+    return times, None
 
 
 def raw_nixl_gbps(sizes: list[int], op: str, device: str, receiver_device: str, repeat: int,
-                  prepped: bool = True, poll: str = "spin", progress_thread: bool = True) -> float:
+                  prepped: bool = True, poll: str = "spin", progress_thread: bool = True, thread: str = "") -> float:
     """GB/s of raw NIXL (UCX plugin) moving ``sizes`` bytes, one descriptor each, from a sender
     to a receiver process: WRITE posted by the sender, READ posted by the receiver; from the
     post to the initiator's DONE; the landed bytes are checked."""
@@ -366,7 +396,7 @@ def raw_nixl_gbps(sizes: list[int], op: str, device: str, receiver_device: str, 
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=_nixl_initiator_main, args=(child_conn, op, sizes, initiator_device, repeat, prepped, poll,
-                                                                  progress_thread),
+                                                                  progress_thread, thread),
                         daemon=True)
     child.start()
     try:
@@ -549,11 +579,15 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
             # the descriptors pdserve's DIRECT WRITE posts here: a layer's K blocks, then its V blocks
             out[f"nixl_{op}_kv"] = raw_nixl_gbps([layer // 2] * (2 * shape.num_layers), op, device, receiver_device,
                                                  repeat)
-        if nixl_diag:  # what moves READ: a handle per transfer, polling with sleeps
+        if nixl_diag:  # what slows a transfer: a handle per transfer, polling with sleeps, another thread
             for prepped, poll in ((False, "spin"), (True, "sleep"), (False, "sleep")):
-                for op in ("WRITE", "READ"):
+                for op in nixl_ops:
                     out[f"nixl_{op}_same_{'prepped' if prepped else 'init'}_{poll}"] = raw_nixl_gbps(
                         [layer] * shape.num_layers, op, device, receiver_device, repeat, prepped, poll)
+            for thread in ("bare", "device"):
+                for op in nixl_ops:
+                    out[f"nixl_{op}_same_thread_{thread}"] = raw_nixl_gbps(
+                        [layer] * shape.num_layers, op, device, receiver_device, repeat, False, "spin", thread=thread)
         modes = [(NIXL_MODES[m], {"op": m}) for m in nixl_modes if m != "read" or "READ" in nixl_ops]
         for key in NIXL_MODES.values():
             out[key] = out[f"{key}_seconds"] = out[f"{key}_landed_s"] = float("nan")
@@ -712,11 +746,14 @@ def main() -> int:
               "UCX backend's pull, the same")
         if args.nixl_diag:
             print("\nraw NIXL variants, one descriptor per layer (GB/s): handle prepared once or made per transfer"
-                  "\n(initialize_xfer); state polled back to back (spin) or with 1 ms sleeps")
+                  "\n(initialize_xfer); state polled back to back (spin) or with 1 ms sleeps; posted from a new thread"
+                  "\n(init spin), bare or after torch.cuda.set_device there")
             for tokens, r in results:
                 cells = [f"{op[0]} {how} {poll}: {r[f'nixl_{op}_same' if (how, poll) == ('prepped', 'spin') else f'nixl_{op}_same_{how}_{poll}']:.2f}"
                          for how, poll in (("prepped", "spin"), ("init", "spin"), ("prepped", "sleep"), ("init", "sleep"))
-                         for op in ("WRITE", "READ")]
+                         for op in nixl_ops]
+                cells += [f"{op[0]} thread {how}: {r[f'nixl_{op}_same_thread_{how}']:.2f}"
+                          for how in ("bare", "device") for op in nixl_ops]
                 print(f"{tokens:>7}  " + "; ".join(cells))
     print("received blocks equal the sent ones, byte for byte, in every mode (checked)")
     print("\nkvx: first send_layer to ACK (sender), pulled by the receiver where it maps the sender's pools;"

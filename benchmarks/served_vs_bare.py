@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="which of bare, colocated, disaggregated to run (default %(default)s)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for a server (default %(default)s)")
     p.add_argument("--max-run-time", type=float, default=300.0, help="seconds per loadgen run (default %(default)s)")
+    p.add_argument("--kv-backends", default="ucx",
+                   help="KV backends of the disaggregated run, comma-separated: one run each (default %(default)s; "
+                        "nixl needs pdserve[nixl])")
     p.add_argument("--out", default=None, help="write logs and served_vs_bare.json here (default: a temporary folder)")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -141,14 +144,18 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
         results["colocated_startup_s"] = server.startup_s
-    if "disaggregated" in modes:
+    backends = [b.strip() for b in args.kv_backends.split(",") if b.strip()]
+    if not backends or any(b not in ("ucx", "nixl") for b in backends):
+        p.error(f"--kv-backends: ucx and/or nixl, comma-separated, got {args.kv_backends!r}")
+    for n, backend in enumerate(backends if "disaggregated" in modes else []):
         share = ["--worker-gpus", "0.5"] if args.device == "cuda" else ["--worker-gpus", "0"]
-        server = Server(args, ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", *share],
-                        "disaggregated", out_dir)
+        label = "disaggregated 1P+1D" + ("" if backends == ["ucx"] else f" {backend}")
+        server = Server(args, ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--kv-backend", backend,
+                               *share], label.replace(" ", "-"), out_dir)
         try:
-            s = loadgen(server.url, args, seed=args.seed + 20)
+            s = loadgen(server.url, args, seed=args.seed + 20 + n)
             s["kv_fallbacks"] = metric_total(server.url, "pdserve:request_recoveries_total")
-            results["runs"]["disaggregated 1P+1D"] = s
+            results["runs"][label] = s
         finally:
             server.stop()
 
@@ -169,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     if "served run 1" in runs and "served run 2" in runs:
         ratios["first_over_second_ttft_p50"] = runs["served run 1"]["ttft_p50"] / runs["served run 2"]["ttft_p50"]
         ratios["first_over_second_tpot_p50"] = runs["served run 1"]["tpot_p50"] / runs["served run 2"]["tpot_p50"]
-    if "disaggregated 1P+1D" in runs:
-        d = runs["disaggregated 1P+1D"]
-        ratios["disaggregated_errors"] = d["num_errors"]
-        ratios["disaggregated_kv_fallbacks"] = d["kv_fallbacks"]
+    for label, d in runs.items():
+        if label.startswith("disaggregated 1P+1D"):
+            suffix = label[len("disaggregated 1P+1D"):].strip().replace(" ", "_")
+            ratios["disaggregated_errors" + (f"_{suffix}" if suffix else "")] = d["num_errors"]
+            ratios["disaggregated_kv_fallbacks" + (f"_{suffix}" if suffix else "")] = d["kv_fallbacks"]
     results["ratios"] = ratios
     print()
     for key, value in ratios.items():

@@ -89,14 +89,20 @@ def fp8_scales(amax: torch.Tensor) -> torch.Tensor:
     """float32 amax [...] -> float32 scales: amax / 448 correctly rounded, 1 where that is 0.
     (IEEE float32 division is correctly rounded, and so equals the division in float64 rounded
     to float32: float64 has more than 2 x 24 + 2 bits, so the double rounding is exact.)"""
-    scale = amax.float() / FP8_MAX
+    if amax.device.type == "cpu":
+        scale = amax.float() / FP8_MAX
+    else:  # CUDA divides by a scalar as a product by its rounded reciprocal (1 ulp off for ~half)
+        scale = (amax.double() / FP8_MAX).float()
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
 def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """float32 x [..., D] / scale [..., 1] (correctly rounded), clamped to +-448, cast with
     round-to-nearest-even: what the kernels store."""
-    q = x.float() / scale.float()  # correctly rounded (see fp8_scales)
+    if x.device.type == "cpu":
+        q = x.float() / scale.float()  # correctly rounded (see fp8_scales)
+    else:  # as the kernels divide (div.rn.f32), whatever torch's CUDA division does
+        q = (x.double() / scale.double()).float()
     return q.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 

@@ -258,6 +258,13 @@ def _descs(parts: list[tuple[np.ndarray, np.ndarray]], dev: int) -> np.ndarray:
     return out
 
 
+def _bind_device(device: torch.device) -> None:
+    """Make ``device``'s CUDA context current in the calling thread, which posts NIXL transfers
+    (UCX looks up the memory of a descriptor through the thread's current context)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def _wait_xfer(agent, handle, what: str, state: str | None = None) -> None:
     """Post ``handle`` (or, given the ``state`` its post returned, only wait) until NIXL says DONE."""
     if state is None:
@@ -456,6 +463,7 @@ class NixlReceiver(LedgerReceiver):
             conn.thread.start()
 
     def _serve(self, conn: _RecvConn) -> None:
+        _bind_device(self._device)  # this thread posts a READ connection's READs
         try:
             conn.sock.settimeout(self._connect_timeout)
             if not self._admit(conn):
@@ -1058,6 +1066,7 @@ class NixlSender(KVSender):
         link.pending.append((handle, state, frames, done))
 
     def _drive(self, link: _Link) -> None:
+        _bind_device(self._device)  # this thread posts the WRITEs
         try:
             stop = False
             while not stop:
