@@ -259,10 +259,13 @@ def _descs(parts: list[tuple[np.ndarray, np.ndarray]], dev: int) -> np.ndarray:
 
 
 def _bind_device(device: torch.device) -> None:
-    """Make ``device``'s CUDA context current in the calling thread, which posts NIXL transfers
-    (UCX looks up the memory of a descriptor through the thread's current context)."""
+    """Make ``device``'s CUDA context current in the calling thread, which registers memory or posts
+    NIXL transfers: UCX makes a CUDA IPC key for registered memory through the thread's current
+    context, and without one its transfers go through host memory. ``set_device`` alone does not
+    bind it (torch skips it when the device number is already the thread's); a runtime call does."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.cuda.current_stream(device).query()
 
 
 def _wait_xfer(agent, handle, what: str, state: str | None = None) -> None:
@@ -463,7 +466,7 @@ class NixlReceiver(LedgerReceiver):
             conn.thread.start()
 
     def _serve(self, conn: _RecvConn) -> None:
-        _bind_device(self._device)  # this thread posts a READ connection's READs
+        _bind_device(self._device)  # this thread registers its connection's memory and posts its READs
         try:
             conn.sock.settimeout(self._connect_timeout)
             if not self._admit(conn):
