@@ -334,7 +334,9 @@ class NixlReceiver(LedgerReceiver):
         self._connect_timeout = connect_timeout
         self._ledger = ReceiveLedger(kv_caches, self.layout, on_ack=self._ack, on_nack=self._nack)
         self._agent = _agent(api, "recv")
-        self._pool_reg = None  # the pools, registered for DIRECT senders on the first one's handshake
+        self._pool_reg = None  # the pools, registered for DIRECT senders (on CUDA here, else at the first one's handshake)
+        if self._device.type == "cuda":  # in the thread that made the pools, whose CUDA context is current
+            self._pool_reg = _register(self._agent, self._pools, self._mem, self._dev)
         self._fence_cond = threading.Condition()
         self._fencing: dict[int, set[_RecvConn]] = {}  # fence id -> DIRECT connections yet to answer
         self._fence_seq = 0
