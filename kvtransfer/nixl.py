@@ -260,9 +260,9 @@ def _descs(parts: list[tuple[np.ndarray, np.ndarray]], dev: int) -> np.ndarray:
 
 def _bind_device(device: torch.device) -> None:
     """Make ``device``'s CUDA context current in the calling thread, which registers memory or posts
-    NIXL transfers: UCX makes a CUDA IPC key for registered memory through the thread's current
-    context, and without one its transfers go through host memory. ``set_device`` alone does not
-    bind it (torch skips it when the device number is already the thread's); a runtime call does."""
+    NIXL transfers (UCX's CUDA transports work through the thread's current context).
+    ``set_device`` alone does not bind it (torch skips it when the device number is already the
+    thread's); a runtime call does."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
         torch.cuda.current_stream(device).query()
