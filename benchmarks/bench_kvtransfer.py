@@ -569,6 +569,16 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
     else:
         ucx_rows(out, backend_runs, shape, blocks, nbytes, device, receiver_device, repeat)
     if nixl:
+        # pdserve's NIXL backend first: its sender is this process, which has made no NIXL agent yet
+        modes = [(NIXL_MODES[m], {"op": m}) for m in nixl_modes if m != "read" or "READ" in nixl_ops]
+        for key in NIXL_MODES.values():
+            out[key] = out[f"{key}_seconds"] = out[f"{key}_landed_s"] = float("nan")
+        by_op = backend_runs("nixl", modes)
+        for mode, nixl_runs in by_op.items():
+            nixl_runs = nixl_runs[1:]
+            out[mode] = statistics.median(r[0] for r in nixl_runs)
+            out[f"{mode}_seconds"] = statistics.median(r[1].seconds for r in nixl_runs)
+            out[f"{mode}_landed_s"] = statistics.median(r[3] for r in nixl_runs)
         # raw NIXL: the same bytes as one descriptor per layer (K then V of its blocks), and as one
         for op in ("WRITE", "READ"):
             if op not in nixl_ops:
@@ -588,15 +598,6 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
                 for op in nixl_ops:
                     out[f"nixl_{op}_same_thread_{thread}"] = raw_nixl_gbps(
                         [layer] * shape.num_layers, op, device, receiver_device, repeat, False, "spin", thread=thread)
-        modes = [(NIXL_MODES[m], {"op": m}) for m in nixl_modes if m != "read" or "READ" in nixl_ops]
-        for key in NIXL_MODES.values():
-            out[key] = out[f"{key}_seconds"] = out[f"{key}_landed_s"] = float("nan")
-        by_op = backend_runs("nixl", modes)
-        for mode, nixl_runs in by_op.items():
-            nixl_runs = nixl_runs[1:]
-            out[mode] = statistics.median(r[0] for r in nixl_runs)
-            out[f"{mode}_seconds"] = statistics.median(r[1].seconds for r in nixl_runs)
-            out[f"{mode}_landed_s"] = statistics.median(r[3] for r in nixl_runs)
     return out
 
 
