@@ -303,6 +303,33 @@ def _nixl_side(total: int, device: str, source: bool, progress_thread: bool = Tr
     return agent, buf, mem, dev
 
 
+def _nixl_block_descs(base: int, offsets: list[int], size: int, dev: int):
+    import numpy as np
+
+    out = np.empty((len(offsets), 3), dtype=np.uint64)
+    out[:, 0] = base + np.asarray(offsets, dtype=np.uint64)
+    out[:, 1] = size
+    out[:, 2] = dev
+    return out
+
+
+def kv_block_offsets(shape: "Shape", pool_blocks: int, block_ids: list[int]) -> list[int]:
+    """Byte offsets, in stacked pools ``[layers, 2, pool_blocks, block]``, of the K then V block of
+    each id, layer by layer: the descriptors a per-block transfer of those blocks posts."""
+    block = shape.layer_bytes(BLOCK_SIZE) // 2
+    return [((layer * 2 + kv) * pool_blocks + b) * block
+            for layer in range(shape.num_layers) for kv in (0, 1) for b in block_ids]
+
+
+def _landed_ok(buf, total: int, device: str, blocks, op: str) -> bool:
+    """Whether each destination block of a per-block transfer holds its source block's bytes."""
+    src_off, dst_off, size = blocks[0], blocks[1], blocks[2]
+    pattern = _nixl_pattern(total, device).view(-1, size)
+    src_rows = torch.tensor([o // size for o in src_off], device=buf.device)
+    dst_rows = torch.tensor([o // size for o in dst_off], device=buf.device)
+    return torch.equal(buf.view(-1, size)[dst_rows], pattern[src_rows])
+
+
 def _nixl_descs(base: int, sizes: list[int], dev: int):
     import numpy as np
 
@@ -314,7 +341,7 @@ def _nixl_descs(base: int, sizes: list[int], dev: int):
 
 
 def _nixl_initiator_main(conn, op: str, sizes: list[int], device: str, repeat: int, prepped: bool, poll: str,
-                         progress_thread: bool = True, thread: str = "") -> None:
+                         progress_thread: bool = True, thread: str = "", blocks=None) -> None:
     """Child process: the NIXL initiator. WRITE: it holds the source (sender side); READ: the
     destination (receiver side). ``prepped``: descriptor lists prepared once and one transfer
     handle re-posted (else ``initialize_xfer`` per transfer); ``poll``: ``spin`` (check the state
@@ -322,16 +349,23 @@ def _nixl_initiator_main(conn, op: str, sizes: list[int], device: str, repeat: i
     thread in the initiator (the passive side always runs one); ``thread``: post from the main
     thread (``""``), from a new thread (``"bare"``), or from a new thread that first calls
     ``torch.cuda.set_device`` (``"device"``), as a backend's sending thread would."""
-    total = sum(sizes)
+    total = sum(sizes) if blocks is None else blocks[3]
     agent, buf, mem, dev = _nixl_side(total, device, op == "WRITE", progress_thread)
     metadata, remote_base, remote_dev, remote_mem = conn.recv()
     name = agent.add_remote_agent(metadata)
-    local = _nixl_descs(buf.data_ptr(), sizes, dev)
-    remote = _nixl_descs(remote_base, sizes, remote_dev)
+    if blocks is None:
+        local = _nixl_descs(buf.data_ptr(), sizes, dev)
+        remote = _nixl_descs(remote_base, sizes, remote_dev)
+    else:  # (source offsets, destination offsets, bytes each, buffer bytes): the initiator's side first
+        local, remote = _nixl_block_descs(buf.data_ptr(), blocks[0], blocks[2], dev), _nixl_block_descs(
+            remote_base, blocks[1], blocks[2], remote_dev)
+        if op == "READ":
+            local, remote = _nixl_block_descs(buf.data_ptr(), blocks[1], blocks[2], dev), _nixl_block_descs(
+                remote_base, blocks[0], blocks[2], remote_dev)
     if prepped:
         import numpy as np
 
-        idx = np.arange(len(sizes), dtype=np.int32)
+        idx = np.arange(len(local), dtype=np.int32)
         handle = agent.make_prepped_xfer(op, agent.prep_xfer_dlist("NIXL_INIT_AGENT", local, mem), idx,
                                          agent.prep_xfer_dlist(name, remote, remote_mem), idx, b"done")
     times = []
@@ -356,7 +390,8 @@ def _nixl_initiator_main(conn, op: str, sizes: list[int], device: str, repeat: i
     if error:
         conn.send(("err", error))
         return
-    ok = op == "WRITE" or torch.equal(buf, _nixl_pattern(total, device))
+    ok = op == "WRITE" or (_landed_ok(buf, total, device, blocks, op) if blocks else torch.equal(
+        buf, _nixl_pattern(total, device)))
     conn.send(("ok", (times, ok)))
     conn.recv()  # the parent checked its side and removed us
 
@@ -385,18 +420,20 @@ def _post_and_time(agent, op, handle, local, remote, mem, remote_mem, name, repe
 
 
 def raw_nixl_gbps(sizes: list[int], op: str, device: str, receiver_device: str, repeat: int,
-                  prepped: bool = True, poll: str = "spin", progress_thread: bool = True, thread: str = "") -> float:
+                  prepped: bool = True, poll: str = "spin", progress_thread: bool = True, thread: str = "",
+                  blocks=None) -> float:
     """GB/s of raw NIXL (UCX plugin) moving ``sizes`` bytes, one descriptor each, from a sender
     to a receiver process: WRITE posted by the sender, READ posted by the receiver; from the
-    post to the initiator's DONE; the landed bytes are checked."""
-    total = sum(sizes)
+    post to the initiator's DONE; the landed bytes are checked. ``blocks``: (source offsets,
+    destination offsets, bytes each, buffer bytes), one descriptor per block instead."""
+    total = sum(sizes) if blocks is None else blocks[3]
     initiator_device, passive_device = (device, receiver_device) if op == "WRITE" else (receiver_device, device)
     # the passive side makes no NIXL calls: without its progress thread UCX's wire-up never completes
     agent, buf, mem, dev = _nixl_side(total, passive_device, op == "READ", True)
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=_nixl_initiator_main, args=(child_conn, op, sizes, initiator_device, repeat, prepped, poll,
-                                                                  progress_thread, thread),
+                                                                  progress_thread, thread, blocks),
                         daemon=True)
     child.start()
     try:
@@ -408,7 +445,8 @@ def raw_nixl_gbps(sizes: list[int], op: str, device: str, receiver_device: str, 
             raise RuntimeError(value)
         times, ok = value
         if op == "WRITE":
-            ok = torch.equal(buf, _nixl_pattern(total, passive_device))
+            ok = (_landed_ok(buf, total, passive_device, blocks, op) if blocks
+                  else torch.equal(buf, _nixl_pattern(total, passive_device)))
         if not ok:
             raise RuntimeError(f"raw NIXL {op}: the landed bytes differ from the sent ones")
         conn.send("stop")
@@ -416,7 +454,8 @@ def raw_nixl_gbps(sizes: list[int], op: str, device: str, receiver_device: str, 
         child.join(30)
         if child.is_alive():
             child.kill()
-    return total / statistics.median(times[1:]) / 1e9
+    moved = total if blocks is None else len(blocks[0]) * blocks[2]
+    return moved / statistics.median(times[1:]) / 1e9
 
 
 def copy_gbps(nbytes: int, device: str, repeat: int) -> float:
@@ -583,12 +622,19 @@ def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, r
         for op in ("WRITE", "READ"):
             if op not in nixl_ops:
                 out[f"nixl_{op}_same"] = out[f"nixl_{op}_one"] = out[f"nixl_{op}_kv"] = float("nan")
+                out[f"nixl_{op}_blocks"] = float("nan")
                 continue
             out[f"nixl_{op}_same"] = raw_nixl_gbps([layer] * shape.num_layers, op, device, receiver_device, repeat)
             out[f"nixl_{op}_one"] = raw_nixl_gbps([nbytes], op, device, receiver_device, repeat)
             # the descriptors pdserve's DIRECT WRITE posts here: a layer's K blocks, then its V blocks
             out[f"nixl_{op}_kv"] = raw_nixl_gbps([layer // 2] * (2 * shape.num_layers), op, device, receiver_device,
                                                  repeat)
+            # one descriptor per block, as a transfer of these scattered blocks posts them (pdserve's DIRECT here)
+            pool_bytes = shape.num_layers * 2 * pool_blocks * (shape.layer_bytes(BLOCK_SIZE) // 2)
+            out[f"nixl_{op}_blocks"] = raw_nixl_gbps(
+                [], op, device, receiver_device, repeat,
+                blocks=(kv_block_offsets(shape, pool_blocks, src_ids), kv_block_offsets(shape, pool_blocks, dst_ids),
+                        shape.layer_bytes(BLOCK_SIZE) // 2, pool_bytes))
         if nixl_diag:  # what slows a transfer: a handle per transfer, polling with sleeps, another thread
             for prepped, poll in ((False, "spin"), (True, "sleep"), (False, "sleep")):
                 for op in nixl_ops:
@@ -720,20 +766,23 @@ def main() -> int:
         print_breakdown(results)
     if missing is None:
         print(f"\nNIXL, same run (GB/s; same: {shape.num_layers} descriptors, one per layer; kv: {2 * shape.num_layers}, "
-              f"a layer's K and its V, the descriptors pdserve's DIRECT WRITE posts here)")
-        head = (f"{'tokens':>7} {'nixl W same':>12} {'nixl W kv':>10} {'nixl W one':>11} {'nixl R same':>12} "
-                f"{'nixl R one':>11} {'raw same':>9} {'direct':>8} {'direct landed':>14} {'staged W':>9} {'read':>7} "
-                f"{'kvx landed':>11} {'direct landed/W kv':>19} {'/W same':>8} {'kvx landed/W same':>18}")
+              f"a layer's K and its V; blocks: one per block, K and V, of the scattered blocks moved here,\nthe "
+              f"descriptors pdserve's DIRECT WRITE posts for them)")
+        head = (f"{'tokens':>7} {'nixl W same':>12} {'nixl W kv':>10} {'nixl W blocks':>14} {'nixl W one':>11} "
+                f"{'nixl R same':>12} {'raw same':>9} {'direct':>8} {'direct landed':>14} {'staged W':>9} {'read':>7} "
+                f"{'kvx landed':>11} {'direct landed/W blocks':>23} {'/W same':>8} {'staged W/W same':>16} "
+                f"{'kvx landed/W same':>18}")
         print(head)
         print("-" * len(head))
         for tokens, r in results:
             landed = r["bytes"] / r["kvx_landed_s"] / 1e9
             direct_landed = r["bytes"] / r["kvx_nixl_direct_landed_s"] / 1e9
-            print(f"{tokens:>7} {r['nixl_WRITE_same']:>12.2f} {r['nixl_WRITE_kv']:>10.2f} {r['nixl_WRITE_one']:>11.2f} "
-                  f"{r['nixl_READ_same']:>12.2f} {r['nixl_READ_one']:>11.2f} {r['raw_same']:>9.2f} "
+            print(f"{tokens:>7} {r['nixl_WRITE_same']:>12.2f} {r['nixl_WRITE_kv']:>10.2f} {r['nixl_WRITE_blocks']:>14.2f} "
+                  f"{r['nixl_WRITE_one']:>11.2f} {r['nixl_READ_same']:>12.2f} {r['raw_same']:>9.2f} "
                   f"{r['kvx_nixl_direct']:>8.2f} {direct_landed:>14.2f} {r['kvx_nixl']:>9.2f} {r['kvx_nixl_read']:>7.2f} "
-                  f"{landed:>11.2f} {direct_landed / r['nixl_WRITE_kv']:>19.2f} "
-                  f"{direct_landed / r['nixl_WRITE_same']:>8.2f} {landed / r['nixl_WRITE_same']:>18.2f}")
+                  f"{landed:>11.2f} {direct_landed / r['nixl_WRITE_blocks']:>23.2f} "
+                  f"{direct_landed / r['nixl_WRITE_same']:>8.2f} {r['kvx_nixl'] / r['nixl_WRITE_same']:>16.2f} "
+                  f"{landed / r['nixl_WRITE_same']:>18.2f}")
         for tokens, r in results:
             print(f"{tokens:>7} ms: direct to landed {r['kvx_nixl_direct_landed_s'] * 1e3:.3f}, to the sender's ACK "
                   f"{r['kvx_nixl_direct_seconds'] * 1e3:.3f}; staged WRITE to ACK {r['kvx_nixl_seconds'] * 1e3:.2f}")
