@@ -691,6 +691,9 @@ class _Link:
         self.remote_dev = 0
         self.remote_mem = "DRAM"
         self.free: queue.SimpleQueue = queue.SimpleQueue()
+        self.local: torch.Tensor | None = None  # WRITE: the sender's gather buffer, slot for slot
+        self.local_reg = None
+        self.stream = None  # WRITE on CUDA: the stream the gathers run on
         # WRITEs posted and not yet reaped, oldest first: (handle, state, the frames that say they landed,
         # the (key, bytes) of each send_layer message they end)
         self.pending: collections.deque = collections.deque()
@@ -775,6 +778,9 @@ class NixlSender(KVSender):
                 t.join(10)
         self._ledger.fail_all(KVTransferError("sender closed"))
         if self._agent is not None:
+            for link in links:
+                if link.local_reg is not None:
+                    self._agent.deregister_memory(link.local_reg)
             self._agent.deregister_memory(self._reg)
             self._agent = None
 
@@ -823,8 +829,17 @@ class NixlSender(KVSender):
             link.remote_agent = self._agent.add_remote_agent(base64.b64decode(offer["metadata"]))
             link.base, link.slot_bytes = int(offer["base"]), int(offer["slot_bytes"])
             link.remote_dev, link.remote_mem = int(offer["dev"]), offer["mem"]
-            for slot in range(int(offer["slots"])):
+            slots = int(offer["slots"])
+            for slot in range(slots):
                 link.free.put(slot)
+            # this side's mirror of the receiver's slots: a slot's blocks are gathered here (one copy
+            # on the device) and go in one descriptor; slot i is reused only once the receiver hands
+            # slot i back, after the WRITE from it was DONE
+            link.local = torch.empty(slots * link.slot_bytes, dtype=torch.uint8, device=self._device)
+            link.local_reg = self._agent.register_memory(
+                [(link.local.data_ptr(), link.local.numel(), self._dev, "")], self._mem)
+            if self._device.type == "cuda":
+                link.stream = torch.cuda.Stream(self._device)
             link.write = True
         if not link.direct:
             _warn_on_cuda(self._device, "write" if link.write else "read")
@@ -944,28 +959,30 @@ class NixlSender(KVSender):
                 link.pending.popleft()[0].release()
 
     def _write_layer(self, link: _Link, key: int, layer: int, src: list[int], dst: list[int], nbytes: int) -> None:
-        """Post the WRITEs of a layer's source blocks (K then V) into the receiver's staging, as many
-        slots as they need; each one's WRITTEN frame goes once NIXL says DONE (``_reap``), in order.
-        Up to a slot per WRITE is in flight, so the next layer's WRITE is posted before this one's
-        DONE."""
+        """Post the WRITEs of a layer's source blocks into the receiver's staging, as many slots as
+        they need: each slot's blocks are first gathered into this side's mirror of the slot (K
+        blocks, then V blocks, as the receiver reads the slot), so that a WRITE is one descriptor
+        however scattered the blocks are. Each one's WRITTEN frame goes once NIXL says DONE
+        (``_reap``), in order; up to a slot per WRITE is in flight, so the next layer's WRITE is
+        posted before this one's DONE."""
         block = self.layout.block_bytes
         per = max(1, link.slot_bytes // (2 * block))
-        k_base, v_base = self._pools[layer][0].data_ptr(), self._pools[layer][1].data_ptr()
+        k_pool, v_pool = self._pools[layer]
         agent = self._agent
         for start in range(0, len(src), per):
             s_ids, d_ids = src[start:start + per], dst[start:start + per]
             n = len(s_ids)
             slot = self._take_slot(link)
-            offsets = np.asarray(s_ids, dtype=np.uint64) * np.uint64(block)
-            local = np.empty((2 * n, 3), dtype=np.uint64)
-            local[:n, 0] = np.uint64(k_base) + offsets
-            local[n:, 0] = np.uint64(v_base) + offsets
-            local[:, 1] = block
-            local[:, 2] = self._dev
-            remote = np.empty((2 * n, 3), dtype=np.uint64)
-            remote[:, 0] = np.uint64(link.base + slot * link.slot_bytes) + np.arange(2 * n, dtype=np.uint64) * np.uint64(block)
-            remote[:, 1] = block
-            remote[:, 2] = link.remote_dev
+            at = slot * link.slot_bytes
+            staged = link.local[at:at + 2 * n * block].view(k_pool.dtype).view(2, n, *k_pool.shape[1:])
+            index = torch.tensor(s_ids, dtype=torch.int64).to(self._device, non_blocking=True)
+            with torch.cuda.stream(link.stream) if link.stream is not None else contextlib.nullcontext():
+                torch.index_select(k_pool, 0, index, out=staged[0])
+                torch.index_select(v_pool, 0, index, out=staged[1])
+            if link.stream is not None:
+                link.stream.synchronize()
+            local = np.array([[link.local.data_ptr() + at, 2 * n * block, self._dev]], dtype=np.uint64)
+            remote = np.array([[link.base + at, 2 * n * block, link.remote_dev]], dtype=np.uint64)
             handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, self._mem),
                                            agent.get_xfer_descs(remote, link.remote_mem), link.remote_agent)
             state = agent.transfer(handle)
