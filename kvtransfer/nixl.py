@@ -9,7 +9,7 @@ The same wire semantics as the UCX backend (``kvtransfer.ucx``), with NIXL movin
    HELLO_REJECT naming what differs) and answers HELLO_OK. The address,
    ``nixl://host:port/<incarnation>``, names the receiver's process: a receiver restarted at
    the same port refuses transfers meant for the old one.
-2. DIRECT (``op="direct"``, the default): the receiver registers its pools with its agent once
+2. DIRECT (``op="direct"``): the receiver registers its pools with its agent once
    and answers HELLO_OK (status DIRECT) with its agent's metadata and the pools' addresses. The
    sender WRITEs each message's source blocks straight into the reserved destination blocks: one
    NIXL descriptor per run of consecutive source blocks onto consecutive destination blocks, K
@@ -26,11 +26,12 @@ The same wire semantics as the UCX backend (``kvtransfer.ucx``), with NIXL movin
    fences in HELLO_OK. What a DIRECT receiver trusts: that an authenticated sender writes only
    the destination ids it was given for a live transfer (the router's reservation); a sender
    given ids that were never reserved writes them before the NACK.
-3. WRITE (``op="write"``): the receiver answers HELLO_OK with its agent's metadata
+3. WRITE (``op="write"``, the default): the receiver answers HELLO_OK with its agent's metadata
    and a staging buffer of its own for this connection (``slots`` slots of ``slot_bytes``,
-   registered once). Per ``send_layer`` the sender takes a free slot, WRITEs the layer's source
-   blocks into it (one NIXL descriptor per block, K then V; a layer with more blocks than a slot
-   holds goes in several messages) and, once NIXL says DONE, sends a LAYER message (status
+   registered once). Per ``send_layer`` the sender takes a free slot, gathers the layer's source
+   blocks (K blocks, then V blocks) into its own mirror of that slot (one copy on the device),
+   WRITEs it as one NIXL descriptor (a layer with more blocks than a slot holds goes in several
+   messages) and, once NIXL says DONE, sends a LAYER message (status
    WRITTEN): header, the slot, the destination block ids. WRITEs are posted ahead, up to the free
    slots, and their LAYER messages go in order. The receiver checks it against the
    transfer it expects (unknown id, blocks not reserved, deadline passed: NACK), the ledger
@@ -56,10 +57,15 @@ polls. Transfer handles are
 made per message from descriptor lists (``initialize_xfer``); memory is registered once per
 pool and per staging size, never per message.
 
+Descriptors are what a NIXL transfer costs on one GPU: its UCX plugin moves each descriptor as a
+CUDA IPC copy of its own, about 12 us each on an H200, so the per-block descriptors of scattered
+blocks (DIRECT) run at 2-4 GB/s, raw NIXL with the same descriptors included, where one descriptor
+per layer runs at over 1 TB/s (docs/results.md).
+
 Not here (the UCX backend has them): pacing, fault injection, checksums and FP8 on the wire (an
-``"fp8"`` message moves the pool's bytes as is). WRITE and READ are slow on a GPU next to the UCX
-backend (one H200, 2k tokens of Llama-3.1-8B KV: 94 ms by WRITE, 3.8 s by READ, 1.8 ms on the UCX
-backend, measured before WRITEs were posted ahead): a sender using them on CUDA pools logs a
+``"fp8"`` message moves the pool's bytes as is). Every mode is slower on a GPU than the UCX
+backend, which gathers with one kernel (one H200, 2k tokens of scattered Llama-3.1-8B KV: 21 ms by
+WRITE, 98 ms by DIRECT, 3.8 s by READ, 1.8 ms on the UCX backend): a sender on CUDA pools logs a
 warning once.
 
 Environment: ``PDSERVE_NIXL_SLOT_BYTES`` (default 16 MiB) and ``PDSERVE_NIXL_SLOTS`` (default 4),
@@ -160,7 +166,7 @@ def _warn_on_cuda(device: torch.device, op: str) -> None:
     """Once per process: this backend on CUDA pools is far slower than the UCX backend."""
     if device.type == "cuda" and not _CUDA_WARNED.is_set():
         _CUDA_WARNED.set()
-        took = "94 ms (WRITE)" if op == "write" else "3.8 s (READ)"
+        took = {"write": "21 ms (WRITE)", "direct": "98 ms (DIRECT)"}.get(op, "3.8 s (READ)")
         logger.warning("the NIXL KV backend is slow on GPUs: on one H200 a 2k-token Llama-3.1-8B KV took %s, "
                        "against 1.8 ms on the UCX backend; use --kv-backend ucx there (docs/results.md)", took)
 
@@ -708,11 +714,12 @@ class _Link:
 
 class NixlSender(KVSender):
     def __init__(self, kv_caches: KVCaches, connect_timeout: float = 5.0, model: str = "",
-                 token: str | None = None, op: str = "direct"):
+                 token: str | None = None, op: str = "write"):
         """`token`: the cluster's secret, proved to each receiver (None: a cluster without one);
-        `op`: ``"direct"`` (the sender WRITEs into the receiver's reserved blocks), ``"write"``
-        (into the receiver's staging, which it copies into the blocks) or ``"read"`` (the
-        receiver READs the sender's pools); the receiver answers which it takes."""
+        `op`: ``"write"`` (the default: the sender gathers the blocks and WRITEs them into the
+        receiver's staging, which it copies into the blocks), ``"direct"`` (the sender WRITEs
+        straight into the receiver's reserved blocks, a descriptor per run of consecutive blocks)
+        or ``"read"`` (the receiver READs the sender's pools); the receiver answers which it takes."""
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
         api = load_nixl()
@@ -841,8 +848,7 @@ class NixlSender(KVSender):
             if self._device.type == "cuda":
                 link.stream = torch.cuda.Stream(self._device)
             link.write = True
-        if not link.direct:
-            _warn_on_cuda(self._device, "write" if link.write else "read")
+        _warn_on_cuda(self._device, "direct" if link.direct else "write" if link.write else "read")
         sock.settimeout(None)
         reader = threading.Thread(target=self._read, args=(link,), name="kvtransfer-nixl-ack", daemon=True)
         link.threads.append(reader)

@@ -201,7 +201,7 @@ def test_nixl_direct_cancel_fences_the_sender(peer):
     src = make_caches(FP32, seed=41)
     zeros = make_caches(FP32, seed=None)
     address = peer.call("open_receiver", FP32)
-    with kvtransfer.create_sender("nixl", src) as sender:
+    with kvtransfer.create_sender("nixl", src, op="direct") as sender:
         _warm_direct_link(peer, sender, address, src)
         peer.call("expect", "gone", [8, 9], 3, 20.0)
         peer.call("cancel", "gone")
@@ -228,7 +228,7 @@ def test_nixl_direct_sender_that_ignores_a_fence_is_disconnected(peer, monkeypat
     monkeypatch.setattr(NixlSender, "_serve_fences", lambda self, link: None)
     src = make_caches(FP32, seed=42)
     address = peer.call("open_receiver", FP32, fence_timeout=0.5)
-    with kvtransfer.create_sender("nixl", src) as sender:
+    with kvtransfer.create_sender("nixl", src, op="direct") as sender:
         _warm_direct_link(peer, sender, address, src)
         peer.call("expect", "ignored", [5], 3, 20.0)
         started = time.monotonic()
@@ -243,11 +243,14 @@ def test_nixl_direct_sender_that_ignores_a_fence_is_disconnected(peer, monkeypat
     assert peer.call("read", 0, [6]) == block_bytes(make_caches(FP32, seed=None), 0, [6])
 
 
-def test_nixl_deadline_drops_late_data(peer):
+@pytest.mark.parametrize("op", ["write", "direct"])
+def test_nixl_deadline_drops_late_data(peer, op):
+    """DIRECT: the sender connects after the receiver fenced the expired transfer, and is told at
+    handshake."""
     src = make_caches(FP32, seed=33)
     zeros = make_caches(FP32, seed=None)
     address = peer.call("open_receiver", FP32)
-    with kvtransfer.create_sender("nixl", src) as sender:
+    with kvtransfer.create_sender("nixl", src, op=op) as sender:
         peer.call("expect", "later", [8, 9], 3, 0.3)
         with pytest.raises(PeerError, match="KVTransferTimeout"):
             peer.call("wait", "later", 10.0)
