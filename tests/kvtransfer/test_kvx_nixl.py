@@ -390,3 +390,53 @@ def test_nixl_connection_on_another_interface_is_refused(peer):
         with pytest.raises(KVTransferError, match="KV peer refused: connection arrived on an interface"):
             _send_all(sender, address, "elsewhere")
     assert _refusals(peer)["peers_refused"] == 1
+
+
+def _count_descriptors(sender, counts):
+    """Record the local descriptor count of every transfer the sender posts (NIXL's own lists)."""
+    agent = sender._agent
+    make = agent.get_xfer_descs
+
+    def counting(descs, mem_type=None, *args, **kwargs):
+        counts.append(len(descs))
+        return make(descs, mem_type, *args, **kwargs)
+
+    agent.get_xfer_descs = counting
+
+
+def test_nixl_staged_write_is_one_descriptor_per_slot_however_scattered(peer):
+    """The staged WRITE gathers scattered blocks on the sender: one local and one remote
+    descriptor per WRITE (per-block descriptors are what made NIXL slow on a GPU)."""
+    src = make_caches(FP32, seed=51)
+    address = peer.call("open_receiver", FP32)
+    src_ids, dst_ids = [15, 3, 9, 0, 6], [1, 12, 4, 14, 7]
+    counts = []
+    with kvtransfer.create_sender("nixl", src, op="write") as sender:
+        _count_descriptors(sender, counts)
+        peer.call("expect", "scattered", dst_ids, 3, 20.0)
+        for layer in range(3):
+            sender.send_layer(address, "scattered", layer, src_ids, dst_ids)
+        sender.finish("scattered", timeout=20)
+        peer.call("wait", "scattered", 20.0)
+    assert counts == [1] * 6  # three WRITEs, a local and a remote list each
+    for layer in range(3):
+        assert peer.call("read", layer, dst_ids) == block_bytes(src, layer, src_ids)
+
+
+def test_nixl_direct_merges_runs_of_consecutive_blocks(peer):
+    """DIRECT: blocks 2-5 onto 8-11 and 9 onto 0 are two runs: two K and two V descriptors a layer."""
+    src = make_caches(FP32, seed=52)
+    address = peer.call("open_receiver", FP32)
+    src_ids, dst_ids = [2, 3, 4, 5, 9], [8, 9, 10, 11, 0]
+    counts = []
+    with kvtransfer.create_sender("nixl", src, op="direct") as sender:
+        _count_descriptors(sender, counts)
+        peer.call("expect", "runs", dst_ids, 3, 20.0)
+        for layer in range(3):
+            sender.send_layer(address, "runs", layer, src_ids, dst_ids)
+        sender.finish("runs", timeout=20)
+        peer.call("wait", "runs", 20.0)
+    assert counts and sum(counts) == 2 * 3 * 4  # local and remote lists, 3 layers, 2 runs x K and V
+    assert all(c % 4 == 0 for c in counts)
+    for layer in range(3):
+        assert peer.call("read", layer, dst_ids) == block_bytes(src, layer, src_ids)
