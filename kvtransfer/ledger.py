@@ -275,7 +275,7 @@ class ReceiveLedger:
                     incoming.lock.acquire()
                     held.append(incoming)
                     if incoming.state == _PENDING:
-                        index = self._index(incoming, dst_ids)
+                        index = None if in_place else self._index(incoming, dst_ids)
                         if fp8:  # dequantized on landing, into the pools' dtype
                             staged = unpack_blocks(staged.raw, self._layout.torch_dtype)
                         if in_place:
