@@ -185,13 +185,18 @@ def test_nixl_nack_on_unknown_id_and_unreserved_blocks(peer, op):
     assert peer.call("metrics")["messages_dropped"] == 2
 
 
+def _transfer(peer, sender, address, transfer_id, src_ids, dst_ids):
+    """One whole transfer of FP32's three layers, landed on both sides."""
+    peer.call("expect", transfer_id, dst_ids, 3, 20.0)
+    for layer in range(3):
+        sender.send_layer(address, transfer_id, layer, src_ids, dst_ids)
+    sender.finish(transfer_id, timeout=20)
+    peer.call("wait", transfer_id, 20.0)
+
+
 def _warm_direct_link(peer, sender, address, src):
     """One transfer, so that the DIRECT sender is connected before the test's fence."""
-    peer.call("expect", "warm", [0], 3, 20.0)
-    for layer in range(3):
-        sender.send_layer(address, "warm", layer, [1], [0])
-    sender.finish("warm", timeout=20)
-    peer.call("wait", "warm", 20.0)
+    _transfer(peer, sender, address, "warm", [1], [0])
     assert peer.call("read", 1, [0]) == block_bytes(src, 1, [1])
 
 
@@ -209,12 +214,7 @@ def test_nixl_direct_cancel_fences_the_sender(peer):
             sender.send_layer(address, "gone", layer, [2, 3], [8, 9])
         with pytest.raises(KVTransferError, match="cancelled"):
             sender.finish("gone", timeout=10)
-        # the link stays up: the next transfer lands
-        peer.call("expect", "after", [10], 3, 20.0)
-        for layer in range(3):
-            sender.send_layer(address, "after", layer, [4], [10])
-        sender.finish("after", timeout=20)
-        peer.call("wait", "after", 20.0)
+        _transfer(peer, sender, address, "after", [4], [10])  # the link stays up: the next transfer lands
     for layer in range(3):
         assert peer.call("read", layer, [8, 9]) == block_bytes(zeros, layer, [8, 9])
         assert peer.call("read", layer, [10]) == block_bytes(src, layer, [4])
@@ -404,39 +404,23 @@ def _count_descriptors(sender, counts):
     agent.get_xfer_descs = counting
 
 
-def test_nixl_staged_write_is_one_descriptor_per_slot_however_scattered(peer):
-    """The staged WRITE gathers scattered blocks on the sender: one local and one remote
-    descriptor per WRITE (per-block descriptors are what made NIXL slow on a GPU)."""
+@pytest.mark.parametrize("op, src_ids, dst_ids", [
+    ("write", [15, 3, 9, 0, 6], [1, 12, 4, 14, 7]),  # scattered
+    ("direct", [2, 3, 4, 5, 9], [8, 9, 10, 11, 0]),  # two runs: 2-5 onto 8-11, 9 onto 0
+])
+def test_nixl_descriptors_per_write(peer, op, src_ids, dst_ids):
+    """The staged WRITE gathers scattered blocks on the sender: one local and one remote descriptor
+    per WRITE (per-block descriptors are what made NIXL slow on a GPU). DIRECT: a descriptor per
+    run of consecutive blocks, K and V."""
     src = make_caches(FP32, seed=51)
     address = peer.call("open_receiver", FP32)
-    src_ids, dst_ids = [15, 3, 9, 0, 6], [1, 12, 4, 14, 7]
     counts = []
-    with kvtransfer.create_sender("nixl", src, op="write") as sender:
+    with kvtransfer.create_sender("nixl", src, op=op) as sender:
         _count_descriptors(sender, counts)
-        peer.call("expect", "scattered", dst_ids, 3, 20.0)
-        for layer in range(3):
-            sender.send_layer(address, "scattered", layer, src_ids, dst_ids)
-        sender.finish("scattered", timeout=20)
-        peer.call("wait", "scattered", 20.0)
-    assert counts == [1] * 6  # three WRITEs, a local and a remote list each
-    for layer in range(3):
-        assert peer.call("read", layer, dst_ids) == block_bytes(src, layer, src_ids)
-
-
-def test_nixl_direct_merges_runs_of_consecutive_blocks(peer):
-    """DIRECT: blocks 2-5 onto 8-11 and 9 onto 0 are two runs: two K and two V descriptors a layer."""
-    src = make_caches(FP32, seed=52)
-    address = peer.call("open_receiver", FP32)
-    src_ids, dst_ids = [2, 3, 4, 5, 9], [8, 9, 10, 11, 0]
-    counts = []
-    with kvtransfer.create_sender("nixl", src, op="direct") as sender:
-        _count_descriptors(sender, counts)
-        peer.call("expect", "runs", dst_ids, 3, 20.0)
-        for layer in range(3):
-            sender.send_layer(address, "runs", layer, src_ids, dst_ids)
-        sender.finish("runs", timeout=20)
-        peer.call("wait", "runs", 20.0)
-    assert counts and sum(counts) == 2 * 3 * 4  # local and remote lists, 3 layers, 2 runs x K and V
-    assert all(c % 4 == 0 for c in counts)
+        _transfer(peer, sender, address, f"descriptors-{op}", src_ids, dst_ids)
+    if op == "write":
+        assert counts == [1] * 6  # three WRITEs, a local and a remote list each
+    else:
+        assert sum(counts) == 2 * 3 * 4 and all(c % 4 == 0 for c in counts)  # both lists, 3 layers, 2 runs x K, V
     for layer in range(3):
         assert peer.call("read", layer, dst_ids) == block_bytes(src, layer, src_ids)
