@@ -275,22 +275,8 @@ class ReceiveLedger:
                     incoming.lock.acquire()
                     held.append(incoming)
                     if incoming.state == _PENDING:
-                        index = None if in_place else self._index(incoming, dst_ids)
-                        if fp8:  # dequantized on landing, into the pools' dtype
-                            staged = unpack_blocks(staged.raw, self._layout.torch_dtype)
-                        if in_place:
-                            pass  # already in the blocks: nothing to copy or wait for
-                        elif pull:
-                            src_index = self._index(incoming, staged.src_ids)
-                            trace.mark("r.indexed", key, layer)
-                            timer = trace.gpu_timer(self._device)
-                            copy_layers(staged.pools, self.stacked, layer, layers, src_index, index)
-                            trace.gpu_timer_stop(timer, "r.kernel", key, layer)
-                        elif self.stacked is not None:
-                            scatter_layers(self.stacked, layer, index, staged)
-                        else:
-                            for offset in range(layers):
-                                scatter_layer(self._caches, layer + offset, index, staged[offset])
+                        if not in_place:  # an in-place message is already in the blocks
+                            self._copy_in(incoming, key, layer, layers, dst_ids, staged)
                         landed.append((incoming, range(layer, layer + layers), dst_ids, nbytes,
                                        layers * self._layout.layer_message_bytes(len(dst_ids))))
                         copied = copied or not in_place
@@ -324,6 +310,24 @@ class ReceiveLedger:
             for incoming in held:
                 incoming.lock.release()
         return results
+
+    def _copy_in(self, incoming: _Incoming, key: int, layer: int, layers: int, dst_ids: list[int], staged) -> None:
+        """Enqueue the copy of a message's blocks into ``dst_ids`` of ``layers`` layers from ``layer``:
+        from the sender's pools (PullSource), dequantized (FP8Payload), or scattered from staging."""
+        index = self._index(incoming, dst_ids)
+        if isinstance(staged, FP8Payload):  # dequantized on landing, into the pools' dtype
+            staged = unpack_blocks(staged.raw, self._layout.torch_dtype)
+        if isinstance(staged, PullSource):
+            src_index = self._index(incoming, staged.src_ids)
+            trace.mark("r.indexed", key, layer)
+            timer = trace.gpu_timer(self._device)
+            copy_layers(staged.pools, self.stacked, layer, layers, src_index, index)
+            trace.gpu_timer_stop(timer, "r.kernel", key, layer)
+        elif self.stacked is not None:
+            scatter_layers(self.stacked, layer, index, staged)
+        else:
+            for offset in range(layers):
+                scatter_layer(self._caches, layer + offset, index, staged[offset])
 
     def _index(self, incoming: _Incoming, ids: list[int]) -> torch.Tensor:
         """Block ids ``ids`` (destination, or a pull's source) as an index on the pools' device,

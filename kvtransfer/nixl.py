@@ -196,6 +196,11 @@ def _pools(kv_caches: KVCaches) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return pools
 
 
+def _pool_addresses(pools) -> list[list[int]]:
+    """[layer][K, V] base addresses of ``pools``, as a handshake offers them."""
+    return [[k.data_ptr(), v.data_ptr()] for k, v in pools]
+
+
 def _register(agent, pools, mem: str, dev: int):
     """Register every distinct allocation under ``pools`` once (pools that are views of one
     allocation share it); returns the registration descriptor list."""
@@ -340,9 +345,7 @@ class NixlReceiver(LedgerReceiver):
         self._connect_timeout = connect_timeout
         self._ledger = ReceiveLedger(kv_caches, self.layout, on_ack=self._ack, on_nack=self._nack)
         self._agent = _agent(api, "recv")
-        self._pool_reg = None  # the pools, registered for DIRECT senders (on CUDA here, else at the first one's handshake)
-        if self._device.type == "cuda":  # in the thread that made the pools, whose CUDA context is current
-            self._pool_reg = _register(self._agent, self._pools, self._mem, self._dev)
+        self._pool_reg = None  # the pools, registered for DIRECT senders at the first one's handshake
         self._fence_cond = threading.Condition()
         self._fencing: dict[int, set[_RecvConn]] = {}  # fence id -> DIRECT connections yet to answer
         self._fence_seq = 0
@@ -578,7 +581,7 @@ class NixlReceiver(LedgerReceiver):
                 fenced = [[key, reason] for key, (reason, _) in self._fenced.items()]
             offer = json.dumps({
                 "metadata": base64.b64encode(self._agent.get_agent_metadata()).decode(),
-                "pools": [[k.data_ptr(), v.data_ptr()] for k, v in self._pools],
+                "pools": _pool_addresses(self._pools),
                 "blocks": self._pools[0][0].shape[0], "dev": self._dev, "mem": self._mem, "fenced": fenced,
             }).encode()
             conn.send(pack_hello(MsgKind.HELLO_OK, self.layout, model=self._model, incarnation=self.incarnation,
@@ -735,10 +738,10 @@ class NixlSender(KVSender):
         self._ledger = SendLedger()
         self._agent = _agent(api, "send")
         self._reg = _register(self._agent, self._pools, self._mem, self._dev)
-        self._pool_base = np.array([[k.data_ptr(), v.data_ptr()] for k, v in self._pools], dtype=np.uint64)
+        self._pool_base = np.array(_pool_addresses(self._pools), dtype=np.uint64)
         self._hello_extra = json.dumps({
             "metadata": base64.b64encode(self._agent.get_agent_metadata()).decode(),
-            "pools": [[k.data_ptr(), v.data_ptr()] for k, v in self._pools],
+            "pools": _pool_addresses(self._pools),
             "dev": self._dev, "mem": self._mem, "op": op,
         }).encode()
         self._links: dict[str, _Link] = {}
@@ -1020,7 +1023,7 @@ class NixlSender(KVSender):
         while link.fences:
             key, fence_id, reason = link.fences.popleft()
             link.fenced[key] = NackReason(reason)
-            while len(link.fenced) > 65536:
+            while len(link.fenced) > _MAX_FENCED:
                 link.fenced.popitem(last=False)
             while link.pending and link.error is None:
                 self._reap_or_fail(link)
