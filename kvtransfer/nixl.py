@@ -58,7 +58,7 @@ made per message from descriptor lists (``initialize_xfer``); memory is register
 pool and per staging size, never per message.
 
 Descriptors are what a NIXL transfer costs on one GPU: its UCX plugin moves each descriptor as a
-CUDA IPC copy of its own, about 12 us each on an H200, so the per-block descriptors of scattered
+CUDA IPC copy of its own, about 9-15 us each on an H200, so the per-block descriptors of scattered
 blocks (DIRECT) run at 2-4 GB/s, raw NIXL with the same descriptors included, where one descriptor
 per layer runs at over 1 TB/s (docs/results.md).
 
