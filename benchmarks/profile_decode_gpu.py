@@ -10,6 +10,10 @@ For each decode batch size (context ~ --input-len), with CUDA graphs and then ea
   norm, RoPE/KV write, activation, sampling, copies) and by kernel name;
 * eagerly at batch 1, a `cProfile` of the host: the functions the step spends its time in.
 
+Then whole-prompt prefills (--prefill-lens, one request, nothing else running): the wall time
+of the request, the kernels by kind, the gaps, and the matmul kernels' rate against the bf16
+matmul rate of a square product (what `bench_engine_gpu.py`'s TTFT bound uses).
+
 Then mixed steps the way a serving worker runs them (a token budget of --mixed-budget): a
 decode batch of B with one prompt being prefilled in chunks, against the decode-only step
 of the same batch and the chunk alone. Prints a table per part and writes --json.
@@ -29,7 +33,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine_gpu import StepTimer, prompts  # noqa: E402
+from bench_engine_gpu import StepTimer, matmul_rate, prefill_flops, prompts  # noqa: E402
 
 KINDS = (  # first match wins
     ("attention", r"attention|attn|_decode_split|_decode_reduce|flash"),
@@ -62,8 +66,9 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def kernel_profile(torch, engine, steps: int) -> dict:
-    """Runs `steps` engine steps under torch.profiler; kernel time per step by kind and name."""
+def kernel_profile(torch, engine, steps: int, body=None) -> dict:
+    """Runs `steps` engine steps (or `steps` calls of `body`) under torch.profiler; kernel time
+    per step by kind and name."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -71,7 +76,7 @@ def kernel_profile(torch, engine, steps: int) -> dict:
     with profile(activities=activities) as prof:
         t = time.perf_counter()
         for _ in range(steps):
-            engine.step()
+            (body or engine.step)()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall = time.perf_counter() - t
@@ -140,6 +145,41 @@ def to_decode(engine, runner, batch: int, input_len: int, vocab: int, total_step
     raise RuntimeError(f"batch {batch} never reached decode-only steps")
 
 
+def prefill_profile(torch, engine, n: int, vocab: int, rate: float) -> dict:
+    """One `n`-token prompt prefilled with nothing else running (max_tokens=1, new prompts
+    each time, so the prefix cache never hits): wall time per request, then one request under
+    the profiler (`kernel_profile` with the request as its step)."""
+    from pdserve.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    draws = iter(prompts(6, n, vocab, seed=9000 + n))
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def one() -> None:
+        rid = f"prof-prefill-{n}-{time.perf_counter_ns()}"
+        engine.add_request(rid, next(draws), params)
+        while rid in engine.requests:
+            engine.step()
+
+    one()  # warm: this length's first prefill
+    walls = []
+    for _ in range(3):
+        sync()
+        t = time.perf_counter()
+        one()
+        sync()
+        walls.append((time.perf_counter() - t) * 1e3)
+    row = {"prompt": n, "wall_ms": sorted(walls)[1], "walls_ms": walls,
+           **kernel_profile(torch, engine, 1, body=one)}
+    config = engine.model_config
+    c = config
+    matmul_flops = 2 * n * c.num_layers * c.hidden_size * (2 * c.q_size + 2 * c.kv_size + 3 * c.intermediate_size)
+    row["matmul_ms"] = row["by_kind_ms_per_step"].get("matmul", 0.0)
+    row["matmul_tflop_s"] = matmul_flops / (row["matmul_ms"] / 1e3) / 1e12 if row["matmul_ms"] else 0.0
+    row["flops_bound_ms"] = prefill_flops(config, n) / rate * 1e3
+    return row
+
+
 def abort_all(engine) -> None:
     for rid in list(engine.requests):
         engine.abort_request(rid)
@@ -155,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-budget", type=int, default=512, help="token budget of the mixed steps (a serving worker's)")
     p.add_argument("--mixed-batches", type=int, nargs="*", default=[16, 64])
     p.add_argument("--mixed-prompt", type=int, default=2048)
+    p.add_argument("--prefill-lens", type=int, nargs="*", default=[2048, 8192],
+                   help="whole-prompt prefills to profile (none: skip)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
 
@@ -169,13 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or ("random:llama-3.1-8b" if args.device == "cuda" else "random:tiny-llama")
     cuda = args.device == "cuda"
     llm = LLM(model, dtype="bfloat16" if cuda else "float32", device=args.device, max_num_seqs=max(args.batches + args.mixed_batches) + 1,
-              max_num_batched_tokens=8192, gpu_memory_fraction=0.85,
+              max_num_batched_tokens=max([8192] + args.prefill_lens), gpu_memory_fraction=0.85,
               **({} if cuda else {"num_blocks": 2048, "block_size": 16}))
     engine, runner = llm.engine, llm.engine.runner
     vocab = engine.model_config.vocab_size
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{gpu}: {model}; {warm_up(engine).describe()}", flush=True)
-    results: dict = {"gpu": gpu, "model": model, "decode": [], "mixed": []}
+    results: dict = {"gpu": gpu, "model": model, "decode": [], "prefill": [], "mixed": []}
     graphs = runner.use_cuda_graphs
     steps = args.steps
     for batch in args.batches:
@@ -206,6 +248,27 @@ def main(argv: list[str] | None = None) -> int:
             for where, tt, ct, n in row.get("host", [])[:20]:
                 print(f"  host {tt:7.3f} ms self {ct:7.3f} ms cum {n:5d} calls  {where}")
     runner.use_cuda_graphs = graphs
+
+    # ---- whole-prompt prefills: where a TTFT's time goes ----------------------------------------
+    if args.prefill_lens:
+        rate = matmul_rate(torch, args.device, 8192 if cuda else 256)
+        print(f"\nbf16 matmul rate (square product): {rate / 1e12:.0f} TFLOP/s", flush=True)
+        results["matmul_tflop_s"] = rate / 1e12
+    for n in args.prefill_lens:
+        row = prefill_profile(torch, engine, n, vocab, rate)
+        results["prefill"].append(row)
+        print(f"\nprefill of {n} tokens: {row['wall_ms']:.2f} ms a request unprofiled (median of 3); FLOPs bound "
+              f"{row['flops_bound_ms']:.2f} ms (fraction {row['flops_bound_ms'] / row['wall_ms']:.3f}); GPU busy "
+              f"{row['gpu_busy_ms_per_step']:.2f} ms ({row['kernels_per_step']:.0f} kernels), span "
+              f"{row['gpu_span_ms_per_step']:.2f} ms; matmul kernels {row['matmul_ms']:.2f} ms = "
+              f"{row['matmul_tflop_s']:.0f} TFLOP/s ({row['matmul_tflop_s'] * 1e12 / rate:.2f} of the square rate)",
+              flush=True)
+        print(f"  gaps over 20 us between kernels: {row['gaps_over_20us_ms_per_step']:.2f} ms; largest: "
+              f"{row['largest_gaps_us'][:4]}")
+        for k, v in row["by_kind_ms_per_step"].items():
+            print(f"  {k:<14} {v:7.3f} ms")
+        for k, v in row["top_kernels_ms_per_step"].items():
+            print(f"    {v:7.3f} ms  {k}")
 
     # ---- mixed steps: decodes plus a prefill chunk, a serving worker's token budget -----------
     from pdserve.sampling_params import SamplingParams

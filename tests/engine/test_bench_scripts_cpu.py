@@ -38,12 +38,14 @@ def test_profile_decode_gpu_cpu_path(tmp_path):
     out = tmp_path / "p.json"
     rc = load("profile_decode_gpu").main(["--device", "cpu", "--batches", "1", "2", "--input-len", "24", "--steps", "2",
                                           "--mixed-batches", "2", "--mixed-prompt", "80", "--mixed-budget", "32",
-                                          "--json", str(out)])
+                                          "--prefill-lens", "40", "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert [row["batch"] for row in r["decode"]] == [1, 2] and r["decode"][0]["host"]  # eager batch 1: host profile
     mixed = r["mixed"][0]
     assert mixed["mixed_steps"] >= 2 and mixed["chunk_steps"] >= 2 and mixed["mixed_ms"] > 0
+    prefill = r["prefill"][0]
+    assert prefill["prompt"] == 40 and len(prefill["walls_ms"]) == 3 and prefill["flops_bound_ms"] > 0
 
 
 @pytest.mark.timeout(120)
