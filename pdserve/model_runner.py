@@ -63,16 +63,33 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 @dataclass
 class StepInputs:
     """The host side of one eager step, in `ModelRunner.order` (decodes first): what rank 0
-    publishes to the other tensor-parallel ranks. Plain lists: cheap to pickle."""
+    publishes to the other tensor-parallel ranks. numpy arrays (lists are accepted too): one
+    pickle each, and `ModelRunner.device_inputs` packs them into two uploads."""
 
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    seq_lens: list[int]  # per request, context incl. the new tokens
-    cu_q: list[int]  # [R + 1] offsets of each request's rows
-    tables: list[list[int]]  # per request, block ids padded with 0 to the widest
-    logits_rows: list[int]
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64
+    seq_lens: np.ndarray  # [R] int32, per request, context incl. the new tokens
+    cu_q: np.ndarray  # [R + 1] int32 offsets of each request's rows
+    tables: np.ndarray  # [R, W] int32, per request, block ids padded with 0 to the widest
+    logits_rows: np.ndarray  # [N] int64
     num_decodes: int
+
+
+_ALIGN = 16  # elements: every packed segment starts at least 16-byte aligned on the device
+
+
+def _packed(parts: list[np.ndarray], dtype) -> tuple[np.ndarray, list[int]]:
+    """`parts` flattened into one array of `dtype`, each at an offset that is a multiple of
+    _ALIGN; returns (array, offsets)."""
+    offsets, end = [], 0
+    for part in parts:
+        offsets.append(end)
+        end += -(-part.size // _ALIGN) * _ALIGN
+    out = np.zeros(max(end, _ALIGN), dtype=dtype)
+    for part, at in zip(parts, offsets):
+        out[at:at + part.size] = part.reshape(-1)
+    return out, offsets
 
 
 class StepChannel(Protocol):
@@ -334,67 +351,105 @@ class ModelRunner:
         return self.device_inputs(self.host_inputs(batch))
 
     def host_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        """The step's inputs as host lists (what `device_inputs` turns into tensors)."""
+        """The step's inputs as host arrays (what `device_inputs` uploads). Decode rows (one
+        token each) are built as lists, prefill chunks with numpy: an 8k-token chunk's slots
+        are one vectorized lookup, not 8k Python iterations."""
         bs = self.block_size
         decodes, prefills = self._split(batch)
         order = decodes + prefills
         num_decodes = len(decodes)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        cu_q = [0]
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        total = sum(counts[i] for i in order)
+        input_ids = np.empty(total, dtype=np.int64)
+        positions = np.empty(total, dtype=np.int64)
+        slots = np.empty(total, dtype=np.int64)
+        seq_lens = np.empty(len(order), dtype=np.int32)
+        cu_q = np.zeros(len(order) + 1, dtype=np.int32)
+        width = max(len(seqs[i].block_ids) for i in order)
+        tables = np.zeros((len(order), width), dtype=np.int32)
         logits_rows: list[int] = []
-        for i in order:
-            seq = batch.seqs[i]
-            start = seq.num_computed_tokens
-            n = batch.num_new_tokens[i]
-            input_ids.extend(seq.tokens_slice(start, start + n))
-            positions.extend(range(start, start + n))
-            table = seq.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            seq_lens.append(start + n)
-            cu_q.append(cu_q[-1] + n)
+        if num_decodes:  # rows 0 .. num_decodes-1, one token each
+            ids, pos, slot = [], [], []
+            for row, i in enumerate(decodes):
+                seq = seqs[i]
+                p = seq.num_computed_tokens
+                table = seq.block_ids
+                ids.extend(seq.tokens_slice(p, p + 1))
+                pos.append(p)
+                slot.append(table[p // bs] * bs + p % bs)
+                tables[row, :len(table)] = table
+                if batch.samples(i):
+                    logits_rows.append(row)
+            input_ids[:num_decodes] = ids
+            positions[:num_decodes] = pos
+            slots[:num_decodes] = slot
+            seq_lens[:num_decodes] = positions[:num_decodes] + 1
+            cu_q[1:num_decodes + 1] = np.arange(1, num_decodes + 1)
+        at = num_decodes
+        for row, i in enumerate(prefills, start=num_decodes):
+            seq = seqs[i]
+            start, n = seq.num_computed_tokens, counts[i]
+            table = np.asarray(seq.block_ids, dtype=np.int64)
+            tables[row, :table.size] = table
+            input_ids[at:at + n] = seq.tokens_slice(start, start + n)
+            pos = positions[at:at + n]
+            pos[:] = np.arange(start, start + n)
+            slots[at:at + n] = table[pos // bs] * bs + pos % bs
+            at += n
+            seq_lens[row] = start + n
+            cu_q[row + 1] = at
             if batch.samples(i):
-                logits_rows.append(cu_q[-1] - 1)
-        max_blocks = max(len(batch.seqs[i].block_ids) for i in order)
-        tables = [batch.seqs[i].block_ids + [0] * (max_blocks - len(batch.seqs[i].block_ids)) for i in order]
-        return StepInputs(input_ids, positions, slots, seq_lens, cu_q, tables, logits_rows, num_decodes)
+                logits_rows.append(at - 1)
+        return StepInputs(input_ids, positions, slots, seq_lens, cu_q, tables,
+                          np.asarray(logits_rows, dtype=np.int64), num_decodes)
 
     def device_inputs(self, inputs: StepInputs) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Uploads a step's inputs: one int64 and one int32 array, each one copy (from pinned
+        memory on CUDA, without waiting for the GPU), then views into them."""
         bs = self.block_size
-        tables, seq_lens, cu_q = inputs.tables, inputs.seq_lens, inputs.cu_q
         dev = self.device
-        i32 = torch.int32
         nd = inputs.num_decodes
-        num_requests = len(seq_lens)
-        # Decode and prefill parts are separate tensors, not slices of one: every kernel
+        i64 = [np.asarray(a, dtype=np.int64) for a in (inputs.input_ids, inputs.positions, inputs.slots,
+                                                         inputs.logits_rows)]
+        seq_lens = np.asarray(inputs.seq_lens, dtype=np.int32)
+        cu_q = np.asarray(inputs.cu_q, dtype=np.int32)
+        num_requests = seq_lens.size
+        tables = np.asarray(inputs.tables, dtype=np.int32).reshape(num_requests, -1)
+        width = tables.shape[1]
+        # Decode and prefill parts are separate segments, not slices of one: every kernel
         # argument starts 16-byte aligned, so Triton never compiles an extra variant for it.
-        decode_tables = decode_lens = prefill_tables = prefill_lens = prefill_cu = None
-        if nd:
-            decode_tables = torch.tensor(tables[:nd], dtype=i32, device=dev)
-            decode_lens = torch.tensor(seq_lens[:nd], dtype=i32, device=dev)
-        if nd < num_requests:
-            base = cu_q[nd]
-            prefill_tables = torch.tensor(tables[nd:], dtype=i32, device=dev)
-            prefill_lens = torch.tensor(seq_lens[nd:], dtype=i32, device=dev)
-            prefill_cu = torch.tensor([c - base for c in cu_q[nd:]], dtype=i32, device=dev)
+        i32 = [tables[:nd], seq_lens[:nd], tables[nd:], seq_lens[nd:], cu_q[nd:] - cu_q[nd]]
+        h64, o64 = _packed(i64, np.int64)
+        h32, o32 = _packed(i32, np.int32)
+        d64, d32 = self._upload(h64), self._upload(h32)
+        ids, positions, slots, logits_rows = (d64[o:o + a.size] for o, a in zip(o64, i64))
+        dt, dl, pt, pl, pc = (d32[o:o + a.size] for o, a in zip(o32, i32))
         meta = AttentionMetadata(
-            positions=torch.tensor(inputs.positions, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=dev),
+            positions=positions,
+            slot_mapping=slots,
             num_decodes=nd,
-            decode_block_tables=decode_tables,
-            decode_seq_lens=decode_lens,
-            prefill_block_tables=prefill_tables,
-            prefill_cu_seqlens_q=prefill_cu,
-            prefill_seq_lens=prefill_lens,
-            logits_indices=torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev),
+            decode_block_tables=dt.view(nd, width) if nd else None,
+            decode_seq_lens=dl if nd else None,
+            prefill_block_tables=pt.view(num_requests - nd, width) if nd < num_requests else None,
+            prefill_cu_seqlens_q=pc if nd < num_requests else None,
+            prefill_seq_lens=pl if nd < num_requests else None,
+            logits_indices=logits_rows,
         )
         if self.torch_path:
             meta.rope_tables = kernels.rope_tables(meta.positions, self.model.cos_sin)
             if nd == num_requests:
-                meta.decode_plan = kernels.decode_gather_plan(decode_tables, decode_lens, bs)
-        return torch.tensor(inputs.input_ids, dtype=torch.long, device=dev), meta
+                meta.decode_plan = kernels.decode_gather_plan(meta.decode_block_tables, meta.decode_seq_lens, bs)
+        return ids, meta
+
+    def _upload(self, host: np.ndarray) -> torch.Tensor:
+        """`host` on the runner's device: on CUDA through a pinned buffer of torch's caching
+        host allocator (reused only once its copy is done), on the CPU the array itself."""
+        tensor = torch.from_numpy(host)
+        if self.device.type == "cpu":
+            return tensor
+        if self.device.type == "cuda":
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
 
     # ---- CUDA graphs ------------------------------------------------------------------------
     @torch.inference_mode()
