@@ -984,8 +984,10 @@ class NixlSender(KVSender):
             slot = self._take_slot(link)
             at = slot * link.slot_bytes
             staged = link.local[at:at + 2 * n * block].view(k_pool.dtype).view(2, n, *k_pool.shape[1:])
-            index = torch.tensor(s_ids, dtype=torch.int64).to(self._device, non_blocking=True)
             with torch.cuda.stream(link.stream) if link.stream is not None else contextlib.nullcontext():
+                # the index is uploaded on the gather's own stream: on the current (the engine's)
+                # stream it would wait behind the forward's kernels while the gather read it
+                index = torch.tensor(s_ids, dtype=torch.int64, device=self._device)
                 torch.index_select(k_pool, 0, index, out=staged[0])
                 torch.index_select(v_pool, 0, index, out=staged[1])
             if link.stream is not None:

