@@ -279,6 +279,14 @@ def _bind_device(device: torch.device) -> None:
         torch.cuda.current_stream(device).query()
 
 
+def _own_stream(device: torch.device):
+    """A context that makes a new stream of ``device`` the calling thread's current one (CUDA;
+    nothing elsewhere)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(torch.cuda.Stream(device))
+
+
 def _wait_xfer(agent, handle, what: str, state: str | None = None) -> None:
     """Post ``handle`` (or, given the ``state`` its post returned, only wait) until NIXL says DONE."""
     if state is None:
@@ -478,6 +486,12 @@ class NixlReceiver(LedgerReceiver):
 
     def _serve(self, conn: _RecvConn) -> None:
         _bind_device(self._device)  # this thread registers its connection's memory and posts its READs
+        # Landings copy (scatter, pull, dequantize) and wait on this thread's current stream: on the
+        # engine's stream each one would wait behind the decode steps queued there.
+        with _own_stream(self._device):
+            self._serve_conn(conn)
+
+    def _serve_conn(self, conn: _RecvConn) -> None:
         try:
             conn.sock.settimeout(self._connect_timeout)
             if not self._admit(conn):

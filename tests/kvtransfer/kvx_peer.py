@@ -136,6 +136,14 @@ class _Child:
                 obj.close()  # idempotent
         self.receiver = self.sender = None
 
+    def busy_stream(self, cycles: int):
+        """Queue a kernel of ``cycles`` GPU clock cycles on this process's current stream (what
+        a worker's engine stream runs: decode steps) and return at once."""
+        torch.cuda._sleep(cycles)
+
+    def stream_busy(self) -> bool:
+        return not torch.cuda.current_stream().query()
+
     def threads(self):
         return [t.name for t in threading.enumerate()]
 

@@ -6,6 +6,7 @@ not part of ``make setup``).
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -426,31 +427,56 @@ def test_nixl_descriptors_per_write(peer, op, src_ids, dst_ids):
         assert peer.call("read", layer, dst_ids) == block_bytes(src, layer, src_ids)
 
 
+CUDA_SPEC = CacheSpec(num_layers=3, num_blocks=48, block_size=16, num_kv_heads=8, head_dim=128,
+                      dtype="bfloat16", device="cuda", stacked=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("op", ["direct", "write"])
-def test_nixl_cuda_blocks_land_exact_while_the_engine_stream_is_busy(peer, op):
-    """CUDA pools: after each layer is sent, the sending thread's stream (the engine's, in a
-    worker) gets a long kernel, as a prefill's next layers would. The sender's own work (the
-    staged WRITE's gather) must not wait behind it or read anything that does: every block
-    lands exact. The staged WRITE once uploaded its gather index on that stream and gathered
-    on its own, so on a GPU it gathered from a garbage index (a device-side assert in
-    `pdserve up --kv-backend nixl`)."""
-    spec = CacheSpec(num_layers=3, num_blocks=48, block_size=16, num_kv_heads=8, head_dim=128,
-                     dtype="bfloat16", device="cuda", stacked=True)
-    src = make_caches(spec, seed=46)
-    address = peer.call("open_receiver", CacheSpec(num_layers=3, num_blocks=40, block_size=16, num_kv_heads=8,
-                                                   head_dim=128, dtype="bfloat16", device="cuda", stacked=True))
-    src_ids, dst_ids = [47, 3, 20, 9, 33, 12], [0, 39, 8, 21, 5, 30]
+def test_nixl_cuda_blocks_land_exact_while_the_sending_stream_is_busy(peer, op):
+    """CUDA pools, sent as a prefill sends them: each layer's kernels (a short GPU sleep here),
+    then `send_layer`, then the next layers' kernels (a long one) on the same stream. The
+    sender's own work must not wait behind those or read anything that does: every block
+    lands exact. (The staged WRITE once uploaded its gather index on that stream and gathered
+    on its own: on a GPU its first pdserve up run hit a device-side assert, index out of
+    bounds, in the prefill worker.)"""
+    src = make_caches(CUDA_SPEC, seed=46)
+    address = peer.call("open_receiver", replace(CUDA_SPEC, num_blocks=40))
+    per_layer = [([47, 3, 20], [0, 39, 8]), ([9, 33, 12], [21, 5, 30]), ([1, 46, 2], [11, 12, 13])]
     with kvtransfer.create_sender("nixl", src, op=op) as sender:
         for n in range(2):
-            transfer_id = f"busy-{op}-{n}"
-            peer.call("expect", transfer_id, dst_ids, 3, 30.0)
-            for layer in range(3):
+            transfer_id = f"busy-send-{op}-{n}"
+            peer.call("expect", transfer_id, [d for _, dst in per_layer for d in dst], 3, 30.0)
+            for layer, (src_ids, dst_ids) in enumerate(per_layer):
+                torch.cuda._sleep(5_000_000)  # the layer's own kernels: the send waits for them
                 sender.send_layer(address, transfer_id, layer, src_ids, dst_ids)
-                torch.cuda._sleep(50_000_000)  # ~25 ms of a busy stream after the send
+                torch.cuda._sleep(100_000_000)  # the next layers': the send must not
             sender.finish(transfer_id, timeout=30)
             peer.call("wait", transfer_id, 30.0)
     torch.cuda.synchronize()
-    for layer in range(3):
+    for layer, (src_ids, dst_ids) in enumerate(per_layer):
         assert peer.call("read", layer, dst_ids) == block_bytes(src, layer, src_ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_nixl_cuda_landing_does_not_wait_for_the_receiving_engine_stream(peer, op):
+    """The staged modes copy each message into the pools on landing. With the receiver's engine
+    stream busy (a decode worker's steps; one long GPU sleep here), a transfer still lands: the
+    copies run on the receiver's own stream. (On the engine's stream every landing waited for
+    the decode steps queued ahead of it: 0.3 GB/s in pdserve up on an H200.)"""
+    src = make_caches(CUDA_SPEC, seed=47)
+    address = peer.call("open_receiver", replace(CUDA_SPEC, num_blocks=40))
+    with kvtransfer.create_sender("nixl", src, op=op) as sender:
+        _transfer(peer, sender, address, f"warm-{op}", [5], [6])  # connected and staged before the busy window
+        peer.call("busy_stream", 4_000_000_000)  # ~2 s
+        _transfer(peer, sender, address, f"busy-recv-{op}", [40, 7, 19], [2, 33, 17])
+        assert peer.call("stream_busy"), "the transfer landed only after the engine's stream ran dry"
+    deadline = time.monotonic() + 30
+    while peer.call("stream_busy"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    for layer in range(3):
+        assert peer.call("read", layer, [2, 33, 17]) == block_bytes(src, layer, [40, 7, 19])
