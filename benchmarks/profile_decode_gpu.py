@@ -255,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nbf16 matmul rate (square product): {rate / 1e12:.0f} TFLOP/s", flush=True)
         results["matmul_tflop_s"] = rate / 1e12
     for n in args.prefill_lens:
+        if n >= engine.max_model_len:
+            print(f"\nprefill of {n} tokens: skipped (the model's context is {engine.max_model_len})")
+            continue
         row = prefill_profile(torch, engine, n, vocab, rate)
         results["prefill"].append(row)
         print(f"\nprefill of {n} tokens: {row['wall_ms']:.2f} ms a request unprofiled (median of 3); FLOPs bound "

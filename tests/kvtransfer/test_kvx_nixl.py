@@ -443,20 +443,21 @@ def test_nixl_cuda_blocks_land_exact_while_the_sending_stream_is_busy(peer, op):
     bounds, in the prefill worker.)"""
     src = make_caches(CUDA_SPEC, seed=46)
     address = peer.call("open_receiver", replace(CUDA_SPEC, num_blocks=40))
-    per_layer = [([47, 3, 20], [0, 39, 8]), ([9, 33, 12], [21, 5, 30]), ([1, 46, 2], [11, 12, 13])]
+    transfers = [([47, 3, 20, 9], [0, 39, 8, 21]), ([33, 12, 1, 46], [5, 30, 11, 12])]  # new ids each
     with kvtransfer.create_sender("nixl", src, op=op) as sender:
-        for n in range(2):
+        for n, (src_ids, dst_ids) in enumerate(transfers):
             transfer_id = f"busy-send-{op}-{n}"
-            peer.call("expect", transfer_id, [d for _, dst in per_layer for d in dst], 3, 30.0)
-            for layer, (src_ids, dst_ids) in enumerate(per_layer):
+            peer.call("expect", transfer_id, dst_ids, 3, 30.0)
+            for layer in range(3):
                 torch.cuda._sleep(5_000_000)  # the layer's own kernels: the send waits for them
                 sender.send_layer(address, transfer_id, layer, src_ids, dst_ids)
                 torch.cuda._sleep(100_000_000)  # the next layers': the send must not
             sender.finish(transfer_id, timeout=30)
             peer.call("wait", transfer_id, 30.0)
     torch.cuda.synchronize()
-    for layer, (src_ids, dst_ids) in enumerate(per_layer):
-        assert peer.call("read", layer, dst_ids) == block_bytes(src, layer, src_ids)
+    for src_ids, dst_ids in transfers:
+        for layer in range(3):
+            assert peer.call("read", layer, dst_ids) == block_bytes(src, layer, src_ids)
 
 
 @pytest.mark.gpu
