@@ -78,7 +78,10 @@ def _followers(proc) -> list[psutil.Process]:
             and "resource_tracker" not in " ".join(p.cmdline())]
 
 
-@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1), pytest.param(2, 2, marks=pytest.mark.slow)])
+# (2, 1) in the default suite; (1, 2) and (2, 2) in `make test-all` (a cluster start each: the
+# default suite's time; tests/parallel/test_tp_kv.py moves KV between TP 1 and 2 both ways, in one process)
+@pytest.mark.parametrize("p_tp, d_tp", [pytest.param(1, 2, marks=pytest.mark.slow), (2, 1),
+                                        pytest.param(2, 2, marks=pytest.mark.slow)])
 def test_up_pd_across_tp_degrees_with_the_openai_client(tmp_path, expected, p_tp, d_tp):
     openai = pytest.importorskip("openai")
     proc, base, log = _up(tmp_path, p_tp, d_tp)

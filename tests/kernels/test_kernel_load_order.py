@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -113,14 +114,33 @@ assert triton_tokens == torch_tokens, (triton_tokens, torch_tokens)
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_entry_point_first_in_fresh_process(case: str) -> None:
+_PARALLEL = 2  # fresh interpreters at a time: each spends its seconds importing torch and triton
+
+
+@pytest.fixture(scope="module")
+def fresh_runs():
+    """Every case's fresh interpreter, started `_PARALLEL` at a time as the module begins; each
+    test waits for its own. ``{case: (returncode, stdout, stderr)}`` filled as they end."""
     if not triton_available():
         pytest.skip("triton is not installed")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     env.pop("PDSERVE_KERNEL_BACKEND", None)
-    code = textwrap.dedent(_SETUP) + textwrap.dedent(CASES[case]) + "\nprint('ok')\n"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
-        f"{case} failed as the first kernel of a fresh process:\n{proc.stderr[-3000:]}")
+
+    def run(case: str):
+        code = textwrap.dedent(_SETUP) + textwrap.dedent(CASES[case]) + "\nprint('ok')\n"
+        try:
+            proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                                  text=True, timeout=240)
+        except subprocess.TimeoutExpired:
+            return None, "", "timed out after 240 s"
+        return proc.returncode, proc.stdout, proc.stderr
+
+    with ThreadPoolExecutor(_PARALLEL) as pool:
+        yield {case: pool.submit(run, case) for case in sorted(CASES)}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_entry_point_first_in_fresh_process(case: str, fresh_runs) -> None:
+    returncode, stdout, stderr = fresh_runs[case].result(timeout=600)
+    assert returncode == 0 and stdout.strip().endswith("ok"), (
+        f"{case} failed as the first kernel of a fresh process:\n{stderr[-3000:]}")

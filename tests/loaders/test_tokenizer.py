@@ -172,26 +172,26 @@ def _fresh_gguf_tokenizer(path, monkeypatch, cache_dir):
 
 
 def test_gguf_tokenizer_from_the_disk_cache_equals_the_conversion(smollm2_path, tmp_path, monkeypatch):
-    """The second process loads the saved conversion: same ids, text, special tokens and chat prompt."""
-    converted = _fresh_gguf_tokenizer(smollm2_path, monkeypatch, "")  # no cache: converted
-    first = _fresh_gguf_tokenizer(smollm2_path, monkeypatch, str(tmp_path))  # converts and saves
+    """The second process loads the saved conversion: same ids, text, special tokens and chat prompt
+    as the conversion (the first, which converted and saved it)."""
+    converted = _fresh_gguf_tokenizer(smollm2_path, monkeypatch, str(tmp_path))  # converts and saves
     entries = list((tmp_path / "tokenizers").iterdir())
     assert len(entries) == 1 and (entries[0] / "tokenizer.json").is_file()
     cached = _fresh_gguf_tokenizer(smollm2_path, monkeypatch, str(tmp_path))  # from the cache
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
-    for tok in (first, cached):
-        assert tok.vocab_size == converted.vocab_size and tok.bos_token_id == converted.bos_token_id
-        assert tok.chat_template == converted.chat_template
-        assert tok.apply_chat_template(messages) == converted.apply_chat_template(messages)
-        for text in _TEXTS:
-            ids = converted.encode(text)
-            assert tok.encode(text) == ids and tok.encode(text, add_special_tokens=False) == converted.encode(
-                text, add_special_tokens=False)
-            assert tok.decode(ids) == converted.decode(ids)
-            assert tok.decode(ids, skip_special_tokens=False) == converted.decode(ids, skip_special_tokens=False)
-        assert [tok.token_to_str(i) for i in range(0, converted.vocab_size, 997)] == [
-            converted.token_to_str(i) for i in range(0, converted.vocab_size, 997)]
-        assert tok.byte_table == converted.byte_table
+    tok = cached
+    assert tok.vocab_size == converted.vocab_size and tok.bos_token_id == converted.bos_token_id
+    assert tok.chat_template == converted.chat_template
+    assert tok.apply_chat_template(messages) == converted.apply_chat_template(messages)
+    for text in _TEXTS:
+        ids = converted.encode(text)
+        assert tok.encode(text) == ids and tok.encode(text, add_special_tokens=False) == converted.encode(
+            text, add_special_tokens=False)
+        assert tok.decode(ids) == converted.decode(ids)
+        assert tok.decode(ids, skip_special_tokens=False) == converted.decode(ids, skip_special_tokens=False)
+    assert [tok.token_to_str(i) for i in range(0, converted.vocab_size, 997)] == [
+        converted.token_to_str(i) for i in range(0, converted.vocab_size, 997)]
+    assert tok.byte_table == converted.byte_table
 
 
 def test_a_damaged_cache_entry_is_converted_again(smollm2_path, tmp_path, monkeypatch, caplog):
