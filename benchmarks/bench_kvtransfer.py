@@ -25,8 +25,9 @@ Reported, median of ``--repeat`` transfers after a warm-up:
   bytes are checked. ``--nixl-diag`` adds the variants that cost throughput (a handle made per
   transfer with ``initialize_xfer``; 1 ms sleeps between state checks);
 - ``kvx nixl`` / ``nixl read``: pdserve's NIXL backend (``--kv-backend nixl``) end to end, as
-  ``kvx``: the sender WRITEs each layer's blocks (one descriptor per block) into the receiver's
-  staging, which scatters them (the default), or the receiver READs them (``op="read"``); then
+  ``kvx``: the sender gathers each layer's blocks and WRITEs them (one descriptor per slot) into the
+  receiver's staging, which scatters them (the default), WRITEs them straight into the reserved
+  blocks (``op="direct"``, a descriptor per run of blocks), or the receiver READs them (``op="read"``); then
   ACK; checked byte for byte. NIXL rows are left out, with the reason, where
   NIXL is not importable (``pip install 'pdserve[nixl]'``);
 - ``fake``: the in-process fake backend (gather + copy + scatter, no network);
@@ -321,7 +322,7 @@ def kv_block_offsets(shape: "Shape", pool_blocks: int, block_ids: list[int]) -> 
             for layer in range(shape.num_layers) for kv in (0, 1) for b in block_ids]
 
 
-def _landed_ok(buf, total: int, device: str, blocks, op: str) -> bool:
+def _landed_ok(buf, total: int, device: str, blocks) -> bool:
     """Whether each destination block of a per-block transfer holds its source block's bytes."""
     src_off, dst_off, size = blocks[0], blocks[1], blocks[2]
     pattern = _nixl_pattern(total, device).view(-1, size)
@@ -356,12 +357,10 @@ def _nixl_initiator_main(conn, op: str, sizes: list[int], device: str, repeat: i
     if blocks is None:
         local = _nixl_descs(buf.data_ptr(), sizes, dev)
         remote = _nixl_descs(remote_base, sizes, remote_dev)
-    else:  # (source offsets, destination offsets, bytes each, buffer bytes): the initiator's side first
-        local, remote = _nixl_block_descs(buf.data_ptr(), blocks[0], blocks[2], dev), _nixl_block_descs(
-            remote_base, blocks[1], blocks[2], remote_dev)
-        if op == "READ":
-            local, remote = _nixl_block_descs(buf.data_ptr(), blocks[1], blocks[2], dev), _nixl_block_descs(
-                remote_base, blocks[0], blocks[2], remote_dev)
+    else:  # (source offsets, destination offsets, bytes each, buffer bytes)
+        mine, theirs = (blocks[0], blocks[1]) if op == "WRITE" else (blocks[1], blocks[0])  # READ: we hold the destination
+        local = _nixl_block_descs(buf.data_ptr(), mine, blocks[2], dev)
+        remote = _nixl_block_descs(remote_base, theirs, blocks[2], remote_dev)
     if prepped:
         import numpy as np
 
@@ -390,7 +389,7 @@ def _nixl_initiator_main(conn, op: str, sizes: list[int], device: str, repeat: i
     if error:
         conn.send(("err", error))
         return
-    ok = op == "WRITE" or (_landed_ok(buf, total, device, blocks, op) if blocks else torch.equal(
+    ok = op == "WRITE" or (_landed_ok(buf, total, device, blocks) if blocks else torch.equal(
         buf, _nixl_pattern(total, device)))
     conn.send(("ok", (times, ok)))
     conn.recv()  # the parent checked its side and removed us
@@ -445,7 +444,7 @@ def raw_nixl_gbps(sizes: list[int], op: str, device: str, receiver_device: str, 
             raise RuntimeError(value)
         times, ok = value
         if op == "WRITE":
-            ok = (_landed_ok(buf, total, passive_device, blocks, op) if blocks
+            ok = (_landed_ok(buf, total, passive_device, blocks) if blocks
                   else torch.equal(buf, _nixl_pattern(total, passive_device)))
         if not ok:
             raise RuntimeError(f"raw NIXL {op}: the landed bytes differ from the sent ones")
@@ -791,7 +790,7 @@ def main() -> int:
                 cells = " ".join(f"{name} {t * 1e3:.3f}" for name, t in r.get("kvx_nixl_direct_trace", []))
                 print(f"{tokens:>7} direct trace: {cells}")
         print("direct / staged W / read: pdserve's NIXL backend (--kv-backend nixl) to the sender's ACK: WRITE straight "
-              "into the\nreserved blocks (the default), WRITE into the receiver's staging, READ of the sender's pools; "
+              "into the\nreserved blocks, WRITE into the receiver's staging (the default), READ of the sender's pools; "
               "landed: first send_layer\nto the receiver's landing (what a decode worker waits for); kvx landed: the "
               "UCX backend's pull, the same")
         if args.nixl_diag:

@@ -171,13 +171,22 @@ def prefill_profile(torch, engine, n: int, vocab: int, rate: float) -> dict:
         walls.append((time.perf_counter() - t) * 1e3)
     row = {"prompt": n, "wall_ms": sorted(walls)[1], "walls_ms": walls,
            **kernel_profile(torch, engine, 1, body=one)}
-    config = engine.model_config
-    c = config
+    c = engine.model_config
     matmul_flops = 2 * n * c.num_layers * c.hidden_size * (2 * c.q_size + 2 * c.kv_size + 3 * c.intermediate_size)
     row["matmul_ms"] = row["by_kind_ms_per_step"].get("matmul", 0.0)
     row["matmul_tflop_s"] = matmul_flops / (row["matmul_ms"] / 1e3) / 1e12 if row["matmul_ms"] else 0.0
-    row["flops_bound_ms"] = prefill_flops(config, n) / rate * 1e3
+    row["flops_bound_ms"] = prefill_flops(c, n) / rate * 1e3
     return row
+
+
+def print_kernels(row: dict, per: str) -> None:
+    """A `kernel_profile` row's gaps, kernel time by kind and top kernels, `per` step or request."""
+    print(f"  gaps over 20 us between kernels: {row['gaps_over_20us_ms_per_step']:.2f} ms/{per}; largest (us, "
+          f"after, before): {row['largest_gaps_us'][:4]}")
+    for k, v in row["by_kind_ms_per_step"].items():
+        print(f"  {k:<14} {v:7.3f} ms")
+    for k, v in row["top_kernels_ms_per_step"].items():
+        print(f"    {v:7.3f} ms  {k}")
 
 
 def abort_all(engine) -> None:
@@ -239,12 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\ndecode batch {batch} ({mode}): {wall:.2f} ms/step unprofiled, {row['wall_ms_per_step']:.2f} profiled; "
                   f"GPU busy {row['gpu_busy_ms_per_step']:.2f} ms/step ({row['kernels_per_step']:.0f} kernels), "
                   f"idle {max(0.0, 1 - row['gpu_busy_ms_per_step'] / row['wall_ms_per_step']):.0%} of the step", flush=True)
-            print(f"  gaps over 20 us between kernels: {row['gaps_over_20us_ms_per_step']:.2f} ms/step; largest (us, "
-                  f"after, before): {row['largest_gaps_us'][:4]}")
-            for k, v in row["by_kind_ms_per_step"].items():
-                print(f"  {k:<14} {v:7.3f} ms")
-            for k, v in row["top_kernels_ms_per_step"].items():
-                print(f"    {v:7.3f} ms  {k}")
+            print_kernels(row, "step")
             for where, tt, ct, n in row.get("host", [])[:20]:
                 print(f"  host {tt:7.3f} ms self {ct:7.3f} ms cum {n:5d} calls  {where}")
     runner.use_cuda_graphs = graphs
@@ -266,12 +270,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['gpu_span_ms_per_step']:.2f} ms; matmul kernels {row['matmul_ms']:.2f} ms = "
               f"{row['matmul_tflop_s']:.0f} TFLOP/s ({row['matmul_tflop_s'] * 1e12 / rate:.2f} of the square rate)",
               flush=True)
-        print(f"  gaps over 20 us between kernels: {row['gaps_over_20us_ms_per_step']:.2f} ms; largest: "
-              f"{row['largest_gaps_us'][:4]}")
-        for k, v in row["by_kind_ms_per_step"].items():
-            print(f"  {k:<14} {v:7.3f} ms")
-        for k, v in row["top_kernels_ms_per_step"].items():
-            print(f"    {v:7.3f} ms  {k}")
+        print_kernels(row, "request")
 
     # ---- mixed steps: decodes plus a prefill chunk, a serving worker's token budget -----------
     from pdserve.sampling_params import SamplingParams
