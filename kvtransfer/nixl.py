@@ -716,6 +716,7 @@ class _Link:
         self.free: queue.SimpleQueue = queue.SimpleQueue()
         self.local: torch.Tensor | None = None  # WRITE: the sender's gather buffer, slot for slot
         self.local_reg = None
+        self.stream = None  # WRITE on CUDA: the stream the gathers run on
         # WRITEs posted and not yet reaped, oldest first: (handle, state, the frames that say they landed,
         # the (key, bytes) of each send_layer message they end)
         self.pending: collections.deque = collections.deque()
@@ -861,6 +862,8 @@ class NixlSender(KVSender):
             link.local = torch.empty(slots * link.slot_bytes, dtype=torch.uint8, device=self._device)
             link.local_reg = self._agent.register_memory(
                 [(link.local.data_ptr(), link.local.numel(), self._dev, "")], self._mem)
+            if self._device.type == "cuda":
+                link.stream = torch.cuda.Stream(self._device)
             link.write = True
         _warn_on_cuda(self._device, "direct" if link.direct else "write" if link.write else "read")
         sock.settimeout(None)
@@ -995,11 +998,14 @@ class NixlSender(KVSender):
             slot = self._take_slot(link)
             at = slot * link.slot_bytes
             staged = link.local[at:at + 2 * n * block].view(k_pool.dtype).view(2, n, *k_pool.shape[1:])
-            index = torch.tensor(s_ids, dtype=torch.int64, device=self._device)  # on this thread's own stream
-            torch.index_select(k_pool, 0, index, out=staged[0])
-            torch.index_select(v_pool, 0, index, out=staged[1])
-            if self._device.type == "cuda":
-                torch.cuda.current_stream(self._device).synchronize()
+            with torch.cuda.stream(link.stream) if link.stream is not None else contextlib.nullcontext():
+                # the index is uploaded on the gather's own stream: on the current (the engine's)
+                # stream it would wait behind the forward's kernels while the gather read it
+                index = torch.tensor(s_ids, dtype=torch.int64, device=self._device)
+                torch.index_select(k_pool, 0, index, out=staged[0])
+                torch.index_select(v_pool, 0, index, out=staged[1])
+            if link.stream is not None:
+                link.stream.synchronize()
             local = np.array([[link.local.data_ptr() + at, 2 * n * block, self._dev]], dtype=np.uint64)
             remote = np.array([[link.base + at, 2 * n * block, link.remote_dev]], dtype=np.uint64)
             handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, self._mem),
@@ -1108,13 +1114,6 @@ class NixlSender(KVSender):
 
     def _drive(self, link: _Link) -> None:
         _bind_device(self._device)  # this thread posts the WRITEs
-        # The staged WRITE's gathers (and their index uploads) run on this thread's current stream:
-        # on the engine's stream they would wait behind the prefill's next layers, or read an index
-        # still queued there.
-        with _own_stream(self._device):
-            self._drive_link(link)
-
-    def _drive_link(self, link: _Link) -> None:
         try:
             stop = False
             while not stop:
