@@ -1,17 +1,23 @@
-"""KV precision chosen by the link, on a paced 1P+1D SmolLM2 cluster (CPU): full vs auto per link rate.
+"""KV precision chosen by the link, on a paced 1P+1D cluster: full vs auto per link rate.
 
-    python benchmarks/kv_precision_sweep.py                 # 1, 10, 25, 100 Gbit/s and host, 12 requests a cell
-    python benchmarks/kv_precision_sweep.py --quick         # 1 and 100 Gbit/s, 4 requests of 512 tokens
-    python benchmarks/kv_precision_sweep.py --out docs/results/kv_precision_cpu.json
+    python benchmarks/kv_precision_sweep.py                 # CPU: SmolLM2, 1, 10, 25, 100 Gbit/s and host
+    python benchmarks/kv_precision_sweep.py --quick         # CPU: 1 and 100 Gbit/s, 4 requests of 512 tokens
+    python benchmarks/kv_precision_sweep.py --device cuda   # one GPU: random:llama-3.1-8b, 2048/256, SLO 1 s
+    python benchmarks/kv_precision_sweep.py --out DIR/kv_precision.json
 
-1. one prefill and one decode worker start once (launcher.paced workers, `--device cpu`, no prefix
-   cache): the prefill worker paces its KV sends from a file, so a cell's link rate is real;
+1. one prefill and one decode worker start once (launcher.paced workers; no prefix cache; with
+   `--device cuda` both on GPU 0, each with `--gpu-memory-fraction` of it): the prefill worker
+   paces its KV sends from a file, so a cell's link rate is real;
 2. for each rate and each precision in (full, auto), a network-aware router (the profile
    `--profile`, `--slo-ttft`) sets the link to the rate and serves with `--kv-wire-precision`
    full or auto (auto: the policy picks per request, router.placement.policies.cost.choose_kv_precision);
-   `host` is the same pair at 1000 Gbit/s (as good as unpaced shared memory on one host);
+   `host` is the same pair at 1000 Gbit/s (as good as unpaced shared memory on one host). With
+   `--no-local-prefill` (the default with `--device cuda`, where a decode worker sharing the GPU
+   would otherwise prefill every prompt itself at these rates) every request crosses the link;
 3. a bounded load of `--requests` new prompts (synthetic, seeded per cell so no prompt repeats and
-   no prefix is reused) at `--rate` requests/s, `--input-len` tokens each, `--output-len` out;
+   no prefix is reused) at `--rate` requests/s, and with `--link-load F` at most F x what the
+   link carries at full precision (the profile's KV bytes per token x `--input-len`), so the
+   slow links are not simply a queue; `--input-len` tokens each, `--output-len` out;
 4. per cell: TTFT p50; the KV part of TTFT p50 (`kv_tail` of the router's per-request timing: the
    transfer's time after prefill ends, which TTFT waits for) and the whole transfer's p50 (`kv`);
    goodput at TTFT <= `--slo-ttft` (requests/s that met it, over the cell's span); the precision
@@ -40,6 +46,13 @@ from loadgen.launcher import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = REPO / "experiments" / "profile-smollm2-cpu-1thread-2026-12-01.json"
+# measured by `pdserve profile` on one H200 for experiments/run_gpu_grid.sh (record docs/records/gpu-grid.tar.xz)
+PROFILE_CUDA = REPO / "experiments" / "profile-llama8b-h200-2026-11-30.json"
+# --device presets: (model, workers' flags, input, output, rate, SLO s, requests, local prefill)
+PRESETS = {
+    "cpu": ("smollm2", ["--device", "cpu", "--kv-cache-gib", "1"], 1024, 4, 0.25, 3.0, 12, True),
+    "cuda": ("random:llama-3.1-8b", ["--gpu-memory-fraction", "0.3"], 2048, 256, 1.0, 1.0, 10, False),
+}
 HOST_GBPS = 1000.0  # the "host" cell: a link this fast is not the bound anywhere here
 
 
@@ -80,6 +93,14 @@ def p50(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def cell_rate(args, gbps: float) -> float:
+    """--rate, capped at --link-load x the requests/s the link carries at full precision."""
+    if not args.link_load:
+        return args.rate
+    kv_bytes = json.loads(Path(args.profile).read_text())["kv_bytes_per_token"] * args.input_len
+    return min(args.rate, args.link_load * gbps * 1e9 / 8 / kv_bytes)
+
+
 def run_cell(args, state: Path, gbps: float, precision: str, seed: int) -> dict:
     from loadgen.client import ClientConfig
     from loadgen.datasets import DatasetConfig, LengthDist
@@ -90,16 +111,18 @@ def run_cell(args, state: Path, gbps: float, precision: str, seed: int) -> dict:
     log = state / f"router-{gbps:g}-{precision}.log"
     router = start([sys.executable, "-m", "launcher.paced", "router", "--state", str(state), "--policy", "network-aware",
                     "--profile", str(args.profile), "--slo-ttft", f"{args.slo_ttft:g}", "--bandwidth", f"{gbps:g}",
-                    "--port", str(port), "--kv-wire-precision", precision, "--kv-deadline-s", "60"], log)
+                    "--port", str(port), "--kv-wire-precision", precision, "--kv-deadline-s", "60"]
+                   + ([] if args.local_prefill else ["--no-local-prefill"]), log)
+    rate = cell_rate(args, gbps)
     try:
         wait_for(lambda: healthy(base), router, 180, "router", log)
         cfg = LoadConfig(
             client=ClientConfig(base_url=base, endpoint="completions", ignore_eos=True, temperature=0.0,
                                 request_timeout_s=300),
-            rate=args.rate, arrival="constant", num_requests=args.requests, seed=seed,
+            rate=rate, arrival="constant", num_requests=args.requests, seed=seed,
             dataset=DatasetConfig(kind="synthetic", input=LengthDist.parse(str(args.input_len)),
                                   output=LengthDist.parse(str(args.output_len))),
-            max_run_time_s=args.requests / args.rate + 600, scrape_metrics=False,
+            max_run_time_s=args.requests / rate + 600, scrape_metrics=False,
         )
         result = run_load(cfg, progress=False)
     finally:
@@ -111,8 +134,10 @@ def run_cell(args, state: Path, gbps: float, precision: str, seed: int) -> dict:
     met = sum(1 for t in ttft if t <= args.slo_ttft)
     wire = [t["kv_bytes"] for t in timing if t.get("kv_bytes")]
     return {
-        "gbps": gbps, "precision": precision, "requests": len(result.records), "ok": len(ok),
+        "gbps": gbps, "precision": precision, "rate_rps": rate, "requests": len(result.records), "ok": len(ok),
         "ttft_p50_s": p50(ttft),
+        "tpot_p50_s": p50([(r.e2e_s - r.ttft_s) / (r.num_output_tokens - 1) for r in ok
+                           if r.ttft_s is not None and r.num_output_tokens > 1]),
         "kv_tail_p50_s": p50([t["kv_tail"] for t in timing if t.get("kv_tail") is not None]),
         "kv_p50_s": p50([t["kv"] for t in timing if t.get("kv") is not None]),
         "slo_met": met, "goodput_rps": met / span if span > 0 else 0.0,
@@ -155,17 +180,38 @@ def table(cells: list[dict], slo: float) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=tuple(PRESETS), default="cpu",
+                    help="cpu: SmolLM2 on the CPU; cuda: random:llama-3.1-8b, both workers on GPU 0")
+    ap.add_argument("--model", default=None, help="default: the --device preset's")
     ap.add_argument("--rates", default="1,10,25,100,host", help="Gbit/s, comma-separated; host = 1000")
     ap.add_argument("--precisions", default="full,auto")
-    ap.add_argument("--requests", type=int, default=12)
-    ap.add_argument("--input-len", type=int, default=1024)
-    ap.add_argument("--output-len", type=int, default=4)
-    ap.add_argument("--rate", type=float, default=0.25, help="requests/s (constant arrivals)")
-    ap.add_argument("--slo-ttft", type=float, default=3.0, help="TTFT SLO, seconds (CPU: a 1024-token prefill takes ~1 s)")
-    ap.add_argument("--profile", default=str(PROFILE))
+    ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--input-len", type=int, default=None)
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--rate", type=float, default=None, help="requests/s (constant arrivals)")
+    ap.add_argument("--link-load", type=float, default=None,
+                    help="cap a cell's rate at this fraction of the link's full-precision capacity "
+                         "(default: 0.5 with --device cuda, none on the CPU)")
+    ap.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO, seconds (CPU 3: a 1024-token prefill "
+                    "takes ~1 s there; cuda 1)")
+    ap.add_argument("--profile", default=None)
+    ap.add_argument("--no-local-prefill", dest="local_prefill", action="store_false", default=None,
+                    help="every request crosses the link (the default with --device cuda)")
+    ap.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
+                    help="an extra worker flag (repeatable; e.g. --worker-arg=--max-num-seqs=64)")
+    ap.add_argument("--seed", type=int, default=0, help="cell i draws its prompts with seed + i (new prompts per run)")
     ap.add_argument("--quick", action="store_true", help="1 and 100 Gbit/s, 4 requests of 512 tokens")
     ap.add_argument("--out", default=None, help="write the cells as JSON here (and the table beside it, .md)")
     args = ap.parse_args()
+    model, worker_flags, input_len, output_len, rate, slo, requests, local = PRESETS[args.device]
+    args.model = args.model or model
+    for name, value in (("input_len", input_len), ("output_len", output_len), ("rate", rate), ("slo_ttft", slo),
+                        ("requests", requests), ("local_prefill", local)):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.link_load is None:
+        args.link_load = 0.5 if args.device == "cuda" else 0.0
+    args.profile = args.profile or str(PROFILE_CUDA if args.device == "cuda" else PROFILE)
     if args.quick:
         args.rates, args.requests, args.input_len = "1,100", 4, 512
     rates = [HOST_GBPS if r.strip() == "host" else float(r) for r in args.rates.split(",") if r.strip()]
@@ -175,13 +221,14 @@ def main() -> int:
             ap.error(f"--precisions: {p!r} is not full, auto or fp8")
     state = Path(tempfile.mkdtemp(prefix="kv-precision-sweep-"))
     log = state / "workers.log"
-    workers = start([sys.executable, "-m", "launcher.paced", "workers", "--state", str(state), "--model", "smollm2",
-                     "--prefill", "1", "--decode", "1", "--", "--device", "cpu", "--no-prefix-caching",
-                     "--kv-cache-gib", "1"], log)
+    gpus = ["--gpus", "0"] if args.device == "cuda" else []
+    workers = start([sys.executable, "-m", "launcher.paced", "workers", "--state", str(state), "--model", args.model,
+                     "--prefill", "1", "--decode", "1", *gpus, "--", "--no-prefix-caching", *worker_flags,
+                     *args.worker_arg], log)
     cells = []
     try:
         wait_for(lambda: (state / "cluster.json").exists(), workers, 600, "workers", log)
-        seed = 0
+        seed = args.seed
         for gbps in rates:
             for precision in precisions:
                 seed += 1

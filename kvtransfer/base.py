@@ -42,7 +42,7 @@ KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 # includes the compute of the later layers); ``queue``: first send_layer to the first message
 # posted (connecting, waiting for an in-flight slot, pacing); ``wire``: first message posted to
 # the last one completed; ``ack``: last message completed to the receiver's acknowledgement;
-# ``link`` (paced links only; overlaps ``queue`` and ``wire``): the time the link was busy with
+# ``link`` (paced links only, absent otherwise; overlaps ``queue`` and ``wire``): the time the link was busy with
 # the transfer's messages that were ready before the link was free (queued behind earlier
 # bytes) and waited for the token bucket, so that the link, not the compute, held them (those
 # the bucket let through at once, its burst, are left out); ``TransferResult.link_bytes`` are

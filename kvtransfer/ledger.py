@@ -492,14 +492,18 @@ class _Outgoing:
     sent_at: float | None = None  # the latest message completed
     link_bytes: int = 0  # bytes of messages posted while the link held them back (see on_posted)
     link_s: float = 0.0  # the link's time on those messages
+    paced: bool = False  # a message went through a paced link's bucket (phase "link" is reported)
 
     def phases(self) -> dict[str, float]:
         end = self.acked_at or self.started
         staged = self.staged_at or self.started
         posted = self.posted_at or self.started
         sent = self.sent_at or posted
-        return {"stage": staged - self.started, "queue": posted - self.started,
-                "wire": max(0.0, sent - posted), "ack": max(0.0, end - sent), "link": self.link_s}
+        phases = {"stage": staged - self.started, "queue": posted - self.started,
+                  "wire": max(0.0, sent - posted), "ack": max(0.0, end - sent)}
+        if self.paced:
+            phases["link"] = self.link_s
+        return phases
 
 
 class SendLedger:
@@ -535,10 +539,11 @@ class SendLedger:
             if out is not None:
                 out.staged_at = now
 
-    def on_posted(self, key: int, link_bytes: int = 0, link_s: float = 0.0) -> None:
+    def on_posted(self, key: int, link_bytes: int = 0, link_s: float = 0.0, paced: bool = False) -> None:
         """A message of ``key`` was posted to the transport; ``link_bytes`` and ``link_s``: its
         bytes and the link's time on them when the link, not the sender, held it back (a paced
-        link with a backlog; see UcxSender._account_link)."""
+        link with a backlog; see UcxSender._account_link); ``paced``: it went through a paced
+        link's bucket (the transfer then reports phase ``link``, 0 when the bucket held nothing)."""
         now = self._clock()
         with self._cond:
             out = self._by_key.get(key)
@@ -547,6 +552,7 @@ class SendLedger:
                     out.posted_at = now
                 out.link_bytes += link_bytes
                 out.link_s += link_s
+                out.paced = out.paced or paced
 
     def on_sent(self, key: int, nbytes: int) -> None:
         now = self._clock()

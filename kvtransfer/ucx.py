@@ -1100,9 +1100,9 @@ class UcxSender(KVSender):
         last = self._last_post.get(bucket)
         self._last_post[bucket] = (now, waited)
         if last is not None and waited and last[1] and msg.ready_at <= last[0]:
-            self._ledger.on_posted(msg.key, link_bytes=msg.nbytes, link_s=now - last[0])
+            self._ledger.on_posted(msg.key, link_bytes=msg.nbytes, link_s=now - last[0], paced=True)
         else:
-            self._ledger.on_posted(msg.key)
+            self._ledger.on_posted(msg.key, paced=True)
 
     def _watch(self, msg: _Message, control: asyncio.Task, payload: asyncio.Task) -> None:
         """Records ``msg`` as sent as soon as both its sends complete. The driver awaits them only

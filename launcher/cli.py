@@ -119,7 +119,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                               log_level=args.log_level.lower(),
                               topology=args.topology, profile=args.profile, slo_ttft=args.slo_ttft,
                               slo_tpot=args.slo_tpot, admission_control=args.admission_control,
-                              calibrate=not args.no_calibration, worker_wait_s=args.worker_wait_s,
+                              calibrate=not args.no_calibration, local_prefill=not args.no_local_prefill,
+                              worker_wait_s=args.worker_wait_s,
                               max_tokens_default=args.max_tokens_default, usage_timing=args.usage_timing,
                               cluster_token=cluster_token(args),
                               max_queued_requests=args.max_queued_requests, queue_timeout_s=args.queue_timeout_s)
@@ -265,6 +266,9 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
     p.add_argument("--no-calibration", action="store_true", default=d(False),
                    help="network-aware: keep the --profile model as measured (default: correct it from "
                         "each finished request's served prefill, TTFT and TPOT)")
+    p.add_argument("--no-local-prefill", action="store_true", default=d(False),
+                   help="network-aware: always prefill on a prefill worker when a pair is feasible (default: a "
+                        "decode worker may prefill a prompt itself when that is much faster than the transfer)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -157,6 +157,7 @@ def router_argv(cluster: dict, args: argparse.Namespace, topology: Path) -> list
         argv += ["--profile", args.profile]
         argv += ["--slo-ttft", f"{args.slo_ttft:g}"] if args.slo_ttft is not None else []
         argv += ["--slo-tpot", f"{args.slo_tpot:g}"] if args.slo_tpot is not None else []
+        argv += ["--no-local-prefill"] if args.no_local_prefill else []
     return argv
 
 
@@ -362,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--slo-ttft", type=float, default=None)
     r.add_argument("--slo-tpot", type=float, default=None)
     r.add_argument("--kv-deadline-s", type=float, default=10.0)
+    r.add_argument("--no-local-prefill", action="store_true",
+                   help="network-aware: a feasible pair always wins over prefill on the decode worker")
     r.add_argument("--kv-wire-precision", choices=("auto", "full", "fp8"), default="auto",
                    help="the KV's precision on the wire: auto (the policy's, per request), full or fp8")
     r.add_argument("--log-level", default="WARNING")

@@ -97,6 +97,7 @@ class UpConfig:
     slo_tpot: float | None = None
     admission_control: bool = False
     no_calibration: bool = False
+    no_local_prefill: bool = False
     # autoscaling: None/False off; True (--autoscale) or the file's `autoscale:` mapping
     # (launcher.autoscale.rule.AutoscaleConfig.from_mapping), made an AutoscaleConfig here
     autoscale: Any = None
@@ -218,7 +219,7 @@ _INTS = {"max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"
          "prefill_tp", "decode_tp"}
 _FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s",
            "worker_wait_s", "slo_ttft", "slo_tpot", "queue_timeout_s"}
-_BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration", "usage_timing",
+_BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration", "no_local_prefill", "usage_timing",
           "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv"}
 _OPTIONAL = {"tokenizer", "dtype", "device", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
              "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv", "replicas", "worker_gpus", "address", "api_key",

@@ -46,6 +46,7 @@ class RouterSettings:
     slo_tpot: float | None = None
     admission_control: bool = False
     calibrate: bool = True  # network-aware corrects its model from outcomes (--no-calibration: False)
+    local_prefill: bool = True  # network-aware may run a prompt on its decode worker (--no-local-prefill: False)
     seed: int = 0
 
 
@@ -81,7 +82,8 @@ def make_router_policy(settings: RouterSettings) -> Any:
         return build_policy(settings.policy, topology_path=settings.topology, profile_path=settings.profile,
                             slo_ttft=settings.slo_ttft, slo_tpot=settings.slo_tpot,
                             admission_control=settings.admission_control, calibrate=settings.calibrate, seed=settings.seed,
-                            max_batch=settings.max_batch, kv_wire_precision=settings.kv_wire_precision)
+                            max_batch=settings.max_batch, kv_wire_precision=settings.kv_wire_precision,
+                            local_prefill=settings.local_prefill)
     except ValueError as e:
         raise ValueError(f"--policy {settings.policy}: {e}") from None
 

@@ -258,7 +258,8 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
                               log_level=log_level.lower(),
                               topology=config.topology, profile=config.profile, **_policy_slos(config),
                               admission_control=config.admission_control,
-                              calibrate=not config.no_calibration, graceful_shutdown_s=ROUTER_DRAIN_S, cluster_token=cluster_token)
+                              calibrate=not config.no_calibration, local_prefill=not config.no_local_prefill,
+                              graceful_shutdown_s=ROUTER_DRAIN_S, cluster_token=cluster_token)
     policy = make_router_policy(settings)
 
     import ray

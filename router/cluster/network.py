@@ -127,7 +127,8 @@ class NetworkTracker:
             if pair is not None and result.kv_bytes:
                 self._connected.add(pair)
             self.links.finish(flow, kv_bytes=result.kv_bytes, kv_seconds=result.kv_seconds,
-                              prefill_seconds=result.prefill_seconds)
+                              prefill_seconds=result.prefill_seconds, link_bytes=getattr(result, "kv_link_bytes", 0),
+                              link_seconds=(result.kv_phases or {}).get("link"))
             if result.kv_bytes and num_tokens:  # at full precision, whatever the wire carried
                 self.kv_bytes_per_token = round((result.kv_bytes + result.kv_bytes_saved) / num_tokens)
         self._export(flow.key)

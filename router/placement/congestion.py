@@ -35,6 +35,15 @@ knows the pair). Counted as a
 measurement, the router's own warm-up requests set a same-host GPU link to about 1 Gbit/s; a
 local run then always priced lower than a pair, so no transfer ever ran to correct it.
 
+A paced link (launcher.paced's token bucket in the prefill worker) says more: its sender
+reports the bytes and seconds the bucket itself held back (kvtransfer.base SENDER_PHASES,
+phase ``link``), whose ratio is the link's rate whatever the compute did, so that is the
+sample; a paced transfer the bucket never held back only shows that the link kept up (a lower
+bound). Without it, on one H200 shared by the prefill and the decode worker, a 2,048-token
+transfer at 100 Gbit/s outlasted its 60 ms prefill by the ~18 ms of its last layer's landing
+and ACK (over the slack), counted as a ~20 Gbit/s measurement, and the policy then sent FP8 over
+a link that did not need it.
+
 A transfer that missed its deadline (`finish(missed_deadline_s=...)`) did not move its bytes in
 that time: the link carried less than k x bytes / deadline (k: the peak flows it shared the link
 with). That is an upper bound, evidence of a slow link: it lowers the estimate to the bound at
@@ -168,11 +177,14 @@ class LinkMonitor:
 
     def finish(
         self, flow: Flow, *, kv_bytes: int = 0, kv_seconds: float = 0.0, prefill_seconds: float | None = None,
-        missed_deadline_s: float | None = None,
+        missed_deadline_s: float | None = None, link_bytes: int = 0, link_seconds: float | None = None,
     ) -> float | None:
         """Ends `flow` (idempotent); with kv_bytes and kv_seconds > 0, records a sample and
         returns the link throughput it implies (Gbit/s). `missed_deadline_s`: the transfer missed
-        that deadline: its bytes over it are an upper bound on the link (module docstring)."""
+        that deadline: its bytes over it are an upper bound on the link (module docstring).
+        `link_seconds` (a paced link's sender reports it, with `link_bytes`: the time and bytes
+        the link itself held back): their ratio is the link's rate, a measurement; a paced
+        transfer the link never held back is a lower bound (module docstring)."""
         if flow.done:
             return None
         flow.done = True
@@ -185,6 +197,14 @@ class LinkMonitor:
             return bound
         if kv_bytes <= 0 or kv_seconds <= 0:
             return None
+        if link_seconds is not None and not flow.first_contact:
+            if link_bytes > 0 and link_seconds > 0:
+                gbps = link_bytes * 8 / link_seconds / 1e9
+                self.record(flow.key, gbps)
+                return gbps
+            gbps = kv_bytes * 8 / kv_seconds / 1e9 * flow.peak_flows
+            self.record(flow.key, gbps, lower_bound=True)
+            return gbps
         gbps = kv_bytes * 8 / kv_seconds / 1e9 * flow.peak_flows
         lower_bound = flow.first_contact or (
             prefill_seconds is not None and kv_seconds <= (1 + self.compute_slack) * prefill_seconds)

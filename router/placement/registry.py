@@ -66,6 +66,7 @@ def build_policy(
     max_batch: int | None = None,
     calibrate: bool = True,
     kv_wire_precision: str = "auto",
+    local_prefill: bool = True,
 ) -> PlacementPolicy:
     """The policy `name` from command-line settings; ValueError names the flag or file at fault.
 
@@ -77,6 +78,8 @@ def build_policy(
     - `max_batch`: the workers' --max-num-seqs, for network-aware's model of hybrid clusters.
     - `calibrate`: network-aware corrects its model from request outcomes
       (router.placement.policies.calibration); False (--no-calibration) keeps the offline profile alone.
+    - `local_prefill` (False: --no-local-prefill): network-aware only; a feasible pair always
+      wins over a decode worker prefilling the prompt itself.
     - `kv_wire_precision` (--kv-wire-precision): network-aware prices transfers at it ("auto": the
       precision it chooses per request); the backend applies it with any policy.
     """
@@ -89,13 +92,14 @@ def build_policy(
             raise ValueError("--profile: network-aware needs --profile (a file from `pdserve profile`)")
         options.update(profile=load_profile(profile_path), topology=topology, slo_ttft=slo_ttft,
                        slo_tpot=slo_tpot, admission_control=admission_control, calibrate=calibrate,
-                       kv_wire_precision=kv_wire_precision)
+                       kv_wire_precision=kv_wire_precision, local_prefill=local_prefill)
         if max_batch is not None:
             options["max_batch"] = max_batch
     else:
         given = [flag for flag, value in (("--profile", profile_path), ("--slo-ttft", slo_ttft),
                                           ("--slo-tpot", slo_tpot), ("--admission-control", admission_control or None),
-                                          ("--no-calibration", None if calibrate else True))
+                                          ("--no-calibration", None if calibrate else True),
+                                          ("--no-local-prefill", None if local_prefill else True))
                  if value is not None]
         if given:
             raise ValueError(f"{given[0]}: only the network-aware policy uses it, not {name!r}")

@@ -256,10 +256,11 @@ def test_cli_cluster_token_errors_name_the_flag_or_variable(capsys, tmp_path, mo
                           "$PDSERVE_CLUSTER_TOKEN", "at least 16 characters")
 
 
-def test_cli_no_calibration_is_network_aware_only(capsys):
-    for argv in (("up", "--no-calibration"),
-                 ("router", "--worker", "prefill=h:1", "--worker", "decode=h:2", "--no-calibration")):
-        assert_one_line_error(*run_cli(capsys, *argv), "--no-calibration", "only the network-aware policy")
+@pytest.mark.parametrize("flag", ["--no-calibration", "--no-local-prefill"])
+def test_cli_network_aware_switches_are_network_aware_only(capsys, flag):
+    for argv in (("up", flag),
+                 ("router", "--worker", "prefill=h:1", "--worker", "decode=h:2", flag)):
+        assert_one_line_error(*run_cli(capsys, *argv), flag, "only the network-aware policy")
 
 
 def test_no_calibration_reaches_the_network_aware_policy(tmp_path):
@@ -274,6 +275,11 @@ def test_no_calibration_reaches_the_network_aware_policy(tmp_path):
     for calibrate in (True, False):
         settings = RouterSettings(model="smollm2", policy="network-aware", profile=profile, calibrate=calibrate)
         assert make_router_policy(settings).calibrate is calibrate
+    (tmp_path / "up.yaml").write_text("no_local_prefill: true\n")
+    assert read_config_file(str(tmp_path / "up.yaml"))["no_local_prefill"] is True
+    for local in (True, False):
+        settings = RouterSettings(model="smollm2", policy="network-aware", profile=profile, local_prefill=local)
+        assert make_router_policy(settings).local_prefill is local
 
 
 def test_pool_specs_size_the_scheduler_for_the_workers_device():

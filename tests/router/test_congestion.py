@@ -133,3 +133,28 @@ def test_a_first_contact_transfer_only_raises_the_estimate():
     fast_first.first_contact = True  # a lower bound above the estimate still raises it
     m.finish(fast_first, kv_bytes=10**9, kv_seconds=0.5)
     assert m.state("a->b").measured_gbps == pytest.approx(12.0)
+
+
+def test_a_paced_link_is_measured_by_what_its_bucket_held_back():
+    """A paced link's sender reports the bytes and seconds its bucket held back (phase "link"):
+    their ratio is the sample, whatever the compute did; a paced transfer the bucket never held
+    back only shows that the link kept up. (On one H200, 2,048 tokens at 100 Gbit/s outlasted
+    their prefill by the last layer's landing and ACK, past the slack, and were taken for a
+    ~20 Gbit/s link.)"""
+    m = LinkMonitor(alpha=0.5)
+    # 207 MB in 82 ms after a 60 ms prefill: past the slack, yet the bucket held nothing back
+    m.finish(m.start("a->b", 1), kv_bytes=207 * 10**6, kv_seconds=0.082, prefill_seconds=0.060,
+             link_bytes=0, link_seconds=0.0)
+    assert m.state("a->b").measured_gbps is None  # a lower bound before any measurement is ignored
+    # the same transfer unpaced counts as a measurement of ~20 Gbit/s
+    unpaced = LinkMonitor(alpha=0.5)
+    unpaced.finish(unpaced.start("a->b", 1), kv_bytes=207 * 10**6, kv_seconds=0.082, prefill_seconds=0.060)
+    assert unpaced.state("a->b").measured_gbps == pytest.approx(20.2, abs=0.1)
+    # at 1 Gbit/s the bucket held 200 MB back for 1.6 s: 1 Gbit/s, not the 207 MB / 1.7 s of the whole
+    assert m.finish(m.start("a->b", 1), kv_bytes=207 * 10**6, kv_seconds=1.7, prefill_seconds=0.060,
+                    link_bytes=200 * 10**6, link_seconds=1.6) == pytest.approx(1.0)
+    assert m.state("a->b").measured_gbps == pytest.approx(1.0)
+    # then a held-back-free transfer at 10x that only raises it (a lower bound), by the EWMA
+    m.finish(m.start("a->b", 1), kv_bytes=207 * 10**6, kv_seconds=0.166, prefill_seconds=0.060,
+             link_bytes=0, link_seconds=0.0)
+    assert m.state("a->b").measured_gbps == pytest.approx(0.5 * 1.0 + 0.5 * 207e6 * 8 / 0.166 / 1e9)

@@ -5,6 +5,8 @@ and /metrics report the precision and the bytes saved."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import openai
 import pytest
@@ -16,7 +18,7 @@ from router.metrics import RouterMetrics
 from router.placement.base import Decision
 from router.placement.policies.cost import CODEC_GBPS, FP8_WIRE_RATIO, choose_kv_precision, estimate_pair
 from router.placement.policies.network_aware import NetworkAware
-from router.placement.registry import make_policy
+from router.placement.registry import build_policy, make_policy
 from tests.router.conftest import MODEL, CharTokenizer, ServerThread
 from tests.router.fake_workers import PREFILL_KV_BYTES_PER_TOKEN, Cluster, FakeWorker
 from tests.router.network_fixtures import PROFILE, req, snapshot, topology, w
@@ -42,6 +44,7 @@ def test_a_slow_link_sends_fp8(gbps, slo_ttft):
     if slo_ttft is not None:
         loose = NetworkAware(profile=PROFILE).place(req(4096), snapshot(*reversed(_pair(gbps))))
         assert loose.kv_precision == "full"
+        assert "of the TTFT " in loose.kv_precision_reason and "of the TTFT SLO" not in loose.kv_precision_reason
 
 
 def test_fp8_pricing_moves_a_prompt_off_local_prefill():
@@ -74,10 +77,15 @@ def test_the_rule_in_numbers():
     assert choose_kv_precision(e, KV_BYTES, codec_gbps=threshold * 1.01)[0] == "fp8"
     assert choose_kv_precision(e, KV_BYTES, codec_gbps=threshold * 0.99)[0] == "full"
     assert KV_BYTES * 8 / (CODEC_GBPS["cuda"] * 1e9) < 0.005
-    # the exposed transfer (kv - hidden = 0.462 s) against a tenth of the TTFT SLO
+    # the exposed transfer (kv - hidden = 0.462 s) against a tenth of the predicted TTFT (0.872 s),
+    # or of the TTFT SLO where that is tighter: a loose SLO does not keep full precision
     exposed = e.kv_s - e.hidden_s
-    assert choose_kv_precision(e, KV_BYTES, slo_ttft=exposed * 10 * 0.99)[0] == "fp8"
-    assert choose_kv_precision(e, KV_BYTES, slo_ttft=exposed * 10 * 1.01)[0] == "full"
+    assert choose_kv_precision(e, KV_BYTES, slo_ttft=100.0)[0] == "fp8"
+    queued = dataclasses.replace(e, queue_s=e.queue_s + exposed * 10 * 1.01 - e.base_ttft_s)  # TTFT 10.1 x exposed
+    assert choose_kv_precision(queued, KV_BYTES)[0] == "full"
+    assert choose_kv_precision(queued, KV_BYTES, slo_ttft=100.0)[0] == "full"
+    assert choose_kv_precision(queued, KV_BYTES, slo_ttft=exposed * 10 * 0.99)[0] == "fp8"
+    assert "of the TTFT SLO" in choose_kv_precision(queued, KV_BYTES, slo_ttft=exposed * 10 * 0.99)[1]
     # the CPU's codec is slow (kernels.kv_quant in torch ops): a 10 Gbit/s link does not pay for it
     assert choose_kv_precision(e, KV_BYTES, device="cpu")[0] == "full"
     assert choose_kv_precision(e, 0) == ("full", "no KV transfer")
@@ -184,3 +192,19 @@ def test_the_fp8_ratio_counts_the_full_precision_head_block():
     e = estimate_pair(PROFILE, req(10), snap.worker("p0"), snap.worker("d0"), snap)
     assert choose_kv_precision(e, 10 * PREFILL_KV_BYTES_PER_TOKEN, ratio=fp8_wire_ratio(10))[0] == "full"
     assert NetworkAware(profile=PROFILE, kv_wire_precision="auto").place(req(10), snap).kv_precision == "full"
+
+
+@pytest.mark.parametrize("gbps", [1.0, 2.0])
+def test_no_local_prefill_keeps_a_slow_link_disaggregated(gbps):
+    """--no-local-prefill: a feasible pair wins even where a local run is far faster (and only
+    the local run meets the TTFT SLO); the precision is still the link's choice."""
+    topo, workers = _pair(gbps)
+    allowed = NetworkAware(profile=PROFILE, slo_ttft=1.0).place(req(4096), snapshot(workers, topo))
+    assert allowed.kind == "local"
+    strict = NetworkAware(profile=PROFILE, slo_ttft=1.0, local_prefill=False).place(req(4096), snapshot(workers, topo))
+    assert (strict.kind, strict.prefill, strict.decode, strict.kv_precision) == ("disaggregated", "p0", "d0", "fp8")
+    assert "local prefill off (--no-local-prefill)" in strict.reason
+    with pytest.raises(ValueError, match="local_prefill"):
+        NetworkAware(profile=PROFILE, local_prefill="no")
+    with pytest.raises(ValueError, match="--no-local-prefill"):
+        build_policy("round-robin", local_prefill=False)

@@ -186,8 +186,10 @@ def choose_kv_precision(
     FP8 when the transfer is the bound: its time is more than twice the quantize + dequantize
     cost (kv_bytes at `codec_gbps`, by `device` from CODEC_GBPS), FP8 saves more than that cost
     ((1 - ratio) x kv_s), and its exposed part (kv_s - hidden_s) is at least `min_ttft_fraction`
-    of the TTFT SLO (or, without one, of the predicted TTFT). Full precision otherwise: a fast
-    link (same node, NVLink) where the bytes are cheap, or compute that hides the transfer."""
+    of the predicted TTFT at full precision, or of the TTFT SLO when that is tighter. Full
+    precision otherwise: a fast link (same node, NVLink) where the bytes are cheap, or compute
+    that hides the transfer. (Until 2026-12-02 the fraction was of the SLO alone, so with a 1 s
+    SLO a transfer that was a third of a 90 ms TTFT went at full precision.)"""
     if estimate.prefill is None or kv_bytes <= 0:
         return "full", "no KV transfer"
     gbps = codec_gbps if codec_gbps is not None else CODEC_GBPS.get(device, CODEC_GBPS["cuda"])
@@ -195,7 +197,9 @@ def choose_kv_precision(
     kv_s = estimate.kv_s
     exposed = max(0.0, kv_s - estimate.hidden_s)
     saved = (1 - ratio) * kv_s - codec_s
-    budget, what = (slo_ttft, "TTFT SLO") if slo_ttft is not None else (estimate.base_ttft_s, "TTFT")
+    budget, what = estimate.base_ttft_s, "TTFT"
+    if slo_ttft is not None and slo_ttft < budget:
+        budget, what = slo_ttft, "TTFT SLO"
     facts = (f"kv {kv_s * 1e3:.1f} ms at full precision ({exposed * 1e3:.1f} ms exposed, "
              f"{exposed / budget:.0%} of the {what} {budget * 1e3:.0f} ms), codec {codec_s * 1e3:.1f} ms")
     if kv_s > 2 * codec_s and saved > 0 and budget > 0 and exposed >= min_ttft_fraction * budget:

@@ -10,7 +10,10 @@ For a request that may be disaggregated (router.placement.base's shared rules de
 3. the best feasible pair and the best feasible local run (lowest TTFT; ties to the less loaded
    workers, then worker ids) compete: local wins only when its TTFT is lower than the best
    pair's by more than `local_margin` (a fraction). Disaggregation is the default because it
-   keeps prefill work off decode workers, which the TTFT of one request does not price;
+   keeps prefill work off decode workers, which the TTFT of one request does not price.
+   `local_prefill=False` (--no-local-prefill) takes local runs out of the competition: a
+   decode worker prefills only when no pair is feasible (strict disaggregation, as engines
+   without a local path serve);
 4. with `slo_ttft`, an option that meets it beats one that does not;
 5. when no option is feasible, or none meets `slo_ttft`: with `admission_control`,
    SLOUnattainable (the router answers 429); without, the lowest-TTFT option (best effort).
@@ -91,7 +94,7 @@ class NetworkAware(PoolPolicy):
         slo_ttft: float | None = None, slo_tpot: float | None = None, admission_control: bool = False,
         local_margin: float = 0.2, block_size: int = 16, local_prefill_max_tokens: int = 0,
         max_batch: int = 64, calibrate: bool = True, columnar: bool | None = None,
-        kv_wire_precision: str = "auto",
+        kv_wire_precision: str = "auto", local_prefill: bool = True,
     ) -> None:
         super().__init__(local_prefill_max_tokens=local_prefill_max_tokens)
         if not isinstance(profile, Profile):
@@ -116,6 +119,9 @@ class NetworkAware(PoolPolicy):
         self.slo_tpot = slo_tpot
         self.admission_control = admission_control
         self.local_margin = float(local_margin)
+        if not isinstance(local_prefill, bool):
+            raise ValueError(f"local_prefill must be true or false, got {local_prefill!r}")
+        self.local_prefill = local_prefill  # False (--no-local-prefill): a feasible pair always wins
         self.prefixes = PrefixIndex(block_size=block_size)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1 (the workers' --max-num-seqs), got {max_batch!r}")
@@ -405,6 +411,8 @@ class NetworkAware(PoolPolicy):
             if pair is not None:
                 return pair, "no feasible local run"
             return local, ("no feasible pair" if local is not None else "")
+        if not self.local_prefill:
+            return pair, "local prefill off (--no-local-prefill)"
         slo = self.slo_ttft
         if slo is not None and (pair.ttft_s <= slo) != (local.ttft_s <= slo):
             return (pair, "only the pair meets the TTFT SLO") if pair.ttft_s <= slo else \
