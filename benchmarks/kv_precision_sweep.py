@@ -144,6 +144,7 @@ def run_cell(args, state: Path, gbps: float, precision: str, seed: int) -> dict:
         "chosen": dict(Counter(t.get("kv_precision") or "local" for t in timing)),
         "wire_mb_per_request": (sum(wire) / len(wire) / 1e6) if wire else None,
         "reason": next((t.get("kv_precision_reason") for t in timing if t.get("kv_precision_reason")), None),
+        "reasons": [t.get("kv_precision_reason") for t in timing],
     }
 
 

