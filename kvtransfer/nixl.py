@@ -62,8 +62,13 @@ CUDA IPC copy of its own, about 9-15 us each on an H200, so the per-block descri
 blocks (DIRECT) run at 2-4 GB/s, raw NIXL with the same descriptors included, where one descriptor
 per layer runs at over 1 TB/s (docs/results.md).
 
-Not here (the UCX backend has them): pacing, fault injection, checksums and FP8 on the wire (an
-``"fp8"`` message moves the pool's bytes as is). Every mode is slower on a GPU than the UCX
+FP8 on the wire (``precision="fp8"``): the staged WRITE quantizes a slot's gathered blocks
+(kernels.kv_quant.pack_blocks, the UCX backend's wire format) into the slot's mirror and WRITEs
+those bytes; its WRITTEN frame carries ``FP8_WIRE`` and the receiver dequantizes on landing
+(ledger.FP8Payload). DIRECT writes into the pools and READ reads from them, so those two move
+the pool's bytes as they are (and the transfer reports full precision).
+
+Not here (the UCX backend has them): pacing, fault injection and checksums. Every mode is slower on a GPU than the UCX
 backend, which gathers with one kernel (one H200, 2k tokens of scattered Llama-3.1-8B KV: 21 ms by
 WRITE, 98 ms by DIRECT, 3.8 s by READ, 1.8 ms on the UCX backend): a sender on CUDA pools logs a
 warning once.
@@ -96,8 +101,10 @@ from kvtransfer import auth, trace
 from kvtransfer import layout as wire
 from kvtransfer.base import KVCaches, KVSender, TransferResult, env_positive_int, wire_fp8
 from kvtransfer.errors import KVTransferError
+from kernels.kv_quant import fp8_block_rows, pack_blocks
 from kvtransfer.layout import (
     DIRECT,
+    FP8_WIRE,
     HEADER_BYTES,
     LAYOUT_BYTES,
     PULL,
@@ -115,7 +122,7 @@ from kvtransfer.layout import (
     unpack_header,
     unpack_layout,
 )
-from kvtransfer.ledger import InPlace, LedgerReceiver, ReceiveLedger, SendLedger
+from kvtransfer.ledger import FP8Payload, InPlace, LedgerReceiver, ReceiveLedger, SendLedger
 from kvtransfer.staging import block_index
 
 logger = logging.getLogger(__name__)
@@ -677,7 +684,10 @@ class NixlReceiver(LedgerReceiver):
         drop it, NACKing), then hand the slot back."""
         n = header.num_blocks
         (slot,) = _SLOT.unpack_from(frame, HEADER_BYTES)
-        nbytes = 2 * n * self.layout.block_bytes
+        fp8 = bool(header.status & FP8_WIRE)
+        if fp8 and not self.layout.fp8_wire:
+            raise KVTransferError(f"bad WRITTEN message: FP8 blocks for a {self.layout.dtype} KV layout")
+        nbytes = self.layout.layer_message_bytes(n, "fp8" if fp8 else "full")
         if not 0 <= slot < conn.slots or not 0 < nbytes <= conn.slot_bytes or len(frame) < HEADER_BYTES + 4 + 4 * n:
             raise KVTransferError(f"bad WRITTEN message: slot {slot}, {n} blocks")
         dst = np.frombuffer(frame, dtype=np.int32, count=n, offset=HEADER_BYTES + _SLOT.size).tolist()
@@ -689,9 +699,14 @@ class NixlReceiver(LedgerReceiver):
             if not 0 <= layer < self.layout.num_layers:
                 raise KVTransferError(f"bad WRITTEN message: layer {layer}")
             start = slot * conn.slot_bytes
-            staged = conn.staging[start:start + nbytes].view(self.layout.torch_dtype).view(2, n, *self.layout.block_shape)
+            raw = conn.staging[start:start + nbytes]
             self._ledger.count("messages_written")
-            self._ledger.land(key, layer, dst, staged, conn)
+            if fp8:  # dequantized into the pools' dtype by the ledger, on landing
+                rows = fp8_block_rows(self.layout.block_size, self.layout.head_dim)
+                payload = FP8Payload(raw.view(1, 2, n, rows, *self.layout.block_shape[1:]))
+                self._ledger.land_many([(key, layer, dst, payload, conn)])
+            else:
+                self._ledger.land(key, layer, dst, raw.view(self.layout.torch_dtype).view(2, n, *self.layout.block_shape), conn)
         finally:
             conn.send(CREDIT + _SLOT.pack(slot))
 
@@ -764,7 +779,7 @@ class NixlSender(KVSender):
 
     def send_layer(self, address: str, transfer_id: str, layer: int, src_block_ids: Sequence[int],
                    dst_block_ids: Sequence[int], precision: str = "full") -> None:
-        wire_fp8(self.layout, precision)  # validates; the NIXL backend moves the pool's bytes
+        fp8 = wire_fp8(self.layout, precision)  # validates; FP8 only on the staged WRITE (module docstring)
         if self._closed:
             raise KVTransferError("sender is closed")
         parse_address(address)
@@ -780,7 +795,7 @@ class NixlSender(KVSender):
         if self._device.type == "cuda":  # the receiver reads the blocks once the kernels that wrote them ran
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._device))
-        self._link(address).queue.put((key, layer, src, dst, nbytes, event))
+        self._link(address).queue.put((key, layer, src, dst, nbytes, event, fp8))
 
     def finish(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
         return self._ledger.finish(transfer_id, timeout)
@@ -981,41 +996,50 @@ class NixlSender(KVSender):
             with contextlib.suppress(Exception):
                 link.pending.popleft()[0].release()
 
-    def _write_layer(self, link: _Link, key: int, layer: int, src: list[int], dst: list[int], nbytes: int) -> None:
+    def _write_layer(self, link: _Link, key: int, layer: int, src: list[int], dst: list[int], fp8: bool = False) -> None:
         """Post the WRITEs of a layer's source blocks into the receiver's staging, as many slots as
         they need: each slot's blocks are first gathered into this side's mirror of the slot (K
         blocks, then V blocks, as the receiver reads the slot), so that a WRITE is one descriptor
         however scattered the blocks are. Each one's WRITTEN frame goes once NIXL says DONE
         (``_reap``), in order; up to a slot per WRITE is in flight, so the next layer's WRITE is
-        posted before this one's DONE."""
-        block = self.layout.block_bytes
-        per = max(1, link.slot_bytes // (2 * block))
+        posted before this one's DONE. ``fp8``: each slot's blocks are quantized after the gather
+        (kernels.kv_quant.pack_blocks) and the slot carries those bytes."""
+        precision = "fp8" if fp8 else "full"
+        wire_block = self.layout.wire_block_bytes(precision)
+        per = max(1, link.slot_bytes // (2 * wire_block))
         k_pool, v_pool = self._pools[layer]
         agent = self._agent
         for start in range(0, len(src), per):
             s_ids, d_ids = src[start:start + per], dst[start:start + per]
             n = len(s_ids)
+            nb = 2 * n * wire_block
             slot = self._take_slot(link)
             at = slot * link.slot_bytes
-            staged = link.local[at:at + 2 * n * block].view(k_pool.dtype).view(2, n, *k_pool.shape[1:])
             with torch.cuda.stream(link.stream) if link.stream is not None else contextlib.nullcontext():
                 # the index is uploaded on the gather's own stream: on the current (the engine's)
                 # stream it would wait behind the forward's kernels while the gather read it
                 index = torch.tensor(s_ids, dtype=torch.int64, device=self._device)
-                torch.index_select(k_pool, 0, index, out=staged[0])
-                torch.index_select(v_pool, 0, index, out=staged[1])
+                if fp8:
+                    gathered = torch.empty(2, n, *k_pool.shape[1:], dtype=k_pool.dtype, device=self._device)
+                else:
+                    gathered = link.local[at:at + nb].view(k_pool.dtype).view(2, n, *k_pool.shape[1:])
+                torch.index_select(k_pool, 0, index, out=gathered[0])
+                torch.index_select(v_pool, 0, index, out=gathered[1])
+                if fp8:
+                    link.local[at:at + nb].copy_(pack_blocks(gathered).view(-1))
             if link.stream is not None:
                 link.stream.synchronize()
-            local = np.array([[link.local.data_ptr() + at, 2 * n * block, self._dev]], dtype=np.uint64)
-            remote = np.array([[link.base + at, 2 * n * block, link.remote_dev]], dtype=np.uint64)
+            local = np.array([[link.local.data_ptr() + at, nb, self._dev]], dtype=np.uint64)
+            remote = np.array([[link.base + at, nb, link.remote_dev]], dtype=np.uint64)
             handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, self._mem),
                                            agent.get_xfer_descs(remote, link.remote_mem), link.remote_agent)
             state = agent.transfer(handle)
-            header = WireHeader(MsgKind.LAYER, transfer_key=key, layer=layer, num_blocks=n, num_bytes=2 * n * block,
-                                fingerprint=self.layout.fingerprint, status=WRITTEN)
+            header = WireHeader(MsgKind.LAYER, transfer_key=key, layer=layer, num_blocks=n, num_bytes=nb,
+                                fingerprint=self.layout.fingerprint, status=WRITTEN | (FP8_WIRE if fp8 else 0))
             frame = header.pack() + _SLOT.pack(slot) + np.asarray(d_ids, dtype=np.int32).tobytes()
             last = start + per >= len(src)
-            link.pending.append((handle, state, [frame], [(key, nbytes)] if last else []))
+            link.pending.append((handle, state, [frame], [(key, self.layout.layer_message_bytes(len(src), precision))]
+                                 if last else []))
 
     def _gather(self, link: _Link, first) -> tuple[list, bool]:
         """``first`` and the messages queued behind it now (DIRECT: one WRITE carries them all);
@@ -1055,7 +1079,7 @@ class NixlSender(KVSender):
         if link.fences:
             self._serve_fences(link)
         ready = []
-        for key, layer, src, dst, nbytes, event in batch:
+        for key, layer, src, dst, nbytes, event, _fp8 in batch:  # DIRECT moves the pools' bytes
             if key in link.fenced:  # the receiver dropped it: fail it as its NACK would
                 self._ledger.on_nack(key, link.fenced[key])
                 continue
@@ -1124,7 +1148,7 @@ class NixlSender(KVSender):
                     continue
                 if item is None:
                     break
-                key, layer, src, dst, nbytes, event = item
+                key, layer, src, dst, nbytes, event, fp8 = item
                 if link.error is None and link.sock is None:
                     try:
                         self._connect(link)
@@ -1147,7 +1171,7 @@ class NixlSender(KVSender):
                 self._ledger.on_posted(key)
                 try:
                     if link.write:  # counted sent when its last WRITTEN frame goes (_reap)
-                        self._write_layer(link, key, layer, src, dst, nbytes)
+                        self._write_layer(link, key, layer, src, dst, fp8)
                         continue
                     header = WireHeader(MsgKind.LAYER, transfer_key=key, layer=layer, num_blocks=len(src),
                                         num_bytes=nbytes, fingerprint=self.layout.fingerprint, status=PULL)

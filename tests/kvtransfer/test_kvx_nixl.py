@@ -481,3 +481,37 @@ def test_nixl_cuda_landing_does_not_wait_for_the_receiving_engine_stream(peer, o
         time.sleep(0.1)
     for layer in range(3):
         assert peer.call("read", layer, [2, 33, 17]) == block_bytes(src, layer, [40, 7, 19])
+
+
+@pytest.mark.parametrize("op", ["write", "direct", "read"])
+def test_nixl_fp8_wire_goes_on_the_staged_write(peer, op):
+    """precision="fp8": the staged WRITE quantizes each slot after its gather and the receiver
+    lands the FP8 round trip of the source blocks (kernels.kv_quant) in the FP8 wire's bytes;
+    DIRECT and READ move the pools' bytes as they are (exact, full-precision bytes)."""
+    from kernels import kv_quant
+    from kvtransfer.layout import KVLayout
+
+    src = make_caches(FP32, seed=21)
+    address = peer.call("open_receiver", FP32)
+    src_ids, dst_ids = [9, 2, 14, 5, 0], [3, 11, 0, 7, 15]
+    with kvtransfer.create_sender("nixl", src, op=op) as sender:
+        peer.call("expect", "fp8", dst_ids, 3, 20.0)
+        for layer in range(3):
+            sender.send_layer(address, "fp8", layer, src_ids, dst_ids, precision="fp8")
+        sent = sender.finish("fp8", timeout=20)
+        landed = peer.call("wait", "fp8", 20.0)
+        with pytest.raises(ValueError, match="precision"):
+            sender.send_layer(address, "fp4", 0, [0], [1], precision="fp4")
+    fp8 = op == "write"
+    layout = KVLayout.from_caches(src)
+    assert sent.num_bytes == landed.num_bytes == 3 * layout.layer_message_bytes(5, "fp8" if fp8 else "full")
+    after = peer.call("read_all")
+    for layer in range(3):
+        for pool in range(2):
+            raw = torch.frombuffer(bytearray(after[layer][pool]), dtype=torch.float32).view(16, 4, 2, 8)
+            want = src[layer][pool][src_ids]
+            if fp8:
+                want = kv_quant.unpack_blocks(kv_quant.pack_blocks(want), torch.float32)
+                assert not torch.equal(want, src[layer][pool][src_ids])  # lossy: the test can tell
+            assert torch.equal(raw[dst_ids], want)
+    assert peer.call("metrics")["messages_dropped"] == 0
