@@ -68,7 +68,12 @@ those bytes; its WRITTEN frame carries ``FP8_WIRE`` and the receiver dequantizes
 (ledger.FP8Payload). DIRECT writes into the pools and READ reads from them, so those two move
 the pool's bytes as they are (and the transfer reports full precision).
 
-Not here (the UCX backend has them): pacing, fault injection and checksums. Every mode is slower on a GPU than the UCX
+Pacing (``pacer=``, a kvtransfer.pacing.LinkPacer or a spec string, as the UCX backend takes):
+before each WRITE (a staged slot, or a DIRECT batch) or READ request goes, the link's token
+bucket is charged its bytes and the sender waits out any debt; the bytes and time the bucket
+held back are the transfer's phase ``link``, as on UCX (launcher.paced's emulated links).
+
+Not here (the UCX backend has them): fault injection and checksums. Every mode is slower on a GPU than the UCX
 backend, which gathers with one kernel (one H200, 2k tokens of scattered Llama-3.1-8B KV: 21 ms by
 WRITE, 98 ms by DIRECT, 3.8 s by READ, 1.8 ms on the UCX backend): a sender on CUDA pools logs a
 warning once.
@@ -92,6 +97,7 @@ import struct
 import threading
 import time
 import uuid
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -123,6 +129,7 @@ from kvtransfer.layout import (
     unpack_layout,
 )
 from kvtransfer.ledger import FP8Payload, InPlace, LedgerReceiver, ReceiveLedger, SendLedger
+from kvtransfer.pacing import LinkPacer
 from kvtransfer.staging import block_index
 
 logger = logging.getLogger(__name__)
@@ -746,14 +753,21 @@ class _Link:
 
 class NixlSender(KVSender):
     def __init__(self, kv_caches: KVCaches, connect_timeout: float = 5.0, model: str = "",
-                 token: str | None = None, op: str = "write"):
+                 token: str | None = None, op: str = "write", pacer: LinkPacer | None = None):
         """`token`: the cluster's secret, proved to each receiver (None: a cluster without one);
         `op`: ``"write"`` (the default: the sender gathers the blocks and WRITEs them into the
         receiver's staging, which it copies into the blocks), ``"direct"`` (the sender WRITEs
         straight into the receiver's reserved blocks, a descriptor per run of consecutive blocks)
-        or ``"read"`` (the receiver READs the sender's pools); the receiver answers which it takes."""
+        or ``"read"`` (the receiver READs the sender's pools); the receiver answers which it takes.
+        `pacer`: emulated links' token buckets by receiver address (module docstring)."""
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        if pacer is not None and not isinstance(pacer, LinkPacer):
+            raise ValueError(f"pacer must be a kvtransfer.pacing.LinkPacer, got {type(pacer).__name__}")
+        self._pacer = pacer
+        self._pacing_delay = 0.0
+        self._last_post: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # bucket -> (posted, waited)
+        self._pace_lock = threading.Lock()
         api = load_nixl()
         self._op = op
         self._token = token
@@ -795,13 +809,39 @@ class NixlSender(KVSender):
         if self._device.type == "cuda":  # the receiver reads the blocks once the kernels that wrote them ran
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self._device))
-        self._link(address).queue.put((key, layer, src, dst, nbytes, event, fp8))
+        ready_at = self._pacer.now() if self._pacer is not None else 0.0
+        self._link(address).queue.put((key, layer, src, dst, nbytes, event, fp8, ready_at))
 
     def finish(self, transfer_id: str, timeout: float | None = None) -> TransferResult:
         return self._ledger.finish(transfer_id, timeout)
 
     def metrics(self) -> dict[str, float]:
-        return self._ledger.snapshot()
+        out = self._ledger.snapshot()
+        if self._pacer is not None:
+            out["pacing_delay_seconds"] = self._pacing_delay
+        return out
+
+    def _pace(self, link: _Link, key: int, nbytes: int, ready_at: float) -> None:
+        """Records a message of ``key`` posted; on a paced link, first charges ``nbytes`` to its
+        bucket and waits out the debt. Its bytes and the link's time on them count as phase
+        ``link`` when the bucket, not the compute, held it back (the UCX sender's rule: it was
+        ready before the bucket's previous post, and both waited)."""
+        bucket = self._pacer.bucket_for(link.address) if self._pacer is not None else None
+        if bucket is None:
+            self._ledger.on_posted(key)
+            return
+        delay = bucket.reserve(nbytes, ready_at)
+        if delay > 0:
+            self._pacing_delay += delay
+            time.sleep(delay)
+        now = self._pacer.now()
+        with self._pace_lock:
+            last = self._last_post.get(bucket)
+            self._last_post[bucket] = (now, delay > 0)
+        if last is not None and delay > 0 and last[1] and ready_at <= last[0]:
+            self._ledger.on_posted(key, link_bytes=nbytes, link_s=now - last[0], paced=True)
+        else:
+            self._ledger.on_posted(key, paced=True)
 
     def close(self) -> None:
         with self._lock:
@@ -996,7 +1036,8 @@ class NixlSender(KVSender):
             with contextlib.suppress(Exception):
                 link.pending.popleft()[0].release()
 
-    def _write_layer(self, link: _Link, key: int, layer: int, src: list[int], dst: list[int], fp8: bool = False) -> None:
+    def _write_layer(self, link: _Link, key: int, layer: int, src: list[int], dst: list[int], fp8: bool = False,
+                     ready_at: float = 0.0) -> None:
         """Post the WRITEs of a layer's source blocks into the receiver's staging, as many slots as
         they need: each slot's blocks are first gathered into this side's mirror of the slot (K
         blocks, then V blocks, as the receiver reads the slot), so that a WRITE is one descriptor
@@ -1029,6 +1070,7 @@ class NixlSender(KVSender):
                     link.local[at:at + nb].copy_(pack_blocks(gathered).view(-1))
             if link.stream is not None:
                 link.stream.synchronize()
+            self._pace(link, key, nb, ready_at)
             local = np.array([[link.local.data_ptr() + at, nb, self._dev]], dtype=np.uint64)
             remote = np.array([[link.base + at, nb, link.remote_dev]], dtype=np.uint64)
             handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, self._mem),
@@ -1079,7 +1121,7 @@ class NixlSender(KVSender):
         if link.fences:
             self._serve_fences(link)
         ready = []
-        for key, layer, src, dst, nbytes, event, _fp8 in batch:  # DIRECT moves the pools' bytes
+        for key, layer, src, dst, nbytes, event, _fp8, ready_at in batch:  # DIRECT moves the pools' bytes
             if key in link.fenced:  # the receiver dropped it: fail it as its NACK would
                 self._ledger.on_nack(key, link.fenced[key])
                 continue
@@ -1093,7 +1135,7 @@ class NixlSender(KVSender):
             if event is not None:
                 event.synchronize()
             self._ledger.on_staged(key)
-            self._ledger.on_posted(key)
+            self._pace(link, key, nbytes, ready_at)
             ready.append((key, layer, src, dst, nbytes))
         if not ready:
             return
@@ -1148,7 +1190,7 @@ class NixlSender(KVSender):
                     continue
                 if item is None:
                     break
-                key, layer, src, dst, nbytes, event, fp8 = item
+                key, layer, src, dst, nbytes, event, fp8, ready_at = item
                 if link.error is None and link.sock is None:
                     try:
                         self._connect(link)
@@ -1168,11 +1210,11 @@ class NixlSender(KVSender):
                 if event is not None:
                     event.synchronize()
                 self._ledger.on_staged(key)
-                self._ledger.on_posted(key)
                 try:
-                    if link.write:  # counted sent when its last WRITTEN frame goes (_reap)
-                        self._write_layer(link, key, layer, src, dst, fp8)
+                    if link.write:  # counted sent when its last WRITTEN frame goes (_reap); paced per slot
+                        self._write_layer(link, key, layer, src, dst, fp8, ready_at)
                         continue
+                    self._pace(link, key, nbytes, ready_at)
                     header = WireHeader(MsgKind.LAYER, transfer_key=key, layer=layer, num_blocks=len(src),
                                         num_bytes=nbytes, fingerprint=self.layout.fingerprint, status=PULL)
                     _send_frame(link.sock, link.lock, header.pack() + np.asarray(dst + src, dtype=np.int32).tobytes())

@@ -306,8 +306,10 @@ def test_nixl_restarted_receiver_refuses_old_address(peer):
 
 def test_nixl_unknown_option_and_bad_arguments():
     caches = make_caches(FP32, seed=1)
-    with pytest.raises(TypeError, match="pacer"):
-        kvtransfer.create_sender("nixl", caches, pacer=None)
+    with pytest.raises(TypeError, match="faults"):
+        kvtransfer.create_sender("nixl", caches, faults="drop=0.1")
+    with pytest.raises(ValueError, match="pacer must be a kvtransfer.pacing.LinkPacer"):
+        kvtransfer.create_sender("nixl", caches, pacer="10.0.0.1=1")
     with kvtransfer.create_sender("nixl", caches) as sender:
         with pytest.raises(ValueError, match="not a NIXL KV address"):
             sender.send_layer("ucx://127.0.0.1:1", "t", 0, [0], [0])
@@ -515,3 +517,47 @@ def test_nixl_fp8_wire_goes_on_the_staged_write(peer, op):
                 assert not torch.equal(want, src[layer][pool][src_ids])  # lossy: the test can tell
             assert torch.equal(raw[dst_ids], want)
     assert peer.call("metrics")["messages_dropped"] == 0
+
+
+@pytest.mark.parametrize("op", ["write", "direct", "read"])
+def test_nixl_paced_link_runs_at_its_set_rate_and_reports_it(peer, op):
+    """A paced link (kvtransfer.pacing, what launcher.paced's emulated links use): 30 layers of
+    98 KB at 0.05 Gbit/s take ~0.45 s, not the unpaced few ms; the blocks land exactly; the bytes
+    the bucket held back over phase "link" read the SET rate (what the router measures a paced
+    link by); an unpaced transfer reports no "link" phase."""
+    from kvtransfer.pacing import LinkPacer
+
+    spec = CacheSpec(num_layers=30, num_blocks=8, block_size=16, num_kv_heads=3, head_dim=64)
+    rate = 0.05  # 6.25 MB/s: a layer takes ~16 ms, well above a staging slot's round trip here
+    address = peer.call("open_receiver", spec)
+    src = make_caches(spec, seed=5)
+    ids = list(range(4))
+    pacer = LinkPacer(burst_bytes=64 << 10)
+    pacer.set_link(address, rate_gbps=rate)
+    with kvtransfer.create_sender("nixl", src, op=op) as plain:
+        peer.call("expect", "plain", ids, 30, 30.0)
+        for layer in range(30):
+            plain.send_layer(address, "plain", layer, ids, ids)
+        unpaced = plain.finish("plain", 20)
+        peer.call("wait", "plain", 20.0)
+    assert "link" not in unpaced.phases
+    with kvtransfer.create_sender("nixl", src, op=op, pacer=pacer) as sender:
+        peer.call("expect", "paced", ids, 30, 30.0)
+        start = time.monotonic()
+        for layer in range(30):
+            sender.send_layer(address, "paced", layer, ids, ids)
+        paced = sender.finish("paced", 20)
+        took = time.monotonic() - start
+        peer.call("wait", "paced", 20.0)
+        assert sender.metrics()["pacing_delay_seconds"] > 0
+    expected_s = (paced.num_bytes - (64 << 10)) * 8 / (rate * 1e9)  # the burst goes at once
+    assert took >= 0.9 * expected_s
+    # the bucket held back some of it (the rest may have waited for a staging slot's round trip
+    # instead): what it held reads the SET rate
+    assert paced.link_bytes > 0 and paced.phases["link"] > 0
+    assert paced.link_bytes * 8 / paced.phases["link"] / 1e9 == pytest.approx(rate, rel=0.1)
+    after = peer.call("read_all")
+    for layer in (0, 29):
+        for pool in range(2):
+            raw = torch.frombuffer(bytearray(after[layer][pool]), dtype=torch.float32).view(8, 16, 3, 64)
+            assert torch.equal(raw[ids], src[layer][pool][ids])
