@@ -6,6 +6,8 @@ Format (entries separated by commas; spaces ignored)::
     ENTRY  := TARGET "=" GBPS  |  "burst=" BYTES
     TARGET := "default"                   every destination no other entry matches
             | "ucx://" HOST ":" PORT      HOST and PORT may be globs: ucx://10.0.0.2:*
+            | "nixl://" HOST ":" PORT     a NIXL receiver's control address (kvtransfer.nixl;
+                                          its "/agent" suffix, like a "#id", is not matched)
             | HOST                        shorthand for ucx://HOST:*
     GBPS   := a number > 0 (Gbit/s)
     BYTES  := an integer, optionally with k, M, G (x1000) or KiB, MiB, GiB (x1024)
@@ -38,6 +40,8 @@ from dataclasses import dataclass
 
 from kvtransfer.pacing import LinkPacer
 from kvtransfer.ucx_runtime import SCHEME
+
+NIXL_SCHEME = "nixl://"  # kvtransfer.nixl.SCHEME (not imported: that module loads NIXL's bindings lazily, but is large)
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +104,11 @@ def parse_pacing(text: str) -> PacingSpec:
 
 
 def _pattern(target: str, entry: str) -> str:
-    if target.startswith(SCHEME):
-        host, sep, port = target[len(SCHEME):].rpartition(":")
+    scheme = next((x for x in (SCHEME, NIXL_SCHEME) if target.startswith(x)), None)
+    if scheme is not None:
+        host, sep, port = target[len(scheme):].rpartition(":")
         if not sep or not host or not port:
-            raise ValueError(f"pacing entry {entry!r}: expected {SCHEME}HOST:PORT (PORT may be *)")
+            raise ValueError(f"pacing entry {entry!r}: expected {scheme}HOST:PORT (PORT may be *)")
         if not (port.isdigit() or set(port) <= set("0123456789*?[]-")):
             raise ValueError(f"pacing entry {entry!r}: bad port {port!r}")
     else:
@@ -138,11 +143,21 @@ class PatternPacer(LinkPacer):
     def bucket_for(self, address: str):
         if address not in self._seen:
             self._seen.add(address)
+            bases = (address, address.partition("#")[0], link_address(address))
             for pattern, _ in self.spec.links:
-                if fnmatch.fnmatchcase(address, pattern) or fnmatch.fnmatchcase(address.partition("#")[0], pattern):
+                if any(fnmatch.fnmatchcase(base, pattern) for base in bases):
                     self.route(address, pattern)
                     break
         return super().bucket_for(address)
+
+
+def link_address(address: str) -> str:
+    """A KV receiver's address without what changes when it restarts: the incarnation (``#id``)
+    and, for NIXL, the agent's name (``nixl://HOST:PORT/AGENT``): what a pacing entry names."""
+    base = address.partition("#")[0]
+    if base.startswith(NIXL_SCHEME):
+        base = NIXL_SCHEME + base[len(NIXL_SCHEME):].partition("/")[0]
+    return base
 
 
 FILE_PREFIX = "file:"

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import yaml
 
-from kvtransfer.pacing_spec import parse_pacing
+from kvtransfer.pacing_spec import link_address, parse_pacing
 from launcher.workers import WorkerSpec, worker_argv, worker_env
 from loadgen.launcher import free_port
 
@@ -87,7 +87,7 @@ def link_rates(cluster: dict, bandwidth: float, slow: set[tuple[str, str]], slow
 def pacing_text(cluster: dict, prefill_id: str, rates: dict[str, float], burst: str | None = None) -> str:
     """The pacing spec of one prefill worker: one entry per decode worker's KV address, without
     its incarnation (``#id``: the pacer matches an address's base too, and a spec takes HOST:PORT)."""
-    kv = {w["id"]: w["kv"].partition("#")[0] for w in cluster["workers"] if w["role"] == "decode"}
+    kv = {w["id"]: link_address(w["kv"]) for w in cluster["workers"] if w["role"] == "decode"}
     entries = [f"{kv[d]}={rates[f'{prefill_id}->{d}']:g}" for d in sorted(kv)]
     return ",".join(entries + ([f"burst={burst}"] if burst else []))
 
@@ -298,8 +298,9 @@ def run_workers(args: argparse.Namespace, extra: list[str]) -> int:
             time.sleep(0.5)
         for w in plan:
             w["pid"] = procs[w["id"]].pid
-            if w["role"] == "decode" and not w["kv"].startswith("ucx://"):
-                raise PacedError(f"decode worker {w['id']} has no UCX KV address ({w['kv']!r}); pacing needs one")
+            if w["role"] == "decode" and not w["kv"].startswith(("ucx://", "nixl://")):
+                raise PacedError(f"decode worker {w['id']} has no UCX or NIXL KV address ({w['kv']!r}); "
+                                 "pacing needs one")
         sampler = GpuSampler(state / GPU_SAMPLES_FILE, {w["pid"]: w["id"] for w in plan}, args.sample_interval_s)
         sampler.start()
         cluster = {"model": args.model, "token_file": "token", "tokenizer": tokenizer, "workers": plan,

@@ -77,7 +77,7 @@ def test_bad_rates_are_named(bandwidth, factor, message):
 
 def _args(policy, **kw):
     base = dict(policy=policy, host="127.0.0.1", port=8123, kv_deadline_s=10.0, log_level="WARNING",
-                profile=None, slo_ttft=None, slo_tpot=None, kv_wire_precision="auto")
+                profile=None, slo_ttft=None, slo_tpot=None, kv_wire_precision="auto", no_local_prefill=False)
     return argparse.Namespace(**(base | kw))
 
 
@@ -90,7 +90,9 @@ def test_router_flags_profile_only_for_network_aware(tmp_path):
     assert argv[argv.index("--profile") + 1] == "prof.json" and argv[argv.index("--slo-tpot") + 1] == "0.05"
     assert argv[argv.index("--kv-wire-precision") + 1] == "auto"
     argv = router_argv(CLUSTER, _args("network-aware", profile="prof.json", kv_wire_precision="full"), tmp_path / "t.yaml")
-    assert argv[argv.index("--kv-wire-precision") + 1] == "full"
+    assert argv[argv.index("--kv-wire-precision") + 1] == "full" and "--no-local-prefill" not in argv
+    argv = router_argv(CLUSTER, _args("network-aware", profile="prof.json", no_local_prefill=True), tmp_path / "t.yaml")
+    assert "--no-local-prefill" in argv
     with pytest.raises(PacedError, match="--profile"):
         router_argv(CLUSTER, _args("network-aware"), tmp_path / "t.yaml")
 
@@ -142,3 +144,6 @@ def test_pacing_text_drops_the_kv_address_incarnation():
     text = pacing_text(cluster, "p0", {"p0->d0": 2.5})
     assert text == "ucx://127.0.0.1:6003=2.5"
     assert parse_pacing(text).links == (("ucx://127.0.0.1:6003", 2.5),)
+    nixl = {"workers": [{"id": "p0", "role": "prefill", "kv": "nixl://127.0.0.1:6001/pdserve-recv-1-aa"},
+                        {"id": "d0", "role": "decode", "kv": "nixl://127.0.0.1:6003/pdserve-recv-2-bb"}]}
+    assert pacing_text(nixl, "p0", {"p0->d0": 1}) == "nixl://127.0.0.1:6003=1"  # the agent's name goes too

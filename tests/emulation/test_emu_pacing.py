@@ -56,6 +56,20 @@ def test_routing_first_match_then_default():
     assert build_pacer("10.0.0.2=1").bucket_for("ucx://10.0.0.3:1") is None  # no default: not paced
 
 
+def test_nixl_addresses_are_paced_by_host_and_port():
+    """A NIXL receiver's address ends in its agent's name, which a restart changes (as a "#id"
+    does a UCX one): an entry names nixl://HOST:PORT and matches whatever agent is there."""
+    spec = parse_pacing("nixl://10.0.0.2:7000=1,nixl://10.0.0.3:*=5")
+    assert parse_pacing(str(spec)) == spec
+    pacer = build_pacer(spec)
+    assert pacer.bucket_for("nixl://10.0.0.2:7000/pdserve-recv-1-ab").rate_gbps == 1.0
+    assert pacer.bucket_for("nixl://10.0.0.2:7000/pdserve-recv-2-cd") is pacer.bucket_for("nixl://10.0.0.2:7000/x")
+    assert pacer.bucket_for("nixl://10.0.0.3:9/a#1").rate_gbps == 5.0
+    assert pacer.bucket_for("ucx://10.0.0.2:7000") is None and pacer.bucket_for("nixl://10.0.0.2:7001/a") is None
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        parse_pacing("nixl://10.0.0.2=1")
+
+
 def test_worker_options():
     opts = sender_options(((PACER_OPTION, "default=3"), ("max_inflight", 8)))
     assert isinstance(opts[PACER_OPTION], PatternPacer) and opts["max_inflight"] == 8
