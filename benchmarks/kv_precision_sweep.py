@@ -161,7 +161,9 @@ def table(cells: list[dict], slo: float) -> str:
         lines.append(f"| {link} | {c['precision']} | {fmt(c['ttft_p50_s'])} | {fmt(c['kv_tail_p50_s'])} | "
                      f"{fmt(c['kv_p50_s'])} | {c['goodput_rps']:.3f} ({c['slo_met']}/{c['ok']}) | {chosen} | "
                      f"{fmt(c['wire_mb_per_request'], '.1f')} |")
-    lines += ["", "| link | TTFT p50 full/auto | KV part p50 full/auto | KV transfer p50 full/auto | goodput auto/full |",
+    other = "auto" if any(c["precision"] == "auto" for c in cells) else "fp8"  # the ratios' second column
+    lines += ["", f"| link | TTFT p50 full/{other} | KV part p50 full/{other} | KV transfer p50 full/{other} | "
+              f"goodput {other}/full |",
               "|---|---|---|---|---|"]
     by = {(c["gbps"], c["precision"]): c for c in cells}
 
@@ -169,7 +171,7 @@ def table(cells: list[dict], slo: float) -> str:
         return f"{a / b:.2f}x" if a is not None and b else "-"
 
     for gbps in dict.fromkeys(c["gbps"] for c in cells):
-        full, auto = by.get((gbps, "full")), by.get((gbps, "auto"))
+        full, auto = by.get((gbps, "full")), by.get((gbps, "auto")) or by.get((gbps, "fp8"))
         if not (full and auto):
             continue
         link = "host" if gbps == HOST_GBPS else f"{gbps:g} Gbit/s"
