@@ -73,7 +73,12 @@ before each WRITE (a staged slot, or a DIRECT batch) or READ request goes, the l
 bucket is charged its bytes and the sender waits out any debt; the bytes and time the bucket
 held back are the transfer's phase ``link``, as on UCX (launcher.paced's emulated links).
 
-Not here (the UCX backend has them): fault injection and checksums. Every mode is slower on a GPU than the UCX
+Checksums (``checksum=``, by default on CPU pools, as on UCX): a staged WRITE's WRITTEN frame
+carries the CRC-32 of its slot's bytes (``CHECKSUM``); a receiver that finds other bytes in the
+slot fails the transfer (NACK ``CORRUPT``) and lands nothing of it. Fault injection
+(``faults=``, kvtransfer.faults) on the staged WRITE: ``drop`` (the slot is never written, the
+message counts as sent) and ``corrupt`` (a byte of the slot flipped after its checksum). DIRECT
+and READ take neither, nor ``duplicate`` or ``reorder``: a slot's bytes are only ever written once. Every mode is slower on a GPU than the UCX
 backend, which gathers with one kernel (one H200, 2k tokens of scattered Llama-3.1-8B KV: 21 ms by
 WRITE, 98 ms by DIRECT, 3.8 s by READ, 1.8 ms on the UCX backend): a sender on CUDA pools logs a
 warning once.
@@ -108,7 +113,10 @@ from kvtransfer import layout as wire
 from kvtransfer.base import KVCaches, KVSender, TransferResult, env_positive_int, wire_fp8
 from kvtransfer.errors import KVTransferError
 from kernels.kv_quant import fp8_block_rows, pack_blocks
+from kvtransfer.faults import FaultInjector
 from kvtransfer.layout import (
+    CHECKSUM,
+    CHECKSUM_BYTES,
     DIRECT,
     FP8_WIRE,
     HEADER_BYTES,
@@ -124,6 +132,7 @@ from kvtransfer.layout import (
     hello_extra,
     hello_model,
     pack_hello,
+    payload_checksum,
     transfer_key,
     unpack_header,
     unpack_layout,
@@ -695,7 +704,9 @@ class NixlReceiver(LedgerReceiver):
         if fp8 and not self.layout.fp8_wire:
             raise KVTransferError(f"bad WRITTEN message: FP8 blocks for a {self.layout.dtype} KV layout")
         nbytes = self.layout.layer_message_bytes(n, "fp8" if fp8 else "full")
-        if not 0 <= slot < conn.slots or not 0 < nbytes <= conn.slot_bytes or len(frame) < HEADER_BYTES + 4 + 4 * n:
+        crc_at = HEADER_BYTES + _SLOT.size + 4 * n
+        need = crc_at + (CHECKSUM_BYTES if header.status & CHECKSUM else 0)
+        if not 0 <= slot < conn.slots or not 0 < nbytes <= conn.slot_bytes or len(frame) < need:
             raise KVTransferError(f"bad WRITTEN message: slot {slot}, {n} blocks")
         dst = np.frombuffer(frame, dtype=np.int32, count=n, offset=HEADER_BYTES + _SLOT.size).tolist()
         key, layer = header.transfer_key, header.layer
@@ -707,6 +718,11 @@ class NixlReceiver(LedgerReceiver):
                 raise KVTransferError(f"bad WRITTEN message: layer {layer}")
             start = slot * conn.slot_bytes
             raw = conn.staging[start:start + nbytes]
+            if header.status & CHECKSUM and raw.device.type == "cpu":
+                crc = int.from_bytes(frame[crc_at:crc_at + CHECKSUM_BYTES], "little")
+                if payload_checksum(raw) != crc:  # the transfer fails; nothing of it lands
+                    self._ledger.reject_corrupt(key, layer, conn)
+                    return
             self._ledger.count("messages_written")
             if fp8:  # dequantized into the pools' dtype by the ledger, on landing
                 rows = fp8_block_rows(self.layout.block_size, self.layout.head_dim)
@@ -753,13 +769,16 @@ class _Link:
 
 class NixlSender(KVSender):
     def __init__(self, kv_caches: KVCaches, connect_timeout: float = 5.0, model: str = "",
-                 token: str | None = None, op: str = "write", pacer: LinkPacer | None = None):
+                 token: str | None = None, op: str = "write", pacer: LinkPacer | None = None,
+                 checksum: bool | None = None, faults=None):
         """`token`: the cluster's secret, proved to each receiver (None: a cluster without one);
         `op`: ``"write"`` (the default: the sender gathers the blocks and WRITEs them into the
         receiver's staging, which it copies into the blocks), ``"direct"`` (the sender WRITEs
         straight into the receiver's reserved blocks, a descriptor per run of consecutive blocks)
         or ``"read"`` (the receiver READs the sender's pools); the receiver answers which it takes.
-        `pacer`: emulated links' token buckets by receiver address (module docstring)."""
+        `pacer`: emulated links' token buckets by receiver address; `checksum` (default: on for CPU
+        pools) and `faults` (a kvtransfer.faults spec: drop and corrupt): the staged WRITE's
+        (module docstring)."""
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
         if pacer is not None and not isinstance(pacer, LinkPacer):
@@ -768,6 +787,11 @@ class NixlSender(KVSender):
         self._pacing_delay = 0.0
         self._last_post: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # bucket -> (posted, waited)
         self._pace_lock = threading.Lock()
+        self._faults = FaultInjector(faults) if faults else None
+        if self._faults is not None and (self._faults.spec.duplicate or self._faults.spec.reorder):
+            raise ValueError("faults: the NIXL backend injects drop and corrupt only (a staging slot is written once)")
+        self._faults_lock = threading.Lock()
+        self._checksum_opt = checksum
         api = load_nixl()
         self._op = op
         self._token = token
@@ -775,6 +799,7 @@ class NixlSender(KVSender):
         self.layout = KVLayout.from_caches(kv_caches)
         self._device = self._pools[0][0].device
         self._mem, self._dev = _mem(self._device)
+        self._checksum = self._device.type == "cpu" if checksum is None else bool(checksum)
         self._num_blocks = self._pools[0][0].shape[0]
         self._model = model
         self._connect_timeout = connect_timeout
@@ -819,6 +844,8 @@ class NixlSender(KVSender):
         out = self._ledger.snapshot()
         if self._pacer is not None:
             out["pacing_delay_seconds"] = self._pacing_delay
+        if self._faults is not None:
+            out.update({f"faults_{kind}": float(n) for kind, n in self._faults.counts.items()})
         return out
 
     def _pace(self, link: _Link, key: int, nbytes: int, ready_at: float) -> None:
@@ -1070,6 +1097,26 @@ class NixlSender(KVSender):
                     link.local[at:at + nb].copy_(pack_blocks(gathered).view(-1))
             if link.stream is not None:
                 link.stream.synchronize()
+            status, crc = WRITTEN | (FP8_WIRE if fp8 else 0), b""
+            if self._checksum and self._device.type == "cpu":
+                status |= CHECKSUM
+                crc = payload_checksum(link.local[at:at + nb]).to_bytes(CHECKSUM_BYTES, "little")
+            last = start + per >= len(src)
+            done = [(key, self.layout.layer_message_bytes(len(src), precision))] if last else []
+            fault = None
+            if self._faults is not None:
+                with self._faults_lock:
+                    fault = self._faults.draw()
+                    flip = self._faults.byte_to_flip(nb) if fault == "corrupt" else 0
+                if fault is not None:
+                    self._ledger.count("faults_injected")
+            if fault == "drop":  # never written; the sender believes it sent it
+                link.free.put(slot)
+                for k, b in done:
+                    self._ledger.on_sent(k, b)
+                continue
+            if fault == "corrupt":
+                link.local[at + flip] ^= 0x5A
             self._pace(link, key, nb, ready_at)
             local = np.array([[link.local.data_ptr() + at, nb, self._dev]], dtype=np.uint64)
             remote = np.array([[link.base + at, nb, link.remote_dev]], dtype=np.uint64)
@@ -1077,11 +1124,9 @@ class NixlSender(KVSender):
                                            agent.get_xfer_descs(remote, link.remote_mem), link.remote_agent)
             state = agent.transfer(handle)
             header = WireHeader(MsgKind.LAYER, transfer_key=key, layer=layer, num_blocks=n, num_bytes=nb,
-                                fingerprint=self.layout.fingerprint, status=WRITTEN | (FP8_WIRE if fp8 else 0))
-            frame = header.pack() + _SLOT.pack(slot) + np.asarray(d_ids, dtype=np.int32).tobytes()
-            last = start + per >= len(src)
-            link.pending.append((handle, state, [frame], [(key, self.layout.layer_message_bytes(len(src), precision))]
-                                 if last else []))
+                                fingerprint=self.layout.fingerprint, status=status)
+            frame = header.pack() + _SLOT.pack(slot) + np.asarray(d_ids, dtype=np.int32).tobytes() + crc
+            link.pending.append((handle, state, [frame], done))
 
     def _gather(self, link: _Link, first) -> tuple[list, bool]:
         """``first`` and the messages queued behind it now (DIRECT: one WRITE carries them all);

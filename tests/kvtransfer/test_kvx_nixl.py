@@ -306,8 +306,8 @@ def test_nixl_restarted_receiver_refuses_old_address(peer):
 
 def test_nixl_unknown_option_and_bad_arguments():
     caches = make_caches(FP32, seed=1)
-    with pytest.raises(TypeError, match="faults"):
-        kvtransfer.create_sender("nixl", caches, faults="drop=0.1")
+    with pytest.raises(TypeError, match="coalesce_bytes"):
+        kvtransfer.create_sender("nixl", caches, coalesce_bytes=1 << 20)
     with pytest.raises(ValueError, match="pacer must be a kvtransfer.pacing.LinkPacer"):
         kvtransfer.create_sender("nixl", caches, pacer="10.0.0.1=1")
     with kvtransfer.create_sender("nixl", caches) as sender:
@@ -561,3 +561,47 @@ def test_nixl_paced_link_runs_at_its_set_rate_and_reports_it(peer, op):
         for pool in range(2):
             raw = torch.frombuffer(bytearray(after[layer][pool]), dtype=torch.float32).view(8, 16, 3, 64)
             assert torch.equal(raw[ids], src[layer][pool][ids])
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "drop"])
+def test_nixl_corrupt_or_dropped_slots_fail_the_transfer_and_land_nothing(peer, kind):
+    """The staged WRITE with faults: a slot flipped after its CRC-32 fails the transfer with NACK
+    CORRUPT (the receiver checks every slot on CPU pools); a slot never written leaves it to its
+    deadline. Nothing lands either way; a clean sender then lands exactly on the same receiver."""
+    from kvtransfer import KVTransferCorrupt
+
+    src = make_caches(FP32, seed=31)
+    address = peer.call("open_receiver", FP32)
+    src_ids, dst_ids = [1, 2, 3], [4, 5, 6]
+    with kvtransfer.create_sender("nixl", src, op="write", faults=f"{kind}=1.0,seed=1") as sender:
+        peer.call("expect", kind, dst_ids, 3, 2.0)
+        for layer in range(3):
+            sender.send_layer(address, kind, layer, src_ids, dst_ids)
+        with pytest.raises(KVTransferCorrupt if kind == "corrupt" else KVTransferTimeout):
+            sender.finish(kind, timeout=4.0)
+        with pytest.raises(PeerError) as err:
+            peer.call("wait", kind, 4.0)
+        assert err.value.type_name == ("KVTransferCorrupt" if kind == "corrupt" else "KVTransferTimeout")
+        assert sender.metrics()["faults_injected"] >= 1 and sender.metrics()[f"faults_{kind}"] >= 1
+    if kind == "corrupt":
+        assert peer.call("metrics")["checksum_failures"] >= 1
+    after = peer.call("read_all")
+    zeros = make_caches(FP32, seed=None)
+    for layer in range(3):
+        for pool in range(2):
+            raw = torch.frombuffer(bytearray(after[layer][pool]), dtype=torch.float32).view(16, 4, 2, 8)
+            assert torch.equal(raw[dst_ids], zeros[layer][pool][dst_ids])
+    with kvtransfer.create_sender("nixl", src, op="write") as clean:
+        _transfer(peer, clean, address, f"{kind}-clean", src_ids, [7, 8, 9])
+    after = peer.call("read_all")
+    for layer in range(3):
+        for pool in range(2):
+            raw = torch.frombuffer(bytearray(after[layer][pool]), dtype=torch.float32).view(16, 4, 2, 8)
+            assert torch.equal(raw[[7, 8, 9]], src[layer][pool][src_ids])
+
+
+def test_nixl_faults_it_cannot_inject_are_refused():
+    caches = make_caches(FP32, seed=1)
+    for spec in ("duplicate=0.5", "reorder=0.1"):
+        with pytest.raises(ValueError, match="drop and corrupt only"):
+            kvtransfer.create_sender("nixl", caches, faults=spec)
