@@ -70,6 +70,7 @@ QUICK_ROWS = ("restart-same-address", "kv-loss", "mismatched-peers")
 MODEL_NAME = ["smollm2"]  # the served model name (--model), set by main
 SLOW_LINK_PROFILE = "experiments/profile-smollm2-cpu-1thread.json"  # network-aware's measured model of this VM
 KV_FAULTS = "drop=0.02,duplicate=0.05,reorder=0.05,corrupt=0.05,seed=1"
+KV_FAULTS_NIXL = "drop=0.02,corrupt=0.05,seed=1"  # the NIXL backend refuses duplicate and reorder
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -86,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(standalone `pdserve worker` rows), or a fraction of it per worker (`pdserve up` rows, "
                         "--worker-gpus)")
     p.add_argument("--dtype", default=None, help="every worker's --dtype (default: the engine's for the device)")
+    p.add_argument("--kv-backend", default=None, choices=("ucx", "nixl"),
+                   help="every worker's --kv-backend (default: the workers' own, ucx); nixl: kv-loss injects "
+                        f"only drop and corrupt ({KV_FAULTS_NIXL}: a NIXL staging slot is written once)")
     p.add_argument("--worker-gpus", type=float, default=None,
                    help="`pdserve up` rows: GPUs per Ray worker (default 0.25 with --device cuda, so that "
                         "the workers share one GPU; not passed on cpu)")
@@ -200,6 +204,8 @@ def worker_argv(args, role: str, port: int, kv_port: int = 0, extra: tuple[str, 
 def device_flags(args) -> list[str]:
     """The device flags every worker gets (`pdserve worker` and `pdserve up` alike)."""
     flags = ["--device", args.device]
+    if getattr(args, "kv_backend", None):
+        flags += ["--kv-backend", args.kv_backend]
     if args.dtype:
         flags += ["--dtype", args.dtype]
     if args.gpu_memory_fraction is not None:
@@ -388,7 +394,8 @@ def row_sigstop(args, logdir: Path) -> dict:
 
 def row_kv_loss(args, logdir: Path) -> dict:
     workers = [("prefill-0", worker_argv(args, "prefill", free_port())), ("decode-0", worker_argv(args, "decode", free_port()))]
-    cluster = standalone_cluster(args, logdir, workers, {"PDSERVE_KV_FAULTS": KV_FAULTS})
+    faults = KV_FAULTS_NIXL if getattr(args, "kv_backend", None) == "nixl" else KV_FAULTS
+    cluster = standalone_cluster(args, logdir, workers, {"PDSERVE_KV_FAULTS": faults})
     try:
         records, start, at, _ = run_with_fault(args, cluster.base, lambda: None)
         kv = kv_in_use(cluster.base)
@@ -396,7 +403,7 @@ def row_kv_loss(args, logdir: Path) -> dict:
     finally:
         cluster.stop()
     return classify(records) | {"kv_in_use": kv, "service_back_s": 0.0, "healthy_again_s": None,
-                                "note": {"PDSERVE_KV_FAULTS": KV_FAULTS, "router_recoveries": recoveries}}
+                                "note": {"PDSERVE_KV_FAULTS": faults, "router_recoveries": recoveries}}
 
 
 def recovery_counts(base: str) -> dict[str, float]:

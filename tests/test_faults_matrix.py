@@ -14,6 +14,8 @@ def test_cpu_defaults():
     assert argv[argv.index("--model") + 1] == "smollm2"
     assert argv[-4:] == ["--kv-cache-gib", "0.25", "--device", "cpu"]
     assert faults.device_flags(args) == ["--device", "cpu"]
+    nixl = faults.parse_args(["--only", "kv-loss", "--kv-backend", "nixl"])
+    assert faults.device_flags(nixl) == ["--device", "cpu", "--kv-backend", "nixl"]
 
 
 def test_one_gpu_shared():
