@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -93,11 +94,16 @@ def p50(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+@functools.lru_cache(maxsize=None)
+def kv_bytes_per_token(profile: str) -> int:
+    return json.loads(Path(profile).read_text())["kv_bytes_per_token"]
+
+
 def cell_rate(args, gbps: float) -> float:
     """--rate, capped at --link-load x the requests/s the link carries at full precision."""
     if not args.link_load:
         return args.rate
-    kv_bytes = json.loads(Path(args.profile).read_text())["kv_bytes_per_token"] * args.input_len
+    kv_bytes = kv_bytes_per_token(args.profile) * args.input_len
     return min(args.rate, args.link_load * gbps * 1e9 / 8 / kv_bytes)
 
 

@@ -78,10 +78,11 @@ carries the CRC-32 of its slot's bytes (``CHECKSUM``); a receiver that finds oth
 slot fails the transfer (NACK ``CORRUPT``) and lands nothing of it. Fault injection
 (``faults=``, kvtransfer.faults) on the staged WRITE: ``drop`` (the slot is never written, the
 message counts as sent) and ``corrupt`` (a byte of the slot flipped after its checksum). DIRECT
-and READ take neither, nor ``duplicate`` or ``reorder``: a slot's bytes are only ever written once. Every mode is slower on a GPU than the UCX
-backend, which gathers with one kernel (one H200, 2k tokens of scattered Llama-3.1-8B KV: 21 ms by
-WRITE, 98 ms by DIRECT, 3.8 s by READ, 1.8 ms on the UCX backend): a sender on CUDA pools logs a
-warning once.
+and READ take neither, nor ``duplicate`` or ``reorder``: a slot's bytes are only ever written once.
+
+Every mode is slower on a GPU than the UCX backend, which gathers with one kernel (one H200, 2k
+tokens of scattered Llama-3.1-8B KV: 21 ms by WRITE, 98 ms by DIRECT, 3.8 s by READ, 1.8 ms on the
+UCX backend): a sender on CUDA pools logs a warning once.
 
 Environment: ``PDSERVE_NIXL_SLOT_BYTES`` (default 16 MiB) and ``PDSERVE_NIXL_SLOTS`` (default 4),
 the receiver's staging per WRITE connection.
@@ -102,7 +103,6 @@ import struct
 import threading
 import time
 import uuid
-import weakref
 from typing import Sequence
 
 import numpy as np
@@ -138,7 +138,7 @@ from kvtransfer.layout import (
     unpack_layout,
 )
 from kvtransfer.ledger import FP8Payload, InPlace, LedgerReceiver, ReceiveLedger, SendLedger
-from kvtransfer.pacing import LinkPacer
+from kvtransfer.pacing import LinkHolds, LinkPacer
 from kvtransfer.staging import block_index
 
 logger = logging.getLogger(__name__)
@@ -785,13 +785,11 @@ class NixlSender(KVSender):
             raise ValueError(f"pacer must be a kvtransfer.pacing.LinkPacer, got {type(pacer).__name__}")
         self._pacer = pacer
         self._pacing_delay = 0.0
-        self._last_post: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # bucket -> (posted, waited)
-        self._pace_lock = threading.Lock()
+        self._holds = LinkHolds()  # which posts the paced links held back (phase "link")
         self._faults = FaultInjector(faults) if faults else None
         if self._faults is not None and (self._faults.spec.duplicate or self._faults.spec.reorder):
             raise ValueError("faults: the NIXL backend injects drop and corrupt only (a staging slot is written once)")
         self._faults_lock = threading.Lock()
-        self._checksum_opt = checksum
         api = load_nixl()
         self._op = op
         self._token = token
@@ -848,11 +846,22 @@ class NixlSender(KVSender):
             out.update({f"faults_{kind}": float(n) for kind, n in self._faults.counts.items()})
         return out
 
+    def _draw_fault(self, nbytes: int) -> tuple[str | None, int]:
+        """The fault injected into the next slot of ``nbytes`` (None without one) and, for
+        ``corrupt``, the byte to flip; counted."""
+        if self._faults is None:
+            return None, 0
+        with self._faults_lock:  # one injector for every link's thread
+            fault = self._faults.draw()
+            flip = self._faults.byte_to_flip(nbytes) if fault == "corrupt" else 0
+        if fault is not None:
+            self._ledger.count("faults_injected")
+        return fault, flip
+
     def _pace(self, link: _Link, key: int, nbytes: int, ready_at: float) -> None:
         """Records a message of ``key`` posted; on a paced link, first charges ``nbytes`` to its
         bucket and waits out the debt. Its bytes and the link's time on them count as phase
-        ``link`` when the bucket, not the compute, held it back (the UCX sender's rule: it was
-        ready before the bucket's previous post, and both waited)."""
+        ``link`` when the bucket, not the compute, held it back (kvtransfer.pacing.LinkHolds)."""
         bucket = self._pacer.bucket_for(link.address) if self._pacer is not None else None
         if bucket is None:
             self._ledger.on_posted(key)
@@ -861,14 +870,8 @@ class NixlSender(KVSender):
         if delay > 0:
             self._pacing_delay += delay
             time.sleep(delay)
-        now = self._pacer.now()
-        with self._pace_lock:
-            last = self._last_post.get(bucket)
-            self._last_post[bucket] = (now, delay > 0)
-        if last is not None and delay > 0 and last[1] and ready_at <= last[0]:
-            self._ledger.on_posted(key, link_bytes=nbytes, link_s=now - last[0], paced=True)
-        else:
-            self._ledger.on_posted(key, paced=True)
+        held = self._holds.posted(bucket, self._pacer.now(), delay > 0, ready_at)
+        self._ledger.on_posted(key, link_bytes=nbytes if held is not None else 0, link_s=held or 0.0, paced=True)
 
     def close(self) -> None:
         with self._lock:
@@ -1103,13 +1106,7 @@ class NixlSender(KVSender):
                 crc = payload_checksum(link.local[at:at + nb]).to_bytes(CHECKSUM_BYTES, "little")
             last = start + per >= len(src)
             done = [(key, self.layout.layer_message_bytes(len(src), precision))] if last else []
-            fault = None
-            if self._faults is not None:
-                with self._faults_lock:
-                    fault = self._faults.draw()
-                    flip = self._faults.byte_to_flip(nb) if fault == "corrupt" else 0
-                if fault is not None:
-                    self._ledger.count("faults_injected")
+            fault, flip = self._draw_fault(nb)
             if fault == "drop":  # never written; the sender believes it sent it
                 link.free.put(slot)
                 for k, b in done:

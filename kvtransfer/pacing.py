@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Callable
 
 
@@ -136,3 +137,31 @@ class LinkPacer:
     def rates(self) -> dict[str, float]:
         with self._lock:
             return {name: bucket.rate_gbps for name, bucket in self._links.items()}
+
+
+class LinkHolds:
+    """A sender's record, per token bucket, of its latest post: which messages the link itself
+    held back (phase ``link`` of kvtransfer.base, ``TransferResult.link_bytes``).
+
+    A message posted at ``now`` was held by the link when it was ready before the bucket's
+    previous message was posted (it queued behind earlier bytes) and waited for the bucket, as
+    did that previous message: both were posted when the bucket let them go, so the link carried
+    it from that post to its own. Messages the bucket let through at once (its burst, or a
+    sender behind its schedule) are left out: they would make the figure the rate plus the
+    burst. Every such interval belongs to one message, so the sums are the link-bound bytes and
+    seconds, whose ratio is the rate the bucket delivered while it was the bottleneck: its SET
+    rate when pacing holds. Buckets are held weakly (a reloaded pacer drops its old ones)."""
+
+    def __init__(self) -> None:
+        self._last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # bucket -> (post time, waited)
+        self._lock = threading.Lock()
+
+    def posted(self, bucket: TokenBucket, now: float, waited: bool, ready_at: float) -> float | None:
+        """A message ready at ``ready_at`` went through ``bucket`` at ``now`` (``waited``: the
+        bucket delayed it): the link's seconds on it when the link held it back, else None."""
+        with self._lock:
+            last = self._last.get(bucket)
+            self._last[bucket] = (now, waited)
+        if last is not None and waited and last[1] and ready_at <= last[0]:
+            return now - last[0]
+        return None

@@ -130,7 +130,7 @@ from kvtransfer import trace
 from kvtransfer.faults import FaultInjector, FaultSpec
 from kvtransfer.ipc import MAX_DESCRIPTOR_BYTES, export_pools, import_pools
 from kvtransfer.ledger import LedgerReceiver, FP8Payload, PullSource, ReceiveLedger, SendLedger
-from kvtransfer.pacing import LinkPacer
+from kvtransfer.pacing import LinkHolds, LinkPacer
 from kvtransfer.staging import HostBuffers, block_index, gather_layer, gather_layers, stacked_pools, wire_buffer
 from kvtransfer.ucx_runtime import (
     SCHEME,
@@ -681,8 +681,7 @@ class UcxSender(KVSender):
         self._ledger = SendLedger()
         self._links: dict[str, _Link] = {}
         self._pacing_delay = 0.0
-        # token bucket -> (pacer time of its latest post, whether it waited); a reloaded pacer drops its old buckets
-        self._last_post: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._holds = LinkHolds()  # which posts the paced links held back (phase "link")
         self._closed = False
         self._close_lock = threading.Lock()
         self._waiter: queue.SimpleQueue | None = None
@@ -1087,22 +1086,11 @@ class UcxSender(KVSender):
         inflight.append((msg, control, payload))
 
     def _account_link(self, bucket, msg: _Message, waited: bool) -> None:
-        """Records ``msg`` as posted, and the link's time on it when the bucket, not the sender's
-        compute, held it back: ``msg`` was ready before the bucket's previous message was posted
-        (it queued behind earlier bytes) and waited for the bucket (``waited``), as did that
-        previous message. Both were then posted when the bucket let them go, so the link carried
-        ``msg`` from that post to its own. Messages the bucket let through at once (its burst,
-        or a sender behind its schedule) are left out: they would make the figure the rate plus
-        the burst. Every such interval belongs to one message, so the sums are the link-bound
-        bytes and seconds (``TransferResult.link_bytes``, phase ``link``), whose ratio is the
-        rate the bucket delivered while it was the bottleneck: its SET rate when pacing holds."""
-        now = self._pacer.now()
-        last = self._last_post.get(bucket)
-        self._last_post[bucket] = (now, waited)
-        if last is not None and waited and last[1] and msg.ready_at <= last[0]:
-            self._ledger.on_posted(msg.key, link_bytes=msg.nbytes, link_s=now - last[0], paced=True)
-        else:
-            self._ledger.on_posted(msg.key, paced=True)
+        """Records ``msg`` as posted through ``bucket``, with the link's time on it when the
+        bucket, not the sender's compute, held it back (kvtransfer.pacing.LinkHolds)."""
+        held = self._holds.posted(bucket, self._pacer.now(), waited, msg.ready_at)
+        self._ledger.on_posted(msg.key, link_bytes=msg.nbytes if held is not None else 0, link_s=held or 0.0,
+                               paced=True)
 
     def _watch(self, msg: _Message, control: asyncio.Task, payload: asyncio.Task) -> None:
         """Records ``msg`` as sent as soon as both its sends complete. The driver awaits them only

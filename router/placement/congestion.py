@@ -197,16 +197,12 @@ class LinkMonitor:
             return bound
         if kv_bytes <= 0 or kv_seconds <= 0:
             return None
-        if link_seconds is not None and not flow.first_contact:
-            if link_bytes > 0 and link_seconds > 0:
-                gbps = link_bytes * 8 / link_seconds / 1e9
-                self.record(flow.key, gbps)
-                return gbps
-            gbps = kv_bytes * 8 / kv_seconds / 1e9 * flow.peak_flows
-            self.record(flow.key, gbps, lower_bound=True)
+        if link_seconds is not None and link_bytes > 0 and link_seconds > 0 and not flow.first_contact:
+            gbps = link_bytes * 8 / link_seconds / 1e9  # the paced link's own rate
+            self.record(flow.key, gbps)
             return gbps
         gbps = kv_bytes * 8 / kv_seconds / 1e9 * flow.peak_flows
-        lower_bound = flow.first_contact or (
+        lower_bound = flow.first_contact or link_seconds is not None or (
             prefill_seconds is not None and kv_seconds <= (1 + self.compute_slack) * prefill_seconds)
         self.record(flow.key, gbps, lower_bound=lower_bound)
         return gbps

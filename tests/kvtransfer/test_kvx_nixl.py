@@ -54,6 +54,14 @@ def wait_for(predicate, timeout=10.0):
         time.sleep(0.01)
 
 
+def pools_after(peer, spec=FP32):
+    """The receiver's pools as they are now: [layer][K, V] tensors [blocks, block_size, heads, head_dim]."""
+    after = peer.call("read_all")
+    shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return [[torch.frombuffer(bytearray(after[layer][pool]), dtype=getattr(torch, spec.dtype)).view(shape)
+             for pool in range(2)] for layer in range(spec.num_layers)]
+
+
 def test_nixl_is_a_registered_backend():
     assert "nixl" in kvtransfer.available_backends()
 
@@ -74,11 +82,11 @@ def test_nixl_fp32_lands_exact_blocks(peer, op):
             landed = peer.call("wait", transfer_id, 20.0)
             assert sent.num_bytes == landed.num_bytes == 3 * 2 * 5 * FP32.block_size * 2 * 8 * 4
         assert sender.metrics()["transfers_completed"] == 2
-    after = peer.call("read_all")
+    after = pools_after(peer)
     zeros = make_caches(FP32, seed=None)
     for layer in range(3):
         for pool in range(2):
-            raw = torch.frombuffer(bytearray(after[layer][pool]), dtype=torch.float32).view(16, 4, 2, 8)
+            raw = after[layer][pool]
             assert torch.equal(raw[dst_ids], src[layer][pool][src_ids])
             untouched = [b for b in range(16) if b not in dst_ids]
             assert torch.equal(raw[untouched], zeros[layer][pool][untouched])
@@ -106,10 +114,10 @@ def test_nixl_write_splits_a_layer_over_slots_and_waits_for_credits(peer):
                 sender.send_layer(address, "split", layer, src_ids, dst_ids)
             sender.finish("split", timeout=20)
             peer.call("wait", "split", 20.0)
-        after = peer.call("read_all")
+        after = pools_after(peer)
         for layer in range(3):
             for pool in range(2):
-                raw = torch.frombuffer(bytearray(after[layer][pool]), dtype=torch.float32).view(16, 4, 2, 8)
+                raw = after[layer][pool]
                 assert torch.equal(raw[dst_ids], src[layer][pool][src_ids])
         assert peer.call("metrics")["messages_written"] == 9
     finally:
@@ -507,10 +515,10 @@ def test_nixl_fp8_wire_goes_on_the_staged_write(peer, op):
     fp8 = op == "write"
     layout = KVLayout.from_caches(src)
     assert sent.num_bytes == landed.num_bytes == 3 * layout.layer_message_bytes(5, "fp8" if fp8 else "full")
-    after = peer.call("read_all")
+    after = pools_after(peer)
     for layer in range(3):
         for pool in range(2):
-            raw = torch.frombuffer(bytearray(after[layer][pool]), dtype=torch.float32).view(16, 4, 2, 8)
+            raw = after[layer][pool]
             want = src[layer][pool][src_ids]
             if fp8:
                 want = kv_quant.unpack_blocks(kv_quant.pack_blocks(want), torch.float32)
@@ -556,10 +564,10 @@ def test_nixl_paced_link_runs_at_its_set_rate_and_reports_it(peer, op):
     # instead): what it held reads the SET rate
     assert paced.link_bytes > 0 and paced.phases["link"] > 0
     assert paced.link_bytes * 8 / paced.phases["link"] / 1e9 == pytest.approx(rate, rel=0.1)
-    after = peer.call("read_all")
+    after = pools_after(peer, spec)
     for layer in (0, 29):
         for pool in range(2):
-            raw = torch.frombuffer(bytearray(after[layer][pool]), dtype=torch.float32).view(8, 16, 3, 64)
+            raw = after[layer][pool]
             assert torch.equal(raw[ids], src[layer][pool][ids])
 
 
@@ -585,18 +593,18 @@ def test_nixl_corrupt_or_dropped_slots_fail_the_transfer_and_land_nothing(peer, 
         assert sender.metrics()["faults_injected"] >= 1 and sender.metrics()[f"faults_{kind}"] >= 1
     if kind == "corrupt":
         assert peer.call("metrics")["checksum_failures"] >= 1
-    after = peer.call("read_all")
+    after = pools_after(peer)
     zeros = make_caches(FP32, seed=None)
     for layer in range(3):
         for pool in range(2):
-            raw = torch.frombuffer(bytearray(after[layer][pool]), dtype=torch.float32).view(16, 4, 2, 8)
+            raw = after[layer][pool]
             assert torch.equal(raw[dst_ids], zeros[layer][pool][dst_ids])
     with kvtransfer.create_sender("nixl", src, op="write") as clean:
         _transfer(peer, clean, address, f"{kind}-clean", src_ids, [7, 8, 9])
-    after = peer.call("read_all")
+    after = pools_after(peer)
     for layer in range(3):
         for pool in range(2):
-            raw = torch.frombuffer(bytearray(after[layer][pool]), dtype=torch.float32).view(16, 4, 2, 8)
+            raw = after[layer][pool]
             assert torch.equal(raw[[7, 8, 9]], src[layer][pool][src_ids])
 
 
