@@ -208,3 +208,42 @@ def test_no_local_prefill_keeps_a_slow_link_disaggregated(gbps):
         NetworkAware(profile=PROFILE, local_prefill="no")
     with pytest.raises(ValueError, match="--no-local-prefill"):
         build_policy("round-robin", local_prefill=False)
+
+
+def _teach_prefill_factor(policy: NetworkAware, snap, factor: float, n: int = 6) -> None:
+    """Outcomes of disaggregated requests whose served prefill took `factor` x the profile's."""
+    from router.placement.base import Outcome
+    for i in range(n):
+        request = dataclasses.replace(req(4096), request_id=f"teach-{i}")
+        decision = policy.place(request, snap)
+        assert decision.kind == "disaggregated"
+        policy.observe_outcome(Outcome(
+            request_id=request.request_id, placement="disaggregated", prefill_worker=decision.prefill,
+            decode_worker=decision.decode, prompt_tokens=4096, output_tokens=1, ttft_s=None, tpot_s=None,
+            prefill_s=factor * PROFILE.prefill_seconds(4096)))
+
+
+def test_a_calibrated_prefill_does_not_hide_the_transfer():
+    """The prefill factor learns the served prefill span; the transfer hides behind the forward
+    only. At 8 Gbit/s the 4096-token KV takes 0.537 s against a 0.41 s forward: 0.14 s of it is
+    exposed whatever the factor. With the factor at 1.5 the calibrated prefill (0.61 s) would hide
+    all but the last layer's share (0.017 s, 2% of the TTFT), and the transfer went at full precision
+    (seen on one H200 at 25 Gbit/s, where the full-precision KV tail measured twice FP8's)."""
+    topo, workers = _pair(8.0)
+    snap = snapshot(workers, topo)
+    policy = NetworkAware(profile=PROFILE, local_prefill=False)
+    before = policy.place(req(4096), snap)
+    assert before.kv_precision == "fp8"
+    _teach_prefill_factor(policy, snap, 1.5)
+    assert policy.calibration_factors()["prefill"] == pytest.approx(1.5)
+    after = policy.place(req(4096), snap)
+    assert after.kv_precision == "fp8", after.kv_precision_reason
+    assert "(140.1 ms exposed" in after.kv_precision_reason  # 0.5369 - 31/32 x 0.4096
+    e = estimate_pair(PROFILE, req(4096), snap.worker("p0"), snap.worker("d0"), snap)
+    scaled = dataclasses.replace(PROFILE, prefill_times=tuple(1.5 * t for t in PROFILE.prefill_times))
+    e15 = estimate_pair(scaled, req(4096), snap.worker("p0"), snap.worker("d0"), snap, prefill_factor=1.5)
+    assert e15.hidden_s == pytest.approx(e.hidden_s)
+    assert e15.prefill_s == pytest.approx(1.5 * e.prefill_s)
+    assert e15.base_ttft_s == pytest.approx(e.base_ttft_s + 0.5 * e.prefill_s)
+    with pytest.raises(ValueError, match="prefill_factor"):
+        estimate_pair(scaled, req(4096), snap.worker("p0"), snap.worker("d0"), snap, prefill_factor=0.0)

@@ -26,28 +26,33 @@ from router.placement.topology import Link, Topology
 from tests.router.network_fixtures import PROFILE, req, snapshot, topology, w
 
 
-def both(prefills, decodes, request, snap, cached=None, profile=PROFILE, tpot_limit=None):
+def both(prefills, decodes, request, snap, cached=None, profile=PROFILE, tpot_limit=None, prefill_factor=1.0):
     """(exhaustive, search) option sets over the same workers; the search's feasibility is room and
-    TPOT within `tpot_limit`."""
+    TPOT within `tpot_limit`. `prefill_factor`: `profile`'s prefill times are scaled by it (the
+    calibration's), and the transfer hides behind the unscaled forward."""
     cached = cached or {}
+    if prefill_factor != 1.0:
+        profile = dataclasses.replace(profile, prefill_times=tuple(t * prefill_factor for t in profile.prefill_times))
 
     def pair(p, d):
-        return estimate_pair(profile, request, p, d, snap, cached_tokens=cached.get(p.worker_id, 0))
+        return estimate_pair(profile, request, p, d, snap, cached_tokens=cached.get(p.worker_id, 0),
+                             prefill_factor=prefill_factor)
 
     def local(d):
         return estimate_local(profile, request, d, cached_tokens=cached.get(d.worker_id, 0))
 
     return Exhaustive(prefills, decodes, pair, local), search(prefills, decodes, request, snap, pair, local, cached,
-                                                             profile, tpot_limit)
+                                                             profile, tpot_limit, prefill_factor)
 
 
-def search(prefills, decodes, request, snap, pair, local, cached=None, profile=PROFILE, tpot_limit=None):
+def search(prefills, decodes, request, snap, pair, local, cached=None, profile=PROFILE, tpot_limit=None,
+           prefill_factor=1.0):
     columns = Columns()
     columns.update(snap)
     rows = [np.array([columns.index[x.worker_id] for x in sorted(side, key=lambda x: x.worker_id)], dtype=np.intp)
             for side in (prefills, decodes)]  # in worker-id order, as the policy gives them
     return Search(profile, request, columns, *rows, snap, columns.load(), pair, local, cached or {}, 1,
-                  tpot_limit=tpot_limit, tpot_factor=1.0)
+                  tpot_limit=tpot_limit, tpot_factor=1.0, prefill_factor=prefill_factor)
 
 
 def split(snap):
@@ -322,7 +327,8 @@ def test_random_clusters_same_options(seed):
     request = req(rng.choice([1, 16, 300, 1024, 4096]), max_tokens=rng.choice([1, 16, 300]))
     cached = {x.worker_id: rng.choice([0, 0, 0, 16, 256]) for x in snap.workers}
     tpot = rng.choice([0.011, 0.02, 1.0])
-    exhaustive, pruned = both(prefills, decodes, request, snap, cached, tpot_limit=tpot)
+    factor = rng.choice([1.0, 0.7, 1.6])  # drawn last: the draws before it are the cases they were
+    exhaustive, pruned = both(prefills, decodes, request, snap, cached, tpot_limit=tpot, prefill_factor=factor)
     feasible = lambda e: e.room and e.tpot_s <= tpot  # noqa: E731
     for f in (None, feasible):
         assert pruned.best_pair(f) == exhaustive.best_pair(f)

@@ -11,9 +11,15 @@ Disaggregated (P, D)::
   policy last sent to P (an estimate: P may have evicted it).
 - kv = link latency + prompt x kv_bytes_per_token at the fair share of the P->D link
   (router.placement.congestion.available_gbps). The whole prompt's KV moves, cached or not.
-- hidden = (L-1)/L x min(kv, prefill): P pushes layer l while layers l+1.. compute, so when
+- hidden = (L-1)/L x min(kv, compute): P pushes layer l while layers l+1.. compute, so when
   the link keeps up only the last layer's share is exposed; when it does not, the compute
-  hides what it overlaps and the rest of the transfer is exposed.
+  hides what it overlaps and the rest of the transfer is exposed. compute is the layers'
+  forward time, the offline profile's prefill(uncached) *without* the calibration's prefill
+  factor: that factor learns the served prefill span (the worker's scheduling, sampling and
+  hand-off around the forward, a GPU shared with a decode worker), and the transfer only
+  overlaps the forward. (Until 2026-12-03 hidden used the calibrated prefill: on one H200 at
+  25 Gbit/s the factor grew to ~1.5 after five requests, the policy then predicted 2 ms of a
+  66 ms transfer exposed while the full-precision KV tail measured 20 ms against FP8's 9.)
 - admit(D) = one decode step at D's batch: Reserve runs on D's engine thread between steps.
 
 Local (prefill on D)::
@@ -61,6 +67,7 @@ class Estimate:
     prefill_tokens: int = 0  # the uncached prompt tokens `prefill_s` prices (0: not recorded)
     kv_precision: str = "full"  # the KV's precision on the wire `kv_s` prices (choose_kv_precision)
     kv_precision_reason: str = ""
+    compute_s: float | None = None  # the layers' forward time the transfer hides behind (None: prefill_s)
 
     @property
     def base_ttft_s(self) -> float:
@@ -112,8 +119,12 @@ def has_room(worker: WorkerSnapshot, num_tokens: int) -> bool:
 
 def estimate_pair(
     profile: Profile, request: RequestInfo, prefill: WorkerSnapshot, decode: WorkerSnapshot,
-    snapshot: ClusterSnapshot, *, cached_tokens: int = 0,
+    snapshot: ClusterSnapshot, *, cached_tokens: int = 0, prefill_factor: float = 1.0,
 ) -> Estimate:
+    """A pair's estimate (module docstring). `profile`'s prefill times may carry the
+    calibration's `prefill_factor`; the compute that hides the transfer is the unscaled time."""
+    if not prefill_factor > 0:
+        raise ValueError(f"prefill_factor must be > 0, got {prefill_factor!r}")
     n = request.num_prompt_tokens
     uncached = max(1, n - cached_tokens)
     queue = queued_tokens(prefill, request)
@@ -122,15 +133,20 @@ def estimate_pair(
     link, state = snapshot.link(prefill, decode)
     kv_bytes_per_token = snapshot.kv_bytes_per_token or profile.kv_bytes_per_token
     kv_s = transfer_seconds(link, state, n * kv_bytes_per_token)
-    layers = profile.num_layers
-    hidden_s = (layers - 1) / layers * min(kv_s, prefill_s)
+    compute_s = prefill_s / prefill_factor
     batch, context = decode_context(decode, request)
     return Estimate(
         prefill=prefill.worker_id, decode=decode.worker_id, queue_s=queue_s, prefill_s=prefill_s, kv_s=kv_s,
-        hidden_s=hidden_s, admit_s=profile.decode_step_seconds(batch, context),
+        hidden_s=hidden_seconds(kv_s, compute_s, profile.num_layers), admit_s=profile.decode_step_seconds(batch, context),
         tpot_s=profile.decode_step_seconds(batch + 1, context), room=has_room(decode, n),
-        prefill_tokens=uncached,
+        prefill_tokens=uncached, compute_s=compute_s,
     )
+
+
+def hidden_seconds(kv_s: float, compute_s: float, num_layers: int) -> float:
+    """The part of a `kv_s` transfer that a `compute_s` forward of `num_layers` layers hides
+    (module docstring)."""
+    return (num_layers - 1) / num_layers * min(kv_s, compute_s)
 
 
 def estimate_local(
@@ -226,5 +242,6 @@ def at_wire_precision(
         return replace(estimate, kv_precision="full", kv_precision_reason=why)
     gbps = codec_gbps if codec_gbps is not None else CODEC_GBPS.get(device, CODEC_GBPS["cuda"])
     kv_s = ratio * estimate.kv_s + kv_bytes * 8 / (gbps * 1e9)
-    hidden_s = (num_layers - 1) / num_layers * min(kv_s, estimate.prefill_s)
+    compute_s = estimate.prefill_s if estimate.compute_s is None else estimate.compute_s
+    hidden_s = hidden_seconds(kv_s, compute_s, num_layers)
     return replace(estimate, kv_s=kv_s, hidden_s=hidden_s, kv_precision="fp8", kv_precision_reason=why)

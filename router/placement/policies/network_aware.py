@@ -278,12 +278,14 @@ class NetworkAware(PoolPolicy):
     def _search(self, request: RequestInfo, snapshot: ClusterSnapshot, keys: list[int], prefill_rows: np.ndarray,
                 decode_rows: np.ndarray) -> Search:
         """The options of `request` over these rows of the arrays (P != D), for the rules below."""
+        profile = self._pair_profile()  # sets the factor it carries
         return Search(
-            self._pair_profile(), request, self._columns, prefill_rows, decode_rows, snapshot, self._columns.load(),
+            profile, request, self._columns, prefill_rows, decode_rows, snapshot, self._columns.load(),
             pair=lambda p, d: self._estimate_pair(request, p, d, snapshot, keys),
             local=lambda d: self._estimate_local(request, d, keys),
             cached_blocks=self.prefixes.depths(keys), block_size=self.prefixes.block_size,
             tpot_limit=self.slo_tpot, tpot_factor=self._residuals["disaggregated"].tpot,
+            prefill_factor=self._pair_profile_cache[0],
         )
 
     def _choose(self, options: Search, request: RequestInfo, keys: list[int],
@@ -427,7 +429,9 @@ class NetworkAware(PoolPolicy):
     def _estimate_pair(self, request: RequestInfo, p: WorkerSnapshot, d: WorkerSnapshot, snapshot: ClusterSnapshot,
               keys: list[int]) -> Estimate:
         cached = self.prefixes.matched_blocks(keys, p.worker_id) * self.prefixes.block_size
-        return estimate_pair(self._pair_profile(), request, p, d, snapshot, cached_tokens=cached)
+        profile = self._pair_profile()  # sets the factor it carries
+        return estimate_pair(profile, request, p, d, snapshot, cached_tokens=cached,
+                             prefill_factor=self._pair_profile_cache[0])
 
     def _estimate_local(self, request: RequestInfo, d: WorkerSnapshot, keys: list[int]) -> Estimate:
         cached = self.prefixes.matched_blocks(keys, d.worker_id) * self.prefixes.block_size

@@ -389,8 +389,11 @@ class Search:
                  decode_rows: np.ndarray, snapshot: ClusterSnapshot, load: np.ndarray,
                  pair: Callable[[WorkerSnapshot, WorkerSnapshot], Estimate],
                  local: Callable[[WorkerSnapshot], Estimate], cached_blocks: Mapping[str, int], block_size: int,
-                 *, tpot_limit: float | None, tpot_factor: float) -> None:
+                 *, tpot_limit: float | None, tpot_factor: float, prefill_factor: float = 1.0) -> None:
         self.profile, self.request, self.snapshot, self.columns = profile, request, snapshot, columns
+        # `profile`'s prefill times carry the calibration's prefill factor; a transfer hides behind
+        # the unscaled forward (cost.estimate_pair)
+        self._inv_f = 1.0 / prefill_factor
         self._pair, self._local = pair, local
         self._workers = columns.workers
         self._p_rows, self._d_rows = prefill_rows.tolist(), decode_rows.tolist()
@@ -547,15 +550,16 @@ class Search:
         # Flows and measured rates only slow a link, so each term bounds what it stands for.
         q, s = self._queue, self._prefill
         c = self._c
-        a_floor = q + s + floor - c * np.minimum(floor, s)
+        w = s * self._inv_f  # the forward that hides the transfer
+        a_floor = q + s + floor - c * np.minimum(floor, w)
         links = self.columns.links()
         node_min = np.full(len(names) + 1, np.inf)  # by node index; the last: no node (padding)
         node_min[node_col[starts]] = admit_min
         p_node_idx = self.columns.node[self._p_rows]
         remote = links.remote_kv(self.num_bytes)
-        bound = q + s + remote - c * np.minimum(remote, s) + overall_admit
+        bound = q + s + remote - c * np.minimum(remote, w) + overall_admit
         kv = links.kv(self.snapshot.links, self.num_bytes)[p_node_idx]  # [P, reached nodes]
-        reach = (q[:, None] + s[:, None] + kv - c * np.minimum(kv, s[:, None])
+        reach = (q[:, None] + s[:, None] + kv - c * np.minimum(kv, w[:, None])
                  + node_min[links.reach_node[p_node_idx]])
         bound = np.minimum(bound, reach.min(axis=1))
         visit = np.lexsort((np.arange(len(q)), self._p_load, bound)).tolist()
@@ -632,7 +636,7 @@ class Search:
         return None if best is None else (best, best_key[0])
 
     def _a(self, queue_s: float, prefill_s: float, kv_s: float) -> float:
-        return queue_s + prefill_s + kv_s - self._c * min(kv_s, prefill_s)
+        return queue_s + prefill_s + kv_s - self._c * min(kv_s, prefill_s * self._inv_f)
 
     def _kv(self, src: str, dst: str) -> float:
         found = self._kv_memo.get((src, dst))

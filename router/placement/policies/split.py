@@ -218,7 +218,8 @@ def predict(profile: Profile, load: Load, workers: int, prefill_workers: int, *,
         if not math.isfinite(tpot) or not math.isfinite(wait) or rho_link >= 1.0:
             return SplitPrediction(k, INFEASIBLE, INFEASIBLE, INFEASIBLE, factors)
         layers = profile.num_layers
-        exposed = (kv_seconds - (layers - 1) / layers * min(kv_seconds, prefill_s)) / (1.0 - rho_link)
+        compute_s = profile.prefill_seconds(prompt)  # the unscaled forward hides the transfer (cost.estimate_pair)
+        exposed = (kv_seconds - (layers - 1) / layers * min(kv_seconds, compute_s)) / (1.0 - rho_link)
         admit = profile.decode_step_seconds(max(1, math.ceil(batch)), context)
         ttft = wait + prefill_s + exposed + admit
     ttft, tpot = ttft * factors.ttft, tpot * factors.tpot
