@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.dispatch import kernel_backend
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SCALE_BYTES = 4  # float32
@@ -58,7 +60,11 @@ def pool_block_size(pool: torch.Tensor) -> int:
     rows = pool.shape[1]
     if not is_fp8(pool):
         return rows
-    head_dim = pool.shape[3]
+    return _fp8_block_size(rows, pool.shape[3])
+
+
+def _fp8_block_size(rows: int, head_dim: int) -> int:
+    """The power-of-two BS whose FP8 block (data and scale rows) has `rows` rows."""
     bs = 1
     while bs < rows:
         if bs + scale_rows(bs, head_dim) == rows:
@@ -205,6 +211,9 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 # token scale then maps the token's largest value to 448. A channel much smaller than the token's
 # largest (K has outlier channels) no longer falls to e4m3's subnormals, where it kept few bits.
 # The FP8 pool (above) keeps token scales only: its blocks go on the wire as they are.
+# `pack_blocks` / `unpack_blocks` dispatch like the other kernels (kernels.dispatch): on CUDA one
+# Triton launch each (kernels/kv_codec.py), on the CPU the torch ops of `pack_blocks_ref` /
+# `unpack_blocks_ref`; both give the same bytes and values, bit for bit.
 
 
 def fp8_block_rows(block_size: int, head_dim: int) -> int:
@@ -222,9 +231,34 @@ def channel_exponents(x: torch.Tensor) -> torch.Tensor:
     return exp.clamp(-127, 127).to(torch.int8)
 
 
+def wire_block_size(rows: int, head_dim: int) -> int:
+    """BS of a wire block of `rows` rows (`fp8_block_rows(BS, head_dim) == rows`, BS a power of two)."""
+    return _fp8_block_size(rows - 1, head_dim)
+
+
 def pack_blocks(x: torch.Tensor) -> torch.Tensor:
     """Blocks x [..., BS, Hkv, D] of a bf16/fp16/fp32 pool -> uint8 [..., BS + R + 1, Hkv, D], the
-    wire block above."""
+    wire block above. On CUDA one Triton launch (kernels.kv_codec), the same bytes as the torch
+    reference `pack_blocks_ref`, which the CPU runs."""
+    if kernel_backend(x.device) == "triton":
+        from kernels import kv_codec  # imports kernels.cache, which imports this module
+
+        return kv_codec.pack_blocks_triton(x)
+    return pack_blocks_ref(x)
+
+
+def unpack_blocks(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [..., BS + R + 1, Hkv, D] (what `pack_blocks` made) -> [..., BS, Hkv, D] in `dtype`.
+    On CUDA one Triton launch (kernels.kv_codec), bit for bit `unpack_blocks_ref`."""
+    if kernel_backend(raw.device) == "triton":
+        from kernels import kv_codec
+
+        return kv_codec.unpack_blocks_triton(raw, dtype)
+    return unpack_blocks_ref(raw, dtype)
+
+
+def pack_blocks_ref(x: torch.Tensor) -> torch.Tensor:
+    """`pack_blocks` in torch ops (the CPU path and the kernels' reference)."""
     *lead, bs, hk, d = x.shape
     n = 1
     for size in lead:
@@ -242,8 +276,8 @@ def pack_blocks(x: torch.Tensor) -> torch.Tensor:
     return out.view(*lead, rows, hk, d)
 
 
-def unpack_blocks(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """uint8 [..., BS + R + 1, Hkv, D] (what `pack_blocks` made) -> [..., BS, Hkv, D] in `dtype`."""
+def unpack_blocks_ref(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`unpack_blocks` in torch ops (the CPU path and the kernels' reference)."""
     *lead, rows, hk, d = raw.shape
     blocks = raw.reshape(-1, rows, hk, d)
     data, scales = split_pool(blocks[:, :rows - 1].view(FP8_DTYPE))

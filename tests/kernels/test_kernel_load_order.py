@@ -99,6 +99,17 @@ with force_backend("triton"):
 gather_blocks_ref(pools, index, want)
 close(got, want)
 """,
+    # the FP8 wire codec's kernels use kernels.cache's `_e4m3_bits`
+    "kv_wire_codec": """
+from kernels.dispatch import force_backend
+from kernels.kv_quant import pack_blocks, pack_blocks_ref, unpack_blocks, unpack_blocks_ref
+x = torch.randn(2, 16, 2, 32)
+with force_backend("triton"):
+    raw = pack_blocks(x)
+    back = unpack_blocks(raw, torch.float32)
+assert torch.equal(raw, pack_blocks_ref(x))
+assert torch.equal(back, unpack_blocks_ref(raw, torch.float32))
+""",
     # The engine's forward: whichever kernel the model reaches first binds everything it needs.
     "engine_forward": """
 from kernels.dispatch import force_backend
