@@ -151,6 +151,8 @@ def run_cell(args, state: Path, gbps: float, precision: str, seed: int) -> dict:
         "wire_mb_per_request": (sum(wire) / len(wire) / 1e6) if wire else None,
         "reason": next((t.get("kv_precision_reason") for t in timing if t.get("kv_precision_reason")), None),
         "reasons": [t.get("kv_precision_reason") for t in timing],
+        # each completed request as the client saw it and the router timed it (where the KV's time went)
+        "per_request": [{"ttft_s": r.ttft_s, **(r.server_timing or {})} for r in ok],
     }
 
 

@@ -5,16 +5,22 @@ then each ``mark`` appends ``(point, transfer key, first layer, time.monotonic()
 buffer (the newest 65,536 points), and ``drain`` hands them over. ``time.monotonic`` is one clock
 for every process of a host, so a sender's points and its receiver's line up
 (``benchmarks/bench_kvtransfer.py`` prints the timeline). Off, a mark is one global check.
+
+A served worker has nobody to drain it: with ``PDSERVE_KV_TRACE_DIR=DIR`` as well, a thread of
+the process appends its points every half second to ``DIR/kv-trace-<pid>.jsonl``, one JSON array
+``[point, key, layer, t]`` a line (``write_points`` is that file's writer).
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import threading
 import time
 
 ENABLED = os.environ.get("PDSERVE_KV_TRACE") == "1"
+DUMP_DIR = os.environ.get("PDSERVE_KV_TRACE_DIR") or None
 
 _points: collections.deque = collections.deque(maxlen=1 << 16)
 _lock = threading.Lock()
@@ -78,3 +84,24 @@ def drain() -> list[tuple[str, int, int, float]]:
         out = list(_points)
         _points.clear()
     return out
+
+
+def write_points(points: list, path: str) -> None:
+    """Append ``points`` (``drain``'s) to ``path``, one JSON array a line."""
+    if points:
+        with open(path, "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(list(p)) + "\n" for p in points)
+
+
+def _dump_forever(directory: str, every_s: float = 0.5) -> None:
+    path = os.path.join(directory, f"kv-trace-{os.getpid()}.jsonl")
+    while True:
+        time.sleep(every_s)
+        try:
+            write_points(drain(), path)
+        except OSError:  # a full or vanished directory ends the dump, not the worker
+            return
+
+
+if ENABLED and DUMP_DIR:
+    threading.Thread(target=_dump_forever, args=(DUMP_DIR,), daemon=True, name="kv-trace-dump").start()

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from kernels.kv_quant import warm_codec
 from kvtransfer import KVTransferCorrupt, KVTransferError, KVTransferTimeout, WIRE_VERSION, KVLayout, create_receiver, create_sender
 from kvtransfer.layout import WIRE_PRECISIONS
 from pdserve.config import ROLES, EngineConfig
@@ -540,6 +541,10 @@ class WorkerServer:
                 self.receiver = create_receiver(config.kv_backend, kv_caches, **opts)
             else:
                 self.receiver = RoutedReceiver(ranks, lambda caches: create_receiver(config.kv_backend, caches, **opts))
+        if (config.sends_kv or config.receives_kv) and layout.fp8_wire and engine_config.warmup:
+            t = time.perf_counter()
+            if warm_codec(kv_caches[0][0]):  # the FP8 wire codec's kernels, compiled before serving
+                logger.info("worker %s: FP8 wire codec compiled in %.1fs", config.worker_id, time.perf_counter() - t)
         self.kv_address = self.receiver.address() if self.receiver is not None else ""
         self.transfers: dict[str, str] = {}  # request id -> transfer id (decode role)
         self.kv_bytes = 0

@@ -267,3 +267,36 @@ def test_triton_codec_on_cuda(dtype):
     assert_same_values(unpack_blocks(raw, dtype).cpu(), unpack_blocks_ref(raw.cpu(), dtype))
     every = every_byte_raw(8, 16, 8, 128).cuda()
     assert_same_values(unpack_blocks_triton(every, dtype).cpu(), unpack_blocks_ref(every, dtype).cpu())
+
+
+def test_warm_codec_runs_the_kernels_for_float_pools_only(needs_triton):
+    """`warm_codec` (a worker's start) runs the codec once where the kernels serve the pool's
+    device, and does nothing for the torch path, an FP8 pool or a head_dim the wire cannot take."""
+    pool = torch.randn(4, 16, 2, 8, dtype=torch.float32)
+    assert kv_quant.warm_codec(pool) is False  # auto on the CPU: torch ops, nothing to compile
+    with force_backend("triton"):
+        assert kv_quant.warm_codec(pool) is True
+        assert kv_quant.warm_codec(pool.to(FP8_DTYPE)) is False
+        assert kv_quant.warm_codec(torch.zeros(4, 16, 2, 6)) is False
+
+
+def _compiled(kernel) -> int:
+    return sum(len(entry[0]) for entry in kernel.device_caches.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_reason()))
+def test_warm_codec_compiles_what_a_transfer_launches():
+    """After `warm_codec` on a Llama-3.1-8B bf16 pool, a transfer's gathered layer (K and V of 128
+    blocks, packed at the sender, unpacked at the receiver) compiles nothing more."""
+    pool = torch.zeros(256, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    assert kv_quant.warm_codec(pool)
+    pack, unpack = kv_codec._TRITON.get("_pack_kernel"), kv_codec._TRITON.get("_unpack_kernel")
+    before = (_compiled(pack), _compiled(unpack))
+    staged = torch.empty(1, 2, 128, 16, 8, 128, dtype=torch.bfloat16, device="cuda").normal_()
+    raw = pack_blocks(staged)
+    received = torch.empty(raw.numel(), dtype=torch.uint8, device="cuda")
+    received.copy_(raw.view(-1))
+    unpack_blocks(received.view(raw.shape), torch.bfloat16)
+    torch.cuda.synchronize()
+    assert (_compiled(pack), _compiled(unpack)) == before

@@ -64,3 +64,30 @@ def test_trace_off_marks_nothing():
     got = run("0")
     assert not got["enabled"] and got["points"] == []
     assert all(start < landed <= acked for start, acked, landed, _ in got["ends"])
+
+
+DUMP = r"""
+import time
+from kvtransfer import trace
+trace.mark("s.flush", 7, 0)
+trace.mark("s.ack", 7)
+time.sleep(1.5)  # the dump thread writes every half second
+"""
+
+
+def test_a_served_process_dumps_its_points_to_the_trace_dir(tmp_path):
+    """PDSERVE_KV_TRACE_DIR: the process appends its points to kv-trace-<pid>.jsonl (a served
+    worker has nobody to drain it); without PDSERVE_KV_TRACE=1 nothing is written."""
+    env = dict(os.environ, PDSERVE_KV_TRACE="1", PDSERVE_KV_TRACE_DIR=str(tmp_path), PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", DUMP], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = list(tmp_path.glob("kv-trace-*.jsonl"))
+    assert len(files) == 1
+    rows = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert [(p, k, layer) for p, k, layer, _ in rows] == [("s.flush", 7, 0), ("s.ack", 7, -1)]
+    assert rows[0][3] <= rows[1][3]
+    off = tmp_path / "off"
+    off.mkdir()
+    env = dict(os.environ, PDSERVE_KV_TRACE="0", PDSERVE_KV_TRACE_DIR=str(off), PYTHONPATH=ROOT)
+    subprocess.run([sys.executable, "-c", DUMP], env=env, capture_output=True, text=True, timeout=60, check=True)
+    assert list(off.iterdir()) == []
