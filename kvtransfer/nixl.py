@@ -1174,12 +1174,19 @@ class NixlSender(KVSender):
                     f"destination block id {max(dst)} outside the {link.remote_blocks} blocks of KV receiver "
                     f"{link.address}"))
                 continue
-            if event is not None:
+            if event is not None and not event.query():
+                # what is computed goes now, not behind this layer's compute (the engine
+                # queues a forward's layers well before the GPU runs them)
+                self._post_ready(link, ready)
+                ready = []
                 event.synchronize()
             self._ledger.on_staged(key)
             self._pace(link, key, nbytes, ready_at)
             ready.append((key, layer, src, dst, nbytes))
-        if not ready:
+        self._post_ready(link, ready)
+
+    def _post_ready(self, link: _Link, ready: list) -> None:
+        if not ready or link.error is not None:
             return
         try:
             self._write_direct(link, ready)

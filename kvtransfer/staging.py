@@ -150,3 +150,18 @@ def wire_buffer(raw: torch.Tensor):
     if raw.dtype != torch.uint8:
         raise TypeError("wire buffers are uint8")
     return raw if raw.is_cuda else raw.numpy()
+
+
+def ready_prefix(pending, event_of) -> list:
+    """Waits for the oldest item of ``pending`` (a deque, oldest first; ``event_of(item)`` is
+    its CUDA event) and pops it with every item behind it whose event has already completed.
+
+    The work behind the events runs in order on one stream, so the items come ready in
+    order: the oldest is handed on as soon as its own work ends. Waiting for the newest
+    instead stalls every earlier item until the whole queue is computed, and the engine
+    queues a forward's layers well before the GPU runs them."""
+    event_of(pending[0]).synchronize()  # releases the GIL
+    out = [pending.popleft()]
+    while pending and event_of(pending[0]).query():
+        out.append(pending.popleft())
+    return out

@@ -131,7 +131,9 @@ from kvtransfer.faults import FaultInjector, FaultSpec
 from kvtransfer.ipc import MAX_DESCRIPTOR_BYTES, export_pools, import_pools
 from kvtransfer.ledger import LedgerReceiver, FP8Payload, PullSource, ReceiveLedger, SendLedger
 from kvtransfer.pacing import LinkHolds, LinkPacer
-from kvtransfer.staging import HostBuffers, block_index, gather_layer, gather_layers, stacked_pools, wire_buffer
+from kvtransfer.staging import (
+    HostBuffers, block_index, gather_layer, gather_layers, ready_prefix, stacked_pools, wire_buffer,
+)
 from kvtransfer.ucx_runtime import (
     SCHEME,
     TaskSet,
@@ -833,25 +835,30 @@ class UcxSender(KVSender):
             return self._waiter
 
     def _wait_gathers(self, todo: queue.SimpleQueue) -> None:
-        """Takes every message queued so far, waits for the last one's gather (gathers run in
-        order on the stream their send_layer was called on, so one wait covers those before
-        it on that stream) and hands them all to the loop in one call."""
+        """Hands each message to the loop once its gather (or, pulled, its layers' compute) is
+        done, in order: it waits for the oldest message queued and hands it on with every later
+        one already done (``staging.ready_prefix``), so a layer goes out while the layers behind
+        it are still computing."""
+        pending: collections.deque = collections.deque()
         closing = False
-        while not closing:
-            batch = [todo.get()]
-            while not todo.empty() and len(batch) < 64:
-                batch.append(todo.get())
-            if None in batch:
-                closing = True
-                batch = batch[:batch.index(None)]
-            if not batch:
+        while pending or not closing:
+            while not closing and len(pending) < 64:  # take what is queued; block only when idle
+                try:
+                    item = todo.get_nowait() if pending else todo.get()
+                except queue.Empty:
+                    break
+                if item is None:
+                    closing = True
+                else:
+                    pending.append(item)
+            if not pending:
                 continue
             try:
-                for _, msg in reversed(batch):  # the last first: the others are then (nearly) done
-                    msg.ready.synchronize()  # releases the GIL
+                batch = ready_prefix(pending, lambda item: item[1].ready)
             except Exception as e:  # a failed CUDA context: the transfers fail, the thread goes on
-                for _, msg in batch:
+                for _, msg in pending:
                     self._ledger.fail_key(msg.key, KVTransferError(f"KV gather failed: {e}"))
+                pending.clear()
                 continue
             now = self._pacer.now() if self._pacer is not None else 0.0
             for _, msg in batch:
