@@ -602,4 +602,12 @@ class ModelRunner:
         return logits
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+        if self.device.type == "cuda":
+            # Wait for the forward on an event first (the GIL released, nothing else held): the
+            # sampler's host read of the tokens is a copy into pageable memory, and while that
+            # copy waited for the forward every other thread of the worker stalled with it (the
+            # KV sender's readiness waits and its UCX sends, up to the prefill's end).
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            done.synchronize()
         return self.sampler(logits, rows)
