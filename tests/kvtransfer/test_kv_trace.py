@@ -91,3 +91,46 @@ def test_a_served_process_dumps_its_points_to_the_trace_dir(tmp_path):
     env = dict(os.environ, PDSERVE_KV_TRACE="0", PDSERVE_KV_TRACE_DIR=str(off), PYTHONPATH=ROOT)
     subprocess.run([sys.executable, "-c", DUMP], env=env, capture_output=True, text=True, timeout=60, check=True)
     assert list(off.iterdir()) == []
+
+
+TRANSFERS = r"""
+import time, torch, kvtransfer
+from kvtransfer import trace
+
+def caches():
+    return [(torch.randn(8, 4, 2, 8), torch.randn(8, 4, 2, 8)) for _ in range(3)]
+
+with kvtransfer.create_receiver("ucx", caches()) as receiver, kvtransfer.create_sender("ucx", caches()) as sender:
+    for n in range(2):
+        receiver.expect(f"t{n}", [1, 5], 3, 20.0)
+        for layer in range(3):
+            sender.send_layer(receiver.address(), f"t{n}", layer, [0, 2], [1, 5])
+        sender.finish(f"t{n}", timeout=20)
+        receiver.wait(f"t{n}", 20.0)
+time.sleep(1.2)  # the dump thread writes every 0.5 s
+"""
+
+
+def test_the_trace_report_reads_a_served_processes_dump(tmp_path):
+    """benchmarks/kv_trace_report.py on what a real UCX transfer's process dumped: one line per
+    transfer, in order, with its messages; --transfer N its messages; a bad flag is named."""
+    env = dict(os.environ, PDSERVE_KV_TRACE="1", PDSERVE_KV_TRACE_DIR=str(tmp_path), PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", TRANSFERS], env=env, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = os.path.join(ROOT, "benchmarks", "kv_trace_report.py")
+    out = subprocess.run([sys.executable, report, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:3] == ["#", "msgs", "s.ready"] and len(lines) == 3  # two transfers
+    for i, line in enumerate(lines[1:]):
+        cells = line.split()
+        assert int(cells[0]) == i and int(cells[1]) >= 1
+        ready, post, sent, copied, ack, tail = (float(c) for c in cells[2:8])
+        assert 0 <= ready <= post <= sent and copied <= ack and tail == pytest.approx(ack - ready, abs=0.11)
+    one = subprocess.run([sys.executable, report, str(tmp_path), "--transfer", "1"], capture_output=True, text=True,
+                         timeout=60)
+    assert one.returncode == 0 and one.stdout.splitlines()[0].split()[:2] == ["layer", "s.flush"]
+    assert one.stdout.splitlines()[1].split()[0] == "0"  # the first message starts at layer 0
+    bad = subprocess.run([sys.executable, report, str(tmp_path), "--transfer", "5"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--transfer: 5 is not one of the 2 transfers" in bad.stderr

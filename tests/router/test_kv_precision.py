@@ -49,10 +49,10 @@ def test_a_slow_link_sends_fp8(gbps, slo_ttft):
 
 def test_fp8_pricing_moves_a_prompt_off_local_prefill():
     """5 Gbit/s: at full precision the pair's TTFT (0.872 s) loses to a local run (0.410 s); priced
-    at FP8 (kv 18/32 of the bytes but the first block's + the codec) it is 0.502 s, within
+    at FP8 (kv 18/32 of the bytes but the first block's + the codec) it is 0.504 s, within
     network-aware's local margin."""
     decision = NetworkAware(profile=PROFILE).place(req(4096), snapshot(*reversed(_pair(5.0))))
-    assert decision.reason.startswith("TTFT 0.502s p0->d0")
+    assert decision.reason.startswith("TTFT 0.504s p0->d0")
     assert "53% of the TTFT 872 ms" in decision.kv_precision_reason
 
 
@@ -76,7 +76,7 @@ def test_the_rule_in_numbers():
     threshold = 5.0 / (1 - FP8_WIRE_RATIO)
     assert choose_kv_precision(e, KV_BYTES, codec_gbps=threshold * 1.01)[0] == "fp8"
     assert choose_kv_precision(e, KV_BYTES, codec_gbps=threshold * 0.99)[0] == "full"
-    assert KV_BYTES * 8 / (CODEC_GBPS["cuda"] * 1e9) < 0.005
+    assert KV_BYTES * 8 / (CODEC_GBPS["cuda"] * 1e9) < 0.03 * e.kv_s  # the measured CUDA codec: ~2% of it
     # the exposed transfer (kv - hidden = 0.462 s) against a tenth of the predicted TTFT (0.872 s),
     # or of the TTFT SLO where that is tighter: a loose SLO does not keep full precision
     exposed = e.kv_s - e.hidden_s

@@ -177,8 +177,13 @@ FP8_WIRE_RATIO = 18 / 32
 # unpack_blocks, torch ops). CPU: 0.13 was measured on the 2-core development VM under load (float32
 # pools, 4 MB); the codec has since become 2.2x faster (benchmarks/bench_kv_codec.py, one thread,
 # idle, side by side: 1.53 -> 3.30 Gbit/s for 3 MB), so the price under load is scaled by that: 0.28.
-# CUDA: an estimate for memory-bound elementwise passes (not yet measured).
-CODEC_GBPS = {"cpu": 0.28, "cuda": 1000.0}
+# CUDA: what a transfer's codec adds to TTFT. Measured on one H200 (benchmarks/bench_kv_codec.py
+# --device cuda, Triton): one layer's message (128 blocks of a 2k-token Llama-3.1-8B prompt, 6.5 MB
+# of bf16) packs in 0.072 ms and unpacks in 0.062 ms. A transfer codes layer by layer, overlapped
+# with the wire: each layer's pack runs on the prefill's GPU between its layers (32 x 0.072 ms for
+# 207 MB: 720 Gbit/s of full-precision KV), each unpack on the decode GPU while later layers are on
+# the wire, only the last one's after it. So: 700.
+CODEC_GBPS = {"cpu": 0.28, "cuda": 700.0}
 KV_PRECISIONS = ("full", "fp8")
 
 
