@@ -131,16 +131,25 @@ def main(argv: list[str] | None = None) -> int:
     gpu_args = ["--worker-gpus", "1"] if args.device == "cuda" else ["--worker-gpus", "0"]
     results: dict = {"args": vars(args), "runs": {}}
     rows = []
+    json_path = os.path.join(out_dir, "served_vs_bare.json")
+
+    def record(label: str, summary: dict) -> None:
+        """Keep a run as soon as it ends: its row printed and the JSON so far written, so a call
+        cut short (a device's time limit) still leaves what it measured."""
+        results["runs"][label] = summary
+        log(f"{label}: {row(label, summary)}")
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=2)
+
     if "bare" in modes:
         for i, s in enumerate(bare(args, out_dir)):
-            results["runs"][f"bare run {i + 1}"] = s
+            record(f"bare run {i + 1}", s)
     if "colocated" in modes:
         server = Server(args, ["--mode", "colocated", "--replicas", "1", *gpu_args], "colocated", out_dir)
         try:
             results["chosen"] = server.chosen()
             for i in range(2):
-                s = loadgen(server.url, args, seed=args.seed + 10 + i)
-                results["runs"][f"served run {i + 1}"] = s
+                record(f"served run {i + 1}", loadgen(server.url, args, seed=args.seed + 10 + i))
         finally:
             server.stop()
         results["colocated_startup_s"] = server.startup_s
@@ -155,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             s = loadgen(server.url, args, seed=args.seed + 20 + n)
             s["kv_fallbacks"] = metric_total(server.url, "pdserve:request_recoveries_total")
-            results["runs"][label] = s
+            record(label, s)
         finally:
             server.stop()
 
@@ -185,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for key, value in ratios.items():
         print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
-    with open(os.path.join(out_dir, "served_vs_bare.json"), "w") as f:
+    with open(json_path, "w") as f:
         json.dump(results, f, indent=2)
-    log(f"wrote {os.path.join(out_dir, 'served_vs_bare.json')}")
+    log(f"wrote {json_path}")
     return 0
 
 

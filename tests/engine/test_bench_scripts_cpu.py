@@ -89,9 +89,10 @@ def test_bench_engine_replay_points_write_records_the_simulator_reads(tmp_path):
 
 
 @pytest.mark.slow  # two pdserve up clusters' worth of start-up
-def test_served_vs_bare_cpu_path(tmp_path):
+def test_served_vs_bare_cpu_path(tmp_path, capsys):
     """The served-vs-bare benchmark end to end on the CPU: the bare engine in its own process, a real
-    `pdserve up` with its defaults, two loadgen runs; the table's ratios are computed from them."""
+    `pdserve up` with its defaults, two loadgen runs; the table's ratios are computed from them.
+    Each run's row is printed as the run ends (a call cut short keeps what it measured)."""
     import json
 
     rc = load("served_vs_bare").main(["--device", "cpu", "--model", "random:smollm2-135m", "--requests", "2",
@@ -103,6 +104,9 @@ def test_served_vs_bare_cpu_path(tmp_path):
     assert all(run["num_errors"] == 0 for run in results["runs"].values())
     assert any("defaults for cpu" in line for line in results["chosen"])
     assert {"served_minus_bare_ttft_p50_ms", "served_over_bare_tpot_p50", "first_over_second_ttft_p50"} <= set(results["ratios"])
+    printed = capsys.readouterr()
+    text = printed.out + printed.err
+    assert text.index("served run 1: | served run 1 |") < text.index("| run | TTFT p50 ms")
 
 
 @pytest.mark.slow
