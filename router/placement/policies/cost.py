@@ -19,7 +19,12 @@ Disaggregated (P, D)::
   hand-off around the forward, a GPU shared with a decode worker), and the transfer only
   overlaps the forward. (Until 2026-12-03 hidden used the calibrated prefill: on one H200 at
   25 Gbit/s the factor grew to ~1.5 after five requests, the policy then predicted 2 ms of a
-  66 ms transfer exposed while the full-precision KV tail measured 20 ms against FP8's 9.)
+  66 ms transfer exposed while the full-precision KV tail measured 20 ms against FP8's 9. Most
+  of that tail came from two stalls fixed on 2026-12-03, the sender's wait for the newest
+  queued layer and the prefill sampler's freeze of the worker's threads: since then the tail
+  at 25 Gbit/s is 7 ms at full precision and 8 ms in FP8, the transfer hides behind the ~70 ms
+  shared-GPU prefill, and this unscaled forward, 43 ms, sends FP8 there for the same TTFT.
+  Which of the two spans to hide behind is to be measured again.)
 - admit(D) = one decode step at D's batch: Reserve runs on D's engine thread between steps.
 
 Local (prefill on D)::
