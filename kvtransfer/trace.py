@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import threading
 import time
@@ -99,7 +100,9 @@ def _dump_forever(directory: str, every_s: float = 0.5) -> None:
         time.sleep(every_s)
         try:
             write_points(drain(), path)
-        except OSError:  # a full or vanished directory ends the dump, not the worker
+        except OSError as e:  # a full or vanished directory ends the dump, not the worker
+            logging.getLogger(__name__).warning("PDSERVE_KV_TRACE_DIR: cannot write %s (%s); KV trace dump stopped",
+                                                path, e)
             return
 
 
