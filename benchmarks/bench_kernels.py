@@ -128,6 +128,85 @@ def bench_prefill(do_bench, block_size: int, token_counts, configs=(None,)) -> l
     return rows
 
 
+def bench_prefill_paths(token_counts, dense_configs=(None,), seqs: int = 1) -> list[dict]:
+    """Fresh prompts (no cached prefix): the paged kernel, the dense kernel over the step's own
+    K/V (TMA and plain loads) and torch SDPA's backends, each on `seqs` sequences of `tokens`
+    tokens. K and V are strided views of one QKV tensor, as the model hands them over."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels.prefill_attention import prefill_attention_triton
+    from kernels.prefill_attention_dense import dense_prefill_attention_triton
+
+    rows = []
+    scale = 1 / math.sqrt(HEAD_DIM)
+    q_size, kv_size = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+    group = NUM_HEADS // NUM_KV_HEADS
+    for tokens in token_counts:
+        t = tokens * seqs
+        qkv = torch.randn(t, q_size + 2 * kv_size, dtype=DTYPE, device="cuda")
+        q = qkv[:, :q_size].reshape(t, NUM_HEADS, HEAD_DIM).contiguous()
+        k = qkv[:, q_size:q_size + kv_size].view(t, NUM_KV_HEADS, HEAD_DIM)
+        v = qkv[:, q_size + kv_size:].view(t, NUM_KV_HEADS, HEAD_DIM)
+        cu = torch.arange(0, t + 1, tokens, dtype=torch.int32, device="cuda")
+        flops = seqs * 4 * tokens * tokens * NUM_HEADS * HEAD_DIM / 2
+        # The paged layout: 16-token blocks in a shuffled order, the same K/V.
+        block_size = 16
+        nblk = t // block_size
+        order = torch.randperm(nblk, device="cuda")
+        k_cache = torch.empty(nblk, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        v_cache = torch.empty_like(k_cache)
+        k_cache[order] = k.reshape(nblk, block_size, NUM_KV_HEADS, HEAD_DIM)
+        v_cache[order] = v.reshape(nblk, block_size, NUM_KV_HEADS, HEAD_DIM)
+        tables = order.to(torch.int32).view(seqs, tokens // block_size)
+        seq_lens = torch.full((seqs,), tokens, dtype=torch.int32, device="cuda")
+        qd = q.view(seqs, tokens, NUM_HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+        kd = k.reshape(seqs, tokens, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+        vd = v.reshape(seqs, tokens, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+        kd = kd.repeat_interleave(group, 1).contiguous()
+        vd = vd.repeat_interleave(group, 1).contiguous()
+        want = F.scaled_dot_product_attention(qd.float(), kd.float(), vd.float(), is_causal=True, scale=scale)
+        want = want.transpose(1, 2).reshape(t, NUM_HEADS, HEAD_DIM)
+
+        paths = [("paged", None, lambda: prefill_attention_triton(q, k_cache, v_cache, tables, cu, seq_lens, scale)),
+                 ("dense", None, lambda: dense_prefill_attention_triton(q, k, v, cu, scale, max_len=tokens, tma=False))]
+        for config in dense_configs:
+            paths.append(("dense-tma", config,
+                          lambda c=config: dense_prefill_attention_triton(q, k, v, cu, scale, config=c, max_len=tokens)))
+        for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+            def run(b=backend):
+                with sdpa_kernel(b):
+                    return F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)
+            paths.append((name, None, run))
+        for name, config, fn in paths:
+            try:
+                got = fn()
+                if got.dim() == 4:
+                    got = got.transpose(1, 2).reshape(t, NUM_HEADS, HEAD_DIM)
+                err = (got.float() - want).abs().max().item()
+                if name.startswith("sdpa"):  # cuDNN may refuse graph capture: plain events
+                    from triton.testing import do_bench
+                    us = do_bench(fn, warmup=10, rep=50) * 1e3
+                else:
+                    us = gpu_time(fn) * 1e3
+            except Exception as exc:  # a backend or config that does not run here
+                rows.append(dict(tokens=tokens, seqs=seqs, path=name, config=config,
+                                 error=f"{type(exc).__name__}: {exc}"[:200]))
+                print(f"{seqs:>4} x {tokens:>6} {name:>15}  {config}: {rows[-1]['error']}", flush=True)
+                continue
+            rows.append(dict(tokens=tokens, seqs=seqs, path=name, config=config, us=us,
+                             tflops=flops / us / 1e6, max_abs_err=err))
+            print(f"{seqs:>4} x {tokens:>6} {name:>15} {us:>10.1f} us {flops / us / 1e6:>7.1f} TFLOP/s "
+                  f"err {err:.4f}  {config or 'default'}", flush=True)
+        del qkv, q, k_cache, v_cache, qd, kd, vd, want
+        torch.cuda.empty_cache()
+    return rows
+
+
+DENSE_SWEEP = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (64, 128, 4, 3), (64, 128, 8, 3),
+               (64, 64, 8, 3), (64, 32, 4, 4), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2),
+               (128, 64, 8, 4)]
+
 PREFILL_SWEEP = [(128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 4, 4), (128, 64, 4, 2),
                  (128, 128, 4, 2), (128, 128, 8, 4), (256, 64, 8, 3), (64, 64, 4, 3),
                  # Hopper (H100/H200): two warpgroups over 128 rows, deeper pipelines on 228 KB of smem
@@ -164,6 +243,8 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="also time other tile configurations")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--paths", action="store_true",
+                        help="fresh prompts: the paged and dense kernels against SDPA's backends")
     parser.add_argument("--json", help="write every measured row here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -206,6 +287,13 @@ def main() -> int:
         rows = bench_prefill(do_bench, block_sizes[0], token_counts, configs)
         print_prefill(rows)
         results["prefill"] = rows
+    if args.paths:
+        print(f"\nprefill paths, fresh prompts, causal, Hq={NUM_HEADS} Hkv={NUM_KV_HEADS} D={HEAD_DIM} bf16; "
+              "GPU time from CUDA graph replay")
+        configs = [None] + (DENSE_SWEEP if args.sweep else [])
+        results["paths"] = (bench_prefill_paths((2048, 8192), configs)
+                            + bench_prefill_paths((2048,), configs, seqs=4)
+                            + bench_prefill_paths((1024,), configs, seqs=8))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

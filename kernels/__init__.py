@@ -11,6 +11,7 @@ from kernels.dispatch import force_backend, kernel_backend
 from kernels.kv_quant import FP8_DTYPE, fp8_pool_shape, kv_cache_torch_dtype
 from kernels.linear import PackedWeight, linear, packing_available
 from kernels.norm import rms_norm, rms_norm_ref
+from kernels.prefill_attention import dense_applies as prefill_dense_applies
 from kernels.prefill_attention import prefill_attention
 from kernels.rope import apply_rope, apply_rope_tables, rope_cos_sin_cache, rope_tables
 from kernels.rope_cache import rope_write_kv
@@ -31,6 +32,7 @@ __all__ = [
     "packing_available",
     "PackedWeight",
     "prefill_attention",
+    "prefill_dense_applies",
     "rms_norm",
     "rms_norm_ref",
     "rope_cos_sin_cache",

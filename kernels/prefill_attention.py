@@ -10,7 +10,9 @@ dequantized on the fly.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,9 @@ from kernels._jit import TritonKernels, cdiv, check_head_dim, check_tensor, next
 from kernels import kv_quant
 from kernels.cache import fp8_kernel_args
 from kernels.dispatch import kernel_backend
+from kernels.prefill_attention_dense import dense_prefill_attention_triton
+
+DENSE_ENV = "PDSERVE_PREFILL_ATTENTION"  # auto | dense | paged (see dense_applies)
 
 tl = None  # bound to triton.language on the first launch (kernels._jit)
 
@@ -276,10 +281,38 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     return out
 
 
+def dense_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether a step whose prefills all start at position 0 reads the keys and values of
+    its own k/v (kernels.prefill_attention_dense) rather than the paged cache: on CUDA with
+    the Triton kernels, a cache that is not FP8 (whose decode would read the quantized
+    values). PDSERVE_PREFILL_ATTENTION=paged turns it off; =dense also takes it off CUDA
+    (the Triton interpreter, in tests)."""
+    choice = _dense_choice(os.environ.get(DENSE_ENV, "auto"))
+    if choice == "paged" or k_cache.dtype != q.dtype or kernel_backend(q.device) != "triton":
+        return False
+    return q.is_cuda or choice == "dense"
+
+
+@functools.lru_cache(maxsize=8)
+def _dense_choice(value: str) -> str:
+    choice = value.strip().lower()
+    if choice not in ("auto", "dense", "paged"):
+        raise ValueError(f"{DENSE_ENV} must be auto, dense or paged; got {value!r}")
+    return choice
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                      seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal varlen attention of q[T, Hq, D] over the paged cache; returns out[T, Hq, D]."""
+                      seq_lens: torch.Tensor, scale: float,
+                      fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      max_q_len: int | None = None) -> torch.Tensor:
+    """Causal varlen attention of q[T, Hq, D] over the paged cache; returns out[T, Hq, D].
+    `fresh_kv` = (k, v)[T, Hkv, D], the rotated keys and values of the same rows, when every
+    sequence starts at position 0 and `dense_applies`: they are read in place of the cache
+    (`max_q_len`, the longest sequence's rows, picks the dense kernel's tiles)."""
+    if fresh_kv is not None:
+        return dense_prefill_attention_triton(q, fresh_kv[0], fresh_kv[1], cu_seqlens_q, scale,
+                                              max_len=max_q_len)
     if kernel_backend(q.device) == "triton":
         return prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                          seq_lens, scale)

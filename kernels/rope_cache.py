@@ -55,6 +55,7 @@ def _rope_write_kv_kernel(
     FP8: tl.constexpr,
     SCALE_BLOCK: tl.constexpr,
     SCALE_OFF: tl.constexpr,
+    K_IN_PLACE: tl.constexpr,  # also store the rotated k back into k (kernels.prefill_attention_dense)
 ):
     tok = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + tok)
@@ -78,6 +79,9 @@ def _rope_write_kv_kernel(
     dst = (block * ROWS + offset) * HK * (2 * HALF) + offs_h[:, None] * (2 * HALF) + offs_d[None, :]
     y1, y2 = _rope_rotate(k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
                           mask, cos, sin, HALF)
+    if K_IN_PLACE:
+        _store_halves(k_ptr + tok * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :],
+                      y1, y2, mask, HALF)
     src = v_ptr + tok * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
     v1 = tl.load(src, mask=mask, other=0.0)
     v2 = tl.load(src + HALF, mask=mask, other=0.0)
@@ -131,16 +135,19 @@ def _check_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -
 
 def rope_write_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> torch.Tensor:
+                      slot_mapping: torch.Tensor, rotate_k: bool = False) -> torch.Tensor:
     _check_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     q_out, k_rot = apply_rope_ref(q, k, positions, cos_sin)
     write_kv_cache_ref(k_rot, v, k_cache, v_cache, slot_mapping)
+    if rotate_k:
+        written = slot_mapping >= 0
+        k[written] = k_rot[written]
     return q_out
 
 
 def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                          cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> torch.Tensor:
+                         slot_mapping: torch.Tensor, rotate_k: bool = False) -> torch.Tensor:
     _check_inputs(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
     t, hq, d = q.shape
     hk = k.shape[1]
@@ -154,16 +161,18 @@ def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
             q, k, v, q_out, k_data, v_data, k_scale, v_scale, positions, slot_mapping, cos_sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), hq, hk,
             HALF=d // 2, BLOCK_HQ=next_power_of_2(hq), BLOCK_HK=next_power_of_2(hk),
-            **fp8_args, num_warps=4,
+            **fp8_args, K_IN_PLACE=rotate_k, num_warps=4,
         )
     return q_out
 
 
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                   cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> torch.Tensor:
+                  slot_mapping: torch.Tensor, rotate_k: bool = False) -> torch.Tensor:
     """Rotates q[T, Hq, D] (returned) and k[T, Hkv, D] by positions[T], and writes the rotated
-    k and v[T, Hkv, D] into the paged cache at slot_mapping[T] (negative slots skipped)."""
+    k and v[T, Hkv, D] into the paged cache at slot_mapping[T] (negative slots skipped).
+    `rotate_k`: the rotated k also replaces k in place (rows with a slot), for attention
+    that reads the step's own keys (kernels.prefill_attention_dense)."""
     if kernel_backend(q.device) == "triton":
-        return rope_write_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-    return rope_write_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        return rope_write_kv_triton(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, rotate_k)
+    return rope_write_kv_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, rotate_k)

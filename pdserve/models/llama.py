@@ -37,6 +37,8 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor | None  # [P + 1] int32, offsets within the prefill rows
     prefill_seq_lens: torch.Tensor | None  # [P] int32, context incl. the chunk
     logits_indices: torch.Tensor  # [N] int64, rows whose hidden state gives logits
+    prefill_fresh: bool = False  # every prefill row's sequence starts at position 0 (no cached prefix)
+    prefill_max_q_len: int = 0  # the most rows of one prefill sequence in this step
     # torch (CPU) path only: per-step tables shared by every layer
     rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, signed sin) [T, 1, D]
     decode_plan: tuple[torch.Tensor, torch.Tensor | None, int] | None = None  # decode_gather_plan
@@ -246,6 +248,7 @@ class DecoderLayer(nn.Module):
             qk = kernels.apply_rope_tables(heads[:, :c.num_heads + c.num_kv_heads], *meta.rope_tables)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = heads[:, c.num_heads + c.num_kv_heads:]
+            fresh_kv = None
             if k_cache.dtype == kernels.FP8_DTYPE:
                 kernels.write_kv_cache_ref(k, v, k_cache, v_cache, meta.slot_mapping)
             else:
@@ -256,9 +259,12 @@ class DecoderLayer(nn.Module):
             q = q.reshape(num_tokens, c.num_heads, c.head_dim)
             k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)
             v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
+            # Fresh prompts: attention reads the step's own rotated k and v (contiguous rows)
+            dense = meta.prefill_fresh and kernels.prefill_dense_applies(q, k_cache)
             q = kernels.rope_write_kv(q, k, v, meta.positions, cos_sin, k_cache, v_cache,
-                                      meta.slot_mapping)
-        attn = _attention(q, k_cache, v_cache, meta, scale)
+                                      meta.slot_mapping, rotate_k=dense)
+            fresh_kv = (k[meta.num_decodes:], v[meta.num_decodes:]) if dense else None
+        attn = _attention(q, k_cache, v_cache, meta, scale, fresh_kv)
         hidden = kernels.linear(attn.reshape(num_tokens, c.q_size), self.o_proj)
         if self.comm is not None:
             self.comm.all_reduce(hidden)
@@ -270,19 +276,22 @@ class DecoderLayer(nn.Module):
         return hidden, residual
 
 
-def _attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     nd = meta.num_decodes
     if nd == q.shape[0]:
         return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                         meta.decode_seq_lens, scale)
     if nd == 0:
         return kernels.prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
-                                         meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale)
+                                         meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale,
+                                         fresh_kv, meta.prefill_max_q_len)
     out = torch.empty_like(q)
     out[:nd] = kernels.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
                                         meta.decode_seq_lens, scale)
     out[nd:] = kernels.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
-                                         meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale)
+                                         meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale,
+                                         fresh_kv, meta.prefill_max_q_len)
     return out
 
 

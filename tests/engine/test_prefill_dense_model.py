@@ -1,0 +1,56 @@
+"""The engine's fresh-prompt attention (kernels.prefill_attention_dense) against its paged
+attention, end to end on a tiny random Llama: the Triton kernels interpreted on CPU, with
+chunked prefill (later chunks have a cached prefix: paged), a prefix-cache hit (paged) and
+steps that mix decodes with fresh prompts (dense)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from pdserve.llm import LLM
+from pdserve.sampling_params import SamplingParams
+
+from .test_model_vs_transformers import prompts
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="interprets the Triton kernels on CPU (the GPU path: test_model_gpu.py)")
+
+
+def run(path: str, monkeypatch, mode: str, batch: list[list[int]]):
+    monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "triton")
+    monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", mode)
+    llm = LLM(path, dtype="float32", device="cpu", num_blocks=64, max_num_batched_tokens=48,
+              overlap_steps=False)
+    calls = {"dense": 0}
+    pa = importlib.import_module("kernels.prefill_attention")  # the package exports a function of that name
+
+    real = pa.dense_prefill_attention_triton
+
+    def counted(*args, **kw):
+        calls["dense"] += 1
+        return real(*args, **kw)
+
+    monkeypatch.setattr(pa, "dense_prefill_attention_triton", counted)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1)
+    outs = llm.generate(batch, params)
+    llm.close()
+    return outs, calls["dense"]
+
+
+def test_dense_prefill_matches_paged(hf_models, monkeypatch):
+    _, path = hf_models["llama"]
+    batch = prompts(3, seed=5, lo=20, hi=40)
+    batch.append(batch[0][:30] + [7, 8, 9])  # shares a cached prefix with the first prompt
+    paged, paged_calls = run(path, monkeypatch, "paged", batch)
+    dense, dense_calls = run(path, monkeypatch, "dense", batch)
+    assert paged_calls == 0 and dense_calls > 0
+    for p, d in zip(paged, dense):
+        assert p.token_ids == d.token_ids
+        assert len(p.logprobs) == len(d.logprobs) == 4
+        for lp, ld in zip(p.logprobs, d.logprobs):
+            assert lp.token_id == ld.token_id
+            assert lp.logprob == pytest.approx(ld.logprob, abs=1e-4)
