@@ -203,6 +203,46 @@ def bench_prefill_paths(token_counts, dense_configs=(None,), seqs: int = 1) -> l
     return rows
 
 
+MATMUL_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+                 "lm_head": (128256, 4096)}  # Llama-3.1-8B's projections, [N, K]
+LAYER_SHAPES = ("qkv", "o", "gate_up", "down")
+
+
+def bench_skinny(copy_bw: float, matmul_flops: float, rows=(1, 16, 64, 128, 256, 512)) -> list[dict]:
+    """x[M, K] @ w[N, K]^T at decode batch sizes through cuBLAS two ways: F.linear, and the
+    operands swapped (w @ x^T, then transposed back), which hands cuBLAS the long side as its
+    M. Each against the larger of its weight read at the copy bandwidth and its FLOPs at the
+    square matmul rate; and summed over one 8B decode step (32 layers + the LM head)."""
+    import torch.nn.functional as F
+
+    out = []
+    for m in rows:
+        step: dict[str, float] = {}
+        bound_step = 0.0
+        for name, (n, k) in MATMUL_SHAPES.items():
+            w = torch.randn(n, k, dtype=DTYPE, device="cuda") * 0.02
+            x = torch.randn(m, k, dtype=DTYPE, device="cuda")
+            want = F.linear(x, w).float()
+            count = 32 if name in LAYER_SHAPES else 1
+            bound = max(n * k * 2 / copy_bw, 2 * m * n * k / matmul_flops) * 1e6  # us
+            bound_step += count * bound
+            for label, fn in (("linear", lambda: F.linear(x, w)),
+                              ("swapped", lambda: torch.mm(w, x.t()).t().contiguous()),
+                              ("swapped-noncontig", lambda: torch.mm(w, x.t()).t())):
+                err = (fn().float() - want).abs().max().item()
+                us = gpu_time(fn) * 1e3
+                step[label] = step.get(label, 0.0) + count * us
+                out.append(dict(rows=m, shape=name, path=label, us=us, of_bound=bound / us, max_abs_err=err))
+                print(f"M={m:>4} {name:>8} {label:>18} {us:>9.1f} us {bound / us:>6.3f} of bound  err {err:.4f}",
+                      flush=True)
+            del w, x
+        for label, us in step.items():
+            print(f"M={m:>4} one 8B step's projections {label:>18}: {us / 1e3:.3f} ms, {bound_step / us:.3f} of "
+                  f"bound ({step['linear'] / us:.3f}x linear)", flush=True)
+        out.append(dict(rows=m, step_us=step, bound_step_us=bound_step))
+    return out
+
+
 DENSE_SWEEP = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (64, 128, 4, 3), (64, 128, 8, 3),
                (64, 64, 8, 3), (64, 32, 4, 4), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2),
                (128, 64, 8, 4)]
@@ -245,6 +285,7 @@ def main() -> int:
     parser.add_argument("--skip-prefill", action="store_true")
     parser.add_argument("--paths", action="store_true",
                         help="fresh prompts: the paged and dense kernels against SDPA's backends")
+    parser.add_argument("--skinny", action="store_true", help="decode-sized matmuls: cuBLAS two ways")
     parser.add_argument("--json", help="write every measured row here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -294,6 +335,13 @@ def main() -> int:
         results["paths"] = (bench_prefill_paths((2048, 8192), configs)
                             + bench_prefill_paths((2048,), configs, seqs=4)
                             + bench_prefill_paths((1024,), configs, seqs=8))
+    if args.skinny:
+        a = torch.randn(8192, 8192, dtype=DTYPE, device="cuda")
+        rate = 2 * 8192 ** 3 / (do_bench(lambda: a @ a, warmup=10, rep=50) * 1e-3)
+        del a
+        print(f"\ndecode-sized matmuls, bf16, GPU time from CUDA graph replay; copy bandwidth {copy_bw / 1e9:.0f} GB/s, "
+              f"matmul 8192^3 {rate / 1e12:.0f} TFLOP/s")
+        results["skinny"] = bench_skinny(copy_bw, rate)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
