@@ -281,6 +281,27 @@ def prefill_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     return out
 
 
+def warm_paged(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+               dtype: torch.dtype, device: torch.device | str) -> list[tuple[int, int, int, int]]:
+    """Compiles every tile configuration of the paged kernel that `prefill_config` picks on
+    this device, on a tiny step of the serving shape (heads, head_dim, block size, dtype: the
+    compiled variant does not depend on the token count). A worker whose fresh prompts take
+    the dense kernel meets the paged one only at a later chunk or a prefix-cache hit: without
+    this, that request would wait for Triton to compile. Returns the configurations run."""
+    device = torch.device(device)
+    configs = ([config for _, config in _CUDA_CONFIGS.get(head_dim, ((None, _CUDA_FALLBACK),))]
+               if device.type == "cuda" else [_INTERPRETER_CONFIG])
+    k_cache = torch.zeros(2, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    tables = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    cu = torch.tensor([0, 2], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([block_size + 2], dtype=torch.int32, device=device)
+    q = torch.zeros(2, num_heads, head_dim, dtype=dtype, device=device)
+    for config in configs:
+        prefill_attention_triton(q, k_cache, v_cache, tables, cu, seq_lens, head_dim ** -0.5, config=config)
+    return configs
+
+
 def dense_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether a step whose prefills all start at position 0 reads the keys and values of
     its own k/v (kernels.prefill_attention_dense) rather than the paged cache: on CUDA with

@@ -17,6 +17,9 @@
    list those that ran. On the CPU they run only with torch.compile'd decode steps (below
    CPU_BUCKET_CAP): otherwise they compile nothing there and only lengthen the start.
 
+Where fresh prompts take the dense attention kernel (on CUDA), the paged prefill kernel's tile
+configurations are compiled directly first (part 2's time): the requests' prompts are all fresh.
+
 The requests run as role "mixed" with no layer hook (a prefill worker's hook would push their
 KV), then are aborted; the prefix cache forgets their blocks. On the CPU the prompts are short
 (no kernels to compile; with `--compile` the decode steps trigger its two compilations).
@@ -107,6 +110,8 @@ def warm_up(engine) -> WarmupReport:
     engine.role, engine.layer_hook = "mixed", None
     ids = []
     t = time.perf_counter()
+    if on_cuda:
+        _warm_paged_prefill(engine)
     try:
         engine.add_request("__warmup-0", prompts[0], params[0])
         ids.append("__warmup-0")
@@ -136,6 +141,25 @@ def warm_up(engine) -> WarmupReport:
                           tuple(runner.graph_batch_sizes) if runner.use_cuda_graphs else (), _device_name(engine))
     logger.info("%s", report.describe())
     return report
+
+
+def _warm_paged_prefill(engine) -> list:
+    """Fresh prompts take the dense attention kernel (kernels.prefill_attention_dense), so the
+    requests below may never run the paged one that later chunks and prefix-cache hits take:
+    compile its tile configurations directly (this rank's heads). Returns them ([] when the
+    dense path is off, as the requests cover the paged kernel then)."""
+    import kernels
+    from kernels.prefill_attention import warm_paged
+
+    runner = engine.runner
+    if runner.torch_path or not runner.kv_caches:
+        return []
+    k_cache = runner.kv_caches[0][0]
+    c = runner.model.config
+    probe = k_cache.new_empty((0, c.num_heads, c.head_dim), dtype=runner.dtype)
+    if not kernels.prefill_dense_applies(probe, k_cache):
+        return []
+    return warm_paged(c.num_heads, c.num_kv_heads, c.head_dim, runner.block_size, runner.dtype, engine.device)
 
 
 def _run_buckets(engine, ids: list[str], short_len: int, vocab: int) -> tuple[int, ...]:

@@ -54,3 +54,29 @@ def test_dense_prefill_matches_paged(hf_models, monkeypatch):
         for lp, ld in zip(p.logprobs, d.logprobs):
             assert lp.token_id == ld.token_id
             assert lp.logprob == pytest.approx(ld.logprob, abs=1e-4)
+
+
+def test_warm_up_compiles_the_paged_kernel_when_fresh_prompts_skip_it(monkeypatch):
+    """With the dense path on, the warm-up's requests (all fresh prompts) never run the paged
+    prefill kernel: it is run directly, at this engine's heads, head_dim, block size and dtype."""
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+    from pdserve.engine import LLMEngine
+    from pdserve.warmup import _warm_paged_prefill
+
+    monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "triton")
+    engine = LLMEngine(EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32",
+                                    cache=CacheConfig(num_blocks=8),
+                                    scheduler=SchedulerConfig(max_num_batched_tokens=32)))
+    pa = importlib.import_module("kernels.prefill_attention")
+    seen = []
+    real = pa.prefill_attention_triton
+    monkeypatch.setattr(pa, "prefill_attention_triton",
+                        lambda q, kc, *a, **kw: seen.append((q.shape[1:], kc.shape[1:], q.dtype, kw["config"]))
+                        or real(q, kc, *a, **kw))
+    monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", "paged")
+    assert _warm_paged_prefill(engine) == [] and seen == []  # the requests cover the paged kernel
+    monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", "dense")
+    assert _warm_paged_prefill(engine) == [(16, 16, 4, 1)]
+    c = engine.runner.model.config
+    assert seen == [((c.num_heads, c.head_dim), (engine.runner.block_size, c.num_kv_heads, c.head_dim),
+                     torch.float32, (16, 16, 4, 1))]
