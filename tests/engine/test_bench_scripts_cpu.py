@@ -134,6 +134,11 @@ def test_defaults_vs_flags_cpu_path(tmp_path):
         for slo in run["slo"].values():  # SLOs every CPU request meets: goodput = 4 requests / the run's time
             assert slo["attainment"] == 1.0
             assert math.isclose(slo["goodput"], 4 / run["summary"]["duration_s"])
+    # paired: both configurations got the same seed, so the same arrival times and prompts
+    assert results["configs"][0]["runs"][0]["seed"] == results["configs"][1]["runs"][0]["seed"]
+    schedules = [[json.loads(line)["scheduled_s"] for line in (out / f"config{i}" / "rate2" / "records.jsonl").open()]
+                 for i in (0, 1)]
+    assert sorted(schedules[0]) == sorted(schedules[1])
     for name, entry in results["comparison"].items():
         assert entry["best_config"] in ("defaults", flags)
         assert isinstance(entry["defaults_over_best"], float) and 0 < entry["defaults_over_best"] <= 1.0
