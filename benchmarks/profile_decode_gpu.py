@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model or ("random:llama-3.1-8b" if args.device == "cuda" else "random:tiny-llama")
     cuda = args.device == "cuda"
-    llm = LLM(model, dtype="bfloat16" if cuda else "float32", device=args.device, max_num_seqs=max(args.batches + args.mixed_batches) + 1,
+    llm = LLM(model, dtype="bfloat16" if cuda else "float32", device=args.device, max_num_seqs=max(args.batches + args.mixed_batches, default=1) + 1,
               max_num_batched_tokens=max([8192] + args.prefill_lens), gpu_memory_fraction=0.85,
               **({} if cuda else {"num_blocks": 2048, "block_size": 16}))
     engine, runner = llm.engine, llm.engine.runner

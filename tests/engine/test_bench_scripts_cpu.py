@@ -173,3 +173,14 @@ def test_defaults_vs_flags_slo_parsing_and_comparison():
     assert cmp[loose]["best_per_config"] == {"defaults": {"goodput": 6.0, "rate": 8},
                                             "big": {"goodput": 7.5, "rate": 8}}
     assert cmp[tight]["defaults_over_best"] is None and cmp[tight]["best_goodput"] == 0.0
+
+
+@pytest.mark.timeout(120)
+def test_profile_decode_gpu_prefill_only(tmp_path):
+    """No decode or mixed batches (`--batches --mixed-batches` with no values): the prefills alone."""
+    out = tmp_path / "p.json"
+    rc = load("profile_decode_gpu").main(["--device", "cpu", "--batches", "--mixed-batches", "--prefill-lens", "40",
+                                          "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["decode"] == [] and r["mixed"] == [] and r["prefill"][0]["prompt"] == 40
