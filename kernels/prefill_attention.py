@@ -21,6 +21,7 @@ from kernels._jit import TritonKernels, cdiv, check_head_dim, check_tensor, next
 from kernels import kv_quant
 from kernels.cache import fp8_kernel_args
 from kernels.dispatch import kernel_backend
+from kernels.prefill_attention_dense import _query_tile  # noqa: F401 (JIT helper)
 from kernels.prefill_attention_dense import dense_prefill_attention_triton
 
 DENSE_ENV = "PDSERVE_PREFILL_ATTENTION"  # auto | dense | paged (see dense_applies)
@@ -122,19 +123,8 @@ def _prefill_attention_kernel(
     SCALE_BLOCK: tl.constexpr,
     SCALE_OFF: tl.constexpr,
 ):
-    # Sequence b owns query tiles starting at cu_seqlens_q[b] // BLOCK_M + b; that layout
-    # always leaves room for cdiv(q_len_b, BLOCK_M) tiles, so the grid needs no host sync.
-    # Tiles run last first: under the causal mask later tiles see more keys, and starting the
-    # longest ones first balances the tail of the grid.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq, q_begin, q_len, m_start = _query_tile(cu_seqlens_q_ptr, B, BLOCK_M, BLOCK_B)
     head = tl.program_id(1)
-    offs_b = tl.arange(0, BLOCK_B)
-    starts = tl.load(cu_seqlens_q_ptr + offs_b, mask=offs_b < B, other=0)
-    first_tile = starts // BLOCK_M + offs_b
-    seq = tl.sum(((first_tile <= tile) & (offs_b < B)).to(tl.int32), axis=0) - 1
-    q_begin = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
-    m_start = (tile - (q_begin // BLOCK_M + seq)) * BLOCK_M
     if m_start < q_len:
         seq_len = tl.load(seq_lens_ptr + seq)
         context_len = seq_len - q_len
@@ -171,7 +161,7 @@ def _prefill_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
-_TRITON = TritonKernels(globals(), "_prefill_tile_update", "_prefill_attention_kernel",
+_TRITON = TritonKernels(globals(), "_query_tile", "_prefill_tile_update", "_prefill_attention_kernel",
                         do_not_specialize={"_prefill_attention_kernel": ("stride_bt", "B")})
 
 

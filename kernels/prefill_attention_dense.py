@@ -24,6 +24,24 @@ tl = None  # bound to triton.language on the first launch (kernels._jit)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _query_tile(cu_seqlens_ptr, B, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
+    """This program's query tile, in the grid layout of both prefill kernels: sequence b owns
+    the tiles from cu_seqlens[b] // BLOCK_M + b on, which always leaves room for
+    cdiv(q_len_b, BLOCK_M) of them, so the grid (T // BLOCK_M + B) needs no host sync. Tiles run
+    last first: under the causal mask later tiles see more keys, and starting the longest
+    first balances the grid's tail. Returns (seq, q_begin, q_len, m_start); the tile is empty
+    when m_start >= q_len."""
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    starts = tl.load(cu_seqlens_ptr + offs_b, mask=offs_b < B, other=0)
+    first_tile = starts // BLOCK_M + offs_b
+    seq = tl.sum(((first_tile <= tile) & (offs_b < B)).to(tl.int32), axis=0) - 1
+    q_begin = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_begin
+    m_start = (tile - (q_begin // BLOCK_M + seq)) * BLOCK_M
+    return seq, q_begin, q_len, m_start
+
+
 def _dense_tile_update(q, k_src, v_src, kv_begin, kv_col, stride_kt, stride_vt, offs_d,
                        n_start, m_i, l_i, acc, offs_m, q_len, qk_scale,
                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
@@ -96,17 +114,8 @@ def _dense_prefill_kernel(
     TMA: tl.constexpr,
     IEEE_DOT: tl.constexpr,
 ):
-    # The grid layout of kernels.prefill_attention: sequence b owns the query tiles from
-    # cu_seqlens[b] // BLOCK_M + b, longest (last) tiles first.
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq, q_begin, q_len, m_start = _query_tile(cu_seqlens_ptr, B, BLOCK_M, BLOCK_B)
     head = tl.program_id(1)
-    offs_b = tl.arange(0, BLOCK_B)
-    starts = tl.load(cu_seqlens_ptr + offs_b, mask=offs_b < B, other=0)
-    first_tile = starts // BLOCK_M + offs_b
-    seq = tl.sum(((first_tile <= tile) & (offs_b < B)).to(tl.int32), axis=0) - 1
-    q_begin = tl.load(cu_seqlens_ptr + seq)
-    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_begin
-    m_start = (tile - (q_begin // BLOCK_M + seq)) * BLOCK_M
     if m_start < q_len:
         kv_col = (head // GROUP) * D
         offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -139,7 +148,7 @@ def _dense_prefill_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
-_TRITON = TritonKernels(globals(), "_dense_tile_update", "_dense_prefill_kernel",
+_TRITON = TritonKernels(globals(), "_query_tile", "_dense_tile_update", "_dense_prefill_kernel",
                         do_not_specialize={"_dense_prefill_kernel": ("B",)})
 
 

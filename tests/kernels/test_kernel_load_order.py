@@ -88,6 +88,13 @@ lens = torch.tensor([20, 40], dtype=torch.int32)
 close(prefill_attention_triton(q, kc, vc, tables, cu, lens, 0.17),
       prefill_attention_ref(q, kc, vc, tables, cu, lens, 0.17))
 """,
+    "dense_prefill_attention": """
+from kernels.prefill_attention_dense import dense_prefill_attention_triton, dense_prefill_attention_ref
+qkv = torch.randn(9, 8 * 32)
+q, k, v = qkv[:, :128].reshape(9, 4, 32).contiguous(), qkv[:, 128:192].view(9, 2, 32), qkv[:, 192:].view(9, 2, 32)
+cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+close(dense_prefill_attention_triton(q, k, v, cu, 0.17), dense_prefill_attention_ref(q, k, v, cu, 0.17))
+""",
     "kv_copy": """
 from kernels.kv_copy import gather_blocks, gather_blocks_ref
 from kernels.dispatch import force_backend
