@@ -149,6 +149,10 @@ class ModelRunner:
                                                                    for i in range(c.num_layers)]
         self.sampler = Sampler(device, seed)
         self.torch_path = kernels.kernel_backend(device) == "torch"
+        # Whether fresh prompts attend over their own K/V (kernels.prefill_attention_dense); this
+        # also checks PDSERVE_PREFILL_ATTENTION at start-up rather than at the first prefill.
+        self.dense_prefill = kernels.prefill_dense_applies(
+            torch.empty((0, 1, 1), dtype=dtype, device=device), self.kv_caches[0][0])
         logger.info("KV cache: %d blocks of %d tokens, %s (%.1f MiB)", self.num_blocks, self.block_size,
                     self.kv_cache_dtype_name, self.kv_cache_bytes / (1 << 20))
         # CUDA graphs of the decode forward, captured at the first decode-only step.

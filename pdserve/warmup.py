@@ -148,17 +148,12 @@ def _warm_paged_prefill(engine) -> list:
     requests below may never run the paged one that later chunks and prefix-cache hits take:
     compile its tile configurations directly (this rank's heads). Returns them ([] when the
     dense path is off, as the requests cover the paged kernel then)."""
-    import kernels
     from kernels.prefill_attention import warm_paged
 
     runner = engine.runner
-    if runner.torch_path or not runner.kv_caches:
+    if not runner.dense_prefill:
         return []
-    k_cache = runner.kv_caches[0][0]
     c = runner.model.config
-    probe = k_cache.new_empty((0, c.num_heads, c.head_dim), dtype=runner.dtype)
-    if not kernels.prefill_dense_applies(probe, k_cache):
-        return []
     return warm_paged(c.num_heads, c.num_kv_heads, c.head_dim, runner.block_size, runner.dtype, engine.device)
 
 

@@ -64,19 +64,27 @@ def test_warm_up_compiles_the_paged_kernel_when_fresh_prompts_skip_it(monkeypatc
     from pdserve.warmup import _warm_paged_prefill
 
     monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "triton")
-    engine = LLMEngine(EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32",
-                                    cache=CacheConfig(num_blocks=8),
-                                    scheduler=SchedulerConfig(max_num_batched_tokens=32)))
+
+    def engine(mode):
+        monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", mode)
+        return LLMEngine(EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32",
+                                      cache=CacheConfig(num_blocks=8),
+                                      scheduler=SchedulerConfig(max_num_batched_tokens=32)))
+
     pa = importlib.import_module("kernels.prefill_attention")
     seen = []
     real = pa.prefill_attention_triton
     monkeypatch.setattr(pa, "prefill_attention_triton",
                         lambda q, kc, *a, **kw: seen.append((q.shape[1:], kc.shape[1:], q.dtype, kw["config"]))
                         or real(q, kc, *a, **kw))
-    monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", "paged")
-    assert _warm_paged_prefill(engine) == [] and seen == []  # the requests cover the paged kernel
-    monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", "dense")
-    assert _warm_paged_prefill(engine) == [(16, 16, 4, 1)]
-    c = engine.runner.model.config
-    assert seen == [((c.num_heads, c.head_dim), (engine.runner.block_size, c.num_kv_heads, c.head_dim),
+    paged = engine("paged")
+    assert not paged.runner.dense_prefill
+    assert _warm_paged_prefill(paged) == [] and seen == []  # the requests cover the paged kernel
+    dense = engine("dense")
+    assert dense.runner.dense_prefill
+    assert _warm_paged_prefill(dense) == [(16, 16, 4, 1)]
+    c = dense.runner.model.config
+    assert seen == [((c.num_heads, c.head_dim), (dense.runner.block_size, c.num_kv_heads, c.head_dim),
                      torch.float32, (16, 16, 4, 1))]
+    with pytest.raises(ValueError, match="PDSERVE_PREFILL_ATTENTION must be auto, dense or paged; got 'flash'"):
+        engine("flash")  # named at start-up, not at the first prefill
