@@ -438,7 +438,8 @@ class ModelRunner:
             prefill_cu_seqlens_q=pc if nd < num_requests else None,
             prefill_seq_lens=pl if nd < num_requests else None,
             logits_indices=logits_rows,
-            prefill_fresh=nd < num_requests and bool(np.array_equal(seq_lens[nd:], np.diff(cu_q[nd:]))),
+            prefill_dense=(self.dense_prefill and nd < num_requests
+                           and bool(np.array_equal(seq_lens[nd:], np.diff(cu_q[nd:])))),
             prefill_max_q_len=int(np.diff(cu_q[nd:]).max()) if nd < num_requests else 0,
         )
         if self.torch_path:

@@ -37,7 +37,9 @@ class AttentionMetadata:
     prefill_cu_seqlens_q: torch.Tensor | None  # [P + 1] int32, offsets within the prefill rows
     prefill_seq_lens: torch.Tensor | None  # [P] int32, context incl. the chunk
     logits_indices: torch.Tensor  # [N] int64, rows whose hidden state gives logits
-    prefill_fresh: bool = False  # every prefill row's sequence starts at position 0 (no cached prefix)
+    # every prefill sequence starts at position 0 (no cached prefix) and the runner's prefill
+    # attention reads the step's own K/V for them (ModelRunner.dense_prefill)
+    prefill_dense: bool = False
     prefill_max_q_len: int = 0  # the most rows of one prefill sequence in this step
     # torch (CPU) path only: per-step tables shared by every layer
     rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, signed sin) [T, 1, D]
@@ -260,7 +262,7 @@ class DecoderLayer(nn.Module):
             k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)
             v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
             # Fresh prompts: attention reads the step's own rotated k and v (contiguous rows)
-            dense = meta.prefill_fresh and kernels.prefill_dense_applies(q, k_cache)
+            dense = meta.prefill_dense
             q = kernels.rope_write_kv(q, k, v, meta.positions, cos_sin, k_cache, v_cache,
                                       meta.slot_mapping, rotate_k=dense)
             fresh_kv = (k[meta.num_decodes:], v[meta.num_decodes:]) if dense else None
