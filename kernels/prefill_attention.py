@@ -21,7 +21,7 @@ from kernels._jit import TritonKernels, cdiv, check_head_dim, check_tensor, next
 from kernels import kv_quant
 from kernels.cache import fp8_kernel_args
 from kernels.dispatch import kernel_backend
-from kernels.prefill_attention_dense import _query_tile  # noqa: F401 (JIT helper)
+from kernels.prefill_attention_dense import _query_tile, _softmax_update  # noqa: F401 (JIT helpers)
 from kernels.prefill_attention_dense import dense_prefill_attention_triton
 
 DENSE_ENV = "PDSERVE_PREFILL_ATTENTION"  # auto | dense | paged (see dense_applies)
@@ -65,21 +65,10 @@ def _prefill_tile_update(q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, 
         s = tl.dot(q, tl.trans(k))
     if FP8:
         s = s * k_scale[None, :]
+    visible = offs_n[None, :] <= q_pos[:, None]  # used only when MASKED
     if MASKED:
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows of the tile past q_len may see no key yet; keep their arithmetic finite.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-    else:
-        # Every key of the tile is visible to every row: no mask, scale folded into one FMA.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        m_safe = m_new
-        p = tl.exp2(s * qk_scale - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None]
+        visible = visible & n_mask[None, :]
+    m_new, l_i, acc, p = _softmax_update(s, visible, m_i, l_i, acc, qk_scale, MASKED)
     if MASKED:
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
     else:
@@ -161,7 +150,7 @@ def _prefill_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
-_TRITON = TritonKernels(globals(), "_query_tile", "_prefill_tile_update", "_prefill_attention_kernel",
+_TRITON = TritonKernels(globals(), "_query_tile", "_softmax_update", "_prefill_tile_update", "_prefill_attention_kernel",
                         do_not_specialize={"_prefill_attention_kernel": ("stride_bt", "B")})
 
 

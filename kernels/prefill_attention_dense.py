@@ -42,6 +42,26 @@ def _query_tile(cu_seqlens_ptr, B, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr)
     return seq, q_begin, q_len, m_start
 
 
+def _softmax_update(s, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
+    """The online-softmax step of both prefill kernels, log2 domain: raw scores `s` of one key
+    tile (scaled here by qk_scale; `visible` masks them when MASKED) update the running max
+    `m_i` and sum `l_i`, and rescale `acc`. Returns (m_new, l_i, acc, p), p the tile's
+    unnormalized probabilities."""
+    if MASKED:
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows of the tile past q_len may see no key yet; keep their arithmetic finite.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+    else:
+        # Every key of the tile is visible to every row: no mask, scale folded into one FMA.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        m_safe = m_new
+        p = tl.exp2(s * qk_scale - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None], p
+
+
 def _dense_tile_update(q, k_src, v_src, kv_begin, kv_col, stride_kt, stride_vt, offs_d,
                        n_start, m_i, l_i, acc, offs_m, q_len, qk_scale,
                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
@@ -63,20 +83,8 @@ def _dense_tile_update(q, k_src, v_src, kv_begin, kv_col, stride_kt, stride_vt, 
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    if MASKED:
-        visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < q_len)[None, :]
-        s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows of the tile past q_len may see no key; keep their arithmetic finite.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
-        m_safe = m_new
-        p = tl.exp2(s * qk_scale - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None]
+    visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < q_len)[None, :]
+    m_new, l_i, acc, p = _softmax_update(s, visible, m_i, l_i, acc, qk_scale, MASKED)
     if TMA:
         v = v_src.load([kv_begin + n_start, kv_col])
     else:
@@ -148,7 +156,7 @@ def _dense_prefill_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
-_TRITON = TritonKernels(globals(), "_query_tile", "_dense_tile_update", "_dense_prefill_kernel",
+_TRITON = TritonKernels(globals(), "_query_tile", "_softmax_update", "_dense_tile_update", "_dense_prefill_kernel",
                         do_not_specialize={"_dense_prefill_kernel": ("B",)})
 
 
