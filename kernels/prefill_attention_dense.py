@@ -62,6 +62,21 @@ def _softmax_update(s, visible, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None], p
 
 
+def _kv_tile(src, kv_begin, n_start, kv_col, stride_t, offs_n, offs_d, q_len,
+             MASKED: tl.constexpr, TMA: tl.constexpr):
+    """Rows kv_begin + n_start ... of one KV head (columns kv_col ...) of K or V: a TMA tile,
+    or a pointer load with the rows past the sequence's end masked to 0."""
+    if TMA:
+        tile = src.load([kv_begin + n_start, kv_col])
+    else:
+        at = src + (kv_begin + offs_n).to(tl.int64)[:, None] * stride_t + kv_col + offs_d[None, :]
+        if MASKED:
+            tile = tl.load(at, mask=(offs_n < q_len)[:, None], other=0.0)
+        else:
+            tile = tl.load(at)
+    return tile
+
+
 def _dense_tile_update(q, k_src, v_src, kv_begin, kv_col, stride_kt, stride_vt, offs_d,
                        n_start, m_i, l_i, acc, offs_m, q_len, qk_scale,
                        BLOCK_N: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr,
@@ -70,30 +85,14 @@ def _dense_tile_update(q, k_src, v_src, kv_begin, kv_col, stride_kt, stride_vt, 
     Rows past the sequence's end (TMA reads the next sequence's, or zeros past T) are
     masked out of the scores, so they only ever get probability 0."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
-    if TMA:
-        k = k_src.load([kv_begin + n_start, kv_col])
-    else:
-        rows = (kv_begin + offs_n).to(tl.int64)
-        if MASKED:
-            k = tl.load(k_src + rows[:, None] * stride_kt + kv_col + offs_d[None, :],
-                        mask=(offs_n < q_len)[:, None], other=0.0)
-        else:
-            k = tl.load(k_src + rows[:, None] * stride_kt + kv_col + offs_d[None, :])
+    k = _kv_tile(k_src, kv_begin, n_start, kv_col, stride_kt, offs_n, offs_d, q_len, MASKED, TMA)
     if IEEE_DOT:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
     visible = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < q_len)[None, :]
     m_new, l_i, acc, p = _softmax_update(s, visible, m_i, l_i, acc, qk_scale, MASKED)
-    if TMA:
-        v = v_src.load([kv_begin + n_start, kv_col])
-    else:
-        rows = (kv_begin + offs_n).to(tl.int64)
-        if MASKED:
-            v = tl.load(v_src + rows[:, None] * stride_vt + kv_col + offs_d[None, :],
-                        mask=(offs_n < q_len)[:, None], other=0.0)
-        else:
-            v = tl.load(v_src + rows[:, None] * stride_vt + kv_col + offs_d[None, :])
+    v = _kv_tile(v_src, kv_begin, n_start, kv_col, stride_vt, offs_n, offs_d, q_len, MASKED, TMA)
     if IEEE_DOT:
         acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -156,7 +155,8 @@ def _dense_prefill_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
-_TRITON = TritonKernels(globals(), "_query_tile", "_softmax_update", "_dense_tile_update", "_dense_prefill_kernel",
+_TRITON = TritonKernels(globals(), "_query_tile", "_softmax_update", "_kv_tile", "_dense_tile_update",
+                        "_dense_prefill_kernel",
                         do_not_specialize={"_dense_prefill_kernel": ("B",)})
 
 

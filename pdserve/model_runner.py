@@ -428,6 +428,9 @@ class ModelRunner:
         d64, d32 = self._upload(h64), self._upload(h32)
         ids, positions, slots, logits_rows = (d64[o:o + a.size] for o, a in zip(o64, i64))
         dt, dl, pt, pl, pc = (d32[o:o + a.size] for o, a in zip(o32, i32))
+        q_lens = np.diff(cu_q[nd:])  # rows of each prefill sequence
+        # every prefill starts at position 0: the dense attention reads the step's own K/V
+        dense = self.dense_prefill and q_lens.size > 0 and bool(np.array_equal(seq_lens[nd:], q_lens))
         meta = AttentionMetadata(
             positions=positions,
             slot_mapping=slots,
@@ -438,9 +441,8 @@ class ModelRunner:
             prefill_cu_seqlens_q=pc if nd < num_requests else None,
             prefill_seq_lens=pl if nd < num_requests else None,
             logits_indices=logits_rows,
-            prefill_dense=(self.dense_prefill and nd < num_requests
-                           and bool(np.array_equal(seq_lens[nd:], np.diff(cu_q[nd:])))),
-            prefill_max_q_len=int(np.diff(cu_q[nd:]).max()) if nd < num_requests else 0,
+            prefill_dense=dense,
+            prefill_max_q_len=int(q_lens.max()) if dense else 0,
         )
         if self.torch_path:
             meta.rope_tables = kernels.rope_tables(meta.positions, self.model.cos_sin)

@@ -40,7 +40,7 @@ class AttentionMetadata:
     # every prefill sequence starts at position 0 (no cached prefix) and the runner's prefill
     # attention reads the step's own K/V for them (ModelRunner.dense_prefill)
     prefill_dense: bool = False
-    prefill_max_q_len: int = 0  # the most rows of one prefill sequence in this step
+    prefill_max_q_len: int = 0  # with prefill_dense: the most rows of one prefill sequence
     # torch (CPU) path only: per-step tables shared by every layer
     rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, signed sin) [T, 1, D]
     decode_plan: tuple[torch.Tensor, torch.Tensor | None, int] | None = None  # decode_gather_plan
