@@ -150,8 +150,9 @@ def test_nixl_direct_posts_the_computed_layers_before_waiting_for_the_next():
     link.fences, link.fenced, link.remote_blocks = collections.deque(), {}, 1 << 20
     events = [Event(True), Event(True), Event(False), Event(False)]
     batch = [(key, key, [key], [key], 64, event, False, 0.0) for key, event in enumerate(events)]
-    threading.Timer(0.2, events[2].complete).start()
-    threading.Timer(0.2, events[3].complete).start()
+    # One timer ends both layers, the later first: two timers raced, and the sender, woken by
+    # layer 2, could look at layer 3 before its own timer had fired (seen once in CI).
+    threading.Timer(0.2, lambda: (events[3].complete(), events[2].complete())).start()
     t0 = time.monotonic()
     sender._post_direct(link, batch)
     assert [keys for keys, _ in writes] == [[0, 1], [2, 3]]
