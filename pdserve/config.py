@@ -91,6 +91,11 @@ class CacheConfig:
     # (CUDA + Triton kernels only). `enforce_eager` (--no-cuda-graphs) turns them off.
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
+    # Steps with prefill rows of up to prefill_graph_max_tokens tokens in all replay piecewise CUDA
+    # graphs, attention eager between them (pdserve/piecewise_graphs.py; CUDA + Triton, TP 1).
+    # Experimental, off by default (--prefill-graphs): not yet run on a GPU.
+    prefill_graphs: bool = False
+    prefill_graph_max_tokens: int = 512
     # Decode-only steps on the torch (CPU) path run a torch.compile'd forward: fewer, fused
     # ops. The first steps of each shape class (batch 1, batch > 1) compile, ~40 s each on
     # a 2-core CPU; off by default.
@@ -113,6 +118,8 @@ class CacheConfig:
                              f"got {self.kv_cache_dtype!r}")
         if self.cuda_graph_max_batch <= 0:
             raise ValueError(f"cache config: cuda_graph_max_batch must be > 0, got {self.cuda_graph_max_batch}")
+        if self.prefill_graph_max_tokens <= 0:
+            raise ValueError(f"cache config: prefill_graph_max_tokens must be > 0, got {self.prefill_graph_max_tokens}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"cache config: block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:

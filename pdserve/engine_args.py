@@ -4,7 +4,7 @@
 `pdserve up --config` and `engine_config` all read it.
 
 The engine's switches are flags too (`--[no-]overlap-steps`, `--[no-]cuda-graphs`,
-`--[no-]warmup`, `--experimental-fp8-kv`). Each may also be set by an environment variable
+`--[no-]warmup`, `--experimental-fp8-kv`, `--[no-]prefill-graphs`). Each may also be set by an environment variable
 (`ENGINE_ENV`), read here and nowhere below: a switch not given (None) takes the variable's
 value when it is set, else its default, in `resolve_switches`. A flag or a config-file key
 wins over the variable.
@@ -42,15 +42,17 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "cuda_graphs": None,
     "warmup": None,
     "experimental_fp8_kv": None,
+    "prefill_graphs": None,
 }
 
 SWITCH_DEFAULTS: dict[str, bool] = {"overlap_steps": True, "cuda_graphs": True, "warmup": True,
-                                    "experimental_fp8_kv": False}
+                                    "experimental_fp8_kv": False, "prefill_graphs": False}
 ENGINE_ENV: dict[str, str] = {
     "overlap_steps": "PDSERVE_OVERLAP_STEPS",
     "cuda_graphs": "PDSERVE_CUDA_GRAPHS",
     "warmup": "PDSERVE_WARMUP",
     "experimental_fp8_kv": "PDSERVE_EXPERIMENTAL_FP8_KV",
+    "prefill_graphs": "PDSERVE_PREFILL_GRAPHS",
 }
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -145,6 +147,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, suppress_defaults: bool = Fal
     p.add_argument("--experimental-fp8-kv", action=bool_flag, default=default("experimental_fp8_kv"),
                    help="allow --kv-cache-dtype fp8 on CUDA, whose GPU tests failed on an H200 "
                         f"(default: off, or ${ENGINE_ENV['experimental_fp8_kv']}=0/1)")
+    p.add_argument("--prefill-graphs", action=bool_flag, default=default("prefill_graphs"),
+                   help="GPU, experimental (not yet run on a GPU): steps with prefill chunks of up to 512 "
+                        "tokens replay piecewise CUDA graphs, attention eager between them "
+                        f"(default: off, or ${ENGINE_ENV['prefill_graphs']}=0/1)")
 
 
 def positive_int_arg(flag: str):
@@ -171,7 +177,7 @@ def engine_kwargs(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any
     return dict(model=v["model"], tokenizer=v.get("tokenizer"), dtype=v["dtype"], device=v["device"],
                 max_model_len=v["max_model_len"], overlap_steps=sw["overlap_steps"],
                 enforce_eager=not sw["cuda_graphs"], experimental_fp8_kv=sw["experimental_fp8_kv"],
-                kv_cache_gib=v["kv_cache_gib"], gpu_memory_fraction=v["gpu_memory_fraction"],
+                prefill_graphs=sw["prefill_graphs"], kv_cache_gib=v["kv_cache_gib"], gpu_memory_fraction=v["gpu_memory_fraction"],
                 block_size=v["block_size"], max_num_batched_tokens=v["max_num_batched_tokens"],
                 max_num_seqs=v["max_num_seqs"], enable_prefix_caching=not v["no_prefix_caching"],
                 compile=v.get("compile", False), packed_weights=not v.get("no_packed_weights", False),
@@ -193,7 +199,8 @@ def engine_config(values: argparse.Namespace | Mapping[str, Any], role: str = "m
                           compile_cpu_decode=v.get("compile", False),
                           cpu_packed_weights=not v.get("no_packed_weights", False),
                           kv_cache_dtype=v.get("kv_cache_dtype", "auto"),
-                          enforce_eager=not sw["cuda_graphs"], experimental_fp8_kv=sw["experimental_fp8_kv"]),
+                          enforce_eager=not sw["cuda_graphs"], experimental_fp8_kv=sw["experimental_fp8_kv"],
+                          prefill_graphs=sw["prefill_graphs"]),
         scheduler=SchedulerConfig(max_num_batched_tokens=v["max_num_batched_tokens"],
                                   max_num_seqs=v["max_num_seqs"], role=role),
         tensor_parallel_size=v.get("tensor_parallel_size", 1),

@@ -30,6 +30,7 @@ import kernels
 
 from pdserve.config import CacheConfig, ModelConfig
 from pdserve.models.llama import AttentionMetadata, LayerHook, LlamaModel, decode_forward_torch
+from pdserve.piecewise_graphs import PiecewiseGraphs
 from pdserve.sampler import Sampler, SamplingRow
 from pdserve.scheduler import ScheduledBatch
 from pdserve.sampling_params import TokenLogprob
@@ -166,6 +167,15 @@ class ModelRunner:
         max_len = min(model_config.max_position_embeddings, self.num_blocks * self.block_size)
         self.max_blocks_per_seq = -(-max_len // self.block_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
+        # Steps with prefill rows, up to this many tokens, replay piecewise CUDA graphs
+        # (pdserve/piecewise_graphs.py; experimental, off by default; 0 = off). Tests set it off
+        # CUDA, where the segments run eagerly on the same static buffers.
+        self.prefill_graph_max_tokens = (cache_config.prefill_graph_max_tokens if cache_config.prefill_graphs
+                                         and self.use_cuda_graphs and self.tp_size == 1 else 0)
+        if cache_config.prefill_graphs and not self.prefill_graph_max_tokens:
+            logger.info("prefill graphs are off here: they need CUDA graphs on a CUDA device with Triton "
+                        "kernels and no tensor parallelism")
+        self._piecewise: PiecewiseGraphs | None = None
         self.num_graph_replays = 0
         # pinned host buffers (and their copy events) for sampled tokens: two, one step in flight
         self._token_bufs: list[torch.Tensor] | None = None
@@ -246,7 +256,24 @@ class ModelRunner:
             self.channel.publish(("eager", inputs, planned))
         if planned:
             return self._execute_decode_torch(input_ids, meta)
+        if 0 < input_ids.shape[0] <= self.prefill_graph_max_tokens:
+            return self.prefill_graphs().run(input_ids, meta, layer_hook)
         return self.model(input_ids, meta, self.kv_caches, layer_hook)
+
+    def prefill_graphs(self) -> PiecewiseGraphs:
+        """The piecewise graphs of steps with prefill rows (made at first use; `capture_prefill_graphs`
+        captures them, the warm-up does)."""
+        if self._piecewise is None or self._piecewise.max_tokens != self.prefill_graph_max_tokens:
+            self._piecewise = PiecewiseGraphs(self.model, self.kv_caches, self.prefill_graph_max_tokens,
+                                              rotate_k=self.dense_prefill)
+        return self._piecewise
+
+    def capture_prefill_graphs(self) -> float:
+        """Captures the piecewise graphs when they are on (`prefill_graph_max_tokens`); returns
+        the seconds it took (0 when off, or off CUDA)."""
+        if not self.prefill_graph_max_tokens:
+            return 0.0
+        return self.prefill_graphs().capture()
 
     @torch.inference_mode()
     def follow(self, source: StepSource) -> int:

@@ -3,7 +3,9 @@
 `warm_up(engine)` does, in order, and times each part:
 
 1. `graphs`: the CUDA graphs of the decode forward for every padded batch size (each size
-   runs once eagerly first, which compiles the Triton kernels of decode steps);
+   runs once eagerly first, which compiles the Triton kernels of decode steps); with
+   `--prefill-graphs`, `prefill graphs`: the piecewise graphs of steps with prefill rows
+   (pdserve/piecewise_graphs.py);
 2. `requests`: a few throw-away requests through the real scheduler, so that the first real
    ones find every kernel compiled: a prompt as long as the step's token budget (the tile
    configuration of large prefills), a short one joining while the first decodes (a mixed
@@ -90,6 +92,8 @@ def warm_up(engine) -> WarmupReport:
     if runner.use_cuda_graphs:
         runner.capture_cuda_graphs()
         seconds["graphs"] = time.perf_counter() - t
+    if runner.prefill_graph_max_tokens:
+        seconds["prefill graphs"] = runner.capture_prefill_graphs()
     on_cuda = engine.device.type == "cuda"
     if engine.max_model_len < 16:  # too short a context for the requests below
         report = WarmupReport(seconds, (), tuple(runner.graph_batch_sizes) if runner.use_cuda_graphs else (),

@@ -56,6 +56,7 @@ class UpConfig:
     cuda_graphs: bool | None = ENGINE_DEFAULTS["cuda_graphs"]
     warmup: bool | None = ENGINE_DEFAULTS["warmup"]
     experimental_fp8_kv: bool | None = ENGINE_DEFAULTS["experimental_fp8_kv"]
+    prefill_graphs: bool | None = ENGINE_DEFAULTS["prefill_graphs"]
     # pools
     mode: str = "disaggregated"
     prefill: int = 1
@@ -220,9 +221,9 @@ _INTS = {"max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"
 _FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s",
            "worker_wait_s", "slo_ttft", "slo_tpot", "queue_timeout_s"}
 _BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration", "no_local_prefill", "usage_timing",
-          "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv"}
+          "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv", "prefill_graphs"}
 _OPTIONAL = {"tokenizer", "dtype", "device", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
-             "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv", "replicas", "worker_gpus", "address", "api_key",
+             "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv", "prefill_graphs", "replicas", "worker_gpus", "address", "api_key",
              "served_model_name", "topology", "profile", "slo_ttft", "slo_tpot", "max_tokens_default",
              "prefill_tp", "decode_tp", "autoscale"}
 

@@ -93,9 +93,11 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(hidden, residual, meta, kv_caches[index], self.cos_sin, self.scale)
             if layer_hook is not None:
                 layer_hook(index)
-        hidden = hidden[meta.logits_indices]
-        residual = residual[meta.logits_indices]  # type: ignore[index]
-        hidden, _ = kernels.rms_norm(hidden, self.norm, self.config.rms_norm_eps, residual)
+        return self.logits_of(hidden, residual, meta.logits_indices)  # type: ignore[arg-type]
+
+    def logits_of(self, hidden: torch.Tensor, residual: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The last layer's (hidden, residual) -> float32 logits of the rows in `indices`."""
+        hidden, _ = kernels.rms_norm(hidden[indices], self.norm, self.config.rms_norm_eps, residual[indices])
         return self.compute_logits(hidden)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -237,16 +239,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden, residual, meta: AttentionMetadata, kv_cache, cos_sin, scale):
         c = self.c
-        if residual is None:
-            residual = hidden
-            x = kernels.rms_norm(hidden, self.input_norm, c.rms_norm_eps)
-        else:
-            x, residual = kernels.rms_norm(hidden, self.input_norm, c.rms_norm_eps, residual)
-        qkv = kernels.linear(x, self.qkv_proj, self.qkv_bias)
-        num_tokens = qkv.shape[0]
         k_cache, v_cache = kv_cache
         if meta.rope_tables is not None:  # torch path: fewer, larger ops
-            heads = qkv.view(num_tokens, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+            x, residual = self.input_norm_of(hidden, residual)
+            qkv = kernels.linear(x, self.qkv_proj, self.qkv_bias)
+            heads = qkv.view(qkv.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)
             qk = kernels.apply_rope_tables(heads[:, :c.num_heads + c.num_kv_heads], *meta.rope_tables)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
             v = heads[:, c.num_heads + c.num_kv_heads:]
@@ -257,17 +254,46 @@ class DecoderLayer(nn.Module):
                 k_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, meta.slot_mapping, k)
                 v_cache.view(-1, c.num_kv_heads, c.head_dim).index_copy_(0, meta.slot_mapping, v)
         else:
-            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-            q = q.reshape(num_tokens, c.num_heads, c.head_dim)
-            k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)
-            v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
             # Fresh prompts: attention reads the step's own rotated k and v (contiguous rows)
             dense = meta.prefill_dense
-            q = kernels.rope_write_kv(q, k, v, meta.positions, cos_sin, k_cache, v_cache,
-                                      meta.slot_mapping, rotate_k=dense)
+            q, k, v, residual = self.pre_attention(hidden, residual, meta.positions, meta.slot_mapping,
+                                                   kv_cache, cos_sin, rotate_k=dense)
             fresh_kv = (k[meta.num_decodes:], v[meta.num_decodes:]) if dense else None
-        attn = _attention(q, k_cache, v_cache, meta, scale, fresh_kv)
-        hidden = kernels.linear(attn.reshape(num_tokens, c.q_size), self.o_proj)
+        attn = step_attention(q, k_cache, v_cache, meta, scale, fresh_kv)
+        return self.post_attention(attn, residual)
+
+    def input_norm_of(self, hidden, residual):
+        """(normed input, residual): the first layer's residual is its input."""
+        if residual is None:
+            return kernels.rms_norm(hidden, self.input_norm, self.c.rms_norm_eps), hidden
+        return kernels.rms_norm(hidden, self.input_norm, self.c.rms_norm_eps, residual)
+
+    def pre_attention(self, hidden, residual, positions, slot_mapping, kv_cache, cos_sin,
+                      rotate_k: bool = False, qkv_out: torch.Tensor | None = None):
+        """The kernels path up to attention: input norm, QKV projection, RoPE and the KV write
+        at `slot_mapping` (negative slots skipped). Returns (q, k, v, residual), q [T, Hq, D]
+        and k, v [T, Hkv, D]; `rotate_k`: k is rotated in place too. `qkv_out` [T, q + 2 kv]:
+        the projection is copied there first and k, v are views of it (a static buffer of
+        `pdserve.piecewise_graphs`)."""
+        c = self.c
+        x, residual = self.input_norm_of(hidden, residual)
+        qkv = kernels.linear(x, self.qkv_proj, self.qkv_bias)
+        if qkv_out is not None:
+            qkv = qkv_out.copy_(qkv)
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.reshape(num_tokens, c.num_heads, c.head_dim)
+        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
+        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+        k_cache, v_cache = kv_cache
+        q = kernels.rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                                  rotate_k=rotate_k)
+        return q, k, v, residual
+
+    def post_attention(self, attn, residual):
+        """o_proj (all-reduced under TP), the post-attention norm and the MLP: (hidden, residual)."""
+        c = self.c
+        hidden = kernels.linear(attn.reshape(attn.shape[0], c.q_size), self.o_proj)
         if self.comm is not None:
             self.comm.all_reduce(hidden)
         x, residual = kernels.rms_norm(hidden, self.post_norm, c.rms_norm_eps, residual)
@@ -278,22 +304,27 @@ class DecoderLayer(nn.Module):
         return hidden, residual
 
 
-def _attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-               fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def step_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """The step's attention: decode rows then prefill rows; into `out` [T, Hq, D] when given."""
     nd = meta.num_decodes
-    if nd == q.shape[0]:
+    if nd == q.shape[0] and out is None:
         return kernels.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                         meta.decode_seq_lens, scale)
-    if nd == 0:
+    if nd == 0 and out is None:
         return kernels.prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
                                          meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale,
                                          fresh_kv, meta.prefill_max_q_len)
-    out = torch.empty_like(q)
-    out[:nd] = kernels.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
-                                        meta.decode_seq_lens, scale)
-    out[nd:] = kernels.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
-                                         meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale,
-                                         fresh_kv, meta.prefill_max_q_len)
+    if out is None:
+        out = torch.empty_like(q)
+    if nd:
+        out[:nd] = kernels.decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                            meta.decode_seq_lens, scale)
+    if nd < q.shape[0]:
+        out[nd:] = kernels.prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
+                                             meta.prefill_cu_seqlens_q, meta.prefill_seq_lens, scale,
+                                             fresh_kv, meta.prefill_max_q_len)
     return out
 
 
