@@ -257,7 +257,10 @@ class ModelRunner:
         if planned:
             return self._execute_decode_torch(input_ids, meta)
         if 0 < input_ids.shape[0] <= self.prefill_graph_max_tokens:
-            return self.prefill_graphs().run(input_ids, meta, layer_hook)
+            graphs = self.prefill_graphs()
+            if self.device.type == "cuda" and not graphs.captured:  # not warmed up: captured now
+                graphs.capture()
+            return graphs.run(input_ids, meta, layer_hook)
         return self.model(input_ids, meta, self.kv_caches, layer_hook)
 
     def prefill_graphs(self) -> PiecewiseGraphs:

@@ -193,3 +193,19 @@ def test_piecewise_steps_with_the_triton_kernels_and_dense_prefill(monkeypatch):
     assert runner._piecewise.num_runs > 0 and runner._piecewise.rotate_k
     assert eager_dense > 0 and calls["dense"] == eager_dense
     _same(graphed, eager, tol=1e-4)
+
+
+def test_the_benchmark_runs_both_modes_on_the_cpu(capsys):
+    """benchmarks/bench_prefill_graphs.py, tiny: each point on and off, and each mode checked
+    to have run the path it names (it raises otherwise)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_prefill_graphs.py")
+    spec = importlib.util.spec_from_file_location("bench_prefill_graphs", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    assert bench.main(["--prompts", "8", "40", "--batches", "2", "--chunks", "8", "--context", "24",
+                       "--max-tokens", "32", "--repeats", "1", "--decode-steps", "2", "--num-blocks", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "| 8 | " in out and "| 40 (over --max-tokens: eager both) |" in out and "| 2 + 8 | " in out
+    assert "over 2 points" in out

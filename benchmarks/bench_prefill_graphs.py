@@ -1,0 +1,114 @@
+"""Steps with prefill rows, eager against piecewise CUDA graphs (--prefill-graphs), in one process.
+
+    python3 benchmarks/bench_prefill_graphs.py [--model random:llama-3.1-8b] [--max-tokens 512]
+        [--prompts 16 64 128 256 512] [--batches 1 16 64] [--chunks 64 128 256 512] [--context 1024]
+
+One engine with the prefill graphs captured (pdserve/piecewise_graphs.py); each point is measured
+with them on and off in turn (the order alternates point by point), by `pdserve profile`'s own
+timers (launcher/profile.py): a prompt's time to its first token on an idle engine (median of
+`--repeats` after a warm-up run), and a mixed step of B decodes at `--context` plus a T-token chunk
+(median of `--decode-steps`). Prints both and the ratio eager / graphs, and checks that each mode
+ran the path it names (graph runs counted). Off CUDA the segments run eagerly (no capture): the
+figures are then the padding's cost, not the launches saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: random:llama-3.1-8b on CUDA, random:tiny-llama on CPU")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--max-tokens", type=int, default=512, help="the graphs' largest step (tokens)")
+    p.add_argument("--prompts", type=int, nargs="*", default=[16, 64, 128, 256, 512])
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
+    p.add_argument("--chunks", type=int, nargs="*", default=[64, 128, 256, 512])
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--decode-steps", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0, help="the random prompts (new ones for every run you compare)")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: the memory budget)")
+    args = p.parse_args(argv)
+    if args.max_tokens < 1:
+        p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if any(n < 1 for n in args.prompts + args.batches + args.chunks) or args.context < 1:
+        p.error("--prompts, --batches, --chunks and --context take positive integers")
+
+    import torch
+
+    from launcher.profile import Profiler
+    from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = args.model or ("random:llama-3.1-8b" if device == "cuda" else "random:tiny-llama")
+    budget = max([args.max_tokens, *args.prompts, *(b + t for b in args.batches for t in args.chunks)])
+    config = EngineConfig(model=model, device=device, dtype=args.dtype, seed=args.seed,
+                          cache=CacheConfig(prefill_graphs=True, prefill_graph_max_tokens=args.max_tokens,
+                                            num_blocks=args.num_blocks),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=budget,
+                                                    max_num_seqs=max(args.batches) + 1))
+    profiler = Profiler(config, repeats=args.repeats, decode_steps=args.decode_steps, seed=args.seed, progress=False)
+    runner = profiler.engine.runner
+    if device != "cuda":
+        runner.prefill_graph_max_tokens = args.max_tokens  # off CUDA: the segments, eagerly
+    if not runner.prefill_graph_max_tokens:
+        print("the prefill graphs are off on this engine (they need CUDA graphs and TP 1)", file=sys.stderr)
+        return 2
+    pw = runner.prefill_graphs()
+    runner.capture_cuda_graphs()  # the mixed steps' decode-only steps replay these either way
+    seconds = runner.capture_prefill_graphs()
+    name = torch.cuda.get_device_name(runner.device) if device == "cuda" else "cpu"
+    print(f"# {model} on {name} ({runner.dtype}); prefill graphs up to {args.max_tokens} tokens, sizes "
+          f"{pw.sizes}, captured in {seconds:.1f}s" + ("" if pw.captured else " (not captured: eager segments)"))
+
+    def measure(graphs: bool, size: int, fn, *a) -> float:
+        """`fn(*a)` with the graphs on or off; a timed step of `size` tokens."""
+        runner.prefill_graph_max_tokens = args.max_tokens if graphs else 0
+        before = pw.num_runs
+        value = fn(*a)
+        ran = pw.num_runs - before
+        if (not graphs and ran) or (graphs and size <= args.max_tokens and not ran):
+            raise RuntimeError(f"{fn.__name__}{a}: graphs {'on' if graphs else 'off'} but {ran} graph runs")
+        return value
+
+    flip = [False]
+
+    def pair(size: int, fn, *a) -> tuple[float, float]:
+        flip[0] = not flip[0]
+        order = (True, False) if flip[0] else (False, True)
+        got = {mode: measure(mode, size, fn, *a) for mode in order}
+        return got[False], got[True]
+
+    ratios = []
+    print("| prompt tokens (alone) | eager ms | graphs ms | eager / graphs |")
+    print("|---|---|---|---|")
+    for n in profiler.prefill_grid(args.prompts):
+        eager, graphs = pair(n, profiler.prefill_seconds, n)
+        tag = "" if n <= args.max_tokens else " (over --max-tokens: eager both)"
+        if n <= args.max_tokens:
+            ratios.append(eager / graphs)
+        print(f"| {n}{tag} | {eager * 1e3:.2f} | {graphs * 1e3:.2f} | {eager / graphs:.2f}x |")
+    batches, chunks = profiler.mixed_grid(args.batches, args.chunks, args.context)
+    print("\n| mixed step: decodes + chunk | eager ms | graphs ms | eager / graphs |")
+    print("|---|---|---|---|")
+    for b in batches:
+        for t in chunks:
+            eager, graphs = pair(b + t, profiler.mixed_step_seconds, b, t, args.context)
+            tag = "" if b + t <= args.max_tokens else " (over --max-tokens: eager both)"
+            if b + t <= args.max_tokens:
+                ratios.append(eager / graphs)
+            print(f"| {b} + {t}{tag} | {eager * 1e3:.2f} | {graphs * 1e3:.2f} | {eager / graphs:.2f}x |")
+    if ratios:
+        print(f"\ngeometric mean of eager / graphs where the graphs ran: "
+              f"{statistics.geometric_mean(ratios):.2f}x over {len(ratios)} points")
+    runner.prefill_graph_max_tokens = args.max_tokens
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
