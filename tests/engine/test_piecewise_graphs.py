@@ -23,9 +23,9 @@ LENGTHS = [5, 40, 77, 18, 3, 29]
 MAX_TOKENS = [3, 9, 5, 12, 7, 4]
 
 
-def _generate(max_tokens: int, monkeypatch=None, model: str = "random:tiny-llama"):
+def _generate(max_tokens: int, model: str = "random:tiny-llama", kv_cache_dtype: str = "auto"):
     llm = LLM(model, device="cpu", dtype="float32", num_blocks=64, block_size=16,
-              max_num_batched_tokens=32, max_num_seqs=8, overlap_steps=False)
+              max_num_batched_tokens=32, max_num_seqs=8, overlap_steps=False, kv_cache_dtype=kv_cache_dtype)
     runner = llm.engine.runner
     runner.prefill_graph_max_tokens = max_tokens  # off CUDA: the segments run eagerly
     eager_steps = []
@@ -55,11 +55,14 @@ def test_capture_sizes_end_at_the_bound():
         capture_sizes(0)
 
 
-def test_piecewise_steps_give_the_eager_tokens_and_logprobs():
-    eager, eager_runner, eager_steps, _ = _generate(0)
+@pytest.mark.parametrize("model,kv", [("random:tiny-llama", "auto"), ("random:tiny-qwen2", "auto"),
+                                      ("random:tiny-tied", "auto"), ("random:tiny-llama", "fp8")])
+def test_piecewise_steps_give_the_eager_tokens_and_logprobs(model, kv):
+    """Llama, Qwen2 (QKV bias), tied embeddings, and an FP8 cache."""
+    eager, eager_runner, eager_steps, _ = _generate(0, model, kv)
     assert eager_runner._piecewise is None
     # 24 of the 32-token budget: full 32-token steps stay eager, the rest run in segments
-    graphed, runner, steps, llm = _generate(24)
+    graphed, runner, steps, llm = _generate(24, model, kv)
     pw = runner._piecewise
     assert pw is not None and pw.num_runs > 0 and not pw.captured
     assert steps and all(n > 24 for n in steps)  # only what the graphs do not cover ran eagerly
