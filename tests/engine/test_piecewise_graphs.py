@@ -186,7 +186,7 @@ def test_piecewise_steps_with_the_triton_kernels_and_dense_prefill(monkeypatch):
         assert runner.dense_prefill and not runner.torch_path
         runner.prefill_graph_max_tokens = max_tokens
         rng = random.Random(4)
-        prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in (21, 45, 9)]
+        prompts = [[rng.randrange(2, 500) for _ in range(n)] for n in (21, 40)]
         params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=1)
         return llm.generate(prompts, params), runner
 
