@@ -94,6 +94,9 @@ class LLMEngine:
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.role = config.scheduler.role
+        # no step is larger than the token budget: no prefill graph beyond it is captured
+        self.runner.prefill_graph_max_tokens = min(self.runner.prefill_graph_max_tokens,
+                                                   config.scheduler.max_num_batched_tokens)
         capacity = self.runner.num_blocks * config.cache.block_size
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         if max_len > self.model_config.max_position_embeddings:

@@ -71,8 +71,9 @@ def _prefill_graph_run(graphs: bool, dtype: str, layer_hook=None):
               max_num_batched_tokens=64, max_num_seqs=8, prefill_graphs=graphs)
     runner = llm.engine.runner
     if graphs:
-        assert runner.prefill_graph_max_tokens == 512
+        assert runner.prefill_graph_max_tokens == 64  # 512 by default, capped by the token budget
         assert runner.capture_prefill_graphs() > 0 and runner.prefill_graphs().captured
+        assert runner.prefill_graphs().sizes == [16, 32, 48, 64]
     else:
         assert runner.prefill_graph_max_tokens == 0
     rng = random.Random(9)
