@@ -26,16 +26,19 @@ def engine_config(chunk: int = 16) -> EngineConfig:
                         scheduler=SchedulerConfig(max_num_batched_tokens=chunk))
 
 
-@pytest.fixture(scope="module", params=["sync", "overlap"])
+@pytest.fixture(scope="module", params=["sync", "overlap", "graphs"])
 def workers(request):
     """The three roles; "overlap": the decode-graph path forced on off CUDA (static buffers,
     eager replay), so decode steps take the overlapped path (pdserve/engine.py) under the
-    worker's engine thread, with commits, aborts and hand-offs between steps."""
+    worker's engine thread, with commits, aborts and hand-offs between steps; "graphs": that and
+    the prefill graphs' segments (pdserve/piecewise_graphs.py) for every step with prefill rows,
+    so the prefill worker pushes each layer's KV from the hook between segments."""
     started = []
     stubs = {}
     for role in ("prefill", "decode", "mixed"):
         server = WorkerServer(WorkerConfig(f"{role}-0", role, engine_config(chunk=7), kv_backend="fake"))
-        server.engine.runner.use_cuda_graphs = request.param == "overlap"
+        server.engine.runner.use_cuda_graphs = request.param in ("overlap", "graphs")
+        server.engine.runner.prefill_graph_max_tokens = 7 if request.param == "graphs" else 0
         address = server.start()
         started.append(server)
         stubs[role] = pb_grpc.WorkerStub(grpc.insecure_channel(address))
@@ -93,6 +96,10 @@ def test_disaggregated_equals_single_engine_and_colocated(workers, reference):
     for role in ("decode", "mixed"):  # the overlapped path ran where it was forced on
         engine = servers[role].engine
         assert (engine.num_steps_ahead > 0) == engine.runner.use_cuda_graphs, role
+    for role in ("prefill", "mixed"):  # and the prefill graphs' segments where they were
+        runner = servers[role].engine.runner
+        ran = runner._piecewise.num_runs if runner._piecewise is not None else 0
+        assert (ran > 0) == (runner.prefill_graph_max_tokens > 0), role
     # the engine thread's step counters: every step counted once, decode-only ones among them
     stats = stubs["mixed"].Stats(pb.StatsRequest(), timeout=5)
     assert stats.engine_steps >= len(batch) * GREEDY.max_tokens
