@@ -187,14 +187,14 @@ def main(argv: list[str] | None = None) -> int:
 
     t = time.perf_counter()
     # the engine switches from the environment, as the CLI reads them (PDSERVE_OVERLAP_STEPS=0,
-    # PDSERVE_CUDA_GRAPHS=0); fp8 KV on CUDA is behind a switch until its GPU tests pass, and
+    # PDSERVE_CUDA_GRAPHS=0, PDSERVE_PREFILL_GRAPHS=1); fp8 KV on CUDA is behind a switch until its GPU tests pass, and
     # measuring it is what --kv-cache-dtype fp8 asks for
     switches = resolve_switches({})
     llm = LLM(model_name, dtype="bfloat16" if device == "cuda" else "float32", device=device,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_fraction=0.85, kv_cache_dtype=args.kv_cache_dtype,
               overlap_steps=switches["overlap_steps"], enforce_eager=not switches["cuda_graphs"],
-              experimental_fp8_kv=True,
+              prefill_graphs=switches["prefill_graphs"], experimental_fp8_kv=True,
               **({} if device == "cuda" else {"num_blocks": 4096, "block_size": 16}))
     engine, runner = llm.engine, llm.engine.runner
     results["load_s"] = time.perf_counter() - t

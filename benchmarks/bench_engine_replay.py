@@ -160,13 +160,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_engine_replay: needs a CUDA GPU (none found); --device cpu runs a smoke test", file=sys.stderr)
         return 2
+    from pdserve.engine_args import resolve_switches
     from pdserve.llm import LLM
     from pdserve.warmup import warm_up
 
     cuda = args.device == "cuda"
     model = args.model or ("random:llama-3.1-8b" if cuda else "random:tiny-llama")
+    # the engine switches from the environment, as `pdserve up` reads them for its workers
+    # (PDSERVE_OVERLAP_STEPS, PDSERVE_CUDA_GRAPHS, PDSERVE_PREFILL_GRAPHS): the bare engine and the
+    # served one then run the same steps
+    switches = resolve_switches({})
     llm = LLM(model, dtype="bfloat16" if cuda else "float32", device=args.device, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_fraction=0.85,
+              overlap_steps=switches["overlap_steps"], enforce_eager=not switches["cuda_graphs"],
+              prefill_graphs=switches["prefill_graphs"],
               **({} if cuda else {"num_blocks": 4096, "block_size": 16}))
     engine = llm.engine
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
