@@ -6,7 +6,6 @@ written; padding rows write no KV. The captured path itself: tests/engine/test_c
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 
@@ -135,23 +134,8 @@ def test_tensor_parallel_models_are_refused():
         model.comm = None
 
 
-def test_the_switch_reaches_the_cache_config_and_stays_off_the_cpu(monkeypatch):
-    from pdserve.engine_args import add_engine_args, engine_config
-
-    def cache(*flags):
-        parser = argparse.ArgumentParser()
-        add_engine_args(parser)
-        return engine_config(parser.parse_args(list(flags))).cache
-
-    monkeypatch.delenv("PDSERVE_PREFILL_GRAPHS", raising=False)
-    assert cache().prefill_graphs is False
-    assert cache("--prefill-graphs").prefill_graphs is True
-    monkeypatch.setenv("PDSERVE_PREFILL_GRAPHS", "1")
-    assert cache().prefill_graphs is True
-    assert cache("--no-prefill-graphs").prefill_graphs is False
-    monkeypatch.setenv("PDSERVE_PREFILL_GRAPHS", "maybe")
-    with pytest.raises(ValueError, match="PDSERVE_PREFILL_GRAPHS"):
-        cache()
+def test_the_cache_config_checks_its_bound_and_the_graphs_stay_off_the_cpu():
+    """(--prefill-graphs and PDSERVE_PREFILL_GRAPHS: tests/engine/test_engine_switches.py)"""
     with pytest.raises(ValueError, match="prefill_graph_max_tokens"):
         CacheConfig(prefill_graph_max_tokens=0)
     engine = LLMEngine(EngineConfig(model="random:tiny-llama", device="cpu", dtype="float32",
