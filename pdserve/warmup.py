@@ -52,6 +52,7 @@ class WarmupReport:
     prompt_tokens: tuple[int, ...] = ()
     graph_batch_sizes: tuple[int, ...] = ()
     device: str = ""
+    prefill_graph_tokens: int = 0  # steps with prefill rows up to this many tokens replay graphs
 
     @property
     def total_s(self) -> float:
@@ -61,6 +62,8 @@ class WarmupReport:
         parts = ", ".join(f"{k} {v:.1f}s" for k, v in self.seconds.items())
         graphs = f"; CUDA graphs for decode batches {list(self.graph_batch_sizes)}" if self.graph_batch_sizes else ""
         prompts = f"; prompts of {' and '.join(map(str, self.prompt_tokens))} tokens" if self.prompt_tokens else ""
+        if self.prefill_graph_tokens:
+            graphs += f"; prefill graphs up to {self.prefill_graph_tokens} tokens"
         return f"warm-up on {self.device} in {self.total_s:.1f}s ({parts}){prompts}{graphs}"
 
 
@@ -97,7 +100,7 @@ def warm_up(engine) -> WarmupReport:
     on_cuda = engine.device.type == "cuda"
     if engine.max_model_len < 16:  # too short a context for the requests below
         report = WarmupReport(seconds, (), tuple(runner.graph_batch_sizes) if runner.use_cuda_graphs else (),
-                              _device_name(engine))
+                              _device_name(engine), runner.prefill_graph_max_tokens)
         logger.info("%s", report.describe())
         return report
     long_len, short_len = warmup_lengths(engine.scheduler.config.max_num_batched_tokens, engine.max_model_len,
@@ -142,7 +145,8 @@ def warm_up(engine) -> WarmupReport:
         engine.role, engine.layer_hook = role, hook
         engine.block_manager.reset_prefix_cache()
     report = WarmupReport(seconds, (long_len, short_len, *buckets),
-                          tuple(runner.graph_batch_sizes) if runner.use_cuda_graphs else (), _device_name(engine))
+                          tuple(runner.graph_batch_sizes) if runner.use_cuda_graphs else (), _device_name(engine),
+                          runner.prefill_graph_max_tokens)
     logger.info("%s", report.describe())
     return report
 

@@ -145,3 +145,16 @@ def test_cpu_warm_up_runs_no_buckets():
     report = warm_up(engine)
     assert report.prompt_tokens == (16, 8) and "buckets" in report.seconds
     assert not engine.has_unfinished_requests()
+
+
+def test_warm_up_with_the_prefill_graphs_runs_their_segments_and_says_so():
+    """Forced on off CUDA: nothing to capture (0 s), the warm-up's prefill steps run the segments,
+    and the report names the graphs' bound."""
+    engine = make_engine("prefill")
+    engine.runner.use_cuda_graphs = True
+    engine.runner.prefill_graph_max_tokens = 32
+    report = warm_up(engine)
+    assert report.seconds["prefill graphs"] == 0.0
+    assert engine.runner._piecewise.num_runs > 0
+    assert report.describe().endswith("; prefill graphs up to 32 tokens")
+    assert "prefill graphs" not in warm_up(make_engine("mixed")).describe()
