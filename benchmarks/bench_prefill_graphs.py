@@ -61,10 +61,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     pw = runner.prefill_graphs()
     runner.capture_cuda_graphs()  # the mixed steps' decode-only steps replay these either way
+    reserved = torch.cuda.memory_reserved(runner.device) if device == "cuda" else 0
     seconds = runner.capture_prefill_graphs()
+    memory = ""
+    if device == "cuda":
+        memory = f", {(torch.cuda.memory_reserved(runner.device) - reserved) / (1 << 20):.0f} MiB more reserved"
     name = torch.cuda.get_device_name(runner.device) if device == "cuda" else "cpu"
-    print(f"# {model} on {name} ({runner.dtype}); prefill graphs up to {args.max_tokens} tokens, sizes "
-          f"{pw.sizes}, captured in {seconds:.1f}s" + ("" if pw.captured else " (not captured: eager segments)"))
+    print(f"# {model} on {name} ({runner.dtype}); prefill graphs up to {pw.max_tokens} tokens, sizes "
+          f"{pw.sizes}, captured in {seconds:.1f}s{memory}" + ("" if pw.captured else " (not captured: eager segments)"))
 
     def measure(graphs: bool, size: int, fn, *a) -> float:
         """`fn(*a)` with the graphs on or off; a timed step of `size` tokens."""
