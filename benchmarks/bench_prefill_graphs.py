@@ -15,6 +15,7 @@ figures are then the padding's cost, not the launches saved.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 
@@ -80,37 +81,33 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"{fn.__name__}{a}: graphs {'on' if graphs else 'off'} but {ran} graph runs")
         return value
 
-    flip = [False]
-
-    def pair(size: int, fn, *a) -> tuple[float, float]:
-        flip[0] = not flip[0]
-        order = (True, False) if flip[0] else (False, True)
-        got = {mode: measure(mode, size, fn, *a) for mode in order}
-        return got[False], got[True]
-
+    turn = itertools.count()
     ratios = []
+
+    def row(label: str, size: int, fn, *a) -> None:
+        """One table row: `fn(*a)` with the graphs off and on (the order alternating row by row)."""
+        order = (True, False) if next(turn) % 2 == 0 else (False, True)
+        got = {mode: measure(mode, size, fn, *a) for mode in order}
+        eager, graphs = got[False], got[True]
+        if size <= args.max_tokens:
+            ratios.append(eager / graphs)
+        else:
+            label += " (over --max-tokens: eager both)"
+        print(f"| {label} | {eager * 1e3:.2f} | {graphs * 1e3:.2f} | {eager / graphs:.2f}x |")
+
     print("| prompt tokens (alone) | eager ms | graphs ms | eager / graphs |")
     print("|---|---|---|---|")
     for n in profiler.prefill_grid(args.prompts):
-        eager, graphs = pair(n, profiler.prefill_seconds, n)
-        tag = "" if n <= args.max_tokens else " (over --max-tokens: eager both)"
-        if n <= args.max_tokens:
-            ratios.append(eager / graphs)
-        print(f"| {n}{tag} | {eager * 1e3:.2f} | {graphs * 1e3:.2f} | {eager / graphs:.2f}x |")
+        row(str(n), n, profiler.prefill_seconds, n)
     batches, chunks = profiler.mixed_grid(args.batches, args.chunks, args.context)
     print("\n| mixed step: decodes + chunk | eager ms | graphs ms | eager / graphs |")
     print("|---|---|---|---|")
     for b in batches:
         for t in chunks:
-            eager, graphs = pair(b + t, profiler.mixed_step_seconds, b, t, args.context)
-            tag = "" if b + t <= args.max_tokens else " (over --max-tokens: eager both)"
-            if b + t <= args.max_tokens:
-                ratios.append(eager / graphs)
-            print(f"| {b} + {t}{tag} | {eager * 1e3:.2f} | {graphs * 1e3:.2f} | {eager / graphs:.2f}x |")
+            row(f"{b} + {t}", b + t, profiler.mixed_step_seconds, b, t, args.context)
     if ratios:
         print(f"\ngeometric mean of eager / graphs where the graphs ran: "
               f"{statistics.geometric_mean(ratios):.2f}x over {len(ratios)} points")
-    runner.prefill_graph_max_tokens = args.max_tokens
     return 0
 
 

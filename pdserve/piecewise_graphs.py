@@ -14,8 +14,8 @@ capture splits the model too):
     segment i       layer i-1 from o_proj (o_proj, norm, MLP), layer i up to attention
     segment L       layer L-1 from o_proj
 
-The segments read and write static buffers (`_buffers`) that every size shares. Padding rows have
-slot -1 (no KV written) and their outputs are never read. The layer hook sees layer i after
+The segments read and write static buffers (`PiecewiseGraphs.ids` ... `.residual`) that every size
+shares. Padding rows have slot -1 (no KV written) and their outputs are never read. The layer hook sees layer i after
 segment i: its KV is in the cache then. Off CUDA (tests) nothing is captured and a replay runs the
 segment eagerly on the same buffers, so the padding and the buffers' flow are what runs on a GPU.
 
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from pdserve.models.llama import AttentionMetadata, LayerHook, LlamaModel, step_attention
+from pdserve.models.llama import AttentionMetadata, LayerHook, LlamaModel, split_qkv, step_attention
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +144,11 @@ class PiecewiseGraphs:
             self.slots[n:size].fill_(-1)
         graphs = self._graphs.get(size)
         model = self.model
-        c, nd = model.config, meta.num_decodes
         num_layers = len(model.layers)
+        fresh_kv = None
+        if meta.prefill_dense:  # every layer's rotated k and v land in the same QKV buffer rows
+            _, k, v = split_qkv(self.qkv[:n], model.config)
+            fresh_kv = (k[meta.num_decodes:], v[meta.num_decodes:])
         for index in range(num_layers + 1):
             if graphs is None:
                 self._segment(index, size)
@@ -155,11 +158,6 @@ class PiecewiseGraphs:
                 break
             if layer_hook is not None:
                 layer_hook(index)
-            fresh_kv = None
-            if meta.prefill_dense:  # the rotated k and the v of the QKV buffer's rows
-                qkv = self.qkv[nd:n]
-                fresh_kv = (qkv[:, c.q_size:c.q_size + c.kv_size].view(-1, c.num_kv_heads, c.head_dim),
-                            qkv[:, c.q_size + c.kv_size:].view(-1, c.num_kv_heads, c.head_dim))
             k_cache, v_cache = self.kv_caches[index]
             step_attention(self.q[:n], k_cache, v_cache, meta, model.scale, fresh_kv, out=self.attn[:n])
         self.num_runs += 1

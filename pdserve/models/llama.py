@@ -280,11 +280,7 @@ class DecoderLayer(nn.Module):
         qkv = kernels.linear(x, self.qkv_proj, self.qkv_bias)
         if qkv_out is not None:
             qkv = qkv_out.copy_(qkv)
-        num_tokens = qkv.shape[0]
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.reshape(num_tokens, c.num_heads, c.head_dim)
-        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
-        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
+        q, k, v = split_qkv(qkv, c)
         k_cache, v_cache = kv_cache
         q = kernels.rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
                                   rotate_k=rotate_k)
@@ -302,6 +298,14 @@ class DecoderLayer(nn.Module):
         if self.comm is not None:
             self.comm.all_reduce(hidden)
         return hidden, residual
+
+
+def split_qkv(qkv: torch.Tensor, c: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of a QKV projection [T, q + 2 kv] as q [T, Hq, D], k and v [T, Hkv, D]."""
+    q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+    t = qkv.shape[0]
+    return (q.view(t, c.num_heads, c.head_dim), k.view(t, c.num_kv_heads, c.head_dim),
+            v.view(t, c.num_kv_heads, c.head_dim))
 
 
 def step_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
