@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: random:llama-3.1-8b on CUDA, random:tiny-llama on CPU")
     p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None)
     p.add_argument("--max-tokens", type=int, default=512, help="the graphs' largest step (tokens)")
     p.add_argument("--prompts", type=int, nargs="*", default=[16, 64, 128, 256, 512])
     p.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
@@ -46,14 +46,22 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("bench_prefill_graphs: --device cuda needs a CUDA GPU (none found)", file=sys.stderr)
+        return 2
     model = args.model or ("random:llama-3.1-8b" if device == "cuda" else "random:tiny-llama")
     budget = max([args.max_tokens, *args.prompts, *(b + t for b in args.batches for t in args.chunks)])
-    config = EngineConfig(model=model, device=device, dtype=args.dtype, seed=args.seed,
-                          cache=CacheConfig(prefill_graphs=True, prefill_graph_max_tokens=args.max_tokens,
-                                            num_blocks=args.num_blocks),
-                          scheduler=SchedulerConfig(max_num_batched_tokens=budget,
-                                                    max_num_seqs=max(args.batches) + 1))
-    profiler = Profiler(config, repeats=args.repeats, decode_steps=args.decode_steps, seed=args.seed, progress=False)
+    try:
+        config = EngineConfig(model=model, device=device, dtype=args.dtype, seed=args.seed,
+                              cache=CacheConfig(prefill_graphs=True, prefill_graph_max_tokens=args.max_tokens,
+                                                num_blocks=args.num_blocks),
+                              scheduler=SchedulerConfig(max_num_batched_tokens=budget,
+                                                        max_num_seqs=max(args.batches, default=1) + 1))
+        profiler = Profiler(config, repeats=args.repeats, decode_steps=args.decode_steps, seed=args.seed,
+                            progress=False)
+    except (ValueError, FileNotFoundError) as exc:  # a bad --model or --num-blocks
+        print(f"bench_prefill_graphs: error: {exc}", file=sys.stderr)
+        return 2
     runner = profiler.engine.runner
     if device != "cuda":
         runner.prefill_graph_max_tokens = args.max_tokens  # off CUDA: the segments, eagerly
@@ -95,16 +103,24 @@ def main(argv: list[str] | None = None) -> int:
             label += " (over --max-tokens: eager both)"
         print(f"| {label} | {eager * 1e3:.2f} | {graphs * 1e3:.2f} | {eager / graphs:.2f}x |")
 
-    print("| prompt tokens (alone) | eager ms | graphs ms | eager / graphs |")
-    print("|---|---|---|---|")
-    for n in profiler.prefill_grid(args.prompts):
+    try:  # the profiler's grids name what does not fit this engine
+        prompts = profiler.prefill_grid(args.prompts) if args.prompts else []
+        mixed = profiler.mixed_grid(args.batches, args.chunks, args.context) if args.batches and args.chunks else None
+    except ValueError as exc:
+        print(f"bench_prefill_graphs: error: {exc}", file=sys.stderr)
+        return 2
+    if prompts:
+        print("| prompt tokens (alone) | eager ms | graphs ms | eager / graphs |")
+        print("|---|---|---|---|")
+    for n in prompts:
         row(str(n), n, profiler.prefill_seconds, n)
-    batches, chunks = profiler.mixed_grid(args.batches, args.chunks, args.context)
-    print("\n| mixed step: decodes + chunk | eager ms | graphs ms | eager / graphs |")
-    print("|---|---|---|---|")
-    for b in batches:
-        for t in chunks:
-            row(f"{b} + {t}", b + t, profiler.mixed_step_seconds, b, t, args.context)
+    if mixed is not None:  # empty --batches or --chunks: no mixed table
+        batches, chunks = mixed
+        print("\n| mixed step: decodes + chunk | eager ms | graphs ms | eager / graphs |")
+        print("|---|---|---|---|")
+        for b in batches:
+            for t in chunks:
+                row(f"{b} + {t}", b + t, profiler.mixed_step_seconds, b, t, args.context)
     if ratios:
         print(f"\ngeometric mean of eager / graphs where the graphs ran: "
               f"{statistics.geometric_mean(ratios):.2f}x over {len(ratios)} points")
