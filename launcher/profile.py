@@ -270,7 +270,15 @@ class Profiler:
                 raise RuntimeError(f"mixed batch {batch} x {context} tokens: a request finished before the "
                                    "batch was formed")
             decoders = [e.requests[r] for r in rids]
-            e.step()  # a decode-only step, as between arrivals while serving (CUDA graphs: captured at the first)
+            # a decode-only step, as between arrivals while serving (CUDA graphs: captured at the
+            # first), launching nothing ahead: with overlapped steps (engine.overlap_steps) a step
+            # launched with nothing waiting would carry the decodes on, and the first mixed step
+            # would only collect it
+            overlap, e.overlap_steps = e.overlap_steps, False
+            try:
+                e.step()
+            finally:
+                e.overlap_steps = overlap
             sched.config = dataclasses.replace(config, max_num_batched_tokens=batch + chunk)
             fresh = self._add(self._mixed_prompt(chunk), max_tokens=1)
             prompt = e.requests[fresh]

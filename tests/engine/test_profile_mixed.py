@@ -81,3 +81,21 @@ def test_a_grid_that_fits_nothing_is_refused():
     profiler = Profiler(config, repeats=1, decode_steps=2, progress=False)
     with pytest.raises(ValueError, match="no mixed"):
         profiler.mixed_grid([4], [64], 200)
+
+
+def test_the_decode_step_before_the_prompt_launches_nothing_ahead():
+    """With CUDA graphs and overlapped steps (as on a GPU), the decode-only step before the
+    prompt arrives would launch the next decode step ahead, and the first mixed step would only
+    collect it. The profile runs that step without the overlap and restores it after."""
+    config = EngineConfig(model="random:tiny-llama", device="cpu", overlap_steps=True,
+                          cache=CacheConfig(num_blocks=256, block_size=16),
+                          scheduler=SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8))
+    profiler = Profiler(config, repeats=1, decode_steps=3, progress=False)
+    engine = profiler.engine
+    engine.runner.use_cuda_graphs = True  # off CUDA: the graph path's static buffers, eagerly
+    assert engine.overlap_steps
+    ahead = engine.num_steps_ahead
+    assert profiler.mixed_step_seconds(2, 16, 40) > 0
+    assert engine.overlap_steps
+    assert engine.num_steps_ahead == ahead
+    assert not engine.requests and not engine.has_unfinished_requests()
