@@ -92,9 +92,9 @@ class CacheConfig:
     enforce_eager: bool = False
     cuda_graph_max_batch: int = 256
     # Steps with prefill rows of up to prefill_graph_max_tokens tokens in all replay piecewise CUDA
-    # graphs, attention eager between them (pdserve/piecewise_graphs.py; CUDA + Triton, TP 1).
-    # Experimental, off by default (--prefill-graphs): not yet run on a GPU.
-    prefill_graphs: bool = False
+    # graphs, attention eager between them (pdserve/piecewise_graphs.py; CUDA + Triton, TP 1;
+    # elsewhere ignored). --no-prefill-graphs turns them off.
+    prefill_graphs: bool = True
     prefill_graph_max_tokens: int = 512
     # Decode-only steps on the torch (CPU) path run a torch.compile'd forward: fewer, fused
     # ops. The first steps of each shape class (batch 1, batch > 1) compile, ~40 s each on

@@ -46,7 +46,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
 }
 
 SWITCH_DEFAULTS: dict[str, bool] = {"overlap_steps": True, "cuda_graphs": True, "warmup": True,
-                                    "experimental_fp8_kv": False, "prefill_graphs": False}
+                                    "experimental_fp8_kv": False, "prefill_graphs": True}
 ENGINE_ENV: dict[str, str] = {
     "overlap_steps": "PDSERVE_OVERLAP_STEPS",
     "cuda_graphs": "PDSERVE_CUDA_GRAPHS",
@@ -148,9 +148,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, suppress_defaults: bool = Fal
                    help="allow --kv-cache-dtype fp8 on CUDA, whose GPU tests failed on an H200 "
                         f"(default: off, or ${ENGINE_ENV['experimental_fp8_kv']}=0/1)")
     p.add_argument("--prefill-graphs", action=bool_flag, default=default("prefill_graphs"),
-                   help="GPU, experimental (not yet run on a GPU): steps with prefill chunks of up to 512 "
-                        "tokens replay piecewise CUDA graphs, attention eager between them "
-                        f"(default: off, or ${ENGINE_ENV['prefill_graphs']}=0/1)")
+                   help="GPU: steps with prefill rows of up to 512 tokens in all replay piecewise CUDA graphs, "
+                        "attention eager between them (needs --cuda-graphs and TP 1) "
+                        f"(default: on, or ${ENGINE_ENV['prefill_graphs']}=0/1)")
 
 
 def positive_int_arg(flag: str):

@@ -39,7 +39,7 @@ class LLM:
                  max_num_seqs: int | None = None, enable_prefix_caching: bool = True, compile: bool = False,
                  packed_weights: bool = True, kv_cache_dtype: str = "auto", overlap_steps: bool = True,
                  enforce_eager: bool = False, experimental_fp8_kv: bool = False,
-                 prefill_graphs: bool = False, tensor_parallel_size: int = 1) -> None:
+                 prefill_graphs: bool = True, tensor_parallel_size: int = 1) -> None:
         """`tensor_parallel_size` N > 1: the model is split over N ranks, this process being
         rank 0 and N - 1 local processes the others (pdserve.parallel); `close()` stops them."""
         # max_num_batched_tokens / max_num_seqs None: the device's defaults (pdserve.config.SCHEDULER_DEFAULTS)

@@ -168,11 +168,11 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_len // self.block_size)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
         # Steps with prefill rows, up to this many tokens, replay piecewise CUDA graphs
-        # (pdserve/piecewise_graphs.py; experimental, off by default; 0 = off). Tests set it off
+        # (pdserve/piecewise_graphs.py; on by default where they can run; 0 = off). Tests set it off
         # CUDA, where the segments run eagerly on the same static buffers.
         self.prefill_graph_max_tokens = (cache_config.prefill_graph_max_tokens if cache_config.prefill_graphs
                                          and self.use_cuda_graphs and self.tp_size == 1 else 0)
-        if cache_config.prefill_graphs and not self.prefill_graph_max_tokens:
+        if cache_config.prefill_graphs and not self.prefill_graph_max_tokens and device.type == "cuda":
             logger.info("prefill graphs are off here: they need CUDA graphs on a CUDA device with Triton "
                         "kernels and no tensor parallelism")
         self._piecewise: PiecewiseGraphs | None = None

@@ -19,8 +19,8 @@ shares. Padding rows have slot -1 (no KV written) and their outputs are never re
 segment i: its KV is in the cache then. Off CUDA (tests) nothing is captured and a replay runs the
 segment eagerly on the same buffers, so the padding and the buffers' flow are what runs on a GPU.
 
-Not under tensor parallelism (its followers run every eager step eagerly). Experimental: off by
-default (`CacheConfig.prefill_graphs`, --prefill-graphs).
+Not under tensor parallelism (its followers run every eager step eagerly). On by default where
+they can run (`CacheConfig.prefill_graphs`; --no-prefill-graphs turns them off).
 """
 
 from __future__ import annotations
