@@ -263,6 +263,12 @@ class ModelRunner:
             return graphs.run(input_ids, meta, layer_hook)
         return self.model(input_ids, meta, self.kv_caches, layer_hook)
 
+    @property
+    def num_prefill_graph_steps(self) -> int:
+        """Steps that ran through the piecewise graphs (replayed on CUDA, their segments eagerly
+        elsewhere), since the runner started, warm-up included."""
+        return self._piecewise.num_runs if self._piecewise is not None else 0
+
     def prefill_graphs(self) -> PiecewiseGraphs:
         """The piecewise graphs of steps with prefill rows (made at first use; `capture_prefill_graphs`
         captures them, the warm-up does)."""

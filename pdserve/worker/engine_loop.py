@@ -44,6 +44,8 @@ class EngineLoop:
         self.step_seconds = 0.0
         self.num_decode_only_steps = 0
         self.decode_only_seconds = 0.0
+        self.num_prefill_graph_steps = 0  # steps with prefill rows through the piecewise graphs
+        self.prefill_graph_seconds = 0.0
         self.idle_seconds = 0.0
         self.cpu_seconds = 0.0  # the engine thread's CPU time in its steps
         self.started_at = time.monotonic()
@@ -160,6 +162,7 @@ class EngineLoop:
                 self.idle_seconds += clock() - t
                 continue
             decode_only = getattr(runner, "num_decode_only_steps", 0)
+            prefill_graph = getattr(runner, "num_prefill_graph_steps", 0)
             t = clock()
             cpu = time.thread_time()
             try:
@@ -179,6 +182,9 @@ class EngineLoop:
             if getattr(runner, "num_decode_only_steps", 0) > decode_only:
                 self.num_decode_only_steps += 1
                 self.decode_only_seconds += seconds
+            if getattr(runner, "num_prefill_graph_steps", 0) > prefill_graph:
+                self.num_prefill_graph_steps += 1
+                self.prefill_graph_seconds += seconds
             if not outputs and not engine.scheduler.running:
                 t = clock()
                 self._wake.wait(0.005)  # waiting requests that can't be admitted yet

@@ -635,6 +635,8 @@ class WorkerServer:
             engine_steps=self.loop.num_steps, engine_step_seconds=self.loop.step_seconds,
             engine_decode_only_steps=self.loop.num_decode_only_steps,
             engine_decode_only_seconds=self.loop.decode_only_seconds, engine_idle_seconds=self.loop.idle_seconds,
+            engine_prefill_graph_steps=self.loop.num_prefill_graph_steps,
+            engine_prefill_graph_seconds=self.loop.prefill_graph_seconds,
             engine_cpu_seconds=self.loop.cpu_seconds, process_cpu_seconds=time.process_time(),
             tensor_parallel_size=self.engine.config.tensor_parallel_size)
 

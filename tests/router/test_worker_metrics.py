@@ -14,7 +14,8 @@ def test_worker_series_from_polled_stats():
                              num_free_blocks=75, prefix_cache_hits=7, prefix_cache_queries=10,
                              kv_transfer_bytes=125_000_000, kv_transfer_seconds=0.5, num_preemptions=1,
                              engine_steps=40, engine_step_seconds=0.5, engine_decode_only_steps=30,
-                             engine_decode_only_seconds=0.25, engine_idle_seconds=2.0)
+                             engine_decode_only_seconds=0.25, engine_idle_seconds=2.0,
+                             engine_prefill_graph_steps=6, engine_prefill_graph_seconds=0.125)
     workers = [SimpleNamespace(worker_id="d0", endpoint=SimpleNamespace(role="decode"), healthy=True, stats=stats),
                SimpleNamespace(worker_id="p0", endpoint=SimpleNamespace(role="prefill"), healthy=False, stats=None)]
     metrics.registry.register(WorkerStatsCollector(lambda: workers))
@@ -28,5 +29,7 @@ def test_worker_series_from_polled_stats():
     assert 'pdserve:engine_steps_total{role="decode",worker="d0"} 40.0' in text
     assert 'pdserve:engine_decode_only_step_seconds_total{role="decode",worker="d0"} 0.25' in text
     assert 'pdserve:engine_idle_seconds_total{role="decode",worker="d0"} 2.0' in text
+    assert 'pdserve:engine_prefill_graph_steps_total{role="decode",worker="d0"} 6.0' in text
+    assert 'pdserve:engine_prefill_graph_step_seconds_total{role="decode",worker="d0"} 0.125' in text
     assert 'pdserve:worker_up{role="decode",worker="d0"} 1.0' in text
     assert 'worker="p0"} ' not in text.split("pdserve:num_requests_waiting")[1].split("# HELP")[0]

@@ -107,6 +107,15 @@ def test_disaggregated_equals_single_engine_and_colocated(workers, reference):
     assert 0 < stats.engine_decode_only_seconds < stats.engine_step_seconds
     assert stats.engine_idle_seconds > 0
     assert 0 < stats.engine_cpu_seconds <= stats.process_cpu_seconds
+    # the steps through the prefill graphs, where they were forced on (at most every step with
+    # prefill rows: the warm-up's are not counted, it runs before the engine thread starts)
+    mixed_runner = servers["mixed"].engine.runner
+    if mixed_runner.prefill_graph_max_tokens:
+        assert 0 < stats.engine_prefill_graph_steps <= stats.engine_steps - stats.engine_decode_only_steps
+        assert 0 < stats.engine_prefill_graph_seconds < stats.engine_step_seconds
+        assert stats.engine_prefill_graph_steps <= mixed_runner.num_prefill_graph_steps
+    else:
+        assert stats.engine_prefill_graph_steps == 0 and mixed_runner.num_prefill_graph_steps == 0
 
 
 def test_migration_resumes_without_duplicates(workers, reference):
