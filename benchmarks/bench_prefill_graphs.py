@@ -8,8 +8,10 @@ with them on and off in turn (the order alternates point by point), by `pdserve 
 timers (launcher/profile.py): a prompt's time to its first token on an idle engine (median of
 `--repeats` after a warm-up run), and a mixed step of B decodes at `--context` plus a T-token chunk
 (median of `--decode-steps`). Prints both and the ratio eager / graphs, and checks that each mode
-ran the path it names (graph runs counted). Off CUDA the segments run eagerly (no capture): the
-figures are then the padding's cost, not the launches saved.
+ran the path it names (graph runs counted). Beside each, the host's part: the median time the
+runner's `execute` took to return for that step's size, before anything waits for the GPU (the
+launches; what overlapping such steps with the previous one's GPU work could hide). Off CUDA the
+segments run eagerly (no capture): the figures are then the padding's cost, not the launches saved.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import itertools
 import statistics
 import sys
+import time
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +66,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_prefill_graphs: error: {exc}", file=sys.stderr)
         return 2
     runner = profiler.engine.runner
+    execute_calls: list[tuple[int, float]] = []  # (tokens in the step, seconds execute took to return)
+    execute = runner.execute
+
+    def timed_execute(batch, *a, **kw):
+        t0 = time.perf_counter()
+        out = execute(batch, *a, **kw)
+        execute_calls.append((sum(batch.num_new_tokens), time.perf_counter() - t0))
+        return out
+
+    runner.execute = timed_execute  # the engine calls self.runner.execute: this instance's
     if device != "cuda":
         runner.prefill_graph_max_tokens = args.max_tokens  # off CUDA: the segments, eagerly
     if not runner.prefill_graph_max_tokens:
@@ -79,15 +92,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {model} on {name} ({runner.dtype}); prefill graphs up to {pw.max_tokens} tokens, sizes "
           f"{pw.sizes}, captured in {seconds:.1f}s{memory}" + ("" if pw.captured else " (not captured: eager segments)"))
 
-    def measure(graphs: bool, size: int, fn, *a) -> float:
-        """`fn(*a)` with the graphs on or off; a timed step of `size` tokens."""
+    def measure(graphs: bool, size: int, fn, *a) -> tuple[float, float]:
+        """`fn(*a)` with the graphs on or off, a timed step of `size` tokens: its seconds and the
+        median seconds `execute` took to return for the steps of that size after the first."""
         runner.prefill_graph_max_tokens = args.max_tokens if graphs else 0
         before = pw.num_runs
+        execute_calls.clear()
         value = fn(*a)
         ran = pw.num_runs - before
         if (not graphs and ran) or (graphs and size <= args.max_tokens and not ran):
             raise RuntimeError(f"{fn.__name__}{a}: graphs {'on' if graphs else 'off'} but {ran} graph runs")
-        return value
+        host = [s for n, s in execute_calls if n == size][1:]  # the first is the timers' warm-up
+        if not host:
+            raise RuntimeError(f"{fn.__name__}{a}: no timed step of {size} tokens ran")
+        return value, statistics.median(host)
 
     turn = itertools.count()
     ratios = []
@@ -96,12 +114,13 @@ def main(argv: list[str] | None = None) -> int:
         """One table row: `fn(*a)` with the graphs off and on (the order alternating row by row)."""
         order = (True, False) if next(turn) % 2 == 0 else (False, True)
         got = {mode: measure(mode, size, fn, *a) for mode in order}
-        eager, graphs = got[False], got[True]
+        (eager, eager_host), (graphs, graphs_host) = got[False], got[True]
         if size <= args.max_tokens:
             ratios.append(eager / graphs)
         else:
             label += " (over --max-tokens: eager both)"
-        print(f"| {label} | {eager * 1e3:.2f} | {graphs * 1e3:.2f} | {eager / graphs:.2f}x |")
+        print(f"| {label} | {eager * 1e3:.2f} | {graphs * 1e3:.2f} | {eager / graphs:.2f}x "
+              f"| {eager_host * 1e3:.2f} | {graphs_host * 1e3:.2f} |")
 
     try:  # the profiler's grids name what does not fit this engine
         prompts = profiler.prefill_grid(args.prompts) if args.prompts else []
@@ -110,14 +129,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_prefill_graphs: error: {exc}", file=sys.stderr)
         return 2
     if prompts:
-        print("| prompt tokens (alone) | eager ms | graphs ms | eager / graphs |")
-        print("|---|---|---|---|")
+        print("| prompt tokens (alone) | eager ms | graphs ms | eager / graphs | host eager ms | host graphs ms |")
+        print("|---|---|---|---|---|---|")
     for n in prompts:
         row(str(n), n, profiler.prefill_seconds, n)
     if mixed is not None:  # empty --batches or --chunks: no mixed table
         batches, chunks = mixed
-        print("\n| mixed step: decodes + chunk | eager ms | graphs ms | eager / graphs |")
-        print("|---|---|---|---|")
+        print("\n| mixed step: decodes + chunk | eager ms | graphs ms | eager / graphs | host eager ms "
+              "| host graphs ms |")
+        print("|---|---|---|---|---|---|")
         for b in batches:
             for t in chunks:
                 row(f"{b} + {t}", b + t, profiler.mixed_step_seconds, b, t, args.context)

@@ -196,3 +196,11 @@ def test_the_benchmark_runs_both_modes_on_the_cpu(capsys):
     out = capsys.readouterr().out
     assert "| 8 | " in out and "| 40 (over --max-tokens: eager both) |" in out and "| 2 + 8 | " in out
     assert "over 2 points" in out
+    # every row: both times, their ratio, and the host's part of each (execute's return)
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert len(rows) == 3
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        eager, graphs, host_eager, host_graphs = (float(cells[i]) for i in (1, 2, 4, 5))
+        assert cells[3] == f"{eager / graphs:.2f}x"
+        assert 0 < host_eager <= eager * 1.5 and 0 < host_graphs <= graphs * 1.5
