@@ -16,7 +16,7 @@ prompts (a seed of its own: repeated prompts hit the prefix cache and look sever
    fallbacks (`pdserve:request_recoveries_total`) are counted.
 
 It prints one table (TTFT and TPOT p50/p90, achieved rate, errors, the server's prefix-cache hit
-rate) and the ratios the GPU-serving issue asks for: served TTFT p50 minus bare, served TPOT p50
+rate, and how many of the workers' steps that were not decode-only replayed the prefill graphs) and the ratios the GPU-serving issue asks for: served TTFT p50 minus bare, served TPOT p50
 over bare, first run over second. `--device cpu --model random:tiny-llama --requests 4 --rate 2
 --input-len 16 --output-len 4` is the smoke test the CPU tests run. Writes `DIR/served_vs_bare.json`
 with every run's summary when --out is given.
@@ -70,6 +70,29 @@ class Server(Cluster):
             return [line.strip() for line in f if "engine:" in line and "max_num_batched_tokens" in line]
 
 
+STEP_COUNTERS = {"steps": "pdserve:engine_steps_total", "decode_only_steps": "pdserve:engine_decode_only_steps_total",
+                 "prefill_graph_steps": "pdserve:engine_prefill_graph_steps_total"}
+
+
+def step_counts(url: str) -> dict[str, float]:
+    """The workers' engine step counters, summed over workers, as the router's /metrics has them."""
+    return {key: metric_total(url, name) for key, name in STEP_COUNTERS.items()}
+
+
+def served_run(url: str, args: argparse.Namespace, seed: int) -> dict:
+    """One loadgen run against `url`, with the steps the workers ran during it: `prefill_steps`
+    (steps that were not decode-only) and how many of them replayed the prefill graphs. The
+    router polls its workers' counters every 0.5 s: read a second after the run ends."""
+    before = step_counts(url)
+    summary = loadgen(url, args, seed)
+    time.sleep(1.0)
+    after = step_counts(url)
+    d = {key: after[key] - before[key] for key in STEP_COUNTERS}
+    summary["prefill_steps"] = int(d["steps"] - d["decode_only_steps"])
+    summary["prefill_graph_steps"] = int(d["prefill_graph_steps"])
+    return summary
+
+
 def loadgen(url: str, args: argparse.Namespace, seed: int) -> dict:
     cmd = [sys.executable, "-m", "loadgen.cli", "run", "--url", url, "--num-requests", str(args.requests),
            "--rate", str(args.rate), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
@@ -99,8 +122,9 @@ def bare(args: argparse.Namespace, out_dir: str) -> list[dict]:
 def row(label: str, s: dict) -> str:
     hit = s.get("prefix_cache_hit_rate")
     hit_text = f"{hit * 100:.0f}%" if isinstance(hit, (int, float)) else "n/a"
+    graphs = f"{s['prefill_graph_steps']} of {s['prefill_steps']}" if "prefill_steps" in s else "n/a"
     return (f"| {label} | {s['ttft_p50'] * 1e3:.0f} | {s['ttft_p90'] * 1e3:.0f} | {s['tpot_p50'] * 1e3:.1f} | "
-            f"{s['tpot_p90'] * 1e3:.1f} | {s['request_throughput']:.2f} | {s['num_errors']} | {hit_text} |")
+            f"{s['tpot_p90'] * 1e3:.1f} | {s['request_throughput']:.2f} | {s['num_errors']} | {hit_text} | {graphs} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             results["chosen"] = server.chosen()
             for i in range(2):
-                record(f"served run {i + 1}", loadgen(server.url, args, seed=args.seed + 10 + i))
+                record(f"served run {i + 1}", served_run(server.url, args, seed=args.seed + 10 + i))
         finally:
             server.stop()
         results["colocated_startup_s"] = server.startup_s
@@ -162,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         server = Server(args, ["--mode", "disaggregated", "--prefill", "1", "--decode", "1", "--kv-backend", backend,
                                *share], label.replace(" ", "-"), out_dir)
         try:
-            s = loadgen(server.url, args, seed=args.seed + 20 + n)
+            s = served_run(server.url, args, seed=args.seed + 20 + n)
             s["kv_fallbacks"] = metric_total(server.url, "pdserve:request_recoveries_total")
             record(label, s)
         finally:
@@ -171,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line in results.get("chosen", []):
         print("server chose: " + line.split("engine:", 1)[1].strip())
-    print("| run | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms | req/s | errors | prefix-cache hits |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| run | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms | req/s | errors | prefix-cache hits "
+          "| prefill-graph steps |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for label, s in results["runs"].items():
         rows.append(row(label, s))
         print(rows[-1])

@@ -104,6 +104,11 @@ def test_served_vs_bare_cpu_path(tmp_path, capsys):
     assert all(run["num_errors"] == 0 for run in results["runs"].values())
     assert any("defaults for cpu" in line for line in results["chosen"])
     assert {"served_minus_bare_ttft_p50_ms", "served_over_bare_tpot_p50", "first_over_second_ttft_p50"} <= set(results["ratios"])
+    # the workers' steps during each served run, from the router's /metrics: every request's
+    # prompt took a step that was not decode-only; no prefill graphs on the CPU
+    for label in ("served run 1", "served run 2"):
+        run = results["runs"][label]
+        assert run["prefill_steps"] >= 1 and run["prefill_graph_steps"] == 0, run
     printed = capsys.readouterr()
     text = printed.out + printed.err
     assert text.index("served run 1: | served run 1 |") < text.index("| run | TTFT p50 ms")
