@@ -161,6 +161,7 @@ class EngineLoop:
                 self._wake.clear()
                 self.idle_seconds += clock() - t
                 continue
+            launched = getattr(engine, "num_steps", None)
             decode_only = getattr(runner, "num_decode_only_steps", 0)
             prefill_graph = getattr(runner, "num_prefill_graph_steps", 0)
             t = clock()
@@ -177,8 +178,11 @@ class EngineLoop:
                 continue
             seconds = clock() - t
             self.cpu_seconds += time.thread_time() - cpu
-            self.num_steps += 1
-            self.step_seconds += seconds
+            if outputs or launched is None or engine.num_steps > launched:
+                self.num_steps += 1
+                self.step_seconds += seconds
+            else:  # nothing to run yet (a request waiting for its KV, say): not a step
+                self.idle_seconds += seconds
             if getattr(runner, "num_decode_only_steps", 0) > decode_only:
                 self.num_decode_only_steps += 1
                 self.decode_only_seconds += seconds

@@ -76,3 +76,46 @@ def test_engine_thread_sets_an_indexed_device_for_a_bare_cuda(monkeypatch):
     assert len(seen) == 1
     index = seen[0].index if isinstance(seen[0], torch.device) else seen[0]
     assert isinstance(index, int)
+
+
+def test_a_step_call_that_runs_nothing_is_idle_time_not_a_step():
+    """A request waiting for its KV keeps the engine "unfinished" while a step has nothing to run:
+    those calls are idle time. Calls that launch a step, or hand out tokens (an overlapped step
+    collected), are steps."""
+    import threading
+
+    done = threading.Event()
+
+    class Engine:
+        device = None
+        requests = {}
+        scheduler = SimpleNamespace(running=[])
+
+        def __init__(self):
+            self.num_steps = 0
+            self.calls = 0
+
+        def has_unfinished_requests(self):
+            return not done.is_set()
+
+        def step(self):
+            self.calls += 1
+            if self.calls == 5:  # launches one step
+                self.num_steps += 1
+                return []
+            if self.calls == 6:  # collects it: its token, nothing launched
+                return [out("a", 7)]
+            if self.calls >= 10:
+                done.set()
+            return []  # nothing to run
+
+    engine = Engine()
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        assert done.wait(5)
+    finally:
+        loop.stop()
+    assert engine.calls >= 10
+    assert loop.num_steps == 2
+    assert loop.idle_seconds > 0
