@@ -88,7 +88,6 @@ def test_bench_engine_replay_points_write_records_the_simulator_reads(tmp_path):
         bench.main(["--device", "cpu", "--point", "20:4"])
 
 
-@pytest.mark.slow  # two pdserve up clusters' worth of start-up
 def test_served_vs_bare_cpu_path(tmp_path, capsys):
     """The served-vs-bare benchmark end to end on the CPU: the bare engine in its own process, a real
     `pdserve up` with its defaults, two loadgen runs; the table's ratios are computed from them.
