@@ -341,4 +341,10 @@ def load_gguf_tokenizer(path: str, eos_token_ids: Sequence[int] = ()) -> Tokeniz
 
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    line = text[0] if text else type(exc).__name__
+    if isinstance(exc, ImportError) and "from 'kernels'" in line:
+        # transformers >= 5.25 imports the Hugging Face `kernels` package when it is installed;
+        # this project's own top-level kernels/ package takes that name
+        line += ("; transformers tried to import the Hugging Face `kernels` package, whose name pdserve's "
+                 "kernels/ package takes: pip install 'transformers<5.25' (pdserve's pin) or pip uninstall kernels")
+    return line

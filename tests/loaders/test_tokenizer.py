@@ -222,3 +222,13 @@ def test_cache_root_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("PDSERVE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert cache_root() == str(tmp_path / "xdg" / "pdserve")
+
+
+def test_the_kernels_name_clash_with_transformers_names_the_fix():
+    """transformers >= 5.25 imports the Hugging Face `kernels` package, whose name this project's
+    kernels/ takes: the tokenizer's error says what to do."""
+    from pdserve.tokenizer import _one_line
+
+    clash = ImportError("cannot import name 'CUDAProperties' from 'kernels' (/somewhere/kernels/__init__.py)")
+    assert "pip install 'transformers<5.25'" in _one_line(clash)
+    assert _one_line(ImportError("No module named 'jinja2'")) == "No module named 'jinja2'"
