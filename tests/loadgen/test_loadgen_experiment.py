@@ -181,6 +181,14 @@ def test_sigint_on_the_cli_keeps_results_and_stops_server(tmp_path):
     proc.send_signal(signal.SIGINT)
     try:
         _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        # the server runs in its own session: a CLI killed here would leave it behind
+        for pid in (tmp_path / "pids").read_text().split() if (tmp_path / "pids").exists() else []:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        raise
     finally:
         proc.kill()
     assert proc.returncode == 130, err
