@@ -16,8 +16,9 @@ prompts (a seed of its own: repeated prompts hit the prefix cache and look sever
    fallbacks (`pdserve:request_recoveries_total`) are counted.
 
 It prints one table (TTFT and TPOT p50/p90, achieved rate, errors, the server's prefix-cache hit
-rate, and how many of the workers' steps that were not decode-only replayed the prefill graphs) and the ratios the GPU-serving issue asks for: served TTFT p50 minus bare, served TPOT p50
-over bare, first run over second. `--device cpu --model random:tiny-llama --requests 4 --rate 2
+rate, and how many of the workers' steps that were not decode-only replayed the prefill graphs)
+and the ratios the GPU-serving issue asks for: served TTFT p50 minus bare, served TPOT p50 over
+bare, first run over second. `--device cpu --model random:tiny-llama --requests 4 --rate 2
 --input-len 16 --output-len 4` is the smoke test the CPU tests run. Writes `DIR/served_vs_bare.json`
 with every run's summary when --out is given.
 """
@@ -43,14 +44,19 @@ from loadgen.server_metrics import parse_prometheus_text  # noqa: E402
 
 
 
-def metric_total(url: str, name: str) -> float:
-    """The sum of a counter's samples in the router's /metrics (0 when absent)."""
+def metric_totals(url: str) -> dict[str, float]:
+    """Each series' sum over its samples in the router's /metrics (empty when unreachable)."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
             text = r.read().decode()
     except OSError:
-        return 0.0
-    return parse_prometheus_text(text).get(name, 0.0)
+        return {}
+    return parse_prometheus_text(text)
+
+
+def metric_total(url: str, name: str) -> float:
+    """The sum of a counter's samples in the router's /metrics (0 when absent)."""
+    return metric_totals(url).get(name, 0.0)
 
 
 class Server(Cluster):
@@ -76,7 +82,8 @@ STEP_COUNTERS = {"steps": "pdserve:engine_steps_total", "decode_only_steps": "pd
 
 def step_counts(url: str) -> dict[str, float]:
     """The workers' engine step counters, summed over workers, as the router's /metrics has them."""
-    return {key: metric_total(url, name) for key, name in STEP_COUNTERS.items()}
+    totals = metric_totals(url)
+    return {key: totals.get(name, 0.0) for key, name in STEP_COUNTERS.items()}
 
 
 def served_run(url: str, args: argparse.Namespace, seed: int) -> dict:
