@@ -148,7 +148,7 @@ def up_command(args: argparse.Namespace, config_path: str) -> list[str]:
     cpu (a worker must not take a GPU share)."""
     workers = ["--prefill", "1", "--decode", "1"] if args.mode == "disaggregated" else [
         "--mode", "hybrid", "--replicas", "2"]
-    cmd = ["-m", "launcher.cli", "up", "--autoscale", "--config", config_path, "--model", args.model,
+    cmd = ["-m", "pdserve.launcher.cli", "up", "--autoscale", "--config", config_path, "--model", args.model,
            "--device", args.device, *workers, "--port", str(args.port),
            "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot), "--max-model-len", str(args.max_model_len),
            "--cluster-name", "autoscale-step", "--namespace", "pdserve-autoscale-step"]

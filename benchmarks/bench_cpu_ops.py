@@ -4,7 +4,7 @@
 
 1. The layer stack's projections (QKV, O, gate/up, down, every layer) and the LM head, with
    dense weights (`torch.nn.functional.linear`) and with MKL-packed weights
-   (`kernels.linear` over `kernels.PackedWeight`), at each batch size M in ``--rows``.
+   (`pdserve.kernels.linear` over `kernels.PackedWeight`), at each batch size M in ``--rows``.
 2. Decode attention of every layer at batch 16 over a paged cache (random block tables,
    contexts up to ``--context``): gather + SDPA eager, the same compiled, and the gather-free
    form `torch.compile` runs (`decode_attention_planned(gather_free=True)`).
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kernels  # noqa: E402
+from pdserve import kernels  # noqa: E402
 from pdserve.loaders.random_weights import RANDOM_SHAPES  # noqa: E402
 
 

@@ -88,7 +88,7 @@ def replay(engine, reqs: list[list[int]], arrivals: list[float], output_len: int
     for rid in list(engine.requests):
         engine.abort_request(rid)
     if records is not None:
-        from loadgen.records import RequestRecord
+        from pdserve.loadgen.records import RequestRecord
 
         for j in range(n):
             ok = count[j] >= output_len
@@ -121,7 +121,7 @@ def parse_point(text: str) -> tuple[int, int, float]:
 def write_run(out_dir: str, input_len: int, output_len: int, rate: float, run: int, started: float,
               records: list) -> dict:
     """One point's records as loadgen writes them; the summary.csv row that names them."""
-    from loadgen.records import write_jsonl
+    from pdserve.loadgen.records import write_jsonl
 
     dataset = f"in{input_len}-out{output_len}"
     name = f"bare_{dataset}_rate{rate:g}" + (f"_run{run + 1}" if run else "") + ".jsonl"
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             if records is not None:
                 rows.append(write_run(args.records, input_len, output_len, rate, run, started, records))
     if args.records:
-        from loadgen.runner import write_summary_csv
+        from pdserve.loadgen.runner import write_summary_csv
 
         write_summary_csv(os.path.join(args.records, "summary.csv"), rows)
     if args.json:

@@ -5,7 +5,7 @@ batch x context, 32 query heads / 8 kv heads / head_dim 128 / bf16, as a fractio
 device-to-device copy bandwidth measured in the same run.
 Prefill: causal TFLOP/s of `prefill_attention` (one sequence, d128) against torch SDPA with
 the flash backend, in the same run. `--sweep` also times other tile configurations of both
-kernels (the defaults live in kernels/prefill_attention.py and kernels/decode_attention.py).
+kernels (the defaults live in pdserve/kernels/prefill_attention.py and pdserve/kernels/decode_attention.py).
 
     python benchmarks/bench_kernels.py [--block-sizes 16,32] [--quick] [--sweep] [--json out.json]
 """
@@ -59,7 +59,7 @@ def paged_cache(batch: int, context: int, block_size: int):
 
 def bench_decode(do_bench, block_size: int, copy_bw: float, batches, contexts,
                  config=None) -> list[dict]:
-    from kernels.decode_attention import decode_attention_triton
+    from pdserve.kernels.decode_attention import decode_attention_triton
 
     rows = []
     element = torch.finfo(DTYPE).bits // 8
@@ -89,7 +89,7 @@ def bench_prefill(do_bench, block_size: int, token_counts, configs=(None,)) -> l
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels.prefill_attention import prefill_attention_triton, prefill_config
+    from pdserve.kernels.prefill_attention import prefill_attention_triton, prefill_config
 
     rows = []
     scale = 1 / math.sqrt(HEAD_DIM)
@@ -135,8 +135,8 @@ def bench_prefill_paths(token_counts, dense_configs=(None,), seqs: int = 1) -> l
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels.prefill_attention import prefill_attention_triton
-    from kernels.prefill_attention_dense import dense_prefill_attention_triton
+    from pdserve.kernels.prefill_attention import prefill_attention_triton
+    from pdserve.kernels.prefill_attention_dense import dense_prefill_attention_triton
 
     rows = []
     scale = 1 / math.sqrt(HEAD_DIM)

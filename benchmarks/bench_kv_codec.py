@@ -1,4 +1,4 @@
-"""The FP8 wire codec's speed (kernels.kv_quant.pack_blocks on the sender, unpack_blocks on the
+"""The FP8 wire codec's speed (kernels.kv_codec.pack_blocks on the sender, unpack_blocks on the
 receiver), in Gbit/s of full-precision KV: the figure the network-aware policy prices FP8 with
 (router.placement.policies.cost.CODEC_GBPS).
 
@@ -29,7 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.kv_quant import pack_blocks, pack_blocks_ref, unpack_blocks, unpack_blocks_ref  # noqa: E402
+from pdserve.kernels.kv_codec import pack_blocks, unpack_blocks  # noqa: E402
+from pdserve.kernels.kv_quant import pack_blocks_ref, unpack_blocks_ref  # noqa: E402
 
 SHAPES = {"cpu": ((16, 3, 64), torch.float32), "cuda": ((16, 8, 128), torch.bfloat16)}
 BLOCKS = {"cpu": [64, 256], "cuda": [128, 4096]}
@@ -63,7 +64,7 @@ def host_timed(fn, repeat: int) -> float:
 
 def bench_cuda(blocks: list[int], repeat: int) -> int:
     """The Triton kernels and the torch reference side by side, on CUDA."""
-    from kernels.kv_codec import pack_blocks_triton, unpack_blocks_triton
+    from pdserve.kernels.kv_codec import pack_blocks_triton, unpack_blocks_triton
 
     (bs, hk, d), dtype = SHAPES["cuda"]
     paths = (("triton", pack_blocks_triton, unpack_blocks_triton), ("torch", pack_blocks_ref, unpack_blocks_ref))

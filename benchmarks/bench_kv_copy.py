@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.kv_copy import copy_blocks, gather_blocks, scatter_blocks  # noqa: E402
+from pdserve.kernels.kv_copy import copy_blocks, gather_blocks, scatter_blocks  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 

@@ -37,8 +37,8 @@ def attention_bytes(batch: int, context: int, hk: int, d: int, fp8: bool) -> int
 
 
 def kernel_rates(torch, device: str, batches, contexts) -> list[dict]:
-    from kernels import kv_quant
-    from kernels.decode_attention import decode_attention
+    from pdserve.kernels import kv_quant
+    from pdserve.kernels.decode_attention import decode_attention
 
     hq, hk, d, bs = 32, 8, 128, 16
     rows = []
@@ -76,8 +76,8 @@ def kernel_rates(torch, device: str, batches, contexts) -> list[dict]:
 
 def config_sweep(torch, configs, batches=(64, 256), contexts=(1024, 4096)) -> list[dict]:
     """FP8 decode attention under each (BLOCK_N, warps, stages), against bf16 at its default."""
-    from kernels import kv_quant
-    from kernels.decode_attention import decode_attention_triton
+    from pdserve.kernels import kv_quant
+    from pdserve.kernels.decode_attention import decode_attention_triton
 
     hq, hk, d, bs = 32, 8, 128, 16
     rows = []

@@ -57,7 +57,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvtransfer import trace  # noqa: E402  (after the path; PDSERVE_KV_TRACE=1: print where the time goes)
+from pdserve.kvtransfer import trace  # noqa: E402  (after the path; PDSERVE_KV_TRACE=1: print where the time goes)
 
 BLOCK_SIZE = 16
 RAW_TAG = 0x5244
@@ -109,7 +109,7 @@ def block_digest(caches, block_ids) -> int:
 
 def _receiver_main(conn, shape: Shape, num_blocks: int, device: str, backend: str = "ucx") -> None:
     """Child process: a pdserve receiver (``backend``) driven over a Pipe."""
-    import kvtransfer
+    from pdserve import kvtransfer
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -137,14 +137,14 @@ def _receiver_main(conn, shape: Shape, num_blocks: int, device: str, backend: st
         elif cmd == "metrics":
             conn.send(receiver.metrics())
         elif cmd == "trace":
-            from kvtransfer import trace
+            from pdserve.kvtransfer import trace
 
             conn.send(trace.drain())
 
 
 def _raw_receiver_main(conn, device: str) -> None:
     """Child process: raw ucxx receives of whatever message sizes the parent announces."""
-    from kvtransfer.ucx_runtime import UcxRuntime
+    from pdserve.kvtransfer.ucx_runtime import UcxRuntime
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -172,7 +172,7 @@ def _raw_receiver_main(conn, device: str) -> None:
 def raw_ucxx_gbps(sizes: list[int], device: str, receiver_device: str, repeat: int) -> float:
     """GB/s of raw ucxx moving messages of ``sizes`` bytes (all posted at once) to a receiver
     process: first send posted to the receiver's report that every message landed."""
-    from kvtransfer.ucx_runtime import UcxRuntime
+    from pdserve.kvtransfer.ucx_runtime import UcxRuntime
 
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
@@ -251,7 +251,7 @@ def nccl_gbps(sizes: list[int], device: str, receiver_device: str, repeat: int) 
     barrier to its synchronize after every receive); None when both ends share a GPU."""
     if not device.startswith("cuda") or torch.device(device) == torch.device(receiver_device):
         return None
-    from loadgen.launcher import free_port
+    from pdserve.loadgen.launcher import free_port
 
     port = free_port()
     ctx = multiprocessing.get_context("spawn")
@@ -274,8 +274,8 @@ def nccl_gbps(sizes: list[int], device: str, receiver_device: str, repeat: int) 
 
 def nixl_missing() -> str | None:
     """Why NIXL cannot run here (None: it can)."""
-    from kvtransfer.errors import KVTransferError
-    from kvtransfer.nixl import load_nixl
+    from pdserve.kvtransfer.errors import KVTransferError
+    from pdserve.kvtransfer.nixl import load_nixl
 
     try:
         load_nixl()
@@ -292,7 +292,7 @@ def _nixl_pattern(total: int, device: str) -> torch.Tensor:
 
 def _nixl_side(total: int, device: str, source: bool, progress_thread: bool = True):
     """A NIXL agent with one registered buffer of ``total`` bytes (the pattern when ``source``)."""
-    from kvtransfer.nixl import _agent, _mem, load_nixl
+    from pdserve.kvtransfer.nixl import _agent, _mem, load_nixl
 
     api = load_nixl()
     if device.startswith("cuda"):
@@ -489,7 +489,7 @@ def one_transfer(sender, address: str, transfer_id: str, shape: Shape, src_ids, 
 
 
 def timeline(points: list[tuple[str, int, int, float]]) -> list[tuple[str, float]]:
-    """Median time of each trace point (``kvtransfer.trace``) after the transfer's first point,
+    """Median time of each trace point (``pdserve.kvtransfer.trace``) after the transfer's first point,
     over the transfers after the first (warm-up), in the order they happen: where the time goes."""
     by_key: dict[int, list[tuple[str, int, float]]] = {}
     for point, key, layer, t in points:
@@ -508,7 +508,7 @@ def timeline(points: list[tuple[str, int, int, float]]) -> list[tuple[str, float
 def ucx_rows(out: dict, backend_runs, shape: Shape, blocks: int, nbytes: int, device: str, receiver_device: str,
              repeat: int) -> None:
     """The UCX backend (pull and staged), raw ucxx and NCCL rows of one token count, into ``out``."""
-    import kvtransfer
+    from pdserve import kvtransfer
 
     by_mode = backend_runs("ucx", (("kvx", {"pull": True}), ("staged", {"pull": False})))
     runs = by_mode["kvx"][1:]
@@ -538,7 +538,7 @@ NIXL_MODES = {"direct": "kvx_nixl_direct", "write": "kvx_nixl", "read": "kvx_nix
 def bench_tokens(shape: Shape, tokens: int, device: str, receiver_device: str, repeat: int, nixl: bool = False,
                  nixl_diag: bool = False, nixl_ops: tuple[str, ...] = ("WRITE", "READ"), nixl_only: bool = False,
                  nixl_modes: tuple[str, ...] = tuple(NIXL_MODES)) -> dict:
-    import kvtransfer
+    from pdserve import kvtransfer
 
     blocks = -(-tokens // BLOCK_SIZE)
     pool_blocks = 2 * blocks  # blocks drawn at random from twice as many: ids are not contiguous
@@ -716,7 +716,7 @@ def main() -> int:
             and torch.device(receiver_device).index >= torch.cuda.device_count():
         parser.error(f"--receiver-device {receiver_device}: only {torch.cuda.device_count()} GPU(s) here")
 
-    from kvtransfer.ucx_runtime import UcxRuntime, ucx_library_path
+    from pdserve.kvtransfer.ucx_runtime import UcxRuntime, ucx_library_path
 
     shape = SHAPES[args.device]
     hardware = torch.cuda.get_device_name(0) if args.device == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
@@ -729,7 +729,7 @@ def main() -> int:
     UcxRuntime.release()
     missing = "left out (--no-nixl)" if args.no_nixl else nixl_missing()
     if missing is None:
-        from kvtransfer.nixl import load_nixl
+        from pdserve.kvtransfer.nixl import load_nixl
 
         api = load_nixl()
         version = "?"

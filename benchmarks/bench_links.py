@@ -2,7 +2,7 @@
 held at 1-100 Gbit/s, by tc shaping (HTB over veth, between two network namespaces) and
 by pacing (the sender's token bucket, same namespaces, link unshaped).
 
-Sender in namespace A, receiver in namespace B (``launcher.emulation.kvprobe``, kvtransfer
+Sender in namespace A, receiver in namespace B (``pdserve.launcher.emulation.kvprobe``, kvtransfer
 API, SmolLM2-135M-shaped caches, UCX over TCP on the veth). First the unshaped ceiling of
 this host, then each set rate; a set rate above ~90% of the ceiling is reported as not
 held (the row shows what the host carried instead). Achieved = KV bytes / (first
@@ -34,9 +34,9 @@ def main() -> int:
     if args.transfers < 1 or args.seconds <= 0 or any(r <= 0 for r in args.rates):
         parser.error("--transfers, --seconds and --rates must be positive")
 
-    from launcher.emulation import EmulatedCluster, LinkSpec, netns_permitted
-    from launcher.emulation.kvprobe import format_table, measure, summarize, transfer_mb
-    from launcher.emulation.netns import UCX_ENV
+    from pdserve.launcher.emulation import EmulatedCluster, LinkSpec, netns_permitted
+    from pdserve.launcher.emulation.kvprobe import format_table, measure, summarize, transfer_mb
+    from pdserve.launcher.emulation.netns import UCX_ENV
 
     if not netns_permitted():
         print("bench_links: cannot create network namespaces (needs root and iproute2); nothing measured.",

@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="give up on the probe after this")
     args = parser.parse_args(argv)
     if args.burst:
-        from kvtransfer.pacing_spec import parse_pacing
+        from pdserve.kvtransfer.pacing_spec import parse_pacing
 
         try:
             parse_pacing(f"default=1,burst={args.burst}")
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from launcher.emulation.kvprobe import format_table, measure_plan, summarize, transfer_mb
+    from pdserve.launcher.emulation.kvprobe import format_table, measure_plan, summarize, transfer_mb
 
     cuda = torch.cuda.is_available()
     if args.device == "cuda" and not cuda:

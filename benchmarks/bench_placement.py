@@ -5,7 +5,7 @@
 Clusters are laid out as the simulator's scale runs lay them out (benchmarks/bench_sim.py):
 8 workers a node, 4 nodes a rack, a quarter of the workers prefill; 100 Gbit/s links inside a
 rack (explicit topology entries), 25 Gbit/s across (the remote default); the 8B-sized H100
-profile of sim/profiles.py. Each cluster is timed in two states:
+profile of pdserve/sim/profiles.py. Each cluster is timed in two states:
 
 - idle: every worker empty, no flow on any link (every option ties with its neighbours: the
   worst case for a search that must break ties by load and worker id as the policy does);
@@ -41,12 +41,12 @@ import time
 
 import numpy as np
 
-from router.placement.congestion import CongestionView, LinkState
-from router.placement.base import ClusterSnapshot, RequestInfo, WorkerSnapshot
-from router.placement.policies.network_aware import NetworkAware
-from router.placement.policies.oracle import OracleNetworkAware
-from router.placement.topology import Link, Topology, link_key
-from sim.profiles import llama8b_h100
+from pdserve.router.placement.congestion import CongestionView, LinkState
+from pdserve.router.placement.base import ClusterSnapshot, RequestInfo, WorkerSnapshot
+from pdserve.router.placement.policies.network_aware import NetworkAware
+from pdserve.router.placement.policies.oracle import OracleNetworkAware
+from pdserve.router.placement.topology import Link, Topology, link_key
+from pdserve.sim.profiles import llama8b_h100
 
 PER_NODE = 8
 NODES_PER_RACK = 4
@@ -125,8 +125,8 @@ def recorded(num_workers: int, warmup: int, count: int):
     """(policy as it was, [(request, snapshot)]) from a simulated run (module docstring)."""
     from benchmarks.bench_sim import two_tier_cluster, write_azure_trace
     from pathlib import Path
-    from sim.run import simulate
-    from sim.workload import trace_arrivals
+    from pdserve.sim.run import simulate
+    from pdserve.sim.workload import trace_arrivals
 
     total = warmup + count
     trace = Path("results/sim-traces") / f"azure-synthetic-{total}-4000.csv"

@@ -5,7 +5,7 @@
 
 One engine with the prefill graphs captured (pdserve/piecewise_graphs.py); each point is measured
 with them on and off in turn (the order alternates point by point), by `pdserve profile`'s own
-timers (launcher/profile.py): a prompt's time to its first token on an idle engine (median of
+timers (pdserve/launcher/profile.py): a prompt's time to its first token on an idle engine (median of
 `--repeats` after a warm-up run), and a mixed step of B decodes at `--context` plus a T-token chunk
 (median of `--decode-steps`). Prints both and the ratio eager / graphs, and checks that each mode
 ran the path it names (graph runs counted). Beside each, the host's part: the median time the
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from launcher.profile import Profiler
+    from pdserve.launcher.profile import Profiler
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")

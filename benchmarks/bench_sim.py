@@ -8,7 +8,7 @@
    the public traces cannot be downloaded here; `--trace FILE` replays a real one instead.
 2. Loads it with loadgen's trace loader and simulates it on `--workers` workers (a quarter
    prefill), 8 per node, `--nodes-per-rack` nodes per rack: 100 Gbit/s within a rack,
-   25 Gbit/s across; the 8B-sized H100 profile of sim/profiles.py; the real placement policy.
+   25 Gbit/s across; the 8B-sized H100 profile of pdserve/sim/profiles.py; the real placement policy.
 3. Prints (and writes as JSON with `--out`): load time, simulation wall time, events,
    events/s, peak RSS, requests/s simulated, TTFT/TPOT percentiles.
 
@@ -34,12 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-from router.placement.topology import Link, Topology
-from sim.check import CheckedNetworkAware, checked_policy
-from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
-from sim.profiles import llama8b_h100
-from sim.run import simulate
-from sim.workload import trace_arrivals
+from pdserve.router.placement.topology import Link, Topology
+from pdserve.sim.check import CheckedNetworkAware, checked_policy
+from pdserve.sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
+from pdserve.sim.profiles import llama8b_h100
+from pdserve.sim.run import simulate
+from pdserve.sim.workload import trace_arrivals
 
 
 def write_azure_trace(path: Path, num_requests: int, rate: float, seed: int = 0) -> None:

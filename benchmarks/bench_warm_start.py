@@ -26,7 +26,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from loadgen.launcher import free_port  # noqa: E402
+from pdserve.loadgen.launcher import free_port  # noqa: E402
 
 
 def engine_counters(url: str) -> dict[str, float]:
@@ -75,7 +75,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
 
 
 def loadgen(url: str, args, seed: int) -> dict:
-    cmd = [sys.executable, "-m", "loadgen.cli", "run", "--url", url, "--num-requests", str(args.requests),
+    cmd = [sys.executable, "-m", "pdserve.loadgen.cli", "run", "--url", url, "--num-requests", str(args.requests),
            "--rate", str(args.rate), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            "--ignore-eos", "--seed", str(seed), "--json", "--no-progress", "--no-metrics",
            "--max-run-time", str(args.max_run_time)]
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile("w+", prefix="pdserve-up-", suffix=".log", delete=False)
-    cmd = [sys.executable, "-m", "launcher.cli", "up", "--mode", "colocated", "--replicas", str(args.replicas),
+    cmd = [sys.executable, "-m", "pdserve.launcher.cli", "up", "--mode", "colocated", "--replicas", str(args.replicas),
            "--model", args.model, "--device", args.device, "--port", str(port), "--host", "127.0.0.1",
            "--kv-cache-dtype", args.kv_cache_dtype, "--startup-timeout-s", str(args.startup_timeout)]
     if args.device == "cuda":

@@ -16,7 +16,7 @@ prompts (repeated prompts hit the prefix cache). With a new draw per configurati
 "14 req/s" arrived over 11.1 and 8.1 s (one H200, 2026-12-03), and their goodput compared those
 arrival spans rather than the servers.
 
-Goodput of a run for an SLO set is loadgen's (`loadgen.metrics.summarize`): the requests that met
+Goodput of a run for an SLO set is loadgen's (`pdserve.loadgen.metrics.summarize`): the requests that met
 both the TTFT and the TPOT bound, per second of the run (first send to the end of the run), from the
 run's own per-request records. The run's duration holds the last requests' tail (TTFT + 255 TPOTs,
 a few seconds at 2048/256), so a short run's goodput sits below its rate even when every request
@@ -57,8 +57,8 @@ from gpu_serving import log  # noqa: E402
 from served_vs_bare import Server  # noqa: E402  (gpu_serving.Cluster with the model, device and a log file)
 
 sys.path.insert(0, ROOT)
-from loadgen.metrics import SLO, summarize  # noqa: E402
-from loadgen.records import read_jsonl  # noqa: E402
+from pdserve.loadgen.metrics import SLO, summarize  # noqa: E402
+from pdserve.loadgen.records import read_jsonl  # noqa: E402
 
 DEFAULT_CONFIGS = ("--max-num-batched-tokens 16384 --max-num-seqs 512;"
                    "--max-num-batched-tokens 4096 --max-num-seqs 128;"
@@ -102,7 +102,7 @@ def positive_list(kind, flag: str):
 
 def loadgen(url: str, args: argparse.Namespace, rate: float, requests: int, seed: int, run_dir: str) -> dict:
     """One `pdserve-loadgen run` in its own process; its records and summary land in run_dir."""
-    cmd = [sys.executable, "-m", "loadgen.cli", "run", "--url", url, "--num-requests", str(requests),
+    cmd = [sys.executable, "-m", "pdserve.loadgen.cli", "run", "--url", url, "--num-requests", str(requests),
            "--rate", str(rate), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            "--ignore-eos", "--seed", str(seed), "--json", "--no-progress", "--max-run-time", str(args.max_run_time),
            "--output", run_dir]

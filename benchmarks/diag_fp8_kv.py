@@ -45,12 +45,12 @@ def main() -> int:
         return 2
     import triton
 
-    from kernels import kv_quant
-    from kernels.cache import e4m3_bytes_ref, e4m3_bytes_triton, write_kv_cache_ref, write_kv_cache_triton
-    from kernels.decode_attention import decode_attention_ref, decode_attention_triton
-    from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
-    from kernels.rope import rope_cos_sin_cache
-    from kernels.rope_cache import rope_write_kv_ref, rope_write_kv_triton
+    from pdserve.kernels import kv_quant
+    from pdserve.kernels.cache import e4m3_bytes_ref, e4m3_bytes_triton, write_kv_cache_ref, write_kv_cache_triton
+    from pdserve.kernels.decode_attention import decode_attention_ref, decode_attention_triton
+    from pdserve.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+    from pdserve.kernels.rope import rope_cos_sin_cache
+    from pdserve.kernels.rope_cache import rope_write_kv_ref, rope_write_kv_triton
 
     dev = args.device
     # bf16 dots under the interpreter are not meaningful; the GPU runs bf16 like the engine

@@ -32,7 +32,7 @@ def start_up(args: list[str], log_path: Path, **env: str) -> subprocess.Popen:
     """`pdserve up <args>` in a new session (its own process group), output to log_path; `env`:
     variables for it beyond `cluster_env`'s."""
     log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", *args], cwd=REPO, stdout=log,
+    return subprocess.Popen([sys.executable, "-m", "pdserve.launcher.cli", "up", *args], cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT, env=cluster_env(**env), start_new_session=True)
 
 

@@ -62,7 +62,7 @@ import psutil  # noqa: E402
 from benchmarks.faultlib import (  # noqa: E402
     REPO, HealthTimeline, cluster_env, health, start_up, stop_group, wait_all_healthy, worker_pid,
 )
-from loadgen.launcher import free_port  # noqa: E402
+from pdserve.loadgen.launcher import free_port  # noqa: E402
 
 ROWS = ("kill-prefill", "kill-decode", "restart-same-address", "sigstop-decode", "slow-link", "kv-loss",
         "mismatched-peers", "router-restart", "gcs-kill")
@@ -183,7 +183,7 @@ class Cluster:
 def up_cluster(args, logdir: Path, env_extra: dict | None = None) -> Cluster:
     port = free_port()
     cluster = Cluster(f"http://127.0.0.1:{port}", logdir)
-    argv = [sys.executable, "-m", "launcher.cli", "up", "--model", args.model, "--port", str(port),
+    argv = [sys.executable, "-m", "pdserve.launcher.cli", "up", "--model", args.model, "--port", str(port),
             "--kv-cache-gib", args.kv_cache_gib, "--kv-deadline-s", str(args.kv_deadline_s),
             "--worker-wait-s", "60", "--startup-timeout-s", str(args.startup_timeout_s),
             *device_flags(args), *(["--worker-gpus", f"{args.worker_gpus:g}"] if args.worker_gpus is not None else [])]
@@ -194,7 +194,7 @@ def up_cluster(args, logdir: Path, env_extra: dict | None = None) -> Cluster:
 
 def worker_argv(args, role: str, port: int, kv_port: int = 0, extra: tuple[str, ...] = (),
                 kv_pacing: str | None = None) -> list[str]:
-    from launcher.workers import WorkerSpec, worker_argv as spec_argv
+    from pdserve.launcher.workers import WorkerSpec, worker_argv as spec_argv
 
     return spec_argv(WorkerSpec(role=role, worker_id=f"{role}-{port}", port=port, kv_port=kv_port, model=args.model,
                                 kv_pacing=kv_pacing,
@@ -232,7 +232,7 @@ def standalone_cluster(args, logdir: Path, workers: list[tuple[str, list[str]]],
 
 
 def router_argv(args, port: int, entries: list[str]) -> list[str]:
-    return [sys.executable, "-m", "launcher.cli", "router", *entries, "--model", args.model, "--port", str(port),
+    return [sys.executable, "-m", "pdserve.launcher.cli", "router", *entries, "--model", args.model, "--port", str(port),
             "--kv-deadline-s", str(args.kv_deadline_s), "--worker-wait-s", "60"]
 
 
@@ -242,9 +242,9 @@ def router_argv(args, port: int, entries: list[str]) -> list[str]:
 def run_with_fault(args, base: str, fault, warm: bool = True):
     """Runs the load; `fault()` at --fault-at seconds (its return value kept). Returns
     (records, load start unix time, fault unix time, fault's value)."""
-    from loadgen.client import ClientConfig
-    from loadgen.datasets import DatasetConfig, LengthDist
-    from loadgen.runner import LoadConfig, run_load
+    from pdserve.loadgen.client import ClientConfig
+    from pdserve.loadgen.datasets import DatasetConfig, LengthDist
+    from pdserve.loadgen.runner import LoadConfig, run_load
 
     cfg = LoadConfig(
         client=ClientConfig(base_url=base, endpoint="completions", ignore_eos=True, temperature=0.0,
@@ -272,7 +272,7 @@ def run_with_fault(args, base: str, fault, warm: bool = True):
     timer.join()
     start = result.summary.get("start_time_unix") or t0
     if getattr(args, "row_dir", None) is not None:  # every request's record beside the row's logs
-        from loadgen.records import write_jsonl
+        from pdserve.loadgen.records import write_jsonl
 
         write_jsonl(args.row_dir / "records.jsonl", result.records)
     return result.records, start, box.get("at"), box.get("value")

@@ -32,7 +32,7 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from loadgen.launcher import free_port  # noqa: E402
+from pdserve.loadgen.launcher import free_port  # noqa: E402
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
@@ -40,7 +40,7 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
 
 
 def start(root: str, args: argparse.Namespace, port: int, logfile: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "launcher.cli", "up", "--port", str(port), "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "pdserve.launcher.cli", "up", "--port", str(port), "--host", "127.0.0.1",
            "--model", args.model, "--device", args.device, "--mode", "colocated", "--replicas", "1",
            "--worker-gpus", "1" if args.device == "cuda" else "0"]
     if args.tokenizer:

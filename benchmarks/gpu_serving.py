@@ -1,6 +1,6 @@
 """The user's path on a GPU, from fresh processes: `pdserve up`, the openai client, loadgen.
 
-Every step starts the cluster the way a user does (`python -m launcher.cli up`, Ray, the real
+Every step starts the cluster the way a user does (`python -m pdserve.launcher.cli up`, Ray, the real
 UCX backend, a new process per worker) and measures it from outside, over HTTP:
 
 1. smoke: PD (1 prefill + 1 decode; on one GPU they share it), the `openai` client gets an
@@ -47,7 +47,7 @@ class Cluster:
     def __init__(self, args: list[str], port: int, logfile: str, timeout_s: float):
         self.url = f"http://127.0.0.1:{port}"
         self._log = open(logfile, "w")
-        cmd = [sys.executable, "-m", "launcher.cli", "up", "--port", str(port), *args]
+        cmd = [sys.executable, "-m", "pdserve.launcher.cli", "up", "--port", str(port), *args]
         log("start: " + " ".join(cmd[1:]))
         t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
@@ -84,7 +84,7 @@ class Cluster:
 
 
 def loadgen(url: str, n: int, rate: float, prompt_len: int, output_len: int, seed: int, out: str) -> dict:
-    cmd = [sys.executable, "-m", "loadgen.cli", "run", "--url", url, "--num-requests", str(n), "--rate", str(rate),
+    cmd = [sys.executable, "-m", "pdserve.loadgen.cli", "run", "--url", url, "--num-requests", str(n), "--rate", str(rate),
            "--input-len", f"fixed:{prompt_len}", "--output-len", f"fixed:{output_len}", "--ignore-eos",
            "--seed", str(seed), "--json", "--no-progress", "--max-run-time", "300", "--output", out]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)

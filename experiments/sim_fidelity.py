@@ -11,7 +11,7 @@ did), `no-host` (every worker has a core of its own), and `host-calibrated` (`ho
 profile's times x 0.80: docs/experiments.md's pilot measured 1.37 s TTFT for a 450-token request alone
 on p0->d0, the profile predicts 1.705 s; the profile was measured in another phase of the
 shared host), to show where the error comes from; and `host-phase` (`no-host` with each run's profile
-scaled by that run's own host speed: sim/calibrate.py measures it from the decode steps of
+scaled by that run's own host speed: pdserve/sim/calibrate.py measures it from the decode steps of
 the run's isolated requests, the ones that decoded while no other request did); and
 `current-profile` / `current-profile-shared` (`no-host` / `host-phase-shared` with the workers
 stepping by a profile of the current engine, measured on the same idle host after the 2026-12-01
@@ -33,11 +33,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from experiments.records import records_dir
-from loadgen.spec import load_spec
-from router.placement.profiles import load_profile
-from sim.calibrate import host_factor
-from sim.config import load_cluster, scale_profile
-from sim.experiment import run_sim_experiment
+from pdserve.loadgen.spec import load_spec
+from pdserve.router.placement.profiles import load_profile
+from pdserve.sim.calibrate import host_factor
+from pdserve.sim.config import load_cluster, scale_profile
+from pdserve.sim.experiment import run_sim_experiment
 
 ROOT = Path(__file__).resolve().parent
 OUT = ROOT.parent / "results" / "sim-fidelity"

@@ -18,10 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-from router.placement.profiles import Profile
-from router.placement.topology import Link, Topology
-from sim.config import ClusterConfig, EngineLimits, WorkerConfig
-from sim.run import Arrival, simulate, to_record
+from pdserve.router.placement.profiles import Profile
+from pdserve.router.placement.topology import Link, Topology
+from pdserve.sim.config import ClusterConfig, EngineLimits, WorkerConfig
+from pdserve.sim.run import Arrival, simulate, to_record
 
 ROOT = Path(__file__).resolve().parent.parent
 KV_BYTES = 16 * 8 * 64 * 2 * 2

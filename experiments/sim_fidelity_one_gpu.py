@@ -36,11 +36,11 @@ from pathlib import Path
 
 from experiments.records import label, records_dir
 from experiments.sim_fidelity_two_gpu import ENGINE, METRICS, SLOS, _prompt, _summary, metrics
-from loadgen.records import read_jsonl
-from loadgen.runner import write_summary_csv
-from router.placement.profiles import load_profile
-from sim.config import ClusterConfig, RouterConfig, WorkerConfig, scale_profile
-from sim.run import Arrival, simulate, to_record
+from pdserve.loadgen.records import read_jsonl
+from pdserve.loadgen.runner import write_summary_csv
+from pdserve.router.placement.profiles import load_profile
+from pdserve.sim.config import ClusterConfig, RouterConfig, WorkerConfig, scale_profile
+from pdserve.sim.run import Arrival, simulate, to_record
 
 ROOT = Path(__file__).resolve().parent
 RESULTS = "one-gpu"  # records_dir: results/one-gpu, else docs/records/one-gpu.tar.xz

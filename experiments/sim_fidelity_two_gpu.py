@@ -23,7 +23,7 @@ $TWO_GPU_MIXED_PROFILE, default experiments/two-gpu/profile-mixed.json, measured
 `experiments/two-gpu/run.sh profile-mixed`; absent, the model is skipped with a note and the
 outputs are those of the four models above): `chained` with the workers stepping by profile.json
 plus that file's mixed table, so that steps mixing decodes and prefill chunks cost the measured
-mixed step instead of chunk + decode (sim/worker.py), and nothing else differs from `chained`.
+mixed step instead of chunk + decode (pdserve/sim/worker.py), and nothing else differs from `chained`.
 
     PYTHONPATH=. python -m experiments.sim_fidelity_two_gpu --mixed-profile experiments/two-gpu/profile-mixed.json
 
@@ -64,12 +64,12 @@ import sys
 from pathlib import Path
 
 from experiments.records import records_dir
-from loadgen.metrics import SLO, summarize
-from loadgen.records import read_jsonl
-from router.placement.profiles import Profile, load_profile
-from router.placement.topology import Link, Topology
-from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig, scale_profile
-from sim.run import Arrival, simulate, to_record
+from pdserve.loadgen.metrics import SLO, summarize
+from pdserve.loadgen.records import read_jsonl
+from pdserve.router.placement.profiles import Profile, load_profile
+from pdserve.router.placement.topology import Link, Topology
+from pdserve.sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig, scale_profile
+from pdserve.sim.run import Arrival, simulate, to_record
 
 ROOT = Path(__file__).resolve().parent
 OUT = ROOT.parent / "results" / "sim-fidelity"

@@ -12,7 +12,7 @@ node pair its own link, as router.placement.topology models it: no shared rack u
 - policy: round-robin, least-loaded, network-aware, and network-aware restricted to (P, D)
   pairs (`local_margin` 0.99: no local prefill on decode workers), which separates what it
   gains by keeping KV off slow links from what it gains by prefilling on idle decode workers;
-- model: Llama-3.1-8B- and 70B-sized KV and step times (sim/profiles.py: derived from the
+- model: Llama-3.1-8B- and 70B-sized KV and step times (pdserve/sim/profiles.py: derived from the
   H100 figures, the 70B one scaled; labelled so, not profiled).
 Workload: Poisson arrivals, prompts lognormal mean 1,024 (max 8,192), outputs mean 128 (max
 1,024), 1,000 requests per run, at 70%, 90% and 120% of the prefill pool's capacity for that
@@ -32,11 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
-from loadgen.metrics import SLO, summarize
-from router.placement.topology import Link, Topology
-from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
-from sim.profiles import llama8b_h100, llama70b_h100_tp4
-from sim.run import Arrival, simulate, to_record
+from pdserve.loadgen.metrics import SLO, summarize
+from pdserve.router.placement.topology import Link, Topology
+from pdserve.sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
+from pdserve.sim.profiles import llama8b_h100, llama70b_h100_tp4
+from pdserve.sim.run import Arrival, simulate, to_record
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "sim-placement"
 POLICIES = ("round-robin", "least-loaded", "network-aware", "network-aware, pairs only")

@@ -100,13 +100,13 @@ class CacheConfig:
     # ops. The first steps of each shape class (batch 1, batch > 1) compile, ~40 s each on
     # a 2-core CPU; off by default.
     compile_cpu_decode: bool = False
-    # fp32 on the CPU: projections and LM head in MKL's packed GEMM layout (kernels/linear.py):
+    # fp32 on the CPU: projections and LM head in MKL's packed GEMM layout (pdserve/kernels/linear.py):
     # 1.3x faster matmuls from 4 running requests up, ~5% slower at 1-2 (single-stream decode
     # ~9% slower end to end); the same memory but for a packed copy of a tied LM head.
     # Ignored elsewhere.
     cpu_packed_weights: bool = True
     # KV pool dtype: "auto" (the model's dtype), "bf16", or "fp8" (e4m3 with a float32 scale per
-    # token and head, kernels/kv_quant.py): about half the bytes to read, hold and ship.
+    # token and head, pdserve/kernels/kv_quant.py): about half the bytes to read, hold and ship.
     kv_cache_dtype: str = "auto"
     # fp8 KV on CUDA is refused unless this is set: its GPU tests failed on an H200
     # (--experimental-fp8-kv).

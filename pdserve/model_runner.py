@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-import kernels
+from pdserve import kernels
 
 from pdserve.config import CacheConfig, ModelConfig
 from pdserve.models.llama import AttentionMetadata, LayerHook, LlamaModel, decode_forward_torch
@@ -202,7 +202,7 @@ class ModelRunner:
         return str(self.kv_cache_dtype).removeprefix("torch.")
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """One K or V pool: [NB, BS, Hkv, D], or with the FP8 scale rows (kernels/kv_quant.py)."""
+        """One K or V pool: [NB, BS, Hkv, D], or with the FP8 scale rows (pdserve/kernels/kv_quant.py)."""
         c = self.model_config
         if self.kv_cache_dtype == kernels.FP8_DTYPE:
             return kernels.fp8_pool_shape(num_blocks, self.block_size, c.num_kv_heads, c.head_dim)

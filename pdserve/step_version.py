@@ -1,5 +1,5 @@
 """The engine's step version per device kind, written into every `pdserve profile` and checked
-by the simulator and the planner (sim/profile_check.py) before they trust a profile.
+by the simulator and the planner (pdserve/sim/profile_check.py) before they trust a profile.
 
 A profile is a table of step times, so it goes stale when a change makes the engine's steps
 faster or slower, not when any file changes. Bump the device's entry in `ENGINE_STEP_VERSIONS`
@@ -22,7 +22,7 @@ History:
           (experiments/two-gpu/profile*.json)
   cuda 3  2026-12-01: overlapped decode steps (a decode-only CUDA-graph step launched behind
           the previous one)
-  cuda 4  2026-12-03: fresh prompts attend over their own K/V (kernels/prefill_attention_dense.py;
+  cuda 4  2026-12-03: fresh prompts attend over their own K/V (pdserve/kernels/prefill_attention_dense.py;
           8k-token prefills 0.740 -> 0.775 of the FLOPs bound on one H200). The prefill graphs
           of that date are off by default and do not move it.
 

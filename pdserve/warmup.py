@@ -156,7 +156,7 @@ def _warm_paged_prefill(engine) -> list:
     requests below may never run the paged one that later chunks and prefix-cache hits take:
     compile its tile configurations directly (this rank's heads). Returns them ([] when the
     dense path is off, as the requests cover the paged kernel then)."""
-    from kernels.prefill_attention import warm_paged
+    from pdserve.kernels.prefill_attention import warm_paged
 
     runner = engine.runner
     if not runner.dense_prefill:

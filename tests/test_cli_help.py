@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from launcher.cli import build_parser
-from launcher.cluster.config import load_up_config
+from pdserve.launcher.cli import build_parser
+from pdserve.launcher.cluster.config import load_up_config
 
 
 def _options(parser: argparse.ArgumentParser, name: str = "pdserve"):
@@ -71,19 +71,19 @@ def test_max_tokens_default_from_flag_and_config_file(tmp_path):
 
 
 def test_router_settings_pass_max_tokens_default_to_the_app(monkeypatch):
-    import router.http.server
-    from launcher.cluster.serving import RouterModel, RouterSettings, build_app
-    from router.cluster.directory import StaticDirectory
-    from router.placement.registry import make_policy
+    import pdserve.router.http.server as http_server
+    from pdserve.launcher.cluster.serving import RouterModel, RouterSettings, build_app
+    from pdserve.router.cluster.directory import StaticDirectory
+    from pdserve.router.placement.registry import make_policy
 
     seen = {}
-    real = router.http.server.create_app
+    real = http_server.create_app
 
     def create_app(backend, **kwargs):
         seen.update(kwargs)
         return real(backend, **kwargs)
 
-    monkeypatch.setattr(router.http.server, "create_app", create_app)
+    monkeypatch.setattr(http_server, "create_app", create_app)
     settings = RouterSettings(model="m", max_tokens_default=42, usage_timing=True)
     build_app(StaticDirectory([]), settings, RouterModel(tokenizer=object(), max_model_len=64, name="m"),
               make_policy("round-robin"))

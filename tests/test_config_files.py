@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from loadgen import yamlconfig
+from pdserve.loadgen import yamlconfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP_DIRS = {".git", ".venv", "node_modules", "results", "__pycache__", "build", "dist"}
@@ -16,19 +16,19 @@ THIRD_PARTY = ("deploy/",)
 
 
 def _load_spec(path):
-    from loadgen.spec import load_spec
+    from pdserve.loadgen.spec import load_spec
 
     return load_spec(path)
 
 
 def _load_emulation(path):
-    from launcher.emulation.spec import load_topology
+    from pdserve.launcher.emulation.spec import load_topology
 
     return load_topology(path)
 
 
 def _load_sim_cluster(path):
-    from sim.config import load_cluster
+    from pdserve.sim.config import load_cluster
 
     return load_cluster(path)
 
@@ -37,12 +37,12 @@ def _load_sim_cluster(path):
 READERS = {
     "benchmarks/soak-1p1d.yaml": _load_emulation,
     "experiments/headline-topology.yaml": _load_emulation,
-    "launcher/emulation/examples/2p2d.yaml": _load_emulation,
+    "pdserve/launcher/emulation/examples/2p2d.yaml": _load_emulation,
     "experiments/sim/headline-cluster.yaml": _load_sim_cluster,
     **{f"experiments/{name}.yaml": _load_spec
        for name in ("gpu-grid-cpu", "gpu-grid-smoke", "gpu-grid", "headline-sweep", "headline",
                     "two-gpu/one-gpu", "two-gpu/spec", "two-gpu/steady")},
-    **{f"loadgen/examples/{name}.yaml": _load_spec
+    **{f"pdserve/loadgen/examples/{name}.yaml": _load_spec
        for name in ("emulated-links", "headline", "running-server", "trace-replay")},
 }
 

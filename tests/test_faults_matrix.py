@@ -4,7 +4,7 @@ request), the slow-link row's placement phases, and the results folder it packs.
 import tarfile
 
 from benchmarks import faults
-from loadgen.records import RequestRecord
+from pdserve.loadgen.records import RequestRecord
 
 
 def test_cpu_defaults():

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.spec import load_spec
+from pdserve.loadgen.spec import load_spec
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
@@ -15,7 +15,7 @@ def test_grid_spec(name, runs):
     assert spec.output_dir == f"results/{name}"
     assert spec.server.launch.vars == {"state": f"results/{name}-state",
                                        "profile": f"results/{name}-state/profile.json"}
-    assert "launcher.paced router" in spec.server.launch.command and "--slow p1:d1" in spec.server.launch.command
+    assert "pdserve.launcher.paced router" in spec.server.launch.command and "--slow p1:d1" in spec.server.launch.command
     assert sum(len(spec.rates_for(b)) for b in spec.bandwidths) * len(spec.policies) == runs
     assert spec.slo is not None and spec.workload.ignore_eos
 
@@ -43,4 +43,4 @@ def test_links_step_paces_every_set_rate(name, args):
     script = (EXPERIMENTS / "run_gpu_grid.sh").read_text()
     assert "benchmarks/bench_pacing.py" in script and 'timeout -k 10 "${LINKS_TIMEOUT_S:-90}"' in script
     assert '"$STATE/pacing.txt" "$OUT/cluster/"' in script
-    assert script.index("bench_pacing.py") < script.index("launcher.paced workers")  # before the workers and the sweep
+    assert script.index("bench_pacing.py") < script.index("pdserve.launcher.paced workers")  # before the workers and the sweep

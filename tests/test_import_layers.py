@@ -1,22 +1,23 @@
 """Imports run one way (docs/design.md, Layers): a module imports only from its own layer or below.
 
-    1. the composition root: launcher/ (CLI, `pdserve up`, `pdserve profile`, every way of
-       starting workers and clusters, the link emulation)
-    2. router/: its HTTP side (router.http) and cluster side (router.cluster), which import
-       each other not at all, and what they share (router.backend, router.errors, router.metrics)
-    3. router.placement: pure placement, below the rest of the router and used by sim/ as well
-    4. pdserve.worker and kvtransfer/
-    5. the engine and everything else in pdserve/ (protocol, shared request types, loaders, ...)
-    6. kernels/
+Everything lives in one namespace, `pdserve`, whose `__init__` imports nothing:
 
-Below them all, `loadgen.yamlconfig`, the one reader of configuration files: it imports only
-pydantic and yaml, and lives in loadgen/ (the load generator, which imports nothing of the
-server) so that every package, loadgen included, may use it without a new top-level package.
+    1. the composition root: pdserve.launcher (CLI, `pdserve up`, `pdserve profile`, every way
+       of starting workers and clusters, the link emulation), pdserve.sim, pdserve.loadgen
+    2. pdserve.router: its HTTP side (.http) and cluster side (.cluster), which import each
+       other not at all, and what they share (.backend, .errors, .metrics)
+    3. pdserve.router.placement: pure placement, below the rest of the router and used by sim
+    4. pdserve.worker and pdserve.kvtransfer
+    5. the engine and everything else in pdserve/ (protocol, shared request types, loaders, ...)
+    6. pdserve.kernels
+    7. pdserve.loadgen.yamlconfig, the one reader of configuration files: it imports only
+       pydantic and yaml, so every package may use it
 
 Every `import` and `from ... import` is read with `ast`, wherever it stands (module level, in a
 function, under TYPE_CHECKING); importing `a.b.c` also runs the packages `a` and `a.b`, so
-those count too. loadgen/ imports none of these packages (it measures any OpenAI server); sim/ imports router.placement and nothing else of the router. No file of these packages (sim/ too)
-is in an import circle.
+those count too. pdserve.loadgen imports nothing else of the namespace (it measures any OpenAI
+server); pdserve.sim imports the router's placement and nothing else of it. No file of the
+namespace is in an import circle.
 """
 
 from __future__ import annotations
@@ -30,21 +31,25 @@ import pytest
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = "pdserve"  # the one import namespace; its __init__ imports nothing
 
 # module prefix -> layer; the longest matching prefix wins
 LAYERS: dict[str, int] = {
-    "launcher": 1,
-    "router": 2,
-    "router.http": 2,
-    "router.cluster": 2,
-    "router.placement": 3,
+    "pdserve.launcher": 1,
+    "pdserve.sim": 1,
+    "pdserve.loadgen": 1,
+    "pdserve.router": 2,
+    "pdserve.router.http": 2,
+    "pdserve.router.cluster": 2,
+    "pdserve.router.placement": 3,
     "pdserve.worker": 4,
-    "kvtransfer": 4,
+    "pdserve.kvtransfer": 4,
     "pdserve": 5,
-    "kernels": 6,
+    "pdserve.kernels": 6,
+    "pdserve.loadgen.yamlconfig": 7,
 }
-PACKAGES = ("launcher", "pdserve", "router", "kvtransfer", "kernels")
-LAYER_NAMES = {1: "composition root", 2: "router", 3: "placement", 4: "worker/kvtransfer", 5: "engine", 6: "kernels"}
+LAYER_NAMES = {1: "composition root", 2: "router", 3: "placement", 4: "worker/kvtransfer", 5: "engine", 6: "kernels",
+               7: "config reader"}
 
 
 def layer_of(module: str) -> int | None:
@@ -55,10 +60,10 @@ def layer_of(module: str) -> int | None:
     return None if best is None else best[1]
 
 
-def modules(package: str) -> dict[str, str]:
-    """module name -> path, for every .py file of a top-level package."""
+def modules(package: str = ROOT) -> dict[str, str]:
+    """module name -> path, for every .py file of a package of the namespace (`pdserve.router`)."""
     out = {}
-    for directory, _, files in os.walk(os.path.join(REPO, package)):
+    for directory, _, files in os.walk(os.path.join(REPO, *package.split("."))):
         for name in files:
             if name.endswith(".py"):
                 path = os.path.join(directory, name)
@@ -67,8 +72,9 @@ def modules(package: str) -> dict[str, str]:
     return out
 
 
-def imported_modules(module: str, path: str) -> list[tuple[str, int]]:
-    """(module name, line) of each import in the file, parents included, relative ones resolved."""
+def imported_modules(module: str, path: str, explicit: bool = False) -> list[tuple[str, int]]:
+    """(module name, line) of each import in the file, parents included, relative ones resolved;
+    with `explicit`, only the modules the statements name (`a.b` of `from a.b import c`)."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
     is_package = path.endswith("__init__.py")
@@ -89,19 +95,21 @@ def imported_modules(module: str, path: str) -> list[tuple[str, int]]:
             continue
         for name in names:
             parts = name.split(".")
-            found += [(".".join(parts[:i]), node.lineno) for i in range(1, len(parts) + 1)]
+            first = len(parts) if explicit else 1
+            found += [(".".join(parts[:i]), node.lineno) for i in range(first, len(parts) + 1)]
     return list(dict.fromkeys(found))
 
 
 def all_modules() -> dict[str, str]:
-    out = {}
-    for package in PACKAGES:
-        out.update(modules(package))
-    return out
+    return modules(ROOT)
+
+
+def ours(target: str) -> bool:
+    return target == ROOT or target.startswith(ROOT + ".")
 
 
 def _imports_any_package(module: str, path: str) -> bool:
-    return any(target.split(".")[0] in PACKAGES for target, _ in imported_modules(module, path))
+    return any(ours(target) for target, _ in imported_modules(module, path))
 
 
 def test_every_module_has_a_layer():
@@ -115,12 +123,12 @@ def test_no_module_imports_from_a_layer_above_it():
     for module, path in sorted(known.items()):
         own = layer_of(module)
         for target, line in imported_modules(module, path):
-            if target.split(".")[0] not in PACKAGES:
+            if not ours(target):
                 continue
             if target not in known and target.rsplit(".", 1)[0] in known and target.rsplit(".", 1)[0] != target:
                 continue  # `from pkg import name` where name is not a module: the package counts already
-            if module.startswith(target + ".") and not _imports_any_package(target, known[target]):
-                continue  # an enclosing package that imports nothing (router/ for router.placement)
+            if known.get(target, "").endswith("__init__.py") and not _imports_any_package(target, known[target]):
+                continue  # a package that imports nothing on the way (pdserve.loadgen for its yamlconfig)
             layer = layer_of(target)
             if layer is not None and layer < own:
                 violations.append(f"{os.path.relpath(path, REPO)}:{line}: {module} ({LAYER_NAMES[own]}) imports "
@@ -131,17 +139,37 @@ def test_no_module_imports_from_a_layer_above_it():
 def test_loadgen_imports_none_of_the_server_packages():
     violations = [
         f"{module} imports {target}"
-        for module, path in modules("loadgen").items()
+        for module, path in modules("pdserve.loadgen").items()
         for target, _ in imported_modules(module, path)
-        if target.split(".")[0] in PACKAGES
+        if ours(target) and target != ROOT and not target.startswith("pdserve.loadgen")
     ]
     assert not violations
 
 
+def test_the_namespace_root_imports_nothing():
+    """`pdserve/__init__.py` binds its names lazily: importing `pdserve.loadgen` or
+    `pdserve.kernels` must not run the engine."""
+    with open(os.path.join(REPO, "pdserve", "__init__.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    assert not [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+def test_nothing_but_the_namespace_is_importable_from_the_checkout():
+    """The design card's folders live inside the namespace (`pdserve/kernels/`, ...): a top-level
+    folder with an `__init__.py` would be importable as `kernels` wherever the checkout is on
+    sys.path (pytest's rootdir, `python -m` from it) and would shadow a registry package."""
+    packages = sorted(name for name in os.listdir(REPO) if os.path.isfile(os.path.join(REPO, name, "__init__.py")))
+    assert packages == ["pdserve", "tests"], packages
+    for name in ("kernels", "router", "kvtransfer", "launcher", "sim", "loadgen"):
+        proc = subprocess.run([sys.executable, "-c", f"import {name}; print({name}.__file__)"], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert REPO not in proc.stdout, (name, proc.stdout)
+
+
 def test_the_config_reader_imports_only_pydantic_and_yaml():
     allowed = {"pydantic", "yaml", "__future__"} | set(sys.stdlib_module_names)
-    path = os.path.join(REPO, "loadgen", "yamlconfig.py")
-    found = {target for target, _ in imported_modules("loadgen.yamlconfig", path)}
+    path = os.path.join(REPO, "pdserve", "loadgen", "yamlconfig.py")
+    found = {target for target, _ in imported_modules("pdserve.loadgen.yamlconfig", path)}
     assert {t.split(".")[0] for t in found} <= allowed, found
 
 
@@ -154,8 +182,8 @@ def _imports_of(package: str) -> list[tuple[str, str, str, int]]:
 def test_router_http_and_cluster_sides_do_not_import_each_other():
     violations = [
         f"{os.path.relpath(path, REPO)}:{line}: {module} imports {target}"
-        for module, path, target, line in _imports_of("router")
-        for side, other in (("router.http", "router.cluster"), ("router.cluster", "router.http"))
+        for module, path, target, line in _imports_of("pdserve.router")
+        for side, other in (("pdserve.router.http", "pdserve.router.cluster"), ("pdserve.router.cluster", "pdserve.router.http"))
         if (module == side or module.startswith(side + ".")) and (target == other or target.startswith(other + "."))
     ]
     assert not violations, "\n".join(violations)
@@ -166,22 +194,35 @@ def test_sim_imports_only_placement_of_the_router():
     parent package of router.placement, and holds no code)."""
     violations = [
         f"{os.path.relpath(path, REPO)}:{line}: {module} imports {target}"
-        for module, path, target, line in _imports_of("sim")
-        if target.split(".")[0] == "router" and target != "router"
-        and not (target == "router.placement" or target.startswith("router.placement."))
+        for module, path, target, line in _imports_of("pdserve.sim")
+        if target.startswith("pdserve.router") and target != "pdserve.router"
+        and not (target == "pdserve.router.placement" or target.startswith("pdserve.router.placement."))
     ]
     assert not violations, "\n".join(violations)
-    with open(os.path.join(REPO, "router", "__init__.py"), encoding="utf-8") as f:
+    with open(os.path.join(REPO, "pdserve", "router", "__init__.py"), encoding="utf-8") as f:
         assert not [node for node in ast.parse(f.read()).body if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
-def import_graph(packages) -> dict[str, set[str]]:
-    """module -> the modules (files of `packages`) it imports, parent packages included."""
-    known: dict[str, str] = {}
-    for package in packages:
-        known.update(modules(package))
-    return {module: {t for t, _ in imported_modules(module, path) if t in known and t != module}
-            for module, path in known.items()}
+def import_graph(package: str = ROOT) -> dict[str, set[str]]:
+    """module -> the modules (files of `package`) it imports, parent packages included, except
+    the module's own enclosing packages: Python runs those before the module whatever it imports,
+    so they are no choice of the module's (an explicit `from pkg import name` of one still counts)."""
+    known = modules(package)
+    graph = {}
+    for module, path in known.items():
+        edges = set()
+        named = imported_modules(module, path, explicit=True)
+        submodules = {(target.rsplit(".", 1)[0], line) for target, line in named if target in known}
+        for target, line in named:
+            if (target, line) in submodules and module.startswith(target + "."):
+                continue  # `from pkg import submodule` inside pkg: the package is only the way there
+            if target in known and target != module:
+                edges.add(target)
+        for target, _ in imported_modules(module, path):
+            if target in known and target != module and not module.startswith(target + "."):
+                edges.add(target)
+        graph[module] = edges
+    return graph
 
 
 def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -219,11 +260,11 @@ def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return circles
 
 
-@pytest.mark.parametrize("package", ["router", "sim"])
-def test_no_import_circle_between_files(package):
-    """No file imports, through any chain, a file that imports it back: the placement registry
-    (router.placement.registry) imports policies only by name, when it builds one."""
-    circles = import_circles(import_graph([package, "router"] if package != "router" else ["router"]))
+def test_no_import_circle_between_files():
+    """No file of the namespace imports, through any chain, a file that imports it back (the
+    placement registry imports policies only by name, when it builds one; the KV codec's kernels
+    are imported by the cache's FP8 path where they run)."""
+    circles = import_circles(import_graph())
     assert not circles, "\n".join(" <-> ".join(c) for c in circles)
 
 
@@ -235,10 +276,10 @@ def test_the_circle_check_finds_a_circle():
 def test_the_check_catches_an_upward_import(tmp_path):
     """The checker itself: an engine module importing the router is reported."""
     path = tmp_path / "engine_mod.py"
-    path.write_text("def f():\n    from router.http.server import create_app\n")
+    path.write_text("def f():\n    from pdserve.router.http.server import create_app\n")
     targets = [t for t, _ in imported_modules("pdserve.engine_mod", str(path))]
-    assert "router.http.server" in targets and "router" in targets
-    assert layer_of("pdserve.engine_mod") == 5 and layer_of("router.http.server") == 2
+    assert "pdserve.router.http.server" in targets and "pdserve.router" in targets
+    assert layer_of("pdserve.engine_mod") == 5 and layer_of("pdserve.router.http.server") == 2
     rel = tmp_path / "__init__.py"
     rel.write_text("from .sub import x\nfrom . import other\n")
     assert {"pdserve.worker.sub", "pdserve.worker.other"} <= {t for t, _ in imported_modules("pdserve.worker", str(rel))}
@@ -246,7 +287,7 @@ def test_the_check_catches_an_upward_import(tmp_path):
 
 def test_cli_runs_from_its_module_path():
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "--help"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "pdserve.launcher.cli", "--help"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "generate" in proc.stdout and "up" in proc.stdout
 
@@ -256,5 +297,6 @@ def test_console_script_points_at_the_composition_root():
 
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)
-    assert project["project"]["scripts"]["pdserve"] == "launcher.cli:main"
-    assert "launcher*" in project["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert project["project"]["scripts"]["pdserve"] == "pdserve.launcher.cli:main"
+    assert project["project"]["scripts"]["pdserve-loadgen"] == "pdserve.loadgen.cli:main"
+    assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["pdserve*"]

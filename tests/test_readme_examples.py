@@ -41,10 +41,10 @@ def test_check_clean_catches_what_the_old_example_printed(output):
 
 @pytest.fixture(scope="module")
 def router_url():
-    from launcher.cluster.serving import RouterSettings, build_app, load_router_model, make_router_policy
+    from pdserve.launcher.cluster.serving import RouterSettings, build_app, load_router_model, make_router_policy
     from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
     from pdserve.worker.server import WorkerConfig, WorkerServer
-    from router.cluster.directory import StaticDirectory
+    from pdserve.router.cluster.directory import StaticDirectory
     from tests.router.conftest import ServerThread
 
     workers = []

@@ -30,8 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from experiments.records import resolve  # noqa: E402
-from loadgen.metrics import SLO, meets_slo, summarize  # noqa: E402
-from loadgen.records import read_jsonl  # noqa: E402
+from pdserve.loadgen.metrics import SLO, meets_slo, summarize  # noqa: E402
+from pdserve.loadgen.records import read_jsonl  # noqa: E402
 
 CONFIGS = ("pd", "colocated", "hybrid-loose", "hybrid-tight")
 SLOS = {"loose": SLO(ttft_s=1.0, tpot_s=0.05), "tight": SLO(ttft_s=1.0, tpot_s=0.01)}

@@ -25,15 +25,15 @@ for step in "${steps[@]}"; do
   case "$step" in
     kv) "$py" benchmarks/bench_kvtransfer.py --device cuda --receiver-device cuda:1 --tokens 2048 8192 \
           --repeat 5 2>&1 | tee "$results/kvtransfer.txt" ;;
-    profile) "$py" -m launcher.cli profile --model "$model" --out "$results/profile.json" -q \
+    profile) "$py" -m pdserve.launcher.cli profile --model "$model" --out "$results/profile.json" -q \
           --prefill-tokens 128,512,1024,2048,4096 --decode-batches 1,8,32,64 --decode-contexts 512,2048 \
           --repeats 2 --decode-steps 8 2>&1 | tee "$results/profile.txt" ;;
-    profile-mixed) "$py" -m launcher.cli profile --model "$model" --out "$results/profile-mixed.json" -q \
+    profile-mixed) "$py" -m pdserve.launcher.cli profile --model "$model" --out "$results/profile-mixed.json" -q \
           --prefill-tokens 128,512,1024,2048,4096 --decode-batches 1,8,32,64 --decode-contexts 512,2048 \
           --repeats 2 --decode-steps 8 --mixed --mixed-batches 1,4,16,32,64 --mixed-chunks 64,128,256,512 \
           --mixed-context 2048 2>&1 | tee "$results/profile-mixed.txt" ;;
     pd|colocated|hybrid-loose|hybrid-tight|single)
-      "$py" -m loadgen.cli experiment "${SPEC:-experiments/two-gpu/spec.yaml}" --policy "$step" \
+      "$py" -m pdserve.loadgen.cli experiment "${SPEC:-experiments/two-gpu/spec.yaml}" --policy "$step" \
           --output-dir "$results/$step" --no-progress ;;
     analyze) "$py" experiments/two-gpu/analyze.py --results "$results" ;;
     *) echo "run.sh: unknown step '$step'" >&2; exit 2 ;;

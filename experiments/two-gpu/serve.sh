@@ -14,7 +14,7 @@ model=${TWO_GPU_MODEL:-random:llama-3.1-8b}
 profile=${TWO_GPU_PROFILE:-experiments/two-gpu/profile.json}
 # shellcheck disable=SC2206
 extra=(${TWO_GPU_ARGS:-})
-up=("$py" -m launcher.cli --log-level WARNING up --model "$model" --port "$port" "${extra[@]}")
+up=("$py" -m pdserve.launcher.cli --log-level WARNING up --model "$model" --port "$port" "${extra[@]}")
 case "$config" in
   pd)           exec "${up[@]}" --prefill 1 --decode 1 --policy round-robin ;;
   colocated)    exec "${up[@]}" --mode colocated --replicas 2 --policy least-loaded ;;

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pdserve.config import ModelConfig, RopeScaling
-from pdserve.loaders import ModelSource
+from pdserve.loaders.source import ModelSource
 from pdserve.loaders.layout import check_weight_shapes
 from pdserve.tokenizer import load_gguf_tokenizer
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pdserve.config import ModelConfig, RopeScaling
-from pdserve.loaders import ModelSource
+from pdserve.loaders.source import ModelSource
 from pdserve.loaders.layout import check_weight_shapes
 from pdserve.tokenizer import load_hf_tokenizer
 

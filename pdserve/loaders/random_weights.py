@@ -22,7 +22,7 @@ from urllib.parse import parse_qsl
 import torch
 
 from pdserve.config import ModelConfig, RopeScaling
-from pdserve.loaders import ModelSource, default_model_path
+from pdserve.loaders.source import ModelSource, default_model_path
 from pdserve.loaders.layout import expected_weight_shapes
 from pdserve.tokenizer import Tokenizer, load_gguf_tokenizer
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-import kernels
+from pdserve import kernels
 from pdserve.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ class LlamaModel(nn.Module):
 
     def pack_weights(self) -> None:
         """Puts the projections and the LM head in MKL's packed GEMM layout (fp32 on the CPU;
-        see kernels/linear.py), dropping their dense tensors. A tied LM head gets a packed
+        see pdserve/kernels/linear.py), dropping their dense tensors. A tied LM head gets a packed
         copy of its own: the embedding table stays dense for the lookups."""
         for layer in self.layers:
             for name in PROJECTIONS:

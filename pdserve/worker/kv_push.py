@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from kvtransfer import KVLayout, KVSender
-from kvtransfer.layout import FP8_FULL_HEAD_BLOCKS
+from pdserve.kvtransfer import KVLayout, KVSender
+from pdserve.kvtransfer.layout import FP8_FULL_HEAD_BLOCKS
 from pdserve.scheduler import ScheduledBatch
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-from kvtransfer import KVLayout, KVReceiver, KVSender, TransferResult
-from kvtransfer.shards import HeadPiece, HeadShards, RankHeads, copy_blocks, encode_routes, parse_routes, pieces_for, rank_groups
+from pdserve.kvtransfer import KVLayout, KVReceiver, KVSender, TransferResult
+from pdserve.kvtransfer.shards import HeadPiece, HeadShards, RankHeads, copy_blocks, encode_routes, parse_routes, pieces_for, rank_groups
 
 SenderFactory = Callable[[object], KVSender]  # kv_caches -> a backend sender over them
 ReceiverFactory = Callable[[object], KVReceiver]

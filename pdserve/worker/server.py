@@ -40,9 +40,9 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from kernels.kv_quant import warm_codec
-from kvtransfer import KVTransferCorrupt, KVTransferError, KVTransferTimeout, WIRE_VERSION, KVLayout, create_receiver, create_sender
-from kvtransfer.layout import WIRE_PRECISIONS
+from pdserve.kernels.kv_codec import warm_codec
+from pdserve.kvtransfer import KVTransferCorrupt, KVTransferError, KVTransferTimeout, WIRE_VERSION, KVLayout, create_receiver, create_sender
+from pdserve.kvtransfer.layout import WIRE_PRECISIONS
 from pdserve.config import ROLES, EngineConfig
 from pdserve.engine import LLMEngine
 from pdserve.proto import worker_pb2 as pb
@@ -523,7 +523,7 @@ class WorkerServer:
         self.pusher: KVPusher | None = None
         if config.sends_kv:
             # a "pacer" option may be a pacing spec string (kvtransfer.pacing_spec)
-            from kvtransfer.pacing_spec import sender_options
+            from pdserve.kvtransfer.pacing_spec import sender_options
 
             receiver_only = ("host", "port", "interface")  # where this worker's receiver listens
             sender_opts = sender_options({k: v for k, v in opts.items() if k not in receiver_only})

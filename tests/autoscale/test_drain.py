@@ -11,16 +11,16 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from launcher.autoscale.loop import Autoscaler  # noqa: E402
-from launcher.autoscale.rule import AutoscaleConfig  # noqa: E402
-from launcher.autoscale.window import ObservedBackend, RequestWindow  # noqa: E402
-from launcher.cluster.directory import RayDirectory  # noqa: E402
-from launcher.cluster.pools import ClusterPools, PoolSpec  # noqa: E402
-from launcher.cluster.resize import PoolResizer  # noqa: E402
+from pdserve.launcher.autoscale.loop import Autoscaler  # noqa: E402
+from pdserve.launcher.autoscale.rule import AutoscaleConfig  # noqa: E402
+from pdserve.launcher.autoscale.window import ObservedBackend, RequestWindow  # noqa: E402
+from pdserve.launcher.cluster.directory import RayDirectory  # noqa: E402
+from pdserve.launcher.cluster.pools import ClusterPools, PoolSpec  # noqa: E402
+from pdserve.launcher.cluster.resize import PoolResizer  # noqa: E402
 from pdserve.engine_args import ENGINE_DEFAULTS, engine_config  # noqa: E402
 from pdserve.sampling_params import SamplingParams  # noqa: E402
-from router.cluster.backend import ClusterBackend  # noqa: E402
-from router.placement.registry import make_policy  # noqa: E402
+from pdserve.router.cluster.backend import ClusterBackend  # noqa: E402
+from pdserve.router.placement.registry import make_policy  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 NAMESPACE = "pdserve-test-autoscale"

@@ -11,15 +11,15 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from launcher.autoscale import loop as loop_module
-from launcher.autoscale.loop import Autoscaler
-from launcher.autoscale.metrics import AutoscaleMetrics
-from launcher.autoscale.rule import AutoscaleConfig
-from launcher.autoscale.window import RequestWindow
-from launcher.cluster.config import load_up_config
+from pdserve.launcher.autoscale import loop as loop_module
+from pdserve.launcher.autoscale.loop import Autoscaler
+from pdserve.launcher.autoscale.metrics import AutoscaleMetrics
+from pdserve.launcher.autoscale.rule import AutoscaleConfig
+from pdserve.launcher.autoscale.window import RequestWindow
+from pdserve.launcher.cluster.config import load_up_config
 from pdserve.proto import worker_pb2 as pb
-from router.cluster.directory import WorkerEndpoint
-from router.cluster.worker_pool import PooledWorker
+from pdserve.router.cluster.directory import WorkerEndpoint
+from pdserve.router.cluster.worker_pool import PooledWorker
 
 
 class Clock:
@@ -270,7 +270,7 @@ def test_warm_spares_are_started_taken_by_an_addition_replaced_and_parked(monkey
         await scaler._spares_task
         assert resizer.started == 2
 
-        from launcher.autoscale.rule import Decision
+        from pdserve.launcher.autoscale.rule import Decision
         await scaler._add(Decision("add", "decode", "tpot_misses", "test"))
         assert resizer.log[2] == "promote decode-spare2" and "decode-spare2" in backend.pool.workers
         await scaler._spares_task  # the spare taken is replaced
@@ -291,7 +291,7 @@ def test_warm_spares_are_started_taken_by_an_addition_replaced_and_parked(monkey
 
 
 def test_up_load_auto_reads_the_autoscale_profile_and_names_a_bad_one(tmp_path):
-    from launcher.cluster.up import _autoscale_profile
+    from pdserve.launcher.cluster.up import _autoscale_profile
 
     profile = tmp_path / "p.json"
     profile.write_text(json.dumps({

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from launcher.autoscale.rule import AutoscaleConfig, ClusterState, PoolState, RuleMemory, decide as _decide
+from pdserve.launcher.autoscale.rule import AutoscaleConfig, ClusterState, PoolState, RuleMemory, decide as _decide
 
 
 def decide(*args):
@@ -370,8 +370,8 @@ def test_spares_setting():
 
 
 def test_up_load_auto_from_the_batch_cap_and_the_profile():
-    from launcher.autoscale.loop import resolve_up_load
-    from launcher.autoscale.rule import auto_up_load
+    from pdserve.launcher.autoscale.loop import resolve_up_load
+    from pdserve.launcher.autoscale.rule import auto_up_load
 
     value, why = auto_up_load(8)  # run 14's hand-set 6 of 8 slots
     assert value == 6.0 and "max_num_seqs 8" in why
@@ -395,8 +395,8 @@ def test_up_load_auto_from_the_batch_cap_and_the_profile():
 
 
 def test_up_load_auto_reads_the_profile_decode_steps():
-    from launcher.autoscale.loop import resolve_up_load
-    from router.placement.profiles import Profile
+    from pdserve.launcher.autoscale.loop import resolve_up_load
+    from pdserve.router.placement.profiles import Profile
 
     profile = Profile.from_dict({
         "version": 1, "hardware": {"device": "cpu", "name": "test"}, "model": "m", "dtype": "float32",

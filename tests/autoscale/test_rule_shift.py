@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.autoscale.rule import AutoscaleConfig, ClusterState, PoolState, RuleMemory, decide
+from pdserve.launcher.autoscale.rule import AutoscaleConfig, ClusterState, PoolState, RuleMemory, decide
 
 CONFIG = AutoscaleConfig(min_workers={"mixed": 1}, max_workers={"mixed": 4}, cooldown_s=20, interval_s=5)
 

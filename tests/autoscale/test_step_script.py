@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli import build_parser
-from launcher.cluster.config import load_up_config
+from pdserve.launcher.cli import build_parser
+from pdserve.launcher.cluster.config import load_up_config
 
 _SPEC = importlib.util.spec_from_file_location(
     "autoscale_step", Path(__file__).resolve().parents[2] / "benchmarks" / "autoscale_step.py")
@@ -23,7 +23,7 @@ def up_config(args, tmp_path):
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps({"autoscale": step.autoscale_settings(args)}))
     cmd = step.up_command(args, str(path))
-    assert cmd[:3] == ["-m", "launcher.cli", "up"]
+    assert cmd[:3] == ["-m", "pdserve.launcher.cli", "up"]
     ns = build_parser().parse_args(cmd[2:])
     flags = {k: v for k, v in vars(ns).items() if k not in ("command", "func", "log_level", "config")}
     return cmd, load_up_config(flags, ns.config)

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from launcher.autoscale.window import ObservedBackend, RequestWindow
+from pdserve.launcher.autoscale.window import ObservedBackend, RequestWindow
 from pdserve.sampling_params import RequestOutput
 
 
@@ -87,7 +87,7 @@ def test_observed_backend_records_ttft_tpot_and_failures():
 def test_running_requests_count_once_they_have_missed():
     clock = Clock()
     w = RequestWindow(slo_ttft=1.0, slo_tpot=0.1, clock=clock)
-    from launcher.autoscale.window import Live
+    from pdserve.launcher.autoscale.window import Live
 
     w.live[1] = Live(arrived=clock.t)  # no first token yet
     w.live[2] = Live(arrived=clock.t, first=clock.t + 0.2, last=clock.t + 1.0, tokens=5)  # 0.2 s per token

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import httpx
 import psutil
 
-from loadgen.launcher import free_port  # noqa: F401 (the cluster tests import it from here)
+from pdserve.loadgen.launcher import free_port  # noqa: F401 (the cluster tests import it from here)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
@@ -32,7 +32,7 @@ def cluster_env(**extra: str) -> dict[str, str]:
 def pdserve(*args: str, log_path: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """`pdserve <args>` in the background, stdout and stderr to log_path."""
     log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, "-m", "launcher.cli", *args], cwd=REPO, stdout=log,
+    return subprocess.Popen([sys.executable, "-m", "pdserve.launcher.cli", *args], cwd=REPO, stdout=log,
                             stderr=subprocess.STDOUT, env=env or cluster_env(), start_new_session=True)
 
 

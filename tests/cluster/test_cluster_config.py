@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.cli import build_parser, main
-from launcher.cluster.config import UpConfig, load_up_config, read_config_file, router_mode
-from launcher.cluster.ray_workers import assigned_cuda_index
-from launcher.cluster.up import pool_specs
+from pdserve.launcher.cli import build_parser, main
+from pdserve.launcher.cluster.config import UpConfig, load_up_config, read_config_file, router_mode
+from pdserve.launcher.cluster.ray_workers import assigned_cuda_index
+from pdserve.launcher.cluster.up import pool_specs
 from pdserve.engine_args import ENGINE_DEFAULTS
 
 
@@ -87,7 +87,7 @@ def test_bad_values_name_the_flag(kwargs, message):
 
 
 def test_policy_choices_come_from_the_routers_registry():
-    from router.placement.registry import POLICIES
+    from pdserve.router.placement.registry import POLICIES
 
     with pytest.raises(ValueError) as info:
         UpConfig(policy="fastest")
@@ -266,7 +266,7 @@ def test_cli_network_aware_switches_are_network_aware_only(capsys, flag):
 def test_no_calibration_reaches_the_network_aware_policy(tmp_path):
     from pathlib import Path
 
-    from launcher.cluster.serving import RouterSettings, make_router_policy
+    from pdserve.launcher.cluster.serving import RouterSettings, make_router_policy
 
     profile = str(Path(__file__).resolve().parents[2] / "experiments" / "profile-smollm2-cpu-1thread.json")
     assert UpConfig(policy="network-aware", profile=profile).no_calibration is False
@@ -295,7 +295,7 @@ def test_pool_specs_size_the_scheduler_for_the_workers_device():
     assert {(s.engine.scheduler.max_num_batched_tokens, s.engine.scheduler.max_num_seqs) for s in given} == {(8192, 32)}
     on_cpu = pool_specs(UpConfig(model="random:tiny-llama", device="cpu"), gpus_in_cluster=2)  # --device wins
     assert {s.engine.scheduler.max_num_batched_tokens for s in on_cpu} == {512}
-    from launcher.cluster.up import engine_sizes
+    from pdserve.launcher.cluster.up import engine_sizes
 
     assert engine_sizes(c, 1.0) == "max_num_batched_tokens=8192 max_num_seqs=256 (defaults for cuda)"
     assert engine_sizes(c, 0.0) == "max_num_batched_tokens=512 max_num_seqs=64 (defaults for cpu)"
@@ -332,7 +332,7 @@ def test_engine_switches_from_flags_file_and_environment(tmp_path, monkeypatch):
 
 
 def test_kv_wire_precision_from_the_file_and_checked(tmp_path):
-    from launcher.cluster.config import load_up_config
+    from pdserve.launcher.cluster.config import load_up_config
 
     path = tmp_path / "c.yaml"
     path.write_text("kv-wire-precision: fp8\n")

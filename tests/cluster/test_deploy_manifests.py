@@ -13,7 +13,7 @@ import shlex
 import pytest
 import yaml
 
-from launcher.cli import build_parser
+from pdserve.launcher.cli import build_parser
 
 DEPLOY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "deploy")
 SUBCOMMANDS = ("up", "worker", "router", "generate")
@@ -141,7 +141,7 @@ def test_dockerfile_cmd_and_readme_commands_parse():
 
 
 def test_readme_config_file_example_is_valid(tmp_path):
-    from launcher.cluster.config import load_up_config
+    from pdserve.launcher.cluster.config import load_up_config
 
     with open(os.path.join(DEPLOY, "README.md")) as f:
         (block,) = re.findall(r"```yaml\n(.*?)```", f.read(), re.S)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prometheus_client import generate_latest
 
-from router.metrics import RouterMetrics
+from pdserve.router.metrics import RouterMetrics
 
 _SPEC = importlib.util.spec_from_file_location(
     "gpu_serving", Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_serving.py")

@@ -1,4 +1,4 @@
-"""launcher.paced (link rates per pair, pacing files, topology, router flags) and the GPU
+"""pdserve.launcher.paced (link rates per pair, pacing files, topology, router flags) and the GPU
 sampler's parsers, without starting workers."""
 
 import argparse
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtransfer.pacing_spec import parse_pacing, read_pacing_file
-from launcher.gpu_sampler import GpuSampler, parse_pmon, parse_query_gpu
-from launcher.paced import (
+from pdserve.kvtransfer.pacing_spec import parse_pacing, read_pacing_file
+from pdserve.launcher.gpu_sampler import GpuSampler, parse_pmon, parse_query_gpu
+from pdserve.launcher.paced import (
     PacedError,
     apply_links,
     link_rates,
@@ -20,8 +20,8 @@ from launcher.paced import (
     router_argv,
     worker_spec,
 )
-from launcher.workers import worker_argv
-from router.placement.topology import load_topology
+from pdserve.launcher.workers import worker_argv
+from pdserve.router.placement.topology import load_topology
 
 CLUSTER = {"model": "random:tiny-llama", "token_file": "token", "workers": [
     {"id": "p0", "role": "prefill", "grpc": "127.0.0.1:5001", "pacing_file": "pacing-p0.txt"},
@@ -126,7 +126,7 @@ def test_router_refuses_a_dead_cluster(tmp_path):
     import subprocess
     import sys
 
-    from launcher.paced import check_alive
+    from pdserve.launcher.paced import check_alive
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()

@@ -2,7 +2,7 @@
 
 import pytest
 
-from launcher.cluster.pools import ClusterPools
+from pdserve.launcher.cluster.pools import ClusterPools
 
 
 class Group:  # a stand-in for a Ray placement group: compared by identity

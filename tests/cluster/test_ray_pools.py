@@ -12,8 +12,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from launcher.cluster.directory import RayDirectory  # noqa: E402
-from launcher.cluster.pools import ClusterPools, ClusterStartError, PoolSpec, actor_name, parse_actor_name  # noqa: E402
+from pdserve.launcher.cluster.directory import RayDirectory  # noqa: E402
+from pdserve.launcher.cluster.pools import ClusterPools, ClusterStartError, PoolSpec, actor_name, parse_actor_name  # noqa: E402
 from pdserve.engine_args import ENGINE_DEFAULTS, engine_config  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

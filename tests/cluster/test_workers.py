@@ -1,4 +1,4 @@
-"""launcher.workers is the one place that builds a worker: the command line and environment of a
+"""pdserve.launcher.workers is the one place that builds a worker: the command line and environment of a
 worker process, the `WorkerConfig` of `pdserve worker` and of a Ray actor. Every launcher goes
 through it (paced, emulated, Ray pools), and no other module assembles a worker command line."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtransfer.pacing_spec import PACER_OPTION
-from launcher.cli import build_parser, engine_config
-from launcher.workers import WorkerSpec, ray_actor, spec_from_args, worker_argv, worker_config, worker_env
+from pdserve.kvtransfer.pacing_spec import PACER_OPTION
+from pdserve.launcher.cli import build_parser, engine_config
+from pdserve.launcher.workers import WorkerSpec, ray_actor, spec_from_args, worker_argv, worker_config, worker_env
 from pdserve.config import EngineConfig
 from pdserve.proto.auth import TOKEN_ENV
 
@@ -24,8 +24,8 @@ TOKEN = "t" * 32
 
 
 def parse_back(argv: list[str], env: dict[str, str], monkeypatch) -> argparse.Namespace:
-    """What `python -m launcher.cli <argv>` parses, under `env`."""
-    assert argv[1:3] == ["-m", "launcher.cli"]
+    """What `python -m pdserve.launcher.cli <argv>` parses, under `env`."""
+    assert argv[1:3] == ["-m", "pdserve.launcher.cli"]
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -39,7 +39,7 @@ def test_the_command_line_reads_back_as_the_same_spec(monkeypatch, tmp_path):
                       kv_host="10.0.0.3", kv_interface="any", moves_kv=True, kv_pacing=f"file:{pacing}",
                       cluster_token=TOKEN, model="random:tiny-llama", device="cpu", engine_args=("--max-num-seqs", "3"), python="py")
     argv, env = worker_argv(spec), worker_env(spec)
-    assert argv[:4] == ["py", "-m", "launcher.cli", "worker"] and argv[-2:] == ["--max-num-seqs", "3"]
+    assert argv[:4] == ["py", "-m", "pdserve.launcher.cli", "worker"] and argv[-2:] == ["--max-num-seqs", "3"]
     assert TOKEN not in " ".join(argv) and env == {TOKEN_ENV: TOKEN}  # the token goes by environment only
     args = parse_back(argv, env, monkeypatch)
     back = spec_from_args(args)
@@ -78,7 +78,7 @@ def test_visible_devices_go_to_the_environment_in_bus_order():
 
 
 def test_worker_command_errors_name_the_flag(capsys, tmp_path):
-    from launcher.cli import main
+    from pdserve.launcher.cli import main
 
     for flags, needle in ((["--kv-pacing", "nonsense"], "--kv-pacing"),
                           (["--kv-pacing", f"file:{tmp_path / 'missing.txt'}"], "--kv-pacing"),
@@ -91,8 +91,8 @@ def test_worker_command_errors_name_the_flag(capsys, tmp_path):
 
 def test_pdserve_worker_serves_the_config_of_its_spec(monkeypatch):
     """`pdserve worker` builds its WorkerConfig through worker_config (with the pacer option)."""
-    import launcher.cluster.standalone as standalone
-    from launcher.cli import main
+    import pdserve.launcher.cluster.standalone as standalone
+    from pdserve.launcher.cli import main
 
     served = []
     monkeypatch.setattr(standalone, "run_worker", lambda config: served.append(config) or 0)
@@ -106,13 +106,13 @@ def test_pdserve_worker_serves_the_config_of_its_spec(monkeypatch):
 
 
 def test_paced_workers_use_it(tmp_path):
-    from launcher.paced import plan_workers, worker_spec
+    from pdserve.launcher.paced import plan_workers, worker_spec
 
     plan = plan_workers(1, 1, ["0", "1"])
     plan[0]["pacing_file"] = "pacing-p0.txt"
     prefill = worker_spec(plan[0], "m", 5000, tmp_path, ["--kv-cache-gib", "0.1"], TOKEN)
     argv = worker_argv(prefill)
-    assert argv[1:4] == ["-m", "launcher.cli", "worker"]
+    assert argv[1:4] == ["-m", "pdserve.launcher.cli", "worker"]
     assert argv[argv.index("--kv-pacing") + 1] == f"file:{tmp_path / 'pacing-p0.txt'}"
     assert argv[argv.index("--worker-id") + 1] == "p0" and argv[argv.index("--device") + 1] == "cuda:0"
     assert worker_env(prefill) == {TOKEN_ENV: TOKEN, "CUDA_VISIBLE_DEVICES": "0,1", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
@@ -120,8 +120,8 @@ def test_paced_workers_use_it(tmp_path):
 
 
 def test_emulated_workers_use_it(tmp_path):
-    from launcher.emulation.cluster import EmulatedDeployment
-    from launcher.emulation.spec import load_topology
+    from pdserve.launcher.emulation.cluster import EmulatedDeployment
+    from pdserve.launcher.emulation.spec import load_topology
 
     spec = load_topology(REPO / "launcher" / "emulation" / "examples" / "2p2d.yaml")
     deployment = EmulatedDeployment(spec, tmp_path, run_id="wspec")
@@ -129,7 +129,7 @@ def test_emulated_workers_use_it(tmp_path):
     deployment.cluster._created = True  # addresses only; nothing is created
     launch = deployment.worker_spec(2, spec.workers[2])
     assert (launch.role, launch.worker_id, launch.host, launch.port) == ("decode", "d0", "10.251.0.3", 50053)
-    assert worker_argv(launch)[1:4] == ["-m", "launcher.cli", "worker"]
+    assert worker_argv(launch)[1:4] == ["-m", "pdserve.launcher.cli", "worker"]
     assert worker_env(launch) == {TOKEN_ENV: deployment.cluster_token}
 
 
@@ -160,7 +160,7 @@ def test_ray_pool_workers_use_it():
 
 SOURCE_DIRS = ("launcher", "router", "pdserve", "kvtransfer", "kernels", "sim", "loadgen", "benchmarks",
                "experiments", "deploy")
-# a shell or YAML line that runs `python -m launcher.cli [...] worker` (or a worker module)
+# a shell or YAML line that runs `python -m pdserve.launcher.cli [...] worker` (or a worker module)
 SHELL_WORKER = re.compile(r"-m\s+([\w.]+\s.*\bworker\s+--|[\w.]*\bworker\b)")
 
 
@@ -175,7 +175,7 @@ def _source_files():
 
 def worker_command_lists(source: str, name: str = "<source>") -> list[int]:
     """Lines of list/tuple literals in Python `source` that run a worker with ``-m``: a module
-    followed by a "worker" subcommand (``"-m", "launcher.cli", "worker"``), or a worker module
+    followed by a "worker" subcommand (``"-m", "pdserve.launcher.cli", "worker"``), or a worker module
     (``"-m", "pdserve.worker.server"``, ``"-m", "x.worker"``)."""
     lines = []
     for node in ast.walk(ast.parse(source, name)):
@@ -191,11 +191,11 @@ def worker_command_lists(source: str, name: str = "<source>") -> list[int]:
 
 
 def test_the_check_finds_a_worker_command_line():
-    assert worker_command_lists('argv = [sys.executable, "-m", "launcher.cli", "worker", *flags]') == [1]
+    assert worker_command_lists('argv = [sys.executable, "-m", "pdserve.launcher.cli", "worker", *flags]') == [1]
     assert worker_command_lists('argv = [py, "-m", "pdserve.worker.server", "--role", r]') == [1]
     assert worker_command_lists('argv = [py, "-m", "pdserve.emulation.worker", "--kv-pacing", p, "--", *f]') == [1]
-    assert worker_command_lists('argv = [py, "-m", "launcher.cli", "router", "--worker", w]') == []
-    assert worker_command_lists('argv = [py, "-m", "launcher.cli", "up", "--port", "1"]') == []
+    assert worker_command_lists('argv = [py, "-m", "pdserve.launcher.cli", "router", "--worker", w]') == []
+    assert worker_command_lists('argv = [py, "-m", "pdserve.launcher.cli", "up", "--port", "1"]') == []
     assert SHELL_WORKER.search('"$py" -m launcher.cli --log-level INFO worker --role prefill')
     assert not SHELL_WORKER.search('"$py" -m launcher.cli up --model "$model"')
 
@@ -204,7 +204,7 @@ def test_no_other_module_assembles_a_worker_command_line():
     found = []
     for path in _source_files():
         rel = path.relative_to(REPO).as_posix()
-        if rel == "launcher/workers.py":
+        if rel == "pdserve/launcher/workers.py":
             continue
         text = path.read_text(errors="replace")
         if path.suffix == ".py":
@@ -215,11 +215,11 @@ def test_no_other_module_assembles_a_worker_command_line():
 
 
 def test_only_launcher_workers_constructs_a_worker_config_in_the_launcher():
-    """Within the composition root, `WorkerConfig(...)` is built in launcher/workers.py alone."""
+    """Within the composition root, `WorkerConfig(...)` is built in pdserve/launcher/workers.py alone."""
     found = []
     for path in (REPO / "launcher").rglob("*.py"):
         rel = path.relative_to(REPO).as_posix()
-        if rel == "launcher/workers.py":
+        if rel == "pdserve/launcher/workers.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), rel)):
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "WorkerConfig":

@@ -3,7 +3,7 @@ import secrets
 
 import pytest
 
-from launcher.emulation import list_links, list_namespaces, netns_permitted
+from pdserve.launcher.emulation import list_links, list_namespaces, netns_permitted
 
 _PERMITTED = netns_permitted()
 
@@ -17,7 +17,7 @@ def run_id():
     rid = f"t{os.getpid() % 1000}{secrets.token_hex(2)}"
     yield rid
     if _PERMITTED:
-        from launcher.emulation import cleanup
+        from pdserve.launcher.emulation import cleanup
 
         prefix = f"pds-{rid}-"
         left = list_namespaces(prefix) + list_links(prefix)

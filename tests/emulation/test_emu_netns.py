@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from launcher.emulation import EmulatedCluster, EmulationError, LinkSpec, cleanup
-from launcher.emulation.netns import NODE_DEVICE, list_links, list_namespaces
-from launcher.emulation.shaping import class_rates, qdiscs
+from pdserve.launcher.emulation import EmulatedCluster, EmulationError, LinkSpec, cleanup
+from pdserve.launcher.emulation.netns import NODE_DEVICE, list_links, list_namespaces
+from pdserve.launcher.emulation.shaping import class_rates, qdiscs
 from tests.emulation.conftest import assert_gone, needs_netns
 
 pytestmark = needs_netns
@@ -56,7 +56,7 @@ def test_exception_inside_block_cleans_up_and_stops_processes(run_id):
 
 
 def test_failure_while_creating_cleans_up(run_id, monkeypatch):
-    import launcher.emulation.shaping as shaping
+    import pdserve.launcher.emulation.shaping as shaping
 
     def broken(*args, **kwargs):
         raise EmulationError("tc exploded")
@@ -77,7 +77,7 @@ def test_signal_handlers_restored(run_id):
 
 _HOLDER = textwrap.dedent("""
     import sys, time
-    from launcher.emulation import EmulatedCluster, LinkSpec
+    from pdserve.launcher.emulation import EmulatedCluster, LinkSpec
     with EmulatedCluster(["a", "b"], {("a", "b"): LinkSpec(1)}, run_id=sys.argv[1]) as c:
         c.run_in("b", [sys.executable, "-c", "import time; time.sleep(600)"])
         print("ready", flush=True)
@@ -102,7 +102,7 @@ def test_cleanup_command_removes_leftovers_of_a_killed_run(run_id):
     proc.kill()  # SIGKILL: no handler runs, everything is left behind, a sleeper inside too
     proc.wait()
     assert list_namespaces(prefix) and list_links(prefix)
-    out = subprocess.run([sys.executable, "-m", "launcher.emulation", "cleanup", "--prefix", prefix],
+    out = subprocess.run([sys.executable, "-m", "pdserve.launcher.emulation", "cleanup", "--prefix", prefix],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert f"{prefix}n0" in out.stdout
@@ -126,7 +126,7 @@ def test_bad_arguments():
 
 
 def test_impair_and_restore_a_link(run_id):
-    from launcher.emulation.shaping import impair_link, netem_available, restore_link
+    from pdserve.launcher.emulation.shaping import impair_link, netem_available, restore_link
 
     if not netem_available():
         pytest.skip("this kernel has no tc netem (sch_netem)")

@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-import kvtransfer
+from pdserve import kvtransfer
 from pdserve.config import EngineConfig
-from launcher.emulation.kvprobe import make_caches, measure, num_blocks_for
-from kvtransfer.pacing_spec import (
+from pdserve.launcher.emulation.kvprobe import make_caches, measure, num_blocks_for
+from pdserve.kvtransfer.pacing_spec import (
     PACER_OPTION,
     PacingSpec,
     PatternPacer,
@@ -18,7 +18,7 @@ from kvtransfer.pacing_spec import (
     parse_pacing,
     sender_options,
 )
-from launcher.emulation.kvprobe import make_caches, measure, num_blocks_for
+from pdserve.launcher.emulation.kvprobe import make_caches, measure, num_blocks_for
 
 
 def test_parse_full_spec():
@@ -186,7 +186,7 @@ def test_measure_plan_several_rates_in_one_pair_of_processes(tmp_path):
     import importlib.util
     from pathlib import Path
 
-    from launcher.emulation.kvprobe import measure_plan, parse_plan
+    from pdserve.launcher.emulation.kvprobe import measure_plan, parse_plan
 
     def spawn(side, argv):
         return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from kvtransfer.pacing_spec import FilePacer, build_pacer, read_pacing_file
+from pdserve.kvtransfer.pacing_spec import FilePacer, build_pacer, read_pacing_file
 
 
 class Clock:

@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from launcher.emulation import EmulatedCluster, LinkSpec
-from launcher.emulation.kvprobe import measure, transfer_mb
+from pdserve.launcher.emulation import EmulatedCluster, LinkSpec
+from pdserve.launcher.emulation.kvprobe import measure, transfer_mb
 from tests.emulation.conftest import needs_netns
 
 pytestmark = needs_netns

@@ -4,9 +4,9 @@ import textwrap
 
 import pytest
 
-from launcher.emulation import EmulationSpecError, LinkSpec
-from launcher.emulation.cluster import topology_document
-from launcher.emulation.spec import load_topology
+from pdserve.launcher.emulation import EmulationSpecError, LinkSpec
+from pdserve.launcher.emulation.cluster import topology_document
+from pdserve.launcher.emulation.spec import load_topology
 
 GOOD = """\
 name: two
@@ -41,7 +41,7 @@ def test_good_spec(tmp_path):
 def test_topology_for_the_router_loads_with_its_loader(tmp_path):
     import yaml
 
-    topology = pytest.importorskip("router.placement.topology")
+    topology = pytest.importorskip("pdserve.router.placement.topology")
     spec = load_topology(_write(tmp_path, GOOD))
     out = tmp_path / "router-topology.yaml"
     out.write_text(yaml.safe_dump(topology_document(spec)))

@@ -1,4 +1,4 @@
-"""`python -m launcher.emulation up`: workers in namespaces, router on 127.0.0.1, a request
+"""`python -m pdserve.launcher.emulation up`: workers in namespaces, router on 127.0.0.1, a request
 through it whose KV crosses the shaped link; SIGTERM removes everything."""
 
 import dataclasses
@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from launcher.emulation.cluster import EmulatedDeployment
-from launcher.emulation.spec import load_topology
-from launcher.workers import worker_argv
+from pdserve.launcher.emulation.cluster import EmulatedDeployment
+from pdserve.launcher.emulation.spec import load_topology
+from pdserve.launcher.workers import worker_argv
 from tests.emulation.conftest import assert_gone, needs_netns
 
 SPEC = """\
@@ -37,24 +37,24 @@ def test_pacing_method_passes_the_pacer_to_workers(tmp_path):
     deployment.cluster.subnet = ipaddress.ip_network("10.250.0.0/24")
     deployment.cluster._created = True  # addresses only; nothing is created
     argv = worker_argv(deployment.worker_spec(0, deployment.spec.workers[0]))
-    assert argv[1:4] == ["-m", "launcher.cli", "worker"]
+    assert argv[1:4] == ["-m", "pdserve.launcher.cli", "worker"]
     assert argv[argv.index("--kv-pacing") + 1] == "10.250.0.2=2"
     assert argv[argv.index("--host") + 1] == "10.250.0.1"
     assert argv[-2:] == ["--kv-cache-gib", "0.05"]  # the spec's worker_args, last
     deployment.spec = dataclasses.replace(deployment.spec, method="tc")
     argv = worker_argv(deployment.worker_spec(0, deployment.spec.workers[0]))
-    assert argv[1:4] == ["-m", "launcher.cli", "worker"] and "--kv-pacing" not in argv
+    assert argv[1:4] == ["-m", "pdserve.launcher.cli", "worker"] and "--kv-pacing" not in argv
 
 
 @needs_netns
 @pytest.mark.slow
 def test_up_serves_and_sigterm_cleans_up(tmp_path, run_id):
-    from loadgen.launcher import free_port
+    from pdserve.loadgen.launcher import free_port
 
     spec = tmp_path / "spec.yaml"
     spec.write_text(SPEC)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "launcher.emulation", "up", str(spec), "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.launcher.emulation", "up", str(spec), "--port", str(port),
                              "--run-id", run_id, "--log-dir", str(tmp_path / "logs")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from launcher.cli import main
+from pdserve.launcher.cli import main
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
 
@@ -109,7 +109,7 @@ def test_cli_errors_are_one_line(capsys, args, flag):
 
 
 def test_cli_missing_file_exits_non_zero():
-    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "generate", "--prompt", "x", "--model",
+    proc = subprocess.run([sys.executable, "-m", "pdserve.launcher.cli", "generate", "--prompt", "x", "--model",
                            "/no/such/model.gguf"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "/no/such/model.gguf" in proc.stderr

@@ -72,7 +72,7 @@ def test_bench_engine_replay_cpu_path(tmp_path):
 @pytest.mark.timeout(120)
 def test_bench_engine_replay_points_write_records_the_simulator_reads(tmp_path):
     from experiments.sim_fidelity_one_gpu import runs
-    from loadgen.records import read_jsonl
+    from pdserve.loadgen.records import read_jsonl
 
     bench = load("bench_engine_replay")
     rc = bench.main(["--device", "cpu", "--requests", "5", "--point", "20:4@50", "--point", "12:6@80",

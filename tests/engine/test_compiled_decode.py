@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-import kernels
+from pdserve import kernels
 
 from pdserve.engine_args import engine_config
 from pdserve.llm import LLM
@@ -50,7 +50,7 @@ def test_compile_flag_reaches_the_cache_config():
 
 
 def test_packed_weights_default_on_cpu_fp32_same_tokens():
-    """CPU fp32 engines pack their projections and LM head (kernels/linear.py) unless told not
+    """CPU fp32 engines pack their projections and LM head (pdserve/kernels/linear.py) unless told not
     to; the greedy tokens are the same either way."""
     packed, packed_llm = _run(False, packed_weights=True, seed=7)
     dense, dense_llm = _run(False, packed_weights=False, seed=7)

@@ -2,7 +2,7 @@
 
 The tolerance against the full-precision cache, on the real SmolLM2 weights: e4m3 keeps 3
 mantissa bits, so every cached K/V element moves by up to 2^-4 of itself (one scale per token
-and head, kernels/kv_quant.py). Through 30 layers that shifts the log-probabilities by
+and head, pdserve/kernels/kv_quant.py). Through 30 layers that shifts the log-probabilities by
 ~0.03-0.35 nats on these prompts (measured). So we hold: (1) up to the first token where the
 greedy choices differ, every chosen token's log-probability is within 0.75 nats of the
 full-precision one; (2) where they differ it is a near tie: each token is in the other's

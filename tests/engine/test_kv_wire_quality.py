@@ -2,7 +2,7 @@
 on the CPU): benchmarks/kv_wire_quality.py's measurement at a small size.
 
 4 prompts, 16 greedy tokens, teacher-forced with the prompt's KV through the FP8 round trip that
-the KV plane runs (kernels.kv_quant.pack_blocks / unpack_blocks). Tolerance: the same argmax at
+the KV plane runs (kernels.kv_codec.pack_blocks / unpack_blocks). Tolerance: the same argmax at
 >= 95% of the 60 positions compared (at most 3 flips: a flip happens only at a near tie, and 60
 positions are too few to hold the benchmark's 99% without flaking on one tie); the mean drift of
 the continuation's log-probability below 0.1 nats (0.018 measured on 2 prompts). The teacher-forced

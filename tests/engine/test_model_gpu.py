@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_bf16_logits_and_tokens_match_transformers(hf_models, family):
-    import kernels
+    from pdserve import kernels
 
     model, path = hf_models[family]
     ref = model.to("cuda", torch.bfloat16)

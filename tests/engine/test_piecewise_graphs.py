@@ -153,7 +153,7 @@ def test_piecewise_steps_with_the_triton_kernels_and_dense_prefill(monkeypatch):
 
     monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "triton")
     monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", "dense")
-    pa = importlib.import_module("kernels.prefill_attention")
+    pa = importlib.import_module("pdserve.kernels.prefill_attention")
     calls = {"dense": 0}
     real = pa.dense_prefill_attention_triton
 

@@ -26,7 +26,7 @@ def run(path: str, monkeypatch, mode: str, batch: list[list[int]]):
     llm = LLM(path, dtype="float32", device="cpu", num_blocks=64, max_num_batched_tokens=48,
               overlap_steps=False)
     calls = {"dense": 0}
-    pa = importlib.import_module("kernels.prefill_attention")  # the package exports a function of that name
+    pa = importlib.import_module("pdserve.kernels.prefill_attention")  # the package exports a function of that name
 
     real = pa.dense_prefill_attention_triton
 
@@ -71,7 +71,7 @@ def test_warm_up_compiles_the_paged_kernel_when_fresh_prompts_skip_it(monkeypatc
                                       cache=CacheConfig(num_blocks=8),
                                       scheduler=SchedulerConfig(max_num_batched_tokens=32)))
 
-    pa = importlib.import_module("kernels.prefill_attention")
+    pa = importlib.import_module("pdserve.kernels.prefill_attention")
     seen = []
     real = pa.prefill_attention_triton
     monkeypatch.setattr(pa, "prefill_attention_triton",

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from launcher.cli import main
-from router.placement.profiles import load_profile
+from pdserve.launcher.cli import main
+from pdserve.router.placement.profiles import load_profile
 
 
 def test_profile_cli_writes_a_profile_that_loads(tmp_path, capsys):

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from launcher.cli import main
-from launcher.profile import Profiler
+from pdserve.launcher.cli import main
+from pdserve.launcher.profile import Profiler
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
-from router.placement.profiles import load_profile
+from pdserve.router.placement.profiles import load_profile
 
 TINY = ["--model", "random:tiny-llama", "--device", "cpu", "--kv-cache-gib", "0.01", "--quiet",
         "--prefill-tokens", "16,64", "--decode-batches", "1,2", "--decode-contexts", "16,64",

@@ -45,7 +45,7 @@ def test_chat_answers_paris_and_frees_blocks(llm):
 
 def test_cli_generate_answers_paris():
     proc = subprocess.run(
-        [sys.executable, "-m", "launcher.cli", "generate", "--prompt", "What is the capital of France?",
+        [sys.executable, "-m", "pdserve.launcher.cli", "generate", "--prompt", "What is the capital of France?",
          "--max-tokens", "24", "--device", "cpu"],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from kernels.dispatch import triton_available
+from pdserve.kernels.dispatch import triton_available
 
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from pdserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from kernels.decode_attention import (decode_attention_planned, decode_attention_ref, decode_attention_triton,
+from pdserve.kernels.decode_attention import (decode_attention_planned, decode_attention_ref, decode_attention_triton,
                                       decode_gather_plan)
-from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+from pdserve.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
 
 F32, F16 = torch.float32, torch.float16
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.cache import write_kv_cache_ref, write_kv_cache_triton
+from pdserve.kernels.cache import write_kv_cache_ref, write_kv_cache_triton
 
 
 def make(num_tokens, block_size, num_kv_heads, head_dim, dtype, seed=0):

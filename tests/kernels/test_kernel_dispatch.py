@@ -4,9 +4,9 @@ import sys
 import pytest
 import torch
 
-import kernels
-from kernels import dispatch, norm
-from kernels.dispatch import ENV_VAR, force_backend, kernel_backend
+from pdserve import kernels
+from pdserve.kernels import dispatch, norm
+from pdserve.kernels.dispatch import ENV_VAR, force_backend, kernel_backend
 
 
 @pytest.fixture

@@ -4,13 +4,13 @@ against the torch path, and attention over FP8 pools against full precision."""
 import pytest
 import torch
 
-from kernels import kv_quant
-from kernels.cache import write_kv_cache_ref, write_kv_cache_triton
-from kernels.decode_attention import (decode_attention_planned, decode_attention_ref, decode_attention_triton,
+from pdserve.kernels import kv_quant
+from pdserve.kernels.cache import write_kv_cache_ref, write_kv_cache_triton
+from pdserve.kernels.decode_attention import (decode_attention_planned, decode_attention_ref, decode_attention_triton,
                                       decode_gather_plan)
-from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
-from kernels.rope import rope_cos_sin_cache
-from kernels.rope_cache import rope_write_kv_ref, rope_write_kv_triton
+from pdserve.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+from pdserve.kernels.rope import rope_cos_sin_cache
+from pdserve.kernels.rope_cache import rope_write_kv_ref, rope_write_kv_triton
 
 FP8 = kv_quant.FP8_DTYPE
 NAN_BYTE = 0x7F  # e4m3fn NaN: unowned slots must never be read
@@ -84,7 +84,7 @@ def e4m3_probe_values() -> torch.Tensor:
 
 def test_e4m3_bits_match_torch_cast(needs_triton):
     """The kernels' float32 -> e4m3 byte (clamp to +-448, nearest even) equals torch's cast."""
-    from kernels.cache import e4m3_bytes_ref, e4m3_bytes_triton
+    from pdserve.kernels.cache import e4m3_bytes_ref, e4m3_bytes_triton
 
     x = e4m3_probe_values()
     got, ref = e4m3_bytes_triton(x), e4m3_bytes_ref(x)
@@ -128,8 +128,8 @@ def test_write_triton_matches_ref(needs_triton, tokens, hk, d, bs):
 
 def test_rope_write_triton_matches_ref(needs_triton):
     # kernels._jit binds `tl` in kernels.rope only when a kernel of that file first runs, and
-    # rope_write_kv uses its helpers (the load-order bug being fixed in kernels/_jit.py)
-    from kernels.rope import apply_rope_triton
+    # rope_write_kv uses its helpers (the load-order bug being fixed in pdserve/kernels/_jit.py)
+    from pdserve.kernels.rope import apply_rope_triton
 
     apply_rope_triton(torch.zeros(1, 1, 32), torch.zeros(1, 1, 32), torch.zeros(1, dtype=torch.long),
                       rope_cos_sin_cache(32, 4, 10000.0))

@@ -1,4 +1,4 @@
-"""`kernels.linear` with weights in MKL's packed GEMM layout (the CPU fp32 path): equal to
+"""`pdserve.kernels.linear` with weights in MKL's packed GEMM layout (the CPU fp32 path): equal to
 `torch.nn.functional.linear` at every batch size from one packed copy, eager and inside
 torch.compile; bad weights are refused."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import PackedWeight, linear, packing_available
+from pdserve.kernels import PackedWeight, linear, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="torch built without MKL")
 

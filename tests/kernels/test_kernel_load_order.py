@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.dispatch import triton_available
+from pdserve.kernels.dispatch import triton_available
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,12 +34,12 @@ def close(a, b):
 
 CASES = {
     "silu_and_mul": """
-from kernels.activation import silu_and_mul_triton, silu_and_mul_ref
+from pdserve.kernels.activation import silu_and_mul_triton, silu_and_mul_ref
 x = torch.randn(5, 64)
 close(silu_and_mul_triton(x), silu_and_mul_ref(x))
 """,
     "write_kv_cache": """
-from kernels.cache import write_kv_cache_triton, write_kv_cache_ref
+from pdserve.kernels.cache import write_kv_cache_triton, write_kv_cache_ref
 k, v = torch.randn(7, 2, 32), torch.randn(7, 2, 32)
 slots = torch.tensor([3, 17, 40, -1, 5, 90, 64])
 kc, vc = paged(); kr, vr = kc.clone(), vc.clone()
@@ -47,20 +47,20 @@ write_kv_cache_triton(k, v, kc, vc, slots); write_kv_cache_ref(k, v, kr, vr, slo
 close(kc, kr); close(vc, vr)
 """,
     "rms_norm": """
-from kernels.norm import rms_norm_triton, rms_norm_ref
+from pdserve.kernels.norm import rms_norm_triton, rms_norm_ref
 x, w = torch.randn(5, 64), torch.randn(64)
 close(rms_norm_triton(x, w, 1e-5), rms_norm_ref(x, w, 1e-5))
 """,
     "apply_rope": """
-from kernels.rope import apply_rope_triton, apply_rope_ref, rope_cos_sin_cache
+from pdserve.kernels.rope import apply_rope_triton, apply_rope_ref, rope_cos_sin_cache
 q, k = torch.randn(5, 4, 32), torch.randn(5, 2, 32)
 pos = torch.tensor([0, 3, 9, 1, 30]); cs = rope_cos_sin_cache(32, 64, 10000.0)
 for a, b in zip(apply_rope_triton(q, k, pos, cs), apply_rope_ref(q, k, pos, cs)):
     close(a, b)
 """,
     "rope_write_kv": """
-from kernels.rope import rope_cos_sin_cache
-from kernels.rope_cache import rope_write_kv_triton, rope_write_kv_ref
+from pdserve.kernels.rope import rope_cos_sin_cache
+from pdserve.kernels.rope_cache import rope_write_kv_triton, rope_write_kv_ref
 q, k, v = torch.randn(5, 4, 32), torch.randn(5, 2, 32), torch.randn(5, 2, 32)
 pos = torch.tensor([0, 3, 9, 1, 30]); cs = rope_cos_sin_cache(32, 64, 10000.0)
 slots = torch.tensor([3, 17, -1, 5, 90])
@@ -70,7 +70,7 @@ close(rope_write_kv_triton(q, k, v, pos, cs, kc, vc, slots),
 close(kc, kr); close(vc, vr)
 """,
     "decode_attention": """
-from kernels.decode_attention import decode_attention_triton, decode_attention_ref
+from pdserve.kernels.decode_attention import decode_attention_triton, decode_attention_ref
 kc, vc = paged()
 q = torch.randn(2, 4, 32)
 tables = torch.tensor([[4, 1, -1], [0, 5, 2]], dtype=torch.int32)
@@ -79,7 +79,7 @@ close(decode_attention_triton(q, kc, vc, tables, lens, 0.17),
       decode_attention_ref(q, kc, vc, tables, lens, 0.17))
 """,
     "prefill_attention": """
-from kernels.prefill_attention import prefill_attention_triton, prefill_attention_ref
+from pdserve.kernels.prefill_attention import prefill_attention_triton, prefill_attention_ref
 kc, vc = paged()
 q = torch.randn(9, 4, 32)
 tables = torch.tensor([[4, 1, -1], [0, 5, 2]], dtype=torch.int32)
@@ -89,15 +89,15 @@ close(prefill_attention_triton(q, kc, vc, tables, cu, lens, 0.17),
       prefill_attention_ref(q, kc, vc, tables, cu, lens, 0.17))
 """,
     "dense_prefill_attention": """
-from kernels.prefill_attention_dense import dense_prefill_attention_triton, dense_prefill_attention_ref
+from pdserve.kernels.prefill_attention_dense import dense_prefill_attention_triton, dense_prefill_attention_ref
 qkv = torch.randn(9, 8 * 32)
 q, k, v = qkv[:, :128].reshape(9, 4, 32).contiguous(), qkv[:, 128:192].view(9, 2, 32), qkv[:, 192:].view(9, 2, 32)
 cu = torch.tensor([0, 4, 9], dtype=torch.int32)
 close(dense_prefill_attention_triton(q, k, v, cu, 0.17), dense_prefill_attention_ref(q, k, v, cu, 0.17))
 """,
     "kv_copy": """
-from kernels.kv_copy import gather_blocks, gather_blocks_ref
-from kernels.dispatch import force_backend
+from pdserve.kernels.kv_copy import gather_blocks, gather_blocks_ref
+from pdserve.kernels.dispatch import force_backend
 pools = torch.randn(4, 6, 40)
 index = torch.tensor([5, 1, 2])
 got, want = torch.empty(4, 3, 40), torch.empty(4, 3, 40)
@@ -108,8 +108,9 @@ close(got, want)
 """,
     # the FP8 wire codec's kernels use kernels.cache's `_e4m3_bits`
     "kv_wire_codec": """
-from kernels.dispatch import force_backend
-from kernels.kv_quant import pack_blocks, pack_blocks_ref, unpack_blocks, unpack_blocks_ref
+from pdserve.kernels.dispatch import force_backend
+from pdserve.kernels.kv_codec import pack_blocks, unpack_blocks
+from pdserve.kernels.kv_quant import pack_blocks_ref, unpack_blocks_ref
 x = torch.randn(2, 16, 2, 32)
 with force_backend("triton"):
     raw = pack_blocks(x)
@@ -119,7 +120,7 @@ assert torch.equal(back, unpack_blocks_ref(raw, torch.float32))
 """,
     # The engine's forward: whichever kernel the model reaches first binds everything it needs.
     "engine_forward": """
-from kernels.dispatch import force_backend
+from pdserve.kernels.dispatch import force_backend
 from pdserve import LLM, SamplingParams
 params = SamplingParams(max_tokens=4, temperature=0)
 llm = LLM("random:tiny-llama")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.norm import rms_norm_ref, rms_norm_triton
+from pdserve.kernels.norm import rms_norm_ref, rms_norm_triton
 
 
 def hf_rms_norm(x, weight, eps):

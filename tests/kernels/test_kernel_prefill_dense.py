@@ -6,12 +6,12 @@ rope_write_kv; and when the dense path is taken."""
 import pytest
 import torch
 
-import kernels
-from kernels.dispatch import force_backend
-from kernels.prefill_attention import dense_applies, prefill_attention_ref
-from kernels.prefill_attention_dense import dense_prefill_attention_ref, dense_prefill_attention_triton
-from kernels.rope import apply_rope_ref, rope_cos_sin_cache
-from kernels.rope_cache import rope_write_kv_ref, rope_write_kv_triton
+from pdserve import kernels
+from pdserve.kernels.dispatch import force_backend
+from pdserve.kernels.prefill_attention import dense_applies, prefill_attention_ref
+from pdserve.kernels.prefill_attention_dense import dense_prefill_attention_ref, dense_prefill_attention_triton
+from pdserve.kernels.rope import apply_rope_ref, rope_cos_sin_cache
+from pdserve.kernels.rope_cache import rope_write_kv_ref, rope_write_kv_triton
 
 
 def fresh_step(lens, hq, hk, d, dtype, seed=0):

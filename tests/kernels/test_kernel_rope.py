@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
+from pdserve.kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
 from pdserve.config import RopeScaling
 
 LLAMA3 = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -4,9 +4,9 @@ kernel (interpreted on CPU) equals the reference."""
 import pytest
 import torch
 
-from kernels.cache import write_kv_cache_ref
-from kernels.rope import apply_rope_ref, rope_cos_sin_cache
-from kernels.rope_cache import rope_write_kv_ref, rope_write_kv_triton
+from pdserve.kernels.cache import write_kv_cache_ref
+from pdserve.kernels.rope import apply_rope_ref, rope_cos_sin_cache
+from pdserve.kernels.rope_cache import rope_write_kv_ref, rope_write_kv_triton
 
 
 def make(num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):

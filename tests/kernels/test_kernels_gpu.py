@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.cache import write_kv_cache_ref, write_kv_cache_triton
-from kernels.decode_attention import decode_attention_ref, decode_attention_triton
-from kernels.dispatch import triton_available
-from kernels.norm import rms_norm_ref, rms_norm_triton
-from kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
-from kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
+from pdserve.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from pdserve.kernels.cache import write_kv_cache_ref, write_kv_cache_triton
+from pdserve.kernels.decode_attention import decode_attention_ref, decode_attention_triton
+from pdserve.kernels.dispatch import triton_available
+from pdserve.kernels.norm import rms_norm_ref, rms_norm_triton
+from pdserve.kernels.prefill_attention import prefill_attention_ref, prefill_attention_triton
+from pdserve.kernels.rope import apply_rope_ref, apply_rope_triton, rope_cos_sin_cache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -105,7 +105,7 @@ def test_decode_attention(paged_kv, seq_lens, hq, hk, d, bs, num_splits):
 
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_rope_write_kv(block_size):
-    from kernels.rope_cache import rope_write_kv_ref, rope_write_kv_triton
+    from pdserve.kernels.rope_cache import rope_write_kv_ref, rope_write_kv_triton
 
     cache = rope_cos_sin_cache(128, 4096, 500000.0, None, device=DEV)
     qkv = torch.randn(60, (32 + 16) * 128, device=DEV, dtype=BF16)
@@ -151,10 +151,10 @@ def test_prefill_attention_configs(paged_kv, config):
                                prefill_attention_ref(*args), **TOL)
 
 
-# ---- FP8 KV pools (kernels/kv_quant.py) ----------------------------------------------------
+# ---- FP8 KV pools (pdserve/kernels/kv_quant.py) ----------------------------------------------------
 
 def _fp8_pools(num_blocks, bs, hk, d):
-    from kernels import kv_quant
+    from pdserve.kernels import kv_quant
 
     shape = kv_quant.fp8_pool_shape(num_blocks, bs, hk, d)
     return torch.zeros(shape, dtype=kv_quant.FP8_DTYPE, device=DEV), torch.zeros(shape, dtype=kv_quant.FP8_DTYPE, device=DEV)
@@ -162,7 +162,7 @@ def _fp8_pools(num_blocks, bs, hk, d):
 
 def _fp8_mismatch(ref, tri):
     """'' when the pools hold the same bytes, else how many scale and data bytes differ."""
-    from kernels import kv_quant
+    from pdserve.kernels import kv_quant
 
     out = []
     for name, a, b in zip("KV", ref, tri):
@@ -193,7 +193,7 @@ def test_write_kv_cache_fp8_exact(block_size):
 @pytest.mark.parametrize("hk, d, bs", [(8, 128, 16), (3, 64, 16), (3, 64, 32)])
 def test_rope_write_kv_fp8_exact(hk, d, bs):
     """The fused RoPE + KV write the engine runs (SmolLM2: 3 kv heads of 64) into FP8 pools."""
-    from kernels.rope_cache import rope_write_kv_ref, rope_write_kv_triton
+    from pdserve.kernels.rope_cache import rope_write_kv_ref, rope_write_kv_triton
 
     t, hq = 61, 3 * hk
     cache = rope_cos_sin_cache(d, 4096, 100000.0, None, device=DEV)
@@ -220,7 +220,7 @@ def test_rope_write_kv_fp8_exact(hk, d, bs):
 
 def test_fp8_e4m3_bits_match_torch_cast_on_gpu():
     """The kernels' float32 -> e4m3 byte against torch's CUDA cast (clamped to +-448)."""
-    from kernels.cache import e4m3_bytes_ref, e4m3_bytes_triton
+    from pdserve.kernels.cache import e4m3_bytes_ref, e4m3_bytes_triton
     from tests.kernels.test_kernel_kv_fp8 import e4m3_probe_values
 
     x = e4m3_probe_values().to(DEV)
@@ -257,7 +257,7 @@ def test_attention_fp8_pools(paged_kv, seq_lens, hq, hk, d, bs):
 def test_dense_prefill_attention(lens, hq, hk, d, tma):
     """Fresh prompts over their own strided K/V: both tile configurations (short and long
     sequences) and both load paths, against the torch reference."""
-    from kernels.prefill_attention_dense import dense_prefill_attention_ref, dense_prefill_attention_triton
+    from pdserve.kernels.prefill_attention_dense import dense_prefill_attention_ref, dense_prefill_attention_triton
 
     t = sum(lens)
     qkv = torch.randn(t, (hq + 2 * hk) * d, device=DEV, dtype=BF16)

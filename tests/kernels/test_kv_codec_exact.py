@@ -13,11 +13,11 @@ import pathlib
 import pytest
 import torch
 
-from kernels import kv_codec, kv_quant
-from kernels.dispatch import force_backend, triton_available
-from kernels.kv_codec import pack_blocks_triton, unpack_blocks_triton
-from kernels.kv_quant import (FP8_DTYPE, FP8_MAX, fp8_block_rows, pack_blocks, pack_blocks_ref, split_pool,
-                              unpack_blocks, unpack_blocks_ref)
+from pdserve.kernels import kv_codec, kv_quant
+from pdserve.kernels.dispatch import force_backend, triton_available
+from pdserve.kernels.kv_codec import pack_blocks_triton, unpack_blocks_triton
+from pdserve.kernels.kv_codec import pack_blocks, unpack_blocks
+from pdserve.kernels.kv_quant import FP8_DTYPE, FP8_MAX, fp8_block_rows, pack_blocks_ref, split_pool, unpack_blocks_ref
 
 
 def reference_pack(x: torch.Tensor) -> torch.Tensor:
@@ -273,11 +273,11 @@ def test_warm_codec_runs_the_kernels_for_float_pools_only(needs_triton):
     """`warm_codec` (a worker's start) runs the codec once where the kernels serve the pool's
     device, and does nothing for the torch path, an FP8 pool or a head_dim the wire cannot take."""
     pool = torch.randn(4, 16, 2, 8, dtype=torch.float32)
-    assert kv_quant.warm_codec(pool) is False  # auto on the CPU: torch ops, nothing to compile
+    assert kv_codec.warm_codec(pool) is False  # auto on the CPU: torch ops, nothing to compile
     with force_backend("triton"):
-        assert kv_quant.warm_codec(pool) is True
-        assert kv_quant.warm_codec(pool.to(FP8_DTYPE)) is False
-        assert kv_quant.warm_codec(torch.zeros(4, 16, 2, 6)) is False
+        assert kv_codec.warm_codec(pool) is True
+        assert kv_codec.warm_codec(pool.to(FP8_DTYPE)) is False
+        assert kv_codec.warm_codec(torch.zeros(4, 16, 2, 6)) is False
 
 
 def _compiled(kernel) -> int:
@@ -290,7 +290,7 @@ def test_warm_codec_compiles_what_a_transfer_launches():
     """After `warm_codec` on a Llama-3.1-8B bf16 pool, a transfer's gathered layer (K and V of 128
     blocks, packed at the sender, unpacked at the receiver) compiles nothing more."""
     pool = torch.zeros(256, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
-    assert kv_quant.warm_codec(pool)
+    assert kv_codec.warm_codec(pool)
     pack, unpack = kv_codec._TRITON.get("_pack_kernel"), kv_codec._TRITON.get("_unpack_kernel")
     before = (_compiled(pack), _compiled(unpack))
     staged = torch.empty(1, 2, 128, 16, 8, 128, dtype=torch.bfloat16, device="cuda").normal_()

@@ -74,8 +74,8 @@ class _Child:
         self.sender_caches = None
 
     def open_receiver(self, spec: CacheSpec, wire_version: int | None = None, **options):
-        import kvtransfer
-        from kvtransfer import layout
+        from pdserve import kvtransfer
+        from pdserve.kvtransfer import layout
 
         layout.WIRE_VERSION = wire_version if wire_version is not None else _WIRE_VERSION
         if self.receiver is not None:
@@ -85,7 +85,7 @@ class _Child:
         return self.receiver.address()
 
     def open_sender(self, spec: CacheSpec, seed: int, **options):
-        import kvtransfer
+        from pdserve import kvtransfer
 
         if self.sender is not None:
             self.sender.close()
@@ -153,7 +153,7 @@ class _Child:
 
 def _serve(conn) -> None:
     global _WIRE_VERSION
-    from kvtransfer import layout
+    from pdserve.kvtransfer import layout
 
     _WIRE_VERSION = layout.WIRE_VERSION
     child = _Child()

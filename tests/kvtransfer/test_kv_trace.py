@@ -1,4 +1,4 @@
-"""kvtransfer.trace: the time points of a real UCX transfer, in a fresh process (the switch is
+"""pdserve.kvtransfer.trace: the time points of a real UCX transfer, in a fresh process (the switch is
 read at import), and the monotonic end times the benchmark lines up across processes."""
 
 import json
@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 SCRIPT = r"""
 import json, time, torch, kvtransfer
-from kvtransfer import trace
+from pdserve.kvtransfer import trace
 
 def caches():
     return [(torch.randn(8, 4, 2, 8), torch.randn(8, 4, 2, 8)) for _ in range(3)]
@@ -68,7 +68,7 @@ def test_trace_off_marks_nothing():
 
 DUMP = r"""
 import time
-from kvtransfer import trace
+from pdserve.kvtransfer import trace
 trace.mark("s.flush", 7, 0)
 trace.mark("s.ack", 7)
 time.sleep(1.5)  # the dump thread writes every half second
@@ -95,7 +95,7 @@ def test_a_served_process_dumps_its_points_to_the_trace_dir(tmp_path):
 
 TRANSFERS = r"""
 import time, torch, kvtransfer
-from kvtransfer import trace
+from pdserve.kvtransfer import trace
 
 def caches():
     return [(torch.randn(8, 4, 2, 8), torch.randn(8, 4, 2, 8)) for _ in range(3)]

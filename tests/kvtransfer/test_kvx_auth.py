@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-import kvtransfer
-from kvtransfer import KVTransferError
-from kvtransfer.auth import (
+from pdserve import kvtransfer
+from pdserve.kvtransfer import KVTransferError
+from pdserve.kvtransfer.auth import (
     NONCE_BYTES,
     PROOF_BYTES,
     address_allowed,
@@ -65,7 +65,7 @@ def _send(sender, address: str, transfer_id: str):
 def test_receiver_with_token_refuses_a_sender_without_it(peer, sender_token, caplog):
     address = peer.call("open_receiver", FP32, token=TOKEN)
     peer.call("expect", "refused", DST, 3, 10.0)
-    with caplog.at_level(logging.ERROR, logger="kvtransfer.ucx"):
+    with caplog.at_level(logging.ERROR, logger="pdserve.kvtransfer.ucx"):
         with kvtransfer.create_sender("ucx", make_caches(FP32, seed=1), token=sender_token) as sender:
             with pytest.raises(KVTransferError, match="KV peer refused: cluster token mismatch"):
                 _send(sender, address, "refused")
@@ -82,7 +82,7 @@ def test_receiver_refusal_is_logged_and_nothing_lands(peer, caplog):
     """The receiver's side of a refusal, in this process: its log names the reason, and the
     expected transfer is still pending, untouched, when the refused sender is gone."""
     dst = make_caches(FP32, seed=None)
-    with caplog.at_level(logging.ERROR, logger="kvtransfer.ucx"):
+    with caplog.at_level(logging.ERROR, logger="pdserve.kvtransfer.ucx"):
         with kvtransfer.create_receiver("ucx", dst, token=TOKEN) as receiver:
             receiver.expect("refused", DST, 3, deadline_s=10)
             peer.call("open_sender", FP32, 5, token=OTHER)

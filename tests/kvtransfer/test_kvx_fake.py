@@ -4,8 +4,8 @@ import time
 import pytest
 import torch
 
-import kvtransfer
-from kvtransfer import KVTransferError, KVTransferTimeout
+from pdserve import kvtransfer
+from pdserve.kvtransfer import KVTransferError, KVTransferTimeout
 from kvx_peer import CacheSpec, make_caches
 
 SPEC = CacheSpec(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8)

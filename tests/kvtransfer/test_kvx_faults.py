@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvtransfer
-from kvtransfer import KVTransferCorrupt, KVTransferError, KVTransferTimeout
-from kvtransfer.faults import FaultInjector, parse_faults
+from pdserve import kvtransfer
+from pdserve.kvtransfer import KVTransferCorrupt, KVTransferError, KVTransferTimeout
+from pdserve.kvtransfer.faults import FaultInjector, parse_faults
 from kvx_peer import CacheSpec, Peer, PeerError, make_caches
 
 SPEC = CacheSpec(num_layers=4, num_blocks=32, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")

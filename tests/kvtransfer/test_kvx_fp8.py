@@ -1,11 +1,11 @@
-"""FP8 KV pools (kernels/kv_quant.py) through the fake backend: the quantized bytes and their
+"""FP8 KV pools (pdserve/kernels/kv_quant.py) through the fake backend: the quantized bytes and their
 per-block scales land exactly, in 17/32 of the bytes a bf16 pool of the same blocks ships."""
 
 import pytest
 import torch
 
-import kvtransfer
-from kernels import kv_quant
+from pdserve import kvtransfer
+from pdserve.kernels import kv_quant
 
 LAYERS, BLOCKS, BS, HK, D = 2, 8, 16, 2, 64
 

@@ -4,9 +4,9 @@ import json
 
 import torch
 
-from kvtransfer.ipc import export_pools, host_id, import_pools
-from kvtransfer.layout import PULL, KVLayout, NackReason
-from kvtransfer.ledger import PullSource, ReceiveLedger
+from pdserve.kvtransfer.ipc import export_pools, host_id, import_pools
+from pdserve.kvtransfer.layout import PULL, KVLayout, NackReason
+from pdserve.kvtransfer.ledger import PullSource, ReceiveLedger
 
 
 def stacked(blocks=6, layers=2):
@@ -42,7 +42,7 @@ def test_a_pulled_message_with_bad_source_ids_is_dropped():
     nacks = []
     ledger = ReceiveLedger(caches, KVLayout.from_caches(caches), on_nack=lambda peers, key, reason: nacks.append(reason))
     ledger.expect("t", [1, 2], 2, 10.0)
-    from kvtransfer.layout import transfer_key
+    from pdserve.kvtransfer.layout import transfer_key
 
     remote = stacked(blocks=4)
     assert ledger.land_many([(transfer_key("t"), 0, [1, 2], PullSource(remote, [0, 9], 2), "peer")]) == [False]
@@ -55,7 +55,7 @@ def test_a_pulled_message_with_bad_source_ids_is_dropped():
 
 
 def test_pulled_messages_map_each_source_block_to_its_destination():
-    from kvtransfer.layout import transfer_key
+    from pdserve.kvtransfer.layout import transfer_key
 
     dst = torch.zeros(2, 2, 6, 4, 2, 8)
     caches = [(dst[i, 0], dst[i, 1]) for i in range(2)]

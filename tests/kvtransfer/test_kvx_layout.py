@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from kvtransfer import KVLayout, KVTransferError
-from kvtransfer import layout as wire
-from kvtransfer.layout import MsgKind, WireHeader, check_handshake, pack_hello, unpack_header, unpack_layout
+from pdserve.kvtransfer import KVLayout, KVTransferError
+from pdserve.kvtransfer import layout as wire
+from pdserve.kvtransfer.layout import MsgKind, WireHeader, check_handshake, pack_hello, unpack_header, unpack_layout
 
 
 def caches(layers=2, blocks=5, bs=4, heads=2, dim=8, dtype=torch.float32):

@@ -11,14 +11,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-import kvtransfer
-from kvtransfer import KVTransferError, KVTransferTimeout
-from kvtransfer.errors import KVTransferError as _Err
+from pdserve import kvtransfer
+from pdserve.kvtransfer import KVTransferError, KVTransferTimeout
+from pdserve.kvtransfer.errors import KVTransferError as _Err
 from kvx_peer import CacheSpec, Peer, PeerError, block_bytes, make_caches
 
 
 def _nixl_missing() -> str | None:
-    from kvtransfer.nixl import load_nixl
+    from pdserve.kvtransfer.nixl import load_nixl
 
     try:
         load_nixl()
@@ -128,7 +128,7 @@ def test_nixl_write_splits_a_layer_over_slots_and_waits_for_credits(peer):
 def test_nixl_bad_slot_environment_is_refused_by_name():
     import os
 
-    from kvtransfer.nixl import _slot_config
+    from pdserve.kvtransfer.nixl import _slot_config
 
     old = os.environ.get("PDSERVE_NIXL_SLOTS")
     os.environ["PDSERVE_NIXL_SLOTS"] = "zero"
@@ -232,7 +232,7 @@ def test_nixl_direct_cancel_fences_the_sender(peer):
 
 
 def test_nixl_direct_sender_that_ignores_a_fence_is_disconnected(peer, monkeypatch):
-    from kvtransfer.nixl import NixlSender
+    from pdserve.kvtransfer.nixl import NixlSender
 
     monkeypatch.setattr(NixlSender, "_serve_fences", lambda self, link: None)
     src = make_caches(FP32, seed=42)
@@ -498,8 +498,8 @@ def test_nixl_fp8_wire_goes_on_the_staged_write(peer, op):
     """precision="fp8": the staged WRITE quantizes each slot after its gather and the receiver
     lands the FP8 round trip of the source blocks (kernels.kv_quant) in the FP8 wire's bytes;
     DIRECT and READ move the pools' bytes as they are (exact, full-precision bytes)."""
-    from kernels import kv_quant
-    from kvtransfer.layout import KVLayout
+    from pdserve.kernels import kv_codec
+    from pdserve.kvtransfer.layout import KVLayout
 
     src = make_caches(FP32, seed=21)
     address = peer.call("open_receiver", FP32)
@@ -521,7 +521,7 @@ def test_nixl_fp8_wire_goes_on_the_staged_write(peer, op):
             raw = after[layer][pool]
             want = src[layer][pool][src_ids]
             if fp8:
-                want = kv_quant.unpack_blocks(kv_quant.pack_blocks(want), torch.float32)
+                want = kv_codec.unpack_blocks(kv_codec.pack_blocks(want), torch.float32)
                 assert not torch.equal(want, src[layer][pool][src_ids])  # lossy: the test can tell
             assert torch.equal(raw[dst_ids], want)
     assert peer.call("metrics")["messages_dropped"] == 0
@@ -533,7 +533,7 @@ def test_nixl_paced_link_runs_at_its_set_rate_and_reports_it(peer, op):
     98 KB at 0.05 Gbit/s take ~0.45 s, not the unpaced few ms; the blocks land exactly; the bytes
     the bucket held back over phase "link" read the SET rate (what the router measures a paced
     link by); an unpaced transfer reports no "link" phase."""
-    from kvtransfer.pacing import LinkPacer
+    from pdserve.kvtransfer.pacing import LinkPacer
 
     spec = CacheSpec(num_layers=30, num_blocks=8, block_size=16, num_kv_heads=3, head_dim=64)
     rate = 0.05  # 6.25 MB/s: a layer takes ~16 ms, well above a staging slot's round trip here
@@ -576,7 +576,7 @@ def test_nixl_corrupt_or_dropped_slots_fail_the_transfer_and_land_nothing(peer, 
     """The staged WRITE with faults: a slot flipped after its CRC-32 fails the transfer with NACK
     CORRUPT (the receiver checks every slot on CPU pools); a slot never written leaves it to its
     deadline. Nothing lands either way; a clean sender then lands exactly on the same receiver."""
-    from kvtransfer import KVTransferCorrupt
+    from pdserve.kvtransfer import KVTransferCorrupt
 
     src = make_caches(FP32, seed=31)
     address = peer.call("open_receiver", FP32)

@@ -2,8 +2,8 @@ import time
 
 import pytest
 
-import kvtransfer
-from kvtransfer import LinkPacer, TokenBucket
+from pdserve import kvtransfer
+from pdserve.kvtransfer import LinkPacer, TokenBucket
 from kvx_peer import CacheSpec, make_caches
 
 

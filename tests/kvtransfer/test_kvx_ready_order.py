@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from kvtransfer.staging import ready_prefix
-from kvtransfer.ucx import UcxSender
+from pdserve.kvtransfer.staging import ready_prefix
+from pdserve.kvtransfer.ucx import UcxSender
 
 
 class Event:
@@ -140,7 +140,7 @@ class _NixlLedger(_Ledger):
 
 
 def test_nixl_direct_posts_the_computed_layers_before_waiting_for_the_next():
-    from kvtransfer.nixl import NixlSender, _Link
+    from pdserve.kvtransfer.nixl import NixlSender, _Link
 
     sender = NixlSender.__new__(NixlSender)  # only what _post_direct touches: ledger, pacer, the WRITE
     sender._ledger, sender._pacer = _NixlLedger(), None

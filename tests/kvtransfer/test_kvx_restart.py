@@ -11,11 +11,11 @@ import time
 import pytest
 import torch
 
-import kvtransfer
-from kvtransfer import KVTransferError
-from kvtransfer.ucx_runtime import address_incarnation, parse_address
+from pdserve import kvtransfer
+from pdserve.kvtransfer import KVTransferError
+from pdserve.kvtransfer.ucx_runtime import address_incarnation, parse_address
 from kvx_peer import CacheSpec, Peer, make_caches
-from loadgen.launcher import free_port
+from pdserve.loadgen.launcher import free_port
 
 SPEC = CacheSpec(num_layers=3, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 
@@ -81,7 +81,7 @@ def test_restart_at_the_same_address():
 
 
 def test_the_runtime_listens_with_reuseaddr_unless_told_otherwise(monkeypatch):
-    from kvtransfer import ucx_runtime
+    from pdserve.kvtransfer import ucx_runtime
 
     pytest.importorskip("ucxx")
     monkeypatch.delenv("UCX_TCP_CM_REUSEADDR", raising=False)

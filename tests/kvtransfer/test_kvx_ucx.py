@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-import kvtransfer
-from kvtransfer import KVTransferError, KVTransferTimeout
+from pdserve import kvtransfer
+from pdserve.kvtransfer import KVTransferError, KVTransferTimeout
 from kvx_peer import CacheSpec, Peer, PeerError, block_bytes, make_caches
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,7 +31,7 @@ def loop_threads():
 
 
 def test_ucx_imports_wheel_library():
-    from kvtransfer.ucx_runtime import UcxRuntime, ucx_library_path
+    from pdserve.kvtransfer.ucx_runtime import UcxRuntime, ucx_library_path
 
     runtime = UcxRuntime.acquire()  # raises KVTransferError if ucxx cannot initialise
     try:
@@ -282,7 +282,7 @@ def test_ucx_coalesce_bytes_is_checked():
 def test_ucx_stacked_pools_one_op_per_message():
     """Pools that are views of one [layers, 2, ...] allocation (as the engine makes them) are
     gathered and scattered a message at a time; the blocks land exactly, in-process over UCX."""
-    from kvtransfer.staging import stacked_pools
+    from pdserve.kvtransfer.staging import stacked_pools
 
     gen = torch.Generator().manual_seed(7)
     src_pools = torch.randn((3, 2, 16, 4, 2, 8), generator=gen)
@@ -366,7 +366,7 @@ def test_ucx_stray_connection_changes_nothing():
 
     import numpy as np
 
-    from kvtransfer.ucx_runtime import UcxRuntime, parse_address
+    from pdserve.kvtransfer.ucx_runtime import UcxRuntime, parse_address
 
     src = make_caches(FP32, seed=41)
     dst = make_caches(FP32, seed=None)

@@ -1,6 +1,6 @@
 """KV precision per transfer: one sender sends a transfer in full precision and the next in
 FP8 (send_layer(precision=)) to the same receiver. The full one lands bit-exact; the FP8 one
-lands as the FP8 round trip of the source (kernels.kv_quant.pack_blocks / unpack_blocks, the
+lands as the FP8 round trip of the source (kernels.kv_codec.pack_blocks / unpack_blocks, the
 FP8 cache's own quantization), in (BS + R) / (BS x itemsize) of the bytes. Over the fake
 backend and UCX in one process, with plain and stacked (engine-like) pools, one layer per
 message and coalesced, pull path on (an FP8 message is never pulled)."""
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvtransfer
-from kernels import kv_quant
-from kvtransfer.layout import KVLayout
+from pdserve import kvtransfer
+from pdserve.kernels import kv_codec, kv_quant
+from pdserve.kvtransfer.layout import KVLayout
 
 LAYERS, BLOCKS, BS, HK, D = 3, 16, 16, 2, 64
 
@@ -31,7 +31,7 @@ def stack(caches):
 
 
 def round_trip(blocks):
-    return kv_quant.unpack_blocks(kv_quant.pack_blocks(blocks), blocks.dtype)
+    return kv_codec.unpack_blocks(kv_codec.pack_blocks(blocks), blocks.dtype)
 
 
 CASES = [("fake", {}), ("ucx", {}), ("ucx", {"coalesce_bytes": 1 << 20})]
@@ -132,7 +132,7 @@ def test_pack_blocks_layout_and_channel_scales():
     k = torch.randn(4 * BS, HK, D, generator=gen)
     k[:, :, 1] *= 200  # an outlier channel
     k[:, :, 2] *= 1e-4  # a channel far below the token's largest value
-    packed = kv_quant.pack_blocks(k.view(4, BS, HK, D))
+    packed = kv_codec.pack_blocks(k.view(4, BS, HK, D))
     rows = kv_quant.fp8_block_rows(BS, D)
     assert packed.shape == (4, rows, HK, D) and rows == BS + kv_quant.scale_rows(BS, D) + 1
     exp = packed[:, -1].view(torch.int8).long()  # [4, HK, D]
@@ -142,7 +142,7 @@ def test_pack_blocks_layout_and_channel_scales():
     pool = torch.zeros(kv_quant.fp8_pool_shape(4, BS, HK, D), dtype=kv_quant.FP8_DTYPE)
     kv_quant.write_fp8_ref(y.reshape(-1, HK, D), y.reshape(-1, HK, D), pool, pool.clone(), torch.arange(4 * BS))
     assert torch.equal(packed[:, :-1], pool.view(torch.uint8))
-    back = kv_quant.unpack_blocks(packed, torch.float32)
+    back = kv_codec.unpack_blocks(packed, torch.float32)
     want = kv_quant.gather_blocks(pool, torch.arange(4), torch.float32) * 2.0 ** exp[:, None]
     assert torch.equal(back, want)
     assert torch.equal(kv_quant.round_trip(k[:32], BS), back.reshape(-1, HK, D)[:32])

@@ -5,12 +5,12 @@ import logging
 
 import torch
 
-from kvtransfer import nixl
+from pdserve.kvtransfer import nixl
 
 
 def test_cuda_pools_warn_once_and_host_pools_never(caplog, monkeypatch):
     monkeypatch.setattr(nixl, "_CUDA_WARNED", type(nixl._CUDA_WARNED)())
-    with caplog.at_level(logging.WARNING, logger="kvtransfer.nixl"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.kvtransfer.nixl"):
         nixl._warn_on_cuda(torch.device("cpu"), "write")
         assert not caplog.records
         nixl._warn_on_cuda(torch.device("cuda", 1), "write")

@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from launcher.cli import build_parser, main
-from launcher.cluster.config import load_up_config
-from launcher.cluster.serving import load_router_model
-from launcher.cluster.up import pool_specs
+from pdserve.launcher.cli import build_parser, main
+from pdserve.launcher.cluster.config import load_up_config
+from pdserve.launcher.cluster.serving import load_router_model
+from pdserve.launcher.cluster.up import pool_specs
 from pdserve.llm import LLM
 from pdserve.loaders import load_model_source, load_tokenizer
 from pdserve.sampling_params import SamplingParams

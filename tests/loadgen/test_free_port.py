@@ -1,10 +1,10 @@
-"""loadgen.launcher.free_port: ports for servers the tools start, outside the kernel's ephemeral range."""
+"""pdserve.loadgen.launcher.free_port: ports for servers the tools start, outside the kernel's ephemeral range."""
 
 from __future__ import annotations
 
 import socket
 
-from loadgen import launcher
+from pdserve.loadgen import launcher
 
 
 def test_ports_are_below_the_ephemeral_range_bindable_and_never_handed_twice():

@@ -3,8 +3,8 @@ import json
 import numpy as np
 import pytest
 
-from loadgen.arrivals import arrival_offsets, constant_offsets, gamma_offsets, load_trace, poisson_offsets
-from loadgen.errors import TraceFormatError
+from pdserve.loadgen.arrivals import arrival_offsets, constant_offsets, gamma_offsets, load_trace, poisson_offsets
+from pdserve.loadgen.errors import TraceFormatError
 
 
 def test_seeded_reproducibility():

@@ -6,10 +6,10 @@ import json
 import httpx
 import pytest
 
-from loadgen.client import ClientConfig, StreamingClient
-from loadgen.datasets import RequestSpec
-from loadgen.metrics import server_breakdown, summarize
-from loadgen.records import RequestRecord
+from pdserve.loadgen.client import ClientConfig, StreamingClient
+from pdserve.loadgen.datasets import RequestSpec
+from pdserve.loadgen.metrics import server_breakdown, summarize
+from pdserve.loadgen.records import RequestRecord
 
 TIMING = {"index": 0, "placement": "disaggregated", "prefill_worker": "p0", "decode_worker": "d1", "queue": 0.01,
           "prefill": 0.05, "kv": 0.4, "kv_wire": 0.3, "kv_wait": 0.05, "kv_tail": 0.35, "first_decode": 0.02,

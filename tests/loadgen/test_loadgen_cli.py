@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from loadgen.cli import main
+from pdserve.loadgen.cli import main
 
 
 def run_cli(capsys, *argv):
@@ -69,5 +69,5 @@ def test_run_and_search_against_fake_server(capsys, fake_server, tmp_path):
 
 
 def test_console_entry_point_help():
-    out = subprocess.run([sys.executable, "-m", "loadgen.cli", "--help"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run([sys.executable, "-m", "pdserve.loadgen.cli", "--help"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0 and "experiment" in out.stdout and "search" in out.stdout

@@ -4,11 +4,11 @@ import json
 import httpx
 import pytest
 
-from loadgen.client import ClientConfig, StreamingClient, list_models
-from loadgen.datasets import DatasetConfig, LengthDist, RequestSpec
-from loadgen.errors import ServerUnreachable
-from loadgen.records import RequestRecord, read_jsonl
-from loadgen.runner import LoadConfig, run_load, write_run_outputs
+from pdserve.loadgen.client import ClientConfig, StreamingClient, list_models
+from pdserve.loadgen.datasets import DatasetConfig, LengthDist, RequestSpec
+from pdserve.loadgen.errors import ServerUnreachable
+from pdserve.loadgen.records import RequestRecord, read_jsonl
+from pdserve.loadgen.runner import LoadConfig, run_load, write_run_outputs
 
 TTFT, ITL, N = 0.2, 0.02, 10
 

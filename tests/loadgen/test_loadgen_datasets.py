@@ -3,9 +3,9 @@ import json
 import numpy as np
 import pytest
 
-from loadgen.arrivals import Trace
-from loadgen.datasets import DatasetConfig, LengthDist, build_requests, requests_from_trace
-from loadgen.errors import DatasetError
+from pdserve.loadgen.arrivals import Trace
+from pdserve.loadgen.datasets import DatasetConfig, LengthDist, build_requests, requests_from_trace
+from pdserve.loadgen.errors import DatasetError
 
 
 def test_length_dists_are_clipped_and_seeded():

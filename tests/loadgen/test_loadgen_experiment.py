@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from loadgen import experiment
-from loadgen.errors import SpecError
-from loadgen.runner import RunInterrupted
-from loadgen.spec import load_spec
+from pdserve.loadgen import experiment
+from pdserve.loadgen.errors import SpecError
+from pdserve.loadgen.runner import RunInterrupted
+from pdserve.loadgen.spec import load_spec
 
 FAKE = Path(__file__).with_name("fake_openai_server.py")
 
@@ -172,7 +172,7 @@ def test_sigint_on_the_cli_keeps_results_and_stops_server(tmp_path):
     spec = launch_spec(tmp_path, rates="[2, 4]").read_text().replace("num_requests: 6", "num_requests: 40")
     spec = spec.replace("policy: [round-robin, network-aware]", "policy: [round-robin]")
     (tmp_path / "spec.yaml").write_text(spec)
-    proc = subprocess.Popen([sys.executable, "-m", "loadgen.cli", "experiment", str(tmp_path / "spec.yaml"),
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.loadgen.cli", "experiment", str(tmp_path / "spec.yaml"),
                              "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     records = tmp_path / "out" / "runs" / "round-robin_1gbps_small_rate2.jsonl"
     deadline = time.monotonic() + 30

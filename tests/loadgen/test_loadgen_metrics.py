@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from loadgen.metrics import SLO, distribution, itls, max_rate_meeting_slo, meets_slo, slo_attainment, summarize, tpot
-from loadgen.records import RequestRecord
+from pdserve.loadgen.metrics import SLO, distribution, itls, max_rate_meeting_slo, meets_slo, slo_attainment, summarize, tpot
+from pdserve.loadgen.records import RequestRecord
 
 
 def rec(index, ttft, e2e, n, sent=0.0, status=200, error=None, token_times=None):

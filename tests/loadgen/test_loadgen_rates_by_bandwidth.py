@@ -4,9 +4,9 @@ import csv
 
 import pytest
 
-from loadgen import experiment
-from loadgen.errors import SpecError
-from loadgen.spec import load_spec
+from pdserve.loadgen import experiment
+from pdserve.loadgen.errors import SpecError
+from pdserve.loadgen.spec import load_spec
 from tests.loadgen.test_loadgen_experiment import launch_spec, pids_gone
 
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from loadgen.client import ClientConfig
-from loadgen.datasets import DatasetConfig, LengthDist
-from loadgen.runner import LoadConfig, format_summary, run_load, write_run_outputs
-from loadgen.server_metrics import parse_prometheus_text, prefix_cache_delta
+from pdserve.loadgen.client import ClientConfig
+from pdserve.loadgen.datasets import DatasetConfig, LengthDist
+from pdserve.loadgen.runner import LoadConfig, format_summary, run_load, write_run_outputs
+from pdserve.loadgen.server_metrics import parse_prometheus_text, prefix_cache_delta
 
 
 def load(url: str, seed: int) -> LoadConfig:
@@ -82,6 +82,6 @@ def test_prefix_cache_delta_without_queries_or_scrapes():
 
 
 def format_summary_of(fields: dict) -> str:
-    from loadgen.runner import describe_prefix_cache
+    from pdserve.loadgen.runner import describe_prefix_cache
 
     return describe_prefix_cache(fields)

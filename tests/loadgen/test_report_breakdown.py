@@ -3,7 +3,7 @@ columns some run has; absent otherwise; rows read back from summary.csv read as 
 
 from __future__ import annotations
 
-from loadgen.report import write_report
+from pdserve.loadgen.report import write_report
 
 
 def _row(**extra) -> dict:
@@ -42,8 +42,8 @@ def test_plots_of_panels_without_data_draw_no_empty_legend(tmp_path):
     """A bandwidth that ran only lower rates has no line in the top-rate TTFT CDF: no legend, no warning."""
     import warnings
 
-    from loadgen.records import RequestRecord, write_jsonl
-    from loadgen.report import make_plots
+    from pdserve.loadgen.records import RequestRecord, write_jsonl
+    from pdserve.loadgen.report import make_plots
 
     write_jsonl(tmp_path / "r.jsonl", [RequestRecord(index=0, request_id="a", scheduled_s=0.0, sent_s=0.0, ttft_s=0.1,
                                                      e2e_s=0.2, status=200)])

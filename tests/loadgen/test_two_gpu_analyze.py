@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.records import RequestRecord, write_jsonl
+from pdserve.loadgen.records import RequestRecord, write_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 

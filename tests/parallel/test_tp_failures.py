@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from launcher.cli import main
+from pdserve.launcher.cli import main
 from pdserve.llm import LLM
 from pdserve.parallel.errors import TPRankError
 from pdserve.sampling_params import SamplingParams

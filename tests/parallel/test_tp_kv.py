@@ -14,8 +14,8 @@ import grpc
 import pytest
 import torch
 
-from kvtransfer import KVLayout, KVTransferError, create_receiver, create_sender
-from kvtransfer.shards import HeadPiece, HeadShards, RankHeads, encode_routes, parse_routes, pieces_for
+from pdserve.kvtransfer import KVLayout, KVTransferError, create_receiver, create_sender
+from pdserve.kvtransfer.shards import HeadPiece, HeadShards, RankHeads, encode_routes, parse_routes, pieces_for
 from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from pdserve.llm import LLM
 from pdserve.proto import worker_pb2_grpc as pb_grpc

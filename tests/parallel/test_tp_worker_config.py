@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from launcher.cli import build_parser
-from launcher.cluster.config import load_up_config
-from launcher.cluster.pools import PoolSpec
-from launcher.cluster.up import check_tensor_parallel_pools, gpu_share, pool_specs
-from launcher.workers import WorkerSpec, ray_actor, spec_from_args, worker_argv, worker_config
+from pdserve.launcher.cli import build_parser
+from pdserve.launcher.cluster.config import load_up_config
+from pdserve.launcher.cluster.pools import PoolSpec
+from pdserve.launcher.cluster.up import check_tensor_parallel_pools, gpu_share, pool_specs
+from pdserve.launcher.workers import WorkerSpec, ray_actor, spec_from_args, worker_argv, worker_config
 from pdserve.config import EngineConfig
 
 MODEL = "random:tiny-llama-tp"  # 6 heads, 6 KV heads, MLP 192
@@ -22,7 +22,7 @@ def test_worker_flag_round_trips_through_argv():
     spec = WorkerSpec(role="decode", worker_id="d0", tensor_parallel_size=2)
     argv = worker_argv(spec)
     assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
-    args = build_parser().parse_args(argv[3:])  # drop python -m launcher.cli
+    args = build_parser().parse_args(argv[3:])  # drop python -m pdserve.launcher.cli
     back = spec_from_args(args)
     assert back.tensor_parallel_size == 2
     assert worker_config(back, EngineConfig(model=MODEL)).engine.tensor_parallel_size == 2
@@ -89,7 +89,7 @@ def test_checks_name_the_pool_flag():
 def test_up_fails_in_one_line_before_ray(argv, message):
     from pdserve.loaders import default_model_path
 
-    out = subprocess.run([sys.executable, "-m", "launcher.cli", "up", "--model", "random:tiny-serve-tp",
+    out = subprocess.run([sys.executable, "-m", "pdserve.launcher.cli", "up", "--model", "random:tiny-serve-tp",
                           "--tokenizer", default_model_path(), "--device", "cpu", *argv],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
@@ -103,7 +103,7 @@ def test_pool_spec_default_is_one_rank():
 
 
 def test_placement_counts_a_tp_worker_as_one_unit_of_n_gpus():
-    from router.placement.base import WorkerSnapshot, least_loaded_key
+    from pdserve.router.placement.base import WorkerSnapshot, least_loaded_key
 
     big = WorkerSnapshot("d-tp2", "decode", num_running=3, tensor_parallel_size=2)
     small = WorkerSnapshot("d-tp1", "decode", num_running=2)
@@ -114,7 +114,7 @@ def test_placement_counts_a_tp_worker_as_one_unit_of_n_gpus():
 
 
 def test_sim_scales_a_tp_workers_step_times(tmp_path):
-    from sim.worker import TP_SERIAL_FRACTION, StepCosts, tp_step_scale
+    from pdserve.sim.worker import TP_SERIAL_FRACTION, StepCosts, tp_step_scale
 
     assert tp_step_scale(1) == 1.0
     assert tp_step_scale(2) == pytest.approx(TP_SERIAL_FRACTION + (1 - TP_SERIAL_FRACTION) / 2)

@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 
 from pdserve.sampling_params import RequestOutput, SamplingParams, TokenLogprob
-from router.http.server import create_app
+from pdserve.router.http.server import create_app
 
 MODEL = "fake-model"
 BOS, EOS = 1, 2

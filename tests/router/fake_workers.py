@@ -20,7 +20,7 @@ from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.sampling_params import SamplingParams
 from pdserve.proto.convert import params_from_proto
-from router.cluster.directory import WorkerEndpoint
+from pdserve.router.cluster.directory import WorkerEndpoint
 
 PREFILL_KV_BYTES_PER_TOKEN = 1000
 

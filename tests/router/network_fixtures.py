@@ -8,10 +8,10 @@ bf16), 32 layers. A 4096-token prompt: 0.4096 s of prefill, 512 MiB of KV (4.29 
 
 from __future__ import annotations
 
-from router.placement.congestion import CongestionView, LinkState
-from router.placement.base import ClusterSnapshot, RequestInfo, WorkerSnapshot
-from router.placement.profiles import Profile
-from router.placement.topology import Link, Topology
+from pdserve.router.placement.congestion import CongestionView, LinkState
+from pdserve.router.placement.base import ClusterSnapshot, RequestInfo, WorkerSnapshot
+from pdserve.router.placement.profiles import Profile
+from pdserve.router.placement.topology import Link, Topology
 
 PROFILE = Profile(
     hardware="test GPU", device="cuda", model="random:llama-3.1-8b", dtype="bfloat16", num_layers=32,

@@ -19,8 +19,8 @@ import pytest
 
 from pdserve.sampling_params import RequestOutput, SamplingParams
 from pdserve.worker import server as worker_server
-from router.http import fanout as fanout_module
-from router.http.fanout import QUEUE_PER_JOB, FanOut, Job
+from pdserve.router.http import fanout as fanout_module
+from pdserve.router.http.fanout import QUEUE_PER_JOB, FanOut, Job
 from tests.router.conftest import wait_until
 from tests.router.test_kv_burst import MODEL, assert_all_free, body, router, workers  # noqa: F401 (fixture)
 

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from router.placement.base import Outcome, RequestInfo
-from router.placement.registry import make_policy
-from router.placement.policies.calibration import NEUTRAL, Calibration, Factors, Prediction, Ratio
-from router.placement.policies.split import Load, SplitChooser, predict
+from pdserve.router.placement.base import Outcome, RequestInfo
+from pdserve.router.placement.registry import make_policy
+from pdserve.router.placement.policies.calibration import NEUTRAL, Calibration, Factors, Prediction, Ratio
+from pdserve.router.placement.policies.split import Load, SplitChooser, predict
 from tests.router.network_fixtures import snapshot, topology, w
 from tests.router.test_split import FLAT
 
@@ -254,10 +254,10 @@ def test_calibrated_search_chooses_what_pricing_every_option_chooses(seed):
     it: on random clusters the search and its oracle still decide alike."""
     import random
 
-    from router.placement.base import SLOUnattainable
-    from router.placement.policies.network_aware import NetworkAware
+    from pdserve.router.placement.base import SLOUnattainable
+    from pdserve.router.placement.policies.network_aware import NetworkAware
     from tests.router.network_fixtures import PROFILE
-    from router.placement.policies.oracle import OracleNetworkAware
+    from pdserve.router.placement.policies.oracle import OracleNetworkAware
     from tests.router.test_search import random_cluster
 
     rng = random.Random(5000 + seed)
@@ -290,8 +290,8 @@ def test_calibrate_false_keeps_the_offline_model():
 
 
 def test_build_policy_passes_calibrate(tmp_path):
-    from router.placement.registry import build_policy
-    from router.placement.profiles import save_profile
+    from pdserve.router.placement.registry import build_policy
+    from pdserve.router.placement.profiles import save_profile
 
     path = tmp_path / "profile.json"
     save_profile(FLAT, str(path))

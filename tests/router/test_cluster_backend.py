@@ -16,10 +16,10 @@ import grpc
 import pytest
 
 from pdserve.sampling_params import RequestOutput, SamplingParams
-from router.cluster.backend import ClusterBackend
-from router.errors import InvalidRequest, Overloaded, ServiceUnavailable
-from router.metrics import RouterMetrics
-from router.placement.registry import make_policy
+from pdserve.router.cluster.backend import ClusterBackend
+from pdserve.router.errors import InvalidRequest, Overloaded, ServiceUnavailable
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placement.registry import make_policy
 from tests.router.conftest import CharTokenizer
 from tests.router.fake_workers import Cluster, FakeWorker, MutableDirectory, Script, expected_tokens
 

@@ -14,11 +14,11 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.cluster.backend import ClusterBackend
-from router.cluster.directory import StaticDirectory
-from router.metrics import RouterMetrics
-from router.placement.registry import make_policy
-from router.http.server import create_app
+from pdserve.router.cluster.backend import ClusterBackend
+from pdserve.router.cluster.directory import StaticDirectory
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placement.registry import make_policy
+from pdserve.router.http.server import create_app
 from tests.router.conftest import MODEL, CharTokenizer, ServerThread, wait_until
 from tests.router.fake_workers import PREFILL_KV_BYTES_PER_TOKEN, Cluster, FakeWorker
 from tests.router.test_cluster_openai import LoopThread
@@ -60,7 +60,7 @@ def scraped() -> dict[str, list[dict[str, str]]]:
             loop.call(worker.start())
         metrics = RouterMetrics()
         # what `pdserve up --autoscale` adds to the same registry (the dashboard's autoscaling row)
-        from launcher.autoscale.metrics import AutoscaleMetrics
+        from pdserve.launcher.autoscale.metrics import AutoscaleMetrics
 
         AutoscaleMetrics(metrics.registry, ("prefill", "decode")).decisions.labels("add", "decode", "tpot_miss").inc()
         backend = ClusterBackend(

@@ -9,7 +9,7 @@ import pytest
 from pdserve.proto import worker_pb2 as pb
 from pdserve.sampling_params import RequestOutput, SamplingParams, TokenLogprob
 from pdserve.proto.convert import chunk_to_output, output_to_chunk, params_from_proto, params_to_proto
-from router.cluster.directory import StaticDirectory, WorkerEndpoint, parse_endpoint
+from pdserve.router.cluster.directory import StaticDirectory, WorkerEndpoint, parse_endpoint
 
 
 def test_static_directory_parses_entries():

@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from router.cluster.directory import StaticDirectory, WorkerEndpoint, check_duty
-from router.cluster.worker_pool import WorkerPool
-from router.placement.base import ClusterSnapshot, RequestInfo
-from router.placement.registry import make_policy
+from pdserve.router.cluster.directory import StaticDirectory, WorkerEndpoint, check_duty
+from pdserve.router.cluster.worker_pool import WorkerPool
+from pdserve.router.placement.base import ClusterSnapshot, RequestInfo
+from pdserve.router.placement.registry import make_policy
 from tests.router.fake_workers import Cluster, FakeWorker
 
 
@@ -52,7 +52,7 @@ def test_the_pool_counts_and_places_a_mixed_worker_as_its_duty(caplog):
             directory.set_duty("m1", "decode")
             directory.set_duty("m2", "prefill")
             directory.duties["p0"] = "decode"  # a directory that does not check: the pool refuses it
-            with caplog.at_level(logging.WARNING, logger="router.cluster.worker_pool"):
+            with caplog.at_level(logging.WARNING, logger="pdserve.router.cluster.worker_pool"):
                 await pool.refresh()
                 await pool.refresh()
             assert sum("ignoring a duty" in r.getMessage() for r in caplog.records) == 1  # warned once

@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from router.errors import Overloaded, RequestTimeout, ServiceUnavailable
-from router.http.server import create_app
+from pdserve.router.errors import Overloaded, RequestTimeout, ServiceUnavailable
+from pdserve.router.http.server import create_app
 from tests.router.conftest import MODEL, wait_until
 
 CHAT = "/v1/chat/completions"

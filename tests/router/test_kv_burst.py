@@ -20,11 +20,11 @@ import pytest
 from pdserve.config import CacheConfig, EngineConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.worker.server import WorkerConfig, WorkerServer
-from router.cluster.backend import ClusterBackend
-from router.cluster.directory import StaticDirectory, WorkerEndpoint
-from router.http.server import create_app
-from router.metrics import RouterMetrics
-from router.placement.registry import make_policy
+from pdserve.router.cluster.backend import ClusterBackend
+from pdserve.router.cluster.directory import StaticDirectory, WorkerEndpoint
+from pdserve.router.http.server import create_app
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placement.registry import make_policy
 from tests.router.conftest import CharTokenizer, ServerThread, wait_until
 
 MODEL = "random:tiny-qwen2"

@@ -11,14 +11,14 @@ import httpx
 import openai
 import pytest
 
-from router.cluster.backend import ClusterBackend
-from router.cluster.directory import StaticDirectory
-from router.http.server import create_app
-from router.metrics import RouterMetrics
-from router.placement.base import Decision
-from router.placement.policies.cost import CODEC_GBPS, FP8_WIRE_RATIO, choose_kv_precision, estimate_pair
-from router.placement.policies.network_aware import NetworkAware
-from router.placement.registry import build_policy, make_policy
+from pdserve.router.cluster.backend import ClusterBackend
+from pdserve.router.cluster.directory import StaticDirectory
+from pdserve.router.http.server import create_app
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placement.base import Decision
+from pdserve.router.placement.policies.cost import CODEC_GBPS, FP8_WIRE_RATIO, choose_kv_precision, estimate_pair
+from pdserve.router.placement.policies.network_aware import NetworkAware
+from pdserve.router.placement.registry import build_policy, make_policy
 from tests.router.conftest import MODEL, CharTokenizer, ServerThread
 from tests.router.fake_workers import PREFILL_KV_BYTES_PER_TOKEN, Cluster, FakeWorker
 from tests.router.network_fixtures import PROFILE, req, snapshot, topology, w
@@ -179,8 +179,8 @@ def test_the_switch_overrides_the_policy():
 def test_the_fp8_ratio_counts_the_full_precision_head_block():
     import inspect
 
-    from kvtransfer.layout import FP8_FULL_HEAD_BLOCKS
-    from router.placement.policies.cost import FP8_WIRE_RATIO, fp8_wire_ratio
+    from pdserve.kvtransfer.layout import FP8_FULL_HEAD_BLOCKS
+    from pdserve.router.placement.policies.cost import FP8_WIRE_RATIO, fp8_wire_ratio
 
     assert inspect.signature(fp8_wire_ratio).parameters["head_blocks"].default == FP8_FULL_HEAD_BLOCKS
     assert fp8_wire_ratio(16) == fp8_wire_ratio(3) == 1.0  # one block: all of it at full precision
@@ -212,7 +212,7 @@ def test_no_local_prefill_keeps_a_slow_link_disaggregated(gbps):
 
 def _teach_prefill_factor(policy: NetworkAware, snap, factor: float, n: int = 6) -> None:
     """Outcomes of disaggregated requests whose served prefill took `factor` x the profile's."""
-    from router.placement.base import Outcome
+    from pdserve.router.placement.base import Outcome
     for i in range(n):
         request = dataclasses.replace(req(4096), request_id=f"teach-{i}")
         decision = policy.place(request, snap)

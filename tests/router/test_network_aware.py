@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from router.placement.congestion import LinkMonitor
-from router.placement.base import ClusterSnapshot, Decision, SLOUnattainable
-from router.placement.registry import make_policy
-from router.placement.policies.network_aware import NetworkAware
-from router.placement.policies.cost import estimate_local, estimate_pair
+from pdserve.router.placement.congestion import LinkMonitor
+from pdserve.router.placement.base import ClusterSnapshot, Decision, SLOUnattainable
+from pdserve.router.placement.registry import make_policy
+from pdserve.router.placement.policies.network_aware import NetworkAware
+from pdserve.router.placement.policies.cost import estimate_local, estimate_pair
 from tests.router.network_fixtures import PROFILE, req, snapshot, topology, w
 
 # p0 (node a) reaches d0 (node c) over 1 Gbps, p1 (node b) over 100 Gbps: p0 sorts first on purpose.

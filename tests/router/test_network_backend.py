@@ -10,15 +10,15 @@ from collections.abc import AsyncIterator
 import pytest
 
 from pdserve.sampling_params import SamplingParams
-from router.cluster.backend import ClusterBackend
-from router.errors import Overloaded
-from router.metrics import RouterMetrics
-from router.cluster.network import NetworkOptions
-from router.placement.base import PlacementPolicy
-from router.placement.registry import make_policy
-from router.placement.policies.network_aware import NetworkAware
-from router.cluster.probes import ProbeSettings
-from router.placement.topology import Link, Topology
+from pdserve.router.cluster.backend import ClusterBackend
+from pdserve.router.errors import Overloaded
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.cluster.network import NetworkOptions
+from pdserve.router.placement.base import PlacementPolicy
+from pdserve.router.placement.registry import make_policy
+from pdserve.router.placement.policies.network_aware import NetworkAware
+from pdserve.router.cluster.probes import ProbeSettings
+from pdserve.router.placement.topology import Link, Topology
 from tests.router.conftest import CharTokenizer
 from tests.router.fake_workers import PREFILL_KV_BYTES_PER_TOKEN, Cluster, FakeWorker, MutableDirectory, Script
 from tests.router.network_fixtures import PROFILE

@@ -18,11 +18,11 @@ import httpx
 import jsonschema
 import pytest
 
-from router.cluster.backend import ClusterBackend
-from router.cluster.directory import StaticDirectory
-from router.metrics import RouterMetrics
-from router.placement.registry import make_policy
-from router.http.server import create_app
+from pdserve.router.cluster.backend import ClusterBackend
+from pdserve.router.cluster.directory import StaticDirectory
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placement.registry import make_policy
+from pdserve.router.http.server import create_app
 from tests.router.conftest import MODEL, CharTokenizer, ServerThread
 from tests.router.fake_workers import Cluster, FakeWorker
 from tests.router.schema_instances import SchemaInstances

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.placement.registry import POLICIES, make_policy
-from router.placement.base import (
+from pdserve.router.placement.registry import POLICIES, make_policy
+from pdserve.router.placement.base import (
     ClusterSnapshot,
     Decision,
     LeastLoaded,
@@ -41,8 +41,8 @@ def test_registry_and_make_policy():
 
 
 def test_every_registry_entry_names_a_policy_class_of_that_name():
-    from router.placement.base import PlacementPolicy
-    from router.placement.registry import policy_class
+    from pdserve.router.placement.base import PlacementPolicy
+    from pdserve.router.placement.registry import policy_class
 
     for name in POLICIES:
         cls = policy_class(name)
@@ -171,7 +171,7 @@ def test_snapshot_and_decision_validation():
 
 
 def test_only_workers_of_one_kv_compat_key_are_paired():
-    from router.placement.base import NoCompatiblePair
+    from pdserve.router.placement.base import NoCompatiblePair
 
     a, b = "model=m dtype=bfloat16 block_size=16 wire=v2", "model=m dtype=float32 block_size=16 wire=v2"
     snap = ClusterSnapshot((w("p0", "prefill", kv_compat=a), w("p1", "prefill", kv_compat=b),

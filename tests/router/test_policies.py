@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from router.placement.registry import POLICIES
-from router.placement.base import ClusterSnapshot, Decision, RequestInfo, WorkerSnapshot
-from router.placement.policies.network_aware import NetworkAware
-from router.placement.policies.baselines import PowerOfTwo, PrefixAware, PrefixIndex, RandomChoice
-from router.placement.registry import build_policy
-from router.placement.profiles import save_profile
+from pdserve.router.placement.registry import POLICIES
+from pdserve.router.placement.base import ClusterSnapshot, Decision, RequestInfo, WorkerSnapshot
+from pdserve.router.placement.policies.network_aware import NetworkAware
+from pdserve.router.placement.policies.baselines import PowerOfTwo, PrefixAware, PrefixIndex, RandomChoice
+from pdserve.router.placement.registry import build_policy
+from pdserve.router.placement.profiles import save_profile
 from tests.router.network_fixtures import PROFILE
 
 

@@ -8,8 +8,8 @@ import logging
 import grpc
 import pytest
 
-from router.placement.base import Outcome
-from router.placement.policies.network_aware import NetworkAware
+from pdserve.router.placement.base import Outcome
+from pdserve.router.placement.policies.network_aware import NetworkAware
 from tests.router.network_fixtures import PROFILE
 from tests.router.test_cluster_backend import Script, check_complete, cluster, collect, run
 
@@ -61,7 +61,7 @@ def test_a_failing_observe_outcome_does_not_fail_the_request(caplog):
                 check_complete(await collect(env.backend, rid, max_tokens=4), rid, 4)
             assert env.backend.snapshot().worker("d0").num_inflight == 0
 
-    with caplog.at_level(logging.WARNING, logger="router.cluster.backend"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.router.cluster.backend"):
         run(main)
     failures = [r for r in caplog.records if "observe_outcome failed" in r.getMessage()]
     assert len(failures) == 2 and "r1" in failures[0].getMessage()

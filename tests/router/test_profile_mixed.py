@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from router.placement.profiles import Profile, load_profile, save_profile
+from pdserve.router.placement.profiles import Profile, load_profile, save_profile
 from tests.router.network_fixtures import PROFILE
 
 # D(1, c) = 0.010 + 1e-5 (c - 100), D(5, c) = 0.020 + 5e-5 (c - 100) for c in [100, 300]

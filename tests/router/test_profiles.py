@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from router.placement.profiles import Profile, load_profile, save_profile
+from pdserve.router.placement.profiles import Profile, load_profile, save_profile
 from tests.router.network_fixtures import PROFILE
 
 

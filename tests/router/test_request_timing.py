@@ -9,12 +9,12 @@ import openai
 import pytest
 
 from pdserve.timing import RequestTiming
-from router.cluster.backend import TIMING_KEYS, ClusterBackend
-from router.cluster.directory import StaticDirectory
-from router.http.formatting import CompletionFormatter
-from router.metrics import RouterMetrics
-from router.placement.registry import make_policy
-from router.http.server import create_app
+from pdserve.router.cluster.backend import TIMING_KEYS, ClusterBackend
+from pdserve.router.cluster.directory import StaticDirectory
+from pdserve.router.http.formatting import CompletionFormatter
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placement.registry import make_policy
+from pdserve.router.http.server import create_app
 from tests.router.conftest import MODEL, CharTokenizer, ServerThread
 from tests.router.fake_workers import FIRST_TOKEN_TIMING, PREFILL_KV_BYTES_PER_TOKEN, Cluster, FakeWorker
 from tests.router.test_cluster_openai import LoopThread
@@ -139,7 +139,7 @@ def test_usage_without_timing_has_no_extension():
 def test_timing_from_a_worker_without_link_figures():
     """A worker that reports no "link" phase (older, or the fake transport): kv_link and
     kv_link_bytes are None (not recorded), not zero."""
-    from router.cluster.worker_client import PrefillResult
+    from pdserve.router.cluster.worker_client import PrefillResult
 
     class Decision:
         prefill, decode = "p0", "d0"
@@ -187,7 +187,7 @@ def test_local_timing_has_the_workers_part_and_the_first_token(mixed_url):
 
 def test_timing_json_keys_are_the_documented_ones():
     """The 25 keys loadgen reads from `usage.pdserve_timing` (loadgen.metrics.BREAKDOWN_KEYS among them)."""
-    from loadgen.metrics import BREAKDOWN_KEYS
+    from pdserve.loadgen.metrics import BREAKDOWN_KEYS
 
     assert TIMING_KEYS == RequestTiming.json_keys() and len(set(TIMING_KEYS)) == 25
     assert set(BREAKDOWN_KEYS) | {"kv_gbps", "placement"} <= set(TIMING_KEYS)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client import REGISTRY
 
-from router.metrics import RouterMetrics
-from router.http.server import create_app, get_metrics, metrics_registry
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.http.server import create_app, get_metrics, metrics_registry
 from tests.router.conftest import MODEL, FakeBackend
 
 

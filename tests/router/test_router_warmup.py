@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
-from router.cluster.backend import ClusterBackend
-from router.cluster.directory import StaticDirectory
-from router.http.server import create_app
-from router.metrics import RouterMetrics
-from router.placement.registry import make_policy
+from pdserve.router.cluster.backend import ClusterBackend
+from pdserve.router.cluster.directory import StaticDirectory
+from pdserve.router.http.server import create_app
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.placement.registry import make_policy
 from tests.router.conftest import MODEL, CharTokenizer, FakeBackend
 from tests.router.fake_workers import Cluster, FakeWorker
 from tests.router.test_cluster_openai import LoopThread

@@ -14,15 +14,15 @@ import random
 import numpy as np
 import pytest
 
-from router.placement.congestion import CongestionView, LinkState
-from router.placement.base import ClusterSnapshot, RequestInfo, SLOUnattainable
-from router.placement.policies.network_aware import NetworkAware
-from router.placement.policies.oracle import Exhaustive, OracleNetworkAware
-from router.placement.policies.search import Columns, Search
-from router.placement.policies.baselines import PrefixIndex
-from router.placement.policies.cost import estimate_local, estimate_pair
-from router.placement.profiles import Profile
-from router.placement.topology import Link, Topology
+from pdserve.router.placement.congestion import CongestionView, LinkState
+from pdserve.router.placement.base import ClusterSnapshot, RequestInfo, SLOUnattainable
+from pdserve.router.placement.policies.network_aware import NetworkAware
+from pdserve.router.placement.policies.oracle import Exhaustive, OracleNetworkAware
+from pdserve.router.placement.policies.search import Columns, Search
+from pdserve.router.placement.policies.baselines import PrefixIndex
+from pdserve.router.placement.policies.cost import estimate_local, estimate_pair
+from pdserve.router.placement.profiles import Profile
+from pdserve.router.placement.topology import Link, Topology
 from tests.router.network_fixtures import PROFILE, req, snapshot, topology, w
 
 
@@ -217,7 +217,7 @@ def test_profile_step_time_reads_only_the_rows_it_needs():
         "seconds": [[0.010, 0.011, 0.02], [0.012, 0.014, 0.03], [0.015, 0.02, 0.06], [0.02, 0.04, 0.2]]}})
 
     def full(batch, context):  # every row interpolated, as before
-        from router.placement.profiles import _interpolate
+        from pdserve.router.placement.profiles import _interpolate
         per_batch = [_interpolate(profile.decode_contexts, row, max(context, 1)) for row in profile.decode_times]
         return _interpolate(profile.decode_batch_sizes, per_batch, batch)
 

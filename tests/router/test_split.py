@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from router.placement.registry import make_policy
-from router.placement.policies.calibration import Factors
-from router.placement.policies.split import ArrivalWindow, Load, SplitChooser, decode_tpot, predict, slo_rate
-from router.placement.profiles import Profile
+from pdserve.router.placement.registry import make_policy
+from pdserve.router.placement.policies.calibration import Factors
+from pdserve.router.placement.policies.split import ArrivalWindow, Load, SplitChooser, decode_tpot, predict, slo_rate
+from pdserve.router.placement.profiles import Profile
 from tests.router.network_fixtures import PROFILE, req, snapshot, topology, w
 
 # prefill 0.1 ms per token; a decode step 10 ms at any batch and context

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.placement.topology import Link, Topology, load_topology, parse_topology
+from pdserve.router.placement.topology import Link, Topology, load_topology, parse_topology
 
 GOOD = """\
 defaults:

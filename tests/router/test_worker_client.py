@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from pdserve.sampling_params import SamplingParams
-from router.errors import KVTransferDeadline, WorkerFailed, WorkerOverloaded, WorkerRejected
-from router.cluster.worker_client import Reservation, WorkerClient
+from pdserve.router.errors import KVTransferDeadline, WorkerFailed, WorkerOverloaded, WorkerRejected
+from pdserve.router.cluster.worker_client import Reservation, WorkerClient
 from tests.router.fake_workers import Cluster, FakeWorker, Script, expected_tokens
 
 PARAMS = SamplingParams(max_tokens=50)

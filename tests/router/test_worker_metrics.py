@@ -5,7 +5,7 @@ from types import SimpleNamespace
 from prometheus_client import generate_latest
 
 from pdserve.proto import worker_pb2 as pb
-from router.metrics import RouterMetrics, WorkerStatsCollector
+from pdserve.router.metrics import RouterMetrics, WorkerStatsCollector
 
 
 def test_worker_series_from_polled_stats():

@@ -1,4 +1,4 @@
-"""`pdserve plan` (sim/plan.py, sim/plan_cli.py): the candidates, the choice on small simulated
+"""`pdserve plan` (pdserve/sim/plan.py, pdserve/sim/plan_cli.py): the candidates, the choice on small simulated
 cases, and the command's errors."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli import main as pdserve_main
+from pdserve.launcher.cli import main as pdserve_main
 from pdserve.step_version import ENGINE_STEP_VERSIONS
-from router.placement.profiles import Profile, save_profile
-from sim.config import ClusterConfig, EngineLimits, WorkerConfig
-from sim.plan import Candidate, PlanOptions, SLOs, Workload, enumerate_candidates, plan
-from sim.run import Arrival
+from pdserve.router.placement.profiles import Profile, save_profile
+from pdserve.sim.config import ClusterConfig, EngineLimits, WorkerConfig
+from pdserve.sim.plan import Candidate, PlanOptions, SLOs, Workload, enumerate_candidates, plan
+from pdserve.sim.run import Arrival
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from pdserve.step_version import ENGINE_STEP_VERSIONS, engine_step_version
-from router.placement.profiles import Profile, load_profile, save_profile
-from sim.cli import main
-from sim.profile_check import StaleProfile, check_profiles, profile_problems, same_hardware
+from pdserve.router.placement.profiles import Profile, load_profile, save_profile
+from pdserve.sim.cli import main
+from pdserve.sim.profile_check import StaleProfile, check_profiles, profile_problems, same_hardware
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,8 +78,8 @@ def test_the_stamp_round_trips_and_is_checked(tmp_path):
 
 
 def test_the_shipped_cluster_file_uses_a_current_profile():
-    from sim.config import load_cluster
-    from sim.profile_check import cluster_profiles
+    from pdserve.sim.config import load_cluster
+    from pdserve.sim.profile_check import cluster_profiles
 
     cluster = load_cluster(ROOT / "experiments" / "sim" / "headline-cluster.yaml")
     assert cluster.hardware == "AMD EPYC (1 threads)"
@@ -107,7 +107,7 @@ def test_pdserve_sim_warns_and_refuses_with_strict_profile(tmp_path, capsys):
 
 
 def test_a_bad_hardware_key_is_named(tmp_path):
-    from sim.config import load_cluster
+    from pdserve.sim.config import load_cluster
 
     save_profile(replace(_profile()), str(tmp_path / "p.json"))
     (tmp_path / "c.yaml").write_text("profile: p.json\nhardware: [a, b]\n")

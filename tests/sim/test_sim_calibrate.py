@@ -1,10 +1,10 @@
-"""sim.calibrate: a run's host speed from the decode steps of its isolated requests (hand-checked)."""
+"""pdserve.sim.calibrate: a run's host speed from the decode steps of its isolated requests (hand-checked)."""
 
 from __future__ import annotations
 
 import pytest
 
-from sim.calibrate import host_factor, isolated_gaps
+from pdserve.sim.calibrate import host_factor, isolated_gaps
 from tests.router.network_fixtures import PROFILE  # a decode step of one request: 0.01 s at any context
 
 

@@ -2,15 +2,15 @@
 the served prefill 2x learns it from the simulated outcomes and leaves a split that cannot
 carry the load for "local", which meets the SLOs there, where the uncalibrated policy keeps the
 split and its TTFT queue grows. When local meets the TPOT SLO at no rate, the calibrated policy
-keeps the split: it serves more requests within the SLOs (goodput first, router/placement/policies/split.py)."""
+keeps the split: it serves more requests within the SLOs (goodput first, pdserve/router/placement/policies/split.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from router.placement.topology import Topology
-from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
-from sim.run import Arrival, simulate, to_record
+from pdserve.router.placement.topology import Topology
+from pdserve.sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
+from pdserve.sim.run import Arrival, simulate, to_record
 from tests.router.test_split import FLAT
 
 SERVED = dataclasses.replace(FLAT, prefill_times=tuple(2 * t for t in FLAT.prefill_times))

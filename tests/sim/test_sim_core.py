@@ -7,13 +7,13 @@ from dataclasses import replace
 
 import pytest
 
-from router.placement.profiles import Profile
-from router.placement.topology import Link, Topology
-from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
-from sim.events import EventLoop
-from sim.fluid import Flow, FluidResource
-from sim.run import Arrival, simulate, to_record
-from sim.worker import FINISHED, WAITING, SimRequest, SimWorker, StepCosts
+from pdserve.router.placement.profiles import Profile
+from pdserve.router.placement.topology import Link, Topology
+from pdserve.sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
+from pdserve.sim.events import EventLoop
+from pdserve.sim.fluid import Flow, FluidResource
+from pdserve.sim.run import Arrival, simulate, to_record
+from pdserve.sim.worker import FINISHED, WAITING, SimRequest, SimWorker, StepCosts
 
 
 def flat_profile(prefill_s: float = 0.1, decode_s: float = 0.01, *, kv_bytes_per_token: int = 1024,
@@ -381,11 +381,11 @@ def test_the_simulator_feeds_outcomes_to_the_policy(monkeypatch):
     # and the TPOT of the split ones is the 0.1 s decode step the model predicted. The request
     # that switched the cluster to the split is placed before the local ones drain: not learned
     # from (19 of 20); the TTFT residuals learn once the prefill factor is in use (4 samples).
-    import sim.run
+    import pdserve.sim.run as sim_run
 
     policies = []
-    build = sim.run.build_sim_policy
-    monkeypatch.setattr(sim.run, "build_sim_policy", lambda *a, **kw: policies.append(build(*a, **kw)) or policies[-1])
+    build = sim_run.build_sim_policy
+    monkeypatch.setattr(sim_run, "build_sim_policy", lambda *a, **kw: policies.append(build(*a, **kw)) or policies[-1])
     config = replace(_hybrid_config(8.0), router=RouterConfig(policy_options={
         "network-aware": {"slo_ttft": 5.0, "slo_tpot": 0.15}}))
     simulate(config, "network-aware", [Arrival(2.0 * i, 100, 3) for i in range(20)])

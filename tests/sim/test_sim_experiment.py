@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.records import read_jsonl
-from router.placement.profiles import Profile, save_profile
-from sim.cli import main
-from sim.config import load_cluster, scale_profile
+from pdserve.loadgen.records import read_jsonl
+from pdserve.router.placement.profiles import Profile, save_profile
+from pdserve.sim.cli import main
+from pdserve.sim.config import load_cluster, scale_profile
 
 SPEC = """
 name: tiny
@@ -117,7 +117,7 @@ def test_a_bad_cluster_file_is_one_line_naming_the_key(files, tmp_path, capsys, 
 
 def test_the_loadgen_experiment_flags_select_and_list_runs(files, tmp_path, capsys):
     """--policy, --dry-run and --no-progress work as in `pdserve-loadgen experiment`, with the same run ids."""
-    from loadgen.cli import main as loadgen_main
+    from pdserve.loadgen.cli import main as loadgen_main
 
     spec, cluster = files
     out = tmp_path / "out"
@@ -216,8 +216,8 @@ def test_per_run_adjusts_each_runs_cluster(files, tmp_path):
     """`per_run` gets each run id and its cluster; what it returns is what that run simulates."""
     from dataclasses import replace
 
-    from loadgen.spec import load_spec
-    from sim.experiment import run_sim_experiment
+    from pdserve.loadgen.spec import load_spec
+    from pdserve.sim.experiment import run_sim_experiment
 
     spec, cluster = files
     config = load_cluster(cluster)

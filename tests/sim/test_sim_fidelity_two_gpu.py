@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from experiments.sim_fidelity_two_gpu import PROFILE, fit_link, served_calibration
-from router.placement.profiles import load_profile
+from pdserve.router.placement.profiles import load_profile
 
 BENCH = (71.1, 2.85)
 

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from experiments import sim_fidelity_two_gpu as fid
-from router.placement.profiles import load_profile, save_profile
+from pdserve.router.placement.profiles import load_profile, save_profile
 
 
 def _mixed(profile):

@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from router.placement.profiles import Profile
-from sim.config import scale_profile
-from sim.events import EventLoop
-from sim.worker import SimRequest, SimWorker, StepCosts
+from pdserve.router.placement.profiles import Profile
+from pdserve.sim.config import scale_profile
+from pdserve.sim.events import EventLoop
+from pdserve.sim.worker import SimRequest, SimWorker, StepCosts
 
 # prefill P(n) = n / 100 s (linear through the origin); decode steps 0.01 s at any batch and context
 BASE = Profile(

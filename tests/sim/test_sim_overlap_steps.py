@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.placement.profiles import Profile
-from sim.events import EventLoop
-from sim.worker import SimRequest, SimWorker, StepCosts
+from pdserve.router.placement.profiles import Profile
+from pdserve.sim.events import EventLoop
+from pdserve.sim.worker import SimRequest, SimWorker, StepCosts
 
 # prefill P(n) = n / 100 s; decode steps 0.01 s at any batch and context
 PROFILE = Profile(

@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from router.placement.topology import Link, Topology
-from sim.check import CheckedNetworkAware, checked_policy
-from sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
-from sim.profiles import llama8b_h100
-from sim.run import Arrival, simulate
+from pdserve.router.placement.topology import Link, Topology
+from pdserve.sim.check import CheckedNetworkAware, checked_policy
+from pdserve.sim.config import ClusterConfig, EngineLimits, RouterConfig, WorkerConfig
+from pdserve.sim.profiles import llama8b_h100
+from pdserve.sim.run import Arrival, simulate
 
 
 def cluster(options: dict) -> ClusterConfig:

@@ -1,7 +1,7 @@
 """The simulated worker schedules exactly what the engine's scheduler schedules.
 
 `pdserve.scheduler.Scheduler` and `pdserve.block_manager.BlockManager` (pure Python; the
-simulator re-implements them on counters and never imports them) and `sim.worker.SimWorker`
+simulator re-implements them on counters and never imports them) and `pdserve.sim.worker.SimWorker`
 get the same random arrivals; every step must batch the same requests with the same numbers
 of new tokens and preempt the same ones, down to tight memory where preemption is frequent.
 """
@@ -17,9 +17,9 @@ from pdserve.config import SchedulerConfig
 from pdserve.sampling_params import SamplingParams
 from pdserve.scheduler import Scheduler
 from pdserve.sequence import Sequence
-from router.placement.profiles import Profile
-from sim.events import EventLoop
-from sim.worker import SimRequest, SimWorker, StepCosts
+from pdserve.router.placement.profiles import Profile
+from pdserve.sim.events import EventLoop
+from pdserve.sim.worker import SimRequest, SimWorker, StepCosts
 
 PROFILE = Profile(
     hardware="test", device="cpu", model="test", dtype="float32", num_layers=2, kv_bytes_per_token=1,

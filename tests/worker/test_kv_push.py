@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvtransfer.layout import FP8_FULL_HEAD_BLOCKS
+from pdserve.kvtransfer.layout import FP8_FULL_HEAD_BLOCKS
 from pdserve.scheduler import ScheduledBatch
 from pdserve.worker.kv_push import Destination, KVPusher
 
@@ -62,7 +62,7 @@ def test_full_precision_is_one_push_and_a_one_block_fp8_transfer_is_all_full():
 
 
 def test_wire_precision_names_what_the_bytes_were():
-    from kvtransfer import KVLayout
+    from pdserve.kvtransfer import KVLayout
     from pdserve.worker.kv_push import wire_precision
 
     layout = KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=64, dtype="bfloat16")

@@ -17,8 +17,8 @@ from pdserve.proto.auth import METADATA_KEY, TOKEN_ENV, new_token, resolve_token
 from pdserve.proto.convert import params_to_proto
 from pdserve.sampling_params import SamplingParams
 from pdserve.worker.server import WorkerConfig, WorkerServer
-from router.errors import WorkerFailed
-from router.cluster.worker_client import WorkerClient
+from pdserve.router.errors import WorkerFailed
+from pdserve.router.cluster.worker_client import WorkerClient
 
 TOKEN = new_token()
 PARAMS = params_to_proto(SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
@@ -96,8 +96,8 @@ def test_token_stays_out_of_reprs_and_logs(caplog):
     config = WorkerConfig("w", "mixed", EngineConfig(model="random:tiny-qwen2", device="cpu"), kv_backend="fake",
                           cluster_token=TOKEN)
     assert TOKEN not in repr(config)
-    from launcher.cluster.pools import PoolSpec
-    from launcher.cluster.serving import RouterSettings
+    from pdserve.launcher.cluster.pools import PoolSpec
+    from pdserve.launcher.cluster.serving import RouterSettings
 
     assert TOKEN not in repr(PoolSpec("mixed", 1, config.engine, cluster_token=TOKEN))
     assert TOKEN not in repr(RouterSettings(model="m", cluster_token=TOKEN))

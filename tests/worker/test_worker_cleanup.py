@@ -15,7 +15,7 @@ import threading
 import grpc
 import pytest
 
-from kvtransfer import KVTransferTimeout
+from pdserve.kvtransfer import KVTransferTimeout
 from pdserve.proto import worker_pb2 as pb
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.proto.convert import params_to_proto

@@ -20,8 +20,8 @@ PARAMS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
 def _nixl_missing() -> str | None:
-    from kvtransfer.errors import KVTransferError
-    from kvtransfer.nixl import load_nixl
+    from pdserve.kvtransfer.errors import KVTransferError
+    from pdserve.kvtransfer.nixl import load_nixl
 
     try:
         load_nixl()

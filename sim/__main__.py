@@ -1,5 +1,0 @@
-import sys
-
-from sim.cli import main
-
-sys.exit(main())
