@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 CUDA ?=
 FLAVOUR = $(PY) deploy/setup_flavour.py
 
-.PHONY: setup serve test test-all generate bench clean
+.PHONY: setup serve test test-all lint generate bench clean
 
 # Sets up a fresh machine: a virtualenv with the build of torch that matches the machine (CPU, CUDA 12
 # or 13), triton (interpreter mode on CPU), the cluster stack (Ray, ucxx of the same CUDA flavour) and
@@ -31,6 +31,10 @@ generate: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# ruff over the whole tree (rules and line length in pyproject.toml); CI runs it before the tests
+lint: setup
+	$(BIN)/ruff check .
 
 # the whole suite: the default one and the slow end-to-end tests (marked slow)
 test-all: setup

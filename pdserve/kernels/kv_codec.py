@@ -277,3 +277,14 @@ def warm_codec(pool: torch.Tensor) -> bool:
     if pool.device.type == "cuda":
         torch.cuda.synchronize(pool.device)
     return True
+
+
+def round_trip(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """x [T, Hkv, D] through the FP8 wire (`pack_blocks` then `unpack_blocks`, in blocks of
+    `block_size` tokens, the last one padded): what a receiver of FP8 KV holds. Same dtype."""
+    t, hk, d = x.shape
+    nb = -(-t // block_size)
+    padded = torch.zeros(nb * block_size, hk, d, dtype=x.dtype, device=x.device)
+    padded[:t] = x
+    back = unpack_blocks(pack_blocks(padded.view(nb, block_size, hk, d)), x.dtype)
+    return back.reshape(nb * block_size, hk, d)[:t]

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.kernels.dispatch import kernel_backend
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -263,14 +262,3 @@ def unpack_blocks_ref(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     exp = blocks[:, rows - 1].view(torch.int8).to(torch.int32)
     y = fp8_to_float(data) * scales[..., None]
     return _scale_by_pow2(y, exp[:, None]).to(dtype).view(*lead, data.shape[1], hk, d)
-
-
-def round_trip(x: torch.Tensor, block_size: int) -> torch.Tensor:
-    """x [T, Hkv, D] through the FP8 wire (`pack_blocks` then `unpack_blocks`, in blocks of
-    `block_size` tokens, the last one padded): what a receiver of FP8 KV holds. Same dtype."""
-    t, hk, d = x.shape
-    nb = -(-t // block_size)
-    padded = torch.zeros(nb * block_size, hk, d, dtype=x.dtype, device=x.device)
-    padded[:t] = x
-    back = unpack_blocks(pack_blocks(padded.view(nb, block_size, hk, d)), x.dtype)
-    return back.reshape(nb * block_size, hk, d)[:t]

@@ -145,8 +145,8 @@ def test_pack_blocks_layout_and_channel_scales():
     back = kv_codec.unpack_blocks(packed, torch.float32)
     want = kv_quant.gather_blocks(pool, torch.arange(4), torch.float32) * 2.0 ** exp[:, None]
     assert torch.equal(back, want)
-    assert torch.equal(kv_quant.round_trip(k[:32], BS), back.reshape(-1, HK, D)[:32])
-    assert kv_quant.round_trip(k[:37], BS).shape == (37, HK, D)  # the last block padded, its scales its own
+    assert torch.equal(kv_codec.round_trip(k[:32], BS), back.reshape(-1, HK, D)[:32])
+    assert kv_codec.round_trip(k[:37], BS).shape == (37, HK, D)  # the last block padded, its scales its own
     # the small channel keeps e4m3's relative precision; with token scales alone it fell to subnormals
     rel = ((back - k.view(4, BS, HK, D)) / k.view(4, BS, HK, D)).abs()[..., 2]
     q, s = kv_quant.quantize(k)
