@@ -10,8 +10,7 @@ import torch
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 LENGTHS = [5, 40, 77, 130, 300, 17]
 MAX_TOKENS = [3, 17, 9, 33, 20, 40]

@@ -116,10 +116,9 @@ def assert_within_tolerance(runs: dict[str, list]) -> None:
     assert first_agree >= len(QUESTIONS) - 1, why
 
 
+@pytest.mark.gpu
 def test_fp8_on_cuda_needs_the_experimental_switch(monkeypatch):
     """Until its GPU tests pass on real hardware, FP8 on CUDA is refused with a clear error."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     monkeypatch.setenv("PDSERVE_EXPERIMENTAL_FP8_KV", "1")  # read only at the CLI edge: no effect here
     with pytest.raises(ValueError, match="--experimental-fp8-kv"):
         LLM("random:tiny-llama", device="cuda", num_blocks=8, kv_cache_dtype="fp8")
@@ -131,7 +130,6 @@ def test_smollm2_greedy_fp8_cache_within_tolerance():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_smollm2_greedy_fp8_cache_within_tolerance_gpu(monkeypatch):
     """CUDA, bf16 model: the Triton kernels (and CUDA graphs) read the FP8 pools; against a bf16 cache
     (greedy_runs sets experimental_fp8_kv: what this test is to verify)."""

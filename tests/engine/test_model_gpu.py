@@ -11,8 +11,7 @@ from pdserve.sampling_params import SamplingParams
 from .conftest import FAMILIES
 from .test_model_vs_transformers import prompts
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

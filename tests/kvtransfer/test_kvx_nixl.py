@@ -442,7 +442,6 @@ CUDA_SPEC = CacheSpec(num_layers=3, num_blocks=48, block_size=16, num_kv_heads=8
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("op", ["direct", "write"])
 def test_nixl_cuda_blocks_land_exact_while_the_sending_stream_is_busy(peer, op):
     """CUDA pools, sent as a prefill sends them: each layer's kernels (a short GPU sleep here),
@@ -471,7 +470,6 @@ def test_nixl_cuda_blocks_land_exact_while_the_sending_stream_is_busy(peer, op):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("op", ["write", "read"])
 def test_nixl_cuda_landing_does_not_wait_for_the_receiving_engine_stream(peer, op):
     """The staged modes copy each message into the pools on landing. With the receiver's engine

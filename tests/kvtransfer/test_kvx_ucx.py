@@ -201,7 +201,6 @@ def test_ucx_close_leaves_no_thread_or_process():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_ucx_cuda_to_cuda_between_processes(peer):
     spec = CacheSpec(num_layers=2, num_blocks=32, block_size=16, num_kv_heads=8, head_dim=128,
                      dtype="bfloat16", device="cuda")
@@ -220,7 +219,6 @@ def test_ucx_cuda_to_cuda_between_processes(peer):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_ucx_cuda_pull_between_processes(peer):
     """Stacked CUDA pools in two processes (on two GPUs when there are two): after the first
     transfer opens the link, the receiver maps the sender's pools over CUDA IPC and pulls the

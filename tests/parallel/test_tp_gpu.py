@@ -4,13 +4,11 @@ graphs give the greedy tokens of TP=1. Not run on CPU machines."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
+pytestmark = pytest.mark.gpu(2)
 
 
 def test_tp2_with_cuda_graphs_matches_tp1():
