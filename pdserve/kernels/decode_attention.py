@@ -28,8 +28,8 @@ _MAX_SPLITS = 64
 _MIN_TOKENS_PER_SPLIT = 128
 # (BLOCK_N, num_warps, num_stages) of the split kernel on CUDA; see benchmarks/bench_kernels.py.
 _CUDA_CONFIG = (64, 4, 3)
-# FP8 pools: larger tiles (the H200 sweep of bench_kv_fp8.py --attention-sweep: 1.3-1.5x the
-# bf16 tiles at batch 256 and at context 4k, docs/results/h200_kv_fp8_sweep.txt)
+# FP8 pools: larger tiles, chosen by the sweep of benchmarks/bench_kv_fp8.py --attention-sweep (its
+# figures: docs/results.md, "Figures behind the code's choices")
 _CUDA_CONFIG_FP8 = (128, 4, 4)
 _WAVES = 4  # programs per SM that the split count aims for
 

@@ -13,8 +13,8 @@ One launch each way, one program per (block, KV head), which holds the head's [B
   truncates).
 
 Both give the bytes and values of the torch reference (`pack_blocks_ref` / `unpack_blocks_ref`)
-bit for bit, compiled or under TRITON_INTERPRET (tests/kernels/test_kv_codec_exact.py; compiled on
-an H200 with Triton 3.6 also for random bit patterns of every dtype and random wire bytes). Every
+bit for bit, compiled or under TRITON_INTERPRET (tests/kernels/test_kv_codec_exact.py; its gpu
+tests, compiled on a GPU, also for random bit patterns of every dtype and random wire bytes). Every
 step is exact or one correctly rounded float32 operation: products (no sum follows them, so no FMA
 contraction), `div_rn`, and integer bit arithmetic for frexp, the powers of two (2^-127 is a
 subnormal) and the conversions; amaxes are integer maxima of the bits, so a NaN wins as in torch.
@@ -183,9 +183,8 @@ def _launching_on(device: torch.device):
 
 
 def _warps(block_bs: int, block_d: int) -> int:
-    """One warp per [16, 128] tile: on an H200 (Triton 3.6) more warps per program were slower, with
-    4,096 blocks of 8 heads 1 / 2 / 4 / 8 warps packed in 188 / 190 / 241 / 353 us, unpacked in
-    107 / 119 / 129 / 151 us."""
+    """One warp per [16, 128] tile, at most 4: more warps per program timed slower both ways (the
+    timings: docs/results.md, "Figures behind the code's choices")."""
     return max(1, min(4, block_bs * block_d // 2048))
 
 
@@ -264,7 +263,7 @@ def unpack_blocks(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def warm_codec(pool: torch.Tensor) -> bool:
     """Compile the wire codec's kernels for blocks of ``pool`` ([NB, BS, Hkv, D], a float pool)
     by packing and unpacking two zero blocks, so that the first FP8 transfer does not pay the
-    compilation (on one H200 it cost that request 1.1 s at the sender and 1 s at the receiver).
+    compilation (what it cost that request: docs/results.md, "KV precision chosen by the link").
     A transfer's blocks, gathered, have these strides whatever their count, so this is the
     specialization serving launches. Returns whether there was anything to compile (CUDA)."""
     if kernel_backend(pool.device) != "triton" or pool.dtype not in (torch.float32, torch.float16, torch.bfloat16):

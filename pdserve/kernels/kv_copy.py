@@ -26,8 +26,8 @@ from pdserve.kernels.dispatch import kernel_backend
 tl = None  # bound to triton.language on the first launch (kernels._jit)
 
 _BLOCK = 1024  # words per program
-# pool-to-pool copy: 16 KiB per program, 8 warps (1024-8192 words and 4-16 warps read a peer GPU over
-# NVLink within noise of each other on two H200s)
+# pool-to-pool copy: 16 KiB per program, 8 warps (a sweep of the tiling found none better over NVLink:
+# docs/results.md, "Figures behind the code's choices")
 _PULL_BLOCK, _PULL_WARPS = 4096, 8
 
 

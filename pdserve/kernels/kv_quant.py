@@ -127,8 +127,8 @@ _POW2: dict[torch.device, torch.Tensor] = {}
 def _scale_by_pow2(x: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
     """x * 2**exp for float32 x and integer exp in [-127, 127] (broadcast), exactly as
     torch.ldexp rounds it: a product by a power of two that float32 holds exactly (2**-127 as a
-    subnormal) is correctly rounded, like ldexp. The powers come from a table: torch.ldexp runs at
-    about 1 GB/s on a CPU core, the product over 10 times faster."""
+    subnormal) is correctly rounded, like ldexp. The powers come from a table: torch.ldexp is slow on
+    the CPU, the product much faster (docs/results.md, "Figures behind the code's choices")."""
     table = _POW2.get(x.device)
     if table is None:
         table = _POW2[x.device] = torch.tensor([2.0 ** e for e in range(-127, 128)], dtype=torch.float32,
@@ -137,8 +137,9 @@ def _scale_by_pow2(x: torch.Tensor, exp: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_to_float(data: torch.Tensor) -> torch.Tensor:
-    """float8 e4m3 ``data`` as float32 (exact). On the CPU through a table of the 256 byte values:
-    torch's elementwise conversion runs there at under 1 GB/s of output, the lookup 2-3x faster."""
+    """float8 e4m3 ``data`` as float32 (exact). On the CPU through a table of the 256 byte values,
+    faster there than torch's elementwise conversion (docs/results.md, "Figures behind the code's
+    choices")."""
     if data.device.type != "cpu":
         return data.float()
     table = _FP8_VALUES.get(data.device)

@@ -2,11 +2,12 @@
 
 A dense fp32 GEMM on the CPU packs panels of the weight into the blocked layout its
 micro-kernel reads, on every call. At decode sizes (M = running requests, 1 to a few dozen)
-that repacking is a large share of the call: on 2 cores a SmolLM2 layer stack runs 1.3x
-faster at M=4..16 from weights packed once at load (`cblas_sgemm_pack` through torch's
-`mkl._mkl_reorder_linear_weight`), ~5% slower at M=1-2 (MKL's packed path is no faster for
-a matrix-vector product), and slower from M ~ 256 up, where the dense path's own packing pays
-off; a whole prefill of 500-640 tokens took within 3% of the dense time.
+that repacking is a large share of the call, so weights packed once at load (`cblas_sgemm_pack`
+through torch's `mkl._mkl_reorder_linear_weight`) are faster at M=4..16, a little slower at
+M=1-2 (MKL's packed path is no faster for a matrix-vector product), and slower from M ~ 256 up,
+where the dense path's own packing pays off; a whole prefill costs about the dense time. The
+figures (`benchmarks/bench_cpu_ops.py`, `bench_engine_cpu.py`): docs/results.md, "Benchmarks"
+(the CPU table) and "Figures behind the code's choices".
 
 The packed copy is the same size as the dense one and replaces it (`PackedWeight`); MKL's
 packed layout of a weight does not depend on M (`_mkl_reorder_linear_weight` gives the same

@@ -150,7 +150,8 @@ def _prefill_attention_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
-_TRITON = TritonKernels(globals(), "_query_tile", "_softmax_update", "_prefill_tile_update", "_prefill_attention_kernel",
+_TRITON = TritonKernels(globals(), "_query_tile", "_softmax_update", "_prefill_tile_update",
+                        "_prefill_attention_kernel",
                         do_not_specialize={"_prefill_attention_kernel": ("stride_bt", "B")})
 
 
@@ -208,9 +209,9 @@ def prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) on CUDA, measured on an H100 with
-# benchmarks/bench_kernels.py --sweep: wide key tiles with 8 warps win up to ~4k query tokens,
-# one warpgroup over 128 rows with 64-key tiles beyond that.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) on CUDA, chosen by benchmarks/bench_kernels.py --sweep
+# (where it ran: docs/results.md, "Figures behind the code's choices"): wide key tiles with 8 warps
+# up to ~4k query tokens, one warpgroup over 128 rows with 64-key tiles beyond that.
 _CUDA_CONFIGS = {
     128: ((4096, (128, 128, 8, 3)), (None, (128, 64, 4, 3))),
     64: ((None, (128, 64, 8, 3)),),

@@ -192,8 +192,9 @@ def dense_prefill_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) on CUDA by the longest sequence's length,
-# measured on an H200 with benchmarks/bench_kernels.py --paths --sweep.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) on CUDA by the longest sequence's length, chosen by
+# benchmarks/bench_kernels.py --paths --sweep (docs/results.md, issue 26: "Fresh prompts attend over
+# their own K/V").
 _CUDA_CONFIGS = ((4096, (64, 64, 4, 3)), (None, (128, 128, 8, 3)))
 _CUDA_CONFIG_FP32 = (64, 32, 4, 2)
 _INTERPRETER_CONFIG = (16, 16, 4, 1)
