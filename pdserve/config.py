@@ -97,19 +97,19 @@ class CacheConfig:
     prefill_graphs: bool = True
     prefill_graph_max_tokens: int = 512
     # Decode-only steps on the torch (CPU) path run a torch.compile'd forward: fewer, fused
-    # ops. The first steps of each shape class (batch 1, batch > 1) compile, ~40 s each on
-    # a 2-core CPU; off by default.
+    # ops. The first steps of each shape class (batch 1, batch > 1) compile (tens of seconds each;
+    # docs/usage.md, "CPU speed-ups"); off by default.
     compile_cpu_decode: bool = False
     # fp32 on the CPU: projections and LM head in MKL's packed GEMM layout (pdserve/kernels/linear.py):
-    # 1.3x faster matmuls from 4 running requests up, ~5% slower at 1-2 (single-stream decode
-    # ~9% slower end to end); the same memory but for a packed copy of a tied LM head.
+    # faster matmuls from a few running requests up, a little slower at 1-2 (the figures:
+    # docs/usage.md, "CPU speed-ups"); the same memory but for a packed copy of a tied LM head.
     # Ignored elsewhere.
     cpu_packed_weights: bool = True
     # KV pool dtype: "auto" (the model's dtype), "bf16", or "fp8" (e4m3 with a float32 scale per
     # token and head, pdserve/kernels/kv_quant.py): about half the bytes to read, hold and ship.
     kv_cache_dtype: str = "auto"
-    # fp8 KV on CUDA is refused unless this is set: its GPU tests failed on an H200
-    # (--experimental-fp8-kv).
+    # fp8 KV on CUDA is refused unless this is set (--experimental-fp8-kv): it is not verified on
+    # GPUs yet (where it stands: docs/usage.md, "FP8 KV cache").
     experimental_fp8_kv: bool = False
 
     def __post_init__(self) -> None:
@@ -131,9 +131,9 @@ class CacheConfig:
 
 
 # The scheduler's sizes when not given, by device type: (max_num_batched_tokens, max_num_seqs).
-# CPU: what a 2-core machine steps through in tens of milliseconds. CUDA: vLLM's OpenAI server
-# on H100-class GPUs; on one H200 with Llama-3.1-8B, 2048/256-token requests at 6 req/s, they
-# gave TTFT p50 99-102 ms against 336-469 ms with the CPU sizes.
+# CPU: what a 2-core machine steps through in tens of milliseconds. CUDA: vLLM's OpenAI server's
+# sizes for datacenter GPUs, which serve an 8B model's prompts at a fraction of the CPU sizes' TTFT
+# (docs/results.md, "Figures behind the code's choices").
 SCHEDULER_DEFAULTS: dict[str, tuple[int, int]] = {"cpu": (512, 64), "cuda": (8192, 256)}
 
 

@@ -2,7 +2,7 @@
 
 A decode-only step replays one CUDA graph (`ModelRunner`'s decode graphs). A step that carries a
 prefill chunk runs eagerly: its attention's grid follows the chunk lengths. Eagerly, an 8B step
-launches about nine kernels a layer from Python, ~17 ms of host time a step whatever its size
+launches about nine kernels a layer from Python, host time that does not shrink with the step
 (docs/experiments.md, the mixed-step profile), while a 512-token step's GPU work is about as
 long: small prompts and mixed steps wait on the host.
 

@@ -23,8 +23,8 @@ History:
   cuda 3  2026-12-01: overlapped decode steps (a decode-only CUDA-graph step launched behind
           the previous one)
   cuda 4  2026-12-03: fresh prompts attend over their own K/V (pdserve/kernels/prefill_attention_dense.py;
-          8k-token prefills 0.740 -> 0.775 of the FLOPs bound on one H200). The prefill graphs
-          of that date are off by default and do not move it.
+          the TTFT it moved: docs/results.md, issue 26, "Fresh prompts attend over their own K/V").
+          The prefill graphs of that date are off by default and do not move it.
 
 This module imports nothing, so the simulator can read it without loading the engine.
 """

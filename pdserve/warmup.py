@@ -131,8 +131,8 @@ def warm_up(engine) -> WarmupReport:
             engine.step()
         seconds["requests"] = time.perf_counter() - t
         t = time.perf_counter()
-        # on the CPU the buckets compile nothing (first prompts of 256 tokens as slow after them: 0.81-0.83 s
-        # against 0.73-0.79 s without, SmolLM2 shape, 2-core VM) unless torch.compile'd decode steps need them
+        # on the CPU the buckets compile nothing (first prompts no faster after them: docs/results.md, "Figures
+        # behind the code's choices") unless torch.compile'd decode steps need them
         buckets = _run_buckets(engine, ids, short_len, vocab) if on_cuda or runner.compiled_decode else ()
         if on_cuda:
             import torch

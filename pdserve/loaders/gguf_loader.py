@@ -133,9 +133,9 @@ class _Metadata:
 def _plain_reader_class() -> Any:
     """`gguf.GGUFReader` reading through a plain ndarray view of its memory map: the same fields
     and tensors (views of the same mapped file), but slicing an ndarray skips numpy's memmap
-    bookkeeping, which the reader pays for each of the ~200,000 parts of a vocabulary (SmolLM2:
-    1.7 s against 6.5 s, side by side on the busy 2-core VM). Made once, on first use (gguf is
-    imported lazily)."""
+    bookkeeping, which the reader pays for each of the ~200,000 parts of a vocabulary (the
+    figures: docs/usage.md, "The tokenizer cache"). Made once, on first use (gguf is imported
+    lazily)."""
     from gguf import GGUFReader
 
     class PlainGGUFReader(GGUFReader):
