@@ -277,7 +277,8 @@ def unpack_header(buf, expected_fingerprint: int | None = None, check_version: b
         raise KVTransferError(f"short KV header: {view.nbytes} bytes, need {HEADER_BYTES}")
     magic, version, kind, key, layer, num_blocks, num_bytes, fingerprint, status, layers = _HEADER.unpack_from(view)
     if magic != WIRE_MAGIC:
-        raise KVTransferError(f"bad KV wire magic {magic:#x}, expected {WIRE_MAGIC:#x}: peer is not a kvtransfer endpoint")
+        raise KVTransferError(f"bad KV wire magic {magic:#x}, expected {WIRE_MAGIC:#x}: "
+                              "peer is not a kvtransfer endpoint")
     if check_version and version != WIRE_VERSION:
         raise KVTransferError(f"KV wire version mismatch: peer speaks {version}, this process speaks {WIRE_VERSION}")
     try:
@@ -292,8 +293,8 @@ def unpack_header(buf, expected_fingerprint: int | None = None, check_version: b
 
 
 def pack_layout(layout: KVLayout) -> bytes:
-    return _LAYOUT.pack(layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.dtype.encode(),
-                        layout.kv_head_start, layout.kv_heads_total)
+    return _LAYOUT.pack(layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim,
+                        layout.dtype.encode(), layout.kv_head_start, layout.kv_heads_total)
 
 
 def unpack_layout(buf) -> KVLayout:
@@ -319,10 +320,9 @@ DIRECT = 32  # LAYER / HELLO_OK status bit (NIXL backend): the sender wrote the 
 WIRE_PRECISIONS = ("full", "fp8")  # a transfer's KV precision on the wire
 # An FP8 transfer sends the sequence's first block(s) at full precision: the first token is the
 # attention sink of every layer (most heads put much of their weight on it), so its K's FP8 error
-# moves every later position's attention. On SmolLM2 (64 prompts x 128 tokens teacher-forced,
-# benchmarks/kv_wire_quality.py) the argmax agreement goes from 98.86% to 99.2% with it, at one
-# block of full-precision bytes per transfer (a 2,048-token prompt: 1.87x fewer bytes than full
-# precision instead of 1.88x).
+# moves every later position's attention. Keeping it raises the argmax agreement of
+# benchmarks/kv_wire_quality.py at one block of full-precision bytes per transfer (the figures:
+# docs/usage.md, "KV precision on the wire").
 FP8_FULL_HEAD_BLOCKS = 1
 
 
@@ -367,8 +367,9 @@ def handshake_mismatches(local: KVLayout, header: WireHeader, peer: KVLayout, lo
     if local_model and peer_model and local_model != peer_model:
         out.append(f"model mismatch: peer serves {peer_model!r}, this process {local_model!r}")
     if peer.kv_heads != local.kv_heads or peer.kv_heads_total != local.kv_heads_total:
-        out.append(f"KV tensor-parallel layout mismatch: peer holds KV heads [{peer.kv_heads[0]}, {peer.kv_heads[1]}) of "
-                   f"{peer.kv_heads_total}, this side [{local.kv_heads[0]}, {local.kv_heads[1]}) of {local.kv_heads_total}")
+        out.append(f"KV tensor-parallel layout mismatch: peer holds KV heads [{peer.kv_heads[0]}, "
+                   f"{peer.kv_heads[1]}) of {peer.kv_heads_total}, this side [{local.kv_heads[0]}, "
+                   f"{local.kv_heads[1]}) of {local.kv_heads_total}")
     fields = [f"{name}={getattr(peer, name)} (local {name}={getattr(local, name)})"
               for name in ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
               if getattr(peer, name) != getattr(local, name)]

@@ -10,9 +10,9 @@ senders reserve their slots without holding the lock while they sleep.
 A sender may say when a message's bytes became ready (``ready_at``, e.g. when the layer
 was enqueued). The link could have started on them then, so time the sender itself spent
 between messages (posting the previous one, waking late from its sleep) is not lost to the
-burst cap: a backlogged link runs at its rate however slow the sender's loop, which at
-50-100 Gbit/s and MB-sized messages is what holds the rate. Without ``ready_at`` the
-bucket is the classic one.
+burst cap: a backlogged link runs at its rate however slow the sender's loop, which at the
+fastest emulated rates with MB-sized messages is what holds the rate (docs/history.md, the
+pacing row of the earlier GPU session). Without ``ready_at`` the bucket is the classic one.
 """
 
 from __future__ import annotations

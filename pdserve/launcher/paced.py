@@ -8,15 +8,16 @@ sends per destination with a token bucket whose rates it re-reads from a file
 (kvtransfer.pacing_spec, `file:PATH`), so a link's rate is real and switches at once.
 
     python -m pdserve.launcher.paced workers --state DIR --model M --prefill 2 --decode 2 [--gpus 0,1] [-- worker flags]
-    python -m pdserve.launcher.paced router --state DIR --policy P --bandwidth GBPS --port N [--slow p1:d1 --slow-factor 0.1]
+    python -m pdserve.launcher.paced router --state DIR --policy P --bandwidth GBPS --port N \
+        [--slow p1:d1 --slow-factor 0.1]
 
 1. `workers` starts the workers as standalone processes (`pdserve worker`, built by
    launcher.workers; prefill ones with `--kv-pacing file:DIR/pacing-<id>.txt`); pair i (prefill i,
    decode i) runs on GPU `gpus[i % len(gpus)]`, so with fewer GPUs than workers they share one.
    Every worker sees all of `gpus` in the same order (CUDA_VISIBLE_DEVICES) and computes on its
    own with `--device cuda:<i>`, so that UCX's cuda_ipc can map a peer GPU's memory for KV
-   between pairs on different GPUs (the order that `pdserve up` on Ray uses too, and the one
-   measured on two H200s). It saves the router's tokenizer,
+   between pairs on different GPUs (the order that `pdserve up` on Ray uses too, and the one the
+   GPU grid of docs/experiments.md ran on two GPUs). It saves the router's tokenizer,
    waits until every worker listens, writes DIR/cluster.json, samples GPU utilisation into
    DIR/gpu_samples.csv (launcher.gpu_sampler) and serves until SIGTERM or SIGINT, then stops the
    workers (which also get SIGTERM if the launcher dies).

@@ -42,19 +42,18 @@ No I/O and no clock: the caller passes the time in the state. What it decides, i
    utilisation is the load trigger's when it is on (requests in flight per worker over
    `up_load`: under `up_load * down_utilisation` per worker), not the share of its workers that
    are busy: a batching worker is busy with one request in its batch, so the busy share kept
-   every decode worker of a GPU step from leaving at a light load (run 13: 0.62-0.81 of three
-   decode workers busy at 2 req/s with 0.5-0.9 requests in flight each). A prefill pool's, and
-   every pool's with the load trigger off, is the busy share (and, with it on, the load must
-   stay under `up_load * down_utilisation` too): a prefill worker holds a request only while it
-   prefills, so far fewer than a decode batch at its capacity.
+   every decode worker of a GPU step from leaving at a light load (run 13 of docs/planner.md,
+   "Live: `pdserve up --autoscale`"). A prefill pool's, and every pool's with the load trigger
+   off, is the busy share (and, with it on, the load must stay under `up_load *
+   down_utilisation` too): a prefill worker holds a request only while it prefills, so far fewer
+   than a decode batch at its capacity.
 
 Why the load trigger needs both figures: "busy" (a worker with anything in flight) saturates for
 a batching decode worker (one request keeps it busy), so alone it cannot tell a light load from
-a heavy one (on the CPU step, 1P+1D's decode worker was busy 0.86 of the time at 0.2-0.4 req/s);
-requests in flight per worker (Little's law: arrival rate x time in the system) grow with the
-load and with the latency (1.6-2 at 0.2 req/s, 3 at +12 s of 1 req/s, 4 at +21 s). How many a
-worker holds within the SLO depends on the model and the device (a GPU batches hundreds), so
-`up_load` is off (0) unless the cluster file sets it.
+a heavy one; requests in flight per worker (Little's law: arrival rate x time in the system) grow
+with the load and with the latency (both as measured in the CPU step, run 5 of docs/planner.md,
+"Live: `pdserve up --autoscale`"). How many a worker holds within the SLO depends on the model
+and the device (a GPU batches hundreds), so `up_load` is off (0) unless the cluster file sets it.
 
 Role shifts (hybrid workers): the router counts each hybrid worker as a prefill, decode or
 mixed worker (its duty, router.cluster.directory). Duties form a ladder prefill - mixed - decode;
@@ -69,10 +68,11 @@ shift is a change: the cooldown follows it.
 
 Duties go back to mixed when the load falls (6): on the scale-down's own conditions and counts
 (attainment at least `down_attainment`, the pool's utilisation under `down_utilisation` even
-with one worker fewer, for `down_stable` intervals), one step per decision, each a change with its cooldown. Where the pool may lose a
-worker (above its minimum), the specialist itself is removed instead of relaxed, so a step down
-from a peak takes one change per worker, not a relax and then a removal; only when the pool is
-at its minimum (or removing the specialist would leave a phase without a worker) does it relax.
+with one worker fewer, for `down_stable` intervals), one step per decision, each a change with
+its cooldown. Where the pool may lose a worker (above its minimum), the specialist itself is
+removed instead of relaxed, so a step down from a peak takes one change per worker, not a relax
+and then a removal; only when the pool is at its minimum (or removing the specialist would leave
+a phase without a worker) does it relax.
 Either way no mixed-duty worker leaves while a specialist is left: this step is tried first,
 and its conditions include the removal's. It does not oscillate: a shift needs
 attainment under `target_attainment`, a relax at least the higher `down_attainment` and the
@@ -111,8 +111,8 @@ def auto_up_load(max_num_seqs: int, slo_tpot: float | None = None,
     A decode worker holds at most `max_num_seqs` requests in its batch, and with a profile
     (`decode_step_s`: batch -> seconds a decode step takes) and a TPOT SLO, at most the largest
     batch whose step stays within the SLO; the threshold is UP_LOAD_SHARE of the smaller, at
-    least 1 (run 14 on the H200 set 6 of 8 slots by hand). A removal then needs the load under
-    `down_utilisation` of it (the rule's hysteresis)."""
+    least 1 (what run 14 of docs/planner.md set by hand for its slots). A removal then needs the
+    load under `down_utilisation` of it (the rule's hysteresis)."""
     if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
     held, why = max_num_seqs, f"max_num_seqs {max_num_seqs}"
@@ -355,7 +355,8 @@ def _shift(state: ClusterState, config: AutoscaleConfig, head: str, memory: Rule
     return None
 
 
-def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | None = None) -> tuple[Decision, RuleMemory]:
+def decide(state: ClusterState, config: AutoscaleConfig,
+           memory: RuleMemory | None = None) -> tuple[Decision, RuleMemory]:
     """The decision for `state` (module docstring) and the memory for the next call."""
     memory = memory or RuleMemory()
     pools = state.pools
@@ -441,19 +442,21 @@ def decide(state: ClusterState, config: AutoscaleConfig, memory: RuleMemory | No
             # the pool can lose a worker: the specialist itself leaves (one change, not a relax then a removal)
             return Decision("remove", "mixed", "idle_specialist",
                             f"{head} {_lightness('mixed', pool, shrinkable['mixed'], config)} "
-                            f"for {calm['mixed']} intervals; a hybrid worker of {source} duty leaves (duties: {counts})",
+                            f"for {calm['mixed']} intervals; a hybrid worker of {source} duty leaves "
+                            f"(duties: {counts})",
                             source=source), _changed(memory, state)
         after = _light_after_removal("mixed", pool, state, config) or 0.0
         return Decision("shift", "mixed", "relax_to_mixed",
                         f"{head} {_lightness('mixed', pool, after, config)} for {quiet} intervals; a hybrid worker "
-                        f"shifts from {source} back to mixed duty (duties: {counts})", source=source), _changed(memory, state)
+                        f"shifts from {source} back to mixed duty (duties: {counts})",
+                        source=source), _changed(memory, state)
     ready = {name: after for name, after in shrinkable.items() if calm[name] >= config.down_stable}
     if ready:
         name = min(ready, key=lambda n: (ready[n], n))
         pool = pools[name]
-        return Decision("remove", name, "idle",
-                        f"attainment {state.attainment:.2f} >= {config.down_attainment:.2f} and "
-                        f"{_lightness(name, pool, ready[name], config)} for {calm[name]} intervals"), _changed(memory, state)
+        why = (f"attainment {state.attainment:.2f} >= {config.down_attainment:.2f} and "
+               f"{_lightness(name, pool, ready[name], config)} for {calm[name]} intervals")
+        return Decision("remove", name, "idle", why), _changed(memory, state)
     return _hold("steady", f"attainment {state.attainment:.2f} over {state.finished} requests, "
                            f"{state.arrival_rate:.2f} req/s"), memory
 

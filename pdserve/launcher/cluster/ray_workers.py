@@ -138,5 +138,6 @@ class WorkerActor:
     def stop(self, grace: float = 5.0) -> None:
         """Stops the gRPC server and the engine loop; the process stays until killed (`ray.kill`),
         which frees the KV plane with it: tearing UCX down first only delays the kill (a full
-        garbage collection of the worker, 1-2 s on a loaded CPU, raced the driver's bound)."""
+        garbage collection of the worker, seconds on a loaded CPU, raced the driver's bound; docs/results.md,
+        "Figures behind the code's choices")."""
         self._server.stop(grace, close_kv=False)

@@ -248,11 +248,13 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
     from pdserve.proto.auth import new_token
 
     cluster_token = new_token()  # the request plane's: workers get it through Ray, the router here
-    settings = RouterSettings(model=config.model, tokenizer=config.tokenizer, served_model_name=config.served_model_name,
+    settings = RouterSettings(model=config.model, tokenizer=config.tokenizer,
+                              served_model_name=config.served_model_name,
                               max_model_len=config.max_model_len, policy=config.policy, mode=router_mode(config.mode),
                               max_batch=config.max_num_seqs,
                               host=config.host, port=config.port, api_key=config.api_key,
-                              kv_deadline_s=config.kv_deadline_s, kv_wire_precision=config.kv_wire_precision, worker_wait_s=config.worker_wait_s,
+                              kv_deadline_s=config.kv_deadline_s, kv_wire_precision=config.kv_wire_precision,
+                              worker_wait_s=config.worker_wait_s,
                               max_tokens_default=config.max_tokens_default, usage_timing=config.usage_timing,
                               max_queued_requests=config.max_queued_requests, queue_timeout_s=config.queue_timeout_s,
                               log_level=log_level.lower(),
@@ -337,7 +339,8 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
 
     # What we started is gone: exit now, clean or not. Ray's atexit hook would wait a minute for
     # a dead GCS, and the interpreter's own teardown (a full garbage collection of a heap holding
-    # torch, the tokenizer and Ray's client) takes 5-10 s on a loaded 2-core machine.
+    # torch, the tokenizer and Ray's client) takes seconds on a loaded host (docs/results.md,
+    # "Figures behind the code's choices").
     hard_exit(code)
     return code  # not reached
 

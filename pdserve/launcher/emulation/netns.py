@@ -56,8 +56,8 @@ _HUB_BRIDGE = "br0"
 _MAX_IFNAME = 15  # IFNAMSIZ - 1
 # Environment of processes inside a node. UCX_TLS/UCX_NET_DEVICES: TCP over the node's veth
 # (shared memory / CMA would bypass the link). UCX_RNDV_THRESH=inf: eager sends; the
-# rendezvous protocol pays a round trip per message through the shaped queue, which left a
-# 1 Gbit link ~12% idle (0.87 vs 0.99 Gbit/s measured here).
+# rendezvous protocol pays a round trip per message through the shaped queue, which leaves a
+# shaped link idle part of the time (docs/results.md, "Figures behind the code's choices").
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": NODE_DEVICE, "UCX_RNDV_THRESH": "inf"}
 _RUN_ID = re.compile(r"^[a-z0-9]{1,8}$")
 
@@ -180,9 +180,9 @@ class EmulatedCluster:
     ``links``: ``{(a, b): LinkSpec}``, unordered pairs; pairs not listed are unshaped.
     ``run_id``: up to 8 of [a-z0-9] (default: random); every object is named
     ``pds-<run_id>-*``. ``mtu``: of every veth (default 65535, as ``lo``: per-packet CPU
-    cost is what caps a veth on a small host. Measured on the 2-core dev host, unshaped:
-    plain TCP 6.7 Gbit/s at MTU 1500, 10.3 at 9000; UCX KV transfers ~3 at 9000, 5-7 at
-    65535. The shaped rate is per byte either way, headers included: ~0.1% at 65535).
+    cost is what caps a veth on a small host, so the largest MTU carries the most; the unshaped
+    rates by MTU: docs/results.md, "Figures behind the code's choices". The shaped rate is per
+    byte either way, headers included: ~0.1% at 65535).
     ``handle_signals``: while inside ``with`` (main thread only), SIGTERM raises
     ``Terminated`` and SIGINT ``KeyboardInterrupt`` so the block unwinds and tears down;
     the previous handlers are restored on exit.

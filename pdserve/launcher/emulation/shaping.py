@@ -11,9 +11,10 @@ On the node's veth (inside its namespace)::
 Each class has rate = ceil (no borrowing), so a link never exceeds its rate, and links
 out of one node do not share a budget (a node with two 10 Gbit links may send 20). HTB
 counts every byte of each packet including IP/TCP headers (GSO segments included), so
-the payload rate is the set rate less ~0.1% at MTU 65535. ``burst`` is about 100 us at
-the link rate (at least two packets): the HTB default (a few packets' worth) keeps a
-5 Gbit class well under its rate on a busy 2-core host.
+the payload rate is the set rate less ~0.1% at MTU 65535. ``burst`` is ``BURST_S`` at
+the link rate (at least two packets): the HTB default (a few packets' worth) keeps a class
+of a few Gbit/s well under its rate on a busy small host (docs/results.md, "Figures behind
+the code's choices").
 """
 
 from __future__ import annotations
