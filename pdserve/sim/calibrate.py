@@ -3,8 +3,9 @@
 A `pdserve profile` times the engine alone, at one moment. On a shared host the same engine
 steps at other speeds at other moments: in the committed CPU runs (one session, same
 workers), the decode step of a request that had its decode worker to itself, with no other
-request decoding anywhere, averaged from 0.063 s to 0.081 s depending on the run, against
-the profile's 0.081 s. No model of the workload can predict that; it is the host's phase.
+request decoding anywhere, differed from run to run and from the profile's (docs/experiments.md,
+"Fidelity against the committed CPU runs"). No model of the workload can predict that; it is
+the host's phase.
 
 `host_factor(profile, records)` measures it: the gaps between consecutive tokens of every
 request whose decode span (first to last token) overlaps no other request's decode span are

@@ -1,16 +1,17 @@
 """Profiles for simulated GPU clusters, derived from measured figures and labelled as such.
 
 No `pdserve profile` of an 8B or 70B model on a GPU is committed, so these are built from
-what the repository did measure (docs/results/h100_engine.json, `random:llama-3.1-8b` bf16 on
-one H100): TTFT of a 2,048- and an 8,192-token prompt (53.5 ms, 244.7 ms) and batch-1 decode
-(152.5 tok/s = 6.56 ms a step), plus the device-copy bandwidth of the same run (3,004 GB/s) to
-price the KV a decode step reads. A 1-token prefill is taken as one decode step.
+what the repository did measure in one run of benchmarks/bench_engine_gpu.py
+(`random:llama-3.1-8b` bf16, docs/results/h100_engine.json; its machine and figures: docs/history.md,
+the earlier session's table): the TTFT of a 2,048- and an 8,192-token prompt and the batch-1 decode
+step, plus the device-copy bandwidth of the same run to price the KV a decode step reads. The
+constants below are those figures. A 1-token prefill is taken as one decode step.
 
-- `llama8b_h100()`: decode(b, c) = 6.56 ms + b x c x 131,072 B / 3,004 GB/s; prefill through
-  (1, 6.56 ms), (2048, 53.5 ms), (8192, 244.7 ms), linear between.
-- `llama70b_h100_tp4()`: a 70B-sized model on a worker of 4 H100s: the 8B times x 70.6/8.03/4
-  (parameters, ideal tensor parallelism), 80 layers, 327,680 B/token of KV (80 layers x 8 KV
-  heads x 128 x 2 x bf16).
+- `llama8b_h100()`: decode(b, c) = step + b x c x KV bytes per token / copy bandwidth; prefill
+  through (1, step) and the two TTFTs, linear between.
+- `llama70b_h100_tp4()`: a 70B-sized model on a worker of 4 GPUs of that kind: the 8B times
+  x 70.6/8.03/4 (parameters, ideal tensor parallelism), 80 layers, 327,680 B/token of KV (80
+  layers x 8 KV heads x 128 x 2 x bf16).
 """
 
 from __future__ import annotations

@@ -29,20 +29,20 @@ a link measurement of about the compute's KV rate: on a host where prefill produ
 slowly than the link carries it, every link converged to that rate.
 
 The first transfer between two workers also pays for their connection (UCX endpoint, remote
-keys, on a GPU the CUDA IPC mapping of the peer's pool: a one-time ~100 ms where the copy takes
-1-2 ms), so it too counts only as a lower bound (`Flow.first_contact`, set by the caller, which
-knows the pair). Counted as a
-measurement, the router's own warm-up requests set a same-host GPU link to about 1 Gbit/s; a
-local run then always priced lower than a pair, so no transfer ever ran to correct it.
+keys, on a GPU the CUDA IPC mapping of the peer's pool: a one-time cost many times the copy's),
+so it too counts only as a lower bound (`Flow.first_contact`, set by the caller, which knows the
+pair). Counted as a measurement, the router's own warm-up requests set a same-host GPU link to
+a small fraction of its rate; a local run then always priced lower than a pair, so no transfer
+ever ran to correct it (docs/faults.md, the slow-link row's first GPU run).
 
 A paced link (launcher.paced's token bucket in the prefill worker) says more: its sender
 reports the bytes and seconds the bucket itself held back (kvtransfer.base SENDER_PHASES,
 phase ``link``), whose ratio is the link's rate whatever the compute did, so that is the
 sample; a paced transfer the bucket never held back only shows that the link kept up (a lower
-bound). Without it, on one H200 shared by the prefill and the decode worker, a 2,048-token
-transfer at 100 Gbit/s outlasted its 60 ms prefill by the ~18 ms of its last layer's landing
-and ACK (over the slack), counted as a ~20 Gbit/s measurement, and the policy then sent FP8 over
-a link that did not need it.
+bound). Without it, on a GPU shared by the prefill and the decode worker, a transfer on a fast
+paced link outlasted its prefill by its last layer's landing and ACK (over the slack), counted
+as a measurement of a fraction of the link's rate, and the policy then sent FP8 over a link that
+did not need it (docs/results.md, "KV precision chosen by the link", run 1).
 
 A transfer that missed its deadline (`finish(missed_deadline_s=...)`) did not move its bytes in
 that time: the link carried less than k x bytes / deadline (k: the peak flows it shared the link

@@ -2,8 +2,9 @@
 
 The cost model (router.placement.policies.cost) and the split model (router.placement.policies.split) predict from
 an offline profile of the engine, which misses the serving path: HTTP/gRPC, KV gather and
-send, Python between steps. Measured on two H200s a served prefill took far longer than the
-profile's, so a split the model called feasible built an unbounded TTFT queue. Like a serving
+send, Python between steps. On two GPUs a served prefill took far longer than the profile's
+(docs/two-gpu.md, "The sweep"), so a split the model called feasible built an unbounded TTFT
+queue. Like a serving
 planner that corrects its models from live metrics, the policy keeps, per quantity q::
 
     r_q <- r_q + alpha (clamp(observed / predicted) - r_q)     (the first sample sets r_q)
@@ -44,9 +45,10 @@ still decodes 2x in the simulator): their outcomes teach the prefill factor, not
 residuals. Nor is anything learned from the requests placed while the previous
 configuration's requests still drain (`settled` False: the policy expects that to take the
 prompts in flight on the busiest worker at the served prefill rate, then their mean output x
-that configuration's TPOT): on two H200s a split's first hand-off prefills took 154-186 ms on
-a worker still decoding its local requests, which would read as a slow engine and undo the
-split at once. Factors only move with the placements that produce samples: a configuration
+that configuration's TPOT): a split's first hand-off prefills, on a worker still decoding its
+local requests, took about twice a dedicated prefill worker's (docs/two-gpu.md, "The sweep"),
+which would read as a slow engine and undo the split at once. Factors only move with the
+placements that produce samples: a configuration
 the policy no longer uses keeps its last factors.
 """
 

@@ -17,14 +17,13 @@ Disaggregated (P, D)::
   forward time, the offline profile's prefill(uncached) *without* the calibration's prefill
   factor: that factor learns the served prefill span (the worker's scheduling, sampling and
   hand-off around the forward, a GPU shared with a decode worker), and the transfer only
-  overlaps the forward. (Until 2026-12-03 hidden used the calibrated prefill: on one H200 at
-  25 Gbit/s the factor grew to ~1.5 after five requests, the policy then predicted 2 ms of a
-  66 ms transfer exposed while the full-precision KV tail measured 20 ms against FP8's 9. Most
-  of that tail came from two stalls fixed on 2026-12-03, the sender's wait for the newest
-  queued layer and the prefill sampler's freeze of the worker's threads: since then the tail
-  at 25 Gbit/s is 7 ms at full precision and 8 ms in FP8, the transfer hides behind the ~70 ms
-  shared-GPU prefill, and this unscaled forward, 43 ms, sends FP8 there for the same TTFT.
-  Which of the two spans to hide behind is to be measured again.)
+  overlaps the forward. (Until 2026-12-03 hidden used the calibrated prefill, which predicted
+  almost none of a transfer exposed where the KV tail measured far more. Most of that tail came
+  from two stalls fixed on 2026-12-03, the sender's wait for the newest queued layer and the
+  prefill sampler's freeze of the worker's threads; since then the transfer hides behind the
+  served prefill, and this unscaled forward sends FP8 there for the same TTFT. Which of the two
+  spans to hide behind is to be measured again; the figures: docs/results.md, "Figures behind
+  the code's choices".)
 - admit(D) = one decode step at D's batch: Reserve runs on D's engine thread between steps.
 
 Local (prefill on D)::
@@ -142,7 +141,8 @@ def estimate_pair(
     batch, context = decode_context(decode, request)
     return Estimate(
         prefill=prefill.worker_id, decode=decode.worker_id, queue_s=queue_s, prefill_s=prefill_s, kv_s=kv_s,
-        hidden_s=hidden_seconds(kv_s, compute_s, profile.num_layers), admit_s=profile.decode_step_seconds(batch, context),
+        hidden_s=hidden_seconds(kv_s, compute_s, profile.num_layers),
+        admit_s=profile.decode_step_seconds(batch, context),
         tpot_s=profile.decode_step_seconds(batch + 1, context), room=has_room(decode, n),
         prefill_tokens=uncached, compute_s=compute_s,
     )
@@ -179,15 +179,12 @@ def estimate_local(
 FP8_WIRE_RATIO = 18 / 32
 
 # Quantize on P plus dequantize on D, in Gbit/s of full-precision KV (kernels.kv_codec.pack_blocks /
-# unpack_blocks, torch ops). CPU: 0.13 was measured on the 2-core development VM under load (float32
-# pools, 4 MB); the codec has since become 2.2x faster (benchmarks/bench_kv_codec.py, one thread,
-# idle, side by side: 1.53 -> 3.30 Gbit/s for 3 MB), so the price under load is scaled by that: 0.28.
-# CUDA: what a transfer's codec adds to TTFT. Measured on one H200 (benchmarks/bench_kv_codec.py
-# --device cuda, Triton): one layer's message (128 blocks of a 2k-token Llama-3.1-8B prompt, 6.5 MB
-# of bf16) packs in 0.072 ms and unpacks in 0.062 ms. A transfer codes layer by layer, overlapped
-# with the wire: each layer's pack runs on the prefill's GPU between its layers (32 x 0.072 ms for
-# 207 MB: 720 Gbit/s of full-precision KV), each unpack on the decode GPU while later layers are on
-# the wire, only the last one's after it. So: 700.
+# unpack_blocks), measured with benchmarks/bench_kv_codec.py (CUDA: --device cuda); the runs and the
+# derivation: docs/usage.md, "KV precision on the wire". CPU (torch ops): the rate under load, scaled
+# by the codec's later speed-up. CUDA (Triton): what a transfer's codec adds to TTFT. A transfer
+# codes layer by layer, overlapped with the wire: every layer's pack runs on the prefill's GPU
+# between its layers, each unpack on the decode GPU while later layers are on the wire, only the
+# last one's after it; so the rate is that of the packs alone, rounded down.
 CODEC_GBPS = {"cpu": 0.28, "cuda": 700.0}
 KV_PRECISIONS = ("full", "fp8")
 
@@ -214,8 +211,9 @@ def choose_kv_precision(
     ((1 - ratio) x kv_s), and its exposed part (kv_s - hidden_s) is at least `min_ttft_fraction`
     of the predicted TTFT at full precision, or of the TTFT SLO when that is tighter. Full
     precision otherwise: a fast link (same node, NVLink) where the bytes are cheap, or compute
-    that hides the transfer. (Until 2026-12-02 the fraction was of the SLO alone, so with a 1 s
-    SLO a transfer that was a third of a 90 ms TTFT went at full precision.)"""
+    that hides the transfer. (Until 2026-12-02 the fraction was of the SLO alone, so under a loose
+    SLO a transfer that was a large part of the TTFT went at full precision: docs/usage.md, "KV
+    precision on the wire".)"""
     if estimate.prefill is None or kv_bytes <= 0:
         return "full", "no KV transfer"
     gbps = codec_gbps if codec_gbps is not None else CODEC_GBPS.get(device, CODEC_GBPS["cuda"])

@@ -29,19 +29,19 @@ SLOs: the mean request latency TTFT + O * TPOT). With SLOs the choice is by good
 k's SLO rate (`slo_rate`) is the highest arrival rate, up to lam, at which it meets both SLOs
 (score <= 1); the k with the highest SLO rate wins, and among those that carry all of lam the
 lowest score. So a split that the arrivals overload but that meets the SLOs at its capacity
-(one prefill GPU serving ~12 req/s of 2k prompts, decodes clean) is kept rather than traded for
-"local", which the same load makes miss a tight TPOT SLO on every request (measured on two
-H200s: 6.1 vs 1.8 req/s of goodput at 13 req/s). Without SLOs, or when no k meets them at any
+(one prefill GPU serving what it can of 2k prompts, decodes clean) is kept rather than traded for
+"local", which the same load makes miss a tight TPOT SLO on every request (the two-GPU sweep of
+docs/two-gpu.md at its highest rate). Without SLOs, or when no k meets them at any
 rate, the lowest score wins. Hysteresis keeps the current k unless another has a higher SLO
 rate by `switch_margin`, or (at equal SLO rates) scores better by it.
 
 Calibration (router.placement.policies.calibration): each k may come with `Factors` learned from the
 router's outcomes. `prefill` multiplies the prefill service time of a split (the profile
-misses the serving path: RPCs, KV gather and send), so with the served prefill 1.6x the
-profile's, u, the M/D/1 wait and the feasibility of a split all use 1.6 x prefill(P): a split
+misses the serving path: RPCs, KV gather and send), so with the served prefill f times the
+profile's, u, the M/D/1 wait and the feasibility of a split all use f x prefill(P): a split
 that the offline profile says can carry the rate but the served prefill cannot is infeasible.
-`ttft` and `tpot` multiply the configuration's predicted TTFT and TPOT (residuals, e.g. local
-TPOT measured 10.8 ms where 8.7 ms was predicted) before the score. Neutral factors (no
+`ttft` and `tpot` multiply the configuration's predicted TTFT and TPOT (residuals, e.g. a local
+TPOT measured above its prediction) before the score. Neutral factors (no
 outcomes yet) leave every number as above.
 """
 
@@ -102,8 +102,8 @@ class ArrivalWindow:
     Two exponentially weighted windows over the router's clock (`observe(now, ...)` from each
     snapshot): a slow one (`tau_s`) and a fast one (`fast_tau_s`). The estimate is the fast one
     while it sees a higher rate, else the slow one: a load step shows within a couple of
-    seconds (a 10 s window alone saw a step from 6 to 9 req/s only after ~5 s, when a
-    64-request run was nearly over), while a lull does not at once undo a split that the
+    seconds (the slow window alone saw a step of the two-GPU sweep only when its run was nearly
+    over: docs/two-gpu.md, "The sweep"), while a lull does not at once undo a split that the
     next burst needs. The first `min_samples` arrivals give no estimate. `fast_tau_s=None`
     keeps the slow window alone."""
 
