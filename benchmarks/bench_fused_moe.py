@@ -57,11 +57,11 @@ PREFILL = 2048
 TINY_BATCHES, TINY_PREFILL = (1, 4), 32
 LAYER_BYTES = 2 << 30  # weights each timed call walks through, at least: several times any L2
 
-SWEEP = [MoEConfig(16, 64, 128, 1, 4, 4), MoEConfig(16, 32, 128, 1, 4, 4), MoEConfig(16, 128, 128, 1, 4, 3),
-         MoEConfig(16, 64, 256, 1, 4, 3), MoEConfig(16, 64, 64, 1, 4, 5), MoEConfig(16, 64, 128, 8, 4, 4),
+SWEEP = [MoEConfig(16, 64, 128, 8, 4, 4), MoEConfig(16, 128, 128, 8, 4, 3), MoEConfig(16, 64, 256, 8, 4, 3),
          MoEConfig(32, 64, 128, 8, 4, 4), MoEConfig(32, 128, 64, 8, 4, 4), MoEConfig(64, 64, 64, 8, 4, 4),
-         MoEConfig(64, 128, 64, 8, 4, 3), MoEConfig(64, 128, 64, 8, 8, 3), MoEConfig(128, 64, 64, 8, 8, 3),
-         MoEConfig(128, 128, 64, 8, 8, 3), MoEConfig(128, 128, 32, 8, 8, 4), MoEConfig(128, 64, 64, 8, 4, 4)]
+         MoEConfig(64, 128, 64, 8, 8, 3), MoEConfig(64, 256, 64, 8, 8, 3), MoEConfig(128, 64, 64, 8, 8, 3),
+         MoEConfig(128, 128, 64, 8, 8, 3), MoEConfig(128, 128, 64, 8, 8, 4), MoEConfig(128, 128, 64, 16, 8, 3),
+         MoEConfig(128, 128, 128, 8, 8, 2), MoEConfig(128, 256, 64, 8, 8, 3), MoEConfig(256, 128, 64, 8, 8, 3)]
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(the reference only, with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="tiny expert shapes and batches (a smoke run)")
     parser.add_argument("--models", help=f"comma-separated, of {', '.join(MODELS)} (default: all)")
-    parser.add_argument("--batches", help="decode batches, comma-separated (default: 1,16,64,256)")
+    parser.add_argument("--batches", help="decode batches, comma-separated, '' for none (default: 1,16,64,256)")
     parser.add_argument("--prefill", type=int, help=f"prefill tokens, 0 for none (default: {PREFILL})")
     parser.add_argument("--sweep", action="store_true", help="also time the tile configurations of SWEEP")
     parser.add_argument("--json", help="write every measured row here")
@@ -190,8 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             sys.exit(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(shapes)}")
         shapes = {m: shapes[m] for m in args.models.split(",")}
-    batches = [int(b) for b in args.batches.split(",")] if args.batches else list(
-        TINY_BATCHES if args.tiny else BATCHES)
+    if args.batches is not None:
+        batches = [int(b) for b in args.batches.split(",") if b]  # "" for the prefill alone
+    else:
+        batches = list(TINY_BATCHES if args.tiny else BATCHES)
     prefill = args.prefill if args.prefill is not None else (TINY_PREFILL if args.tiny else PREFILL)
     token_counts = batches + ([prefill] if prefill else [])
     dtype = torch.bfloat16 if use_triton else torch.float32

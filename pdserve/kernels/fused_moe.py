@@ -18,9 +18,10 @@ Rounding follows HF's sparse MoE blocks: each expert's MLP runs in x's dtype (si
 that dtype before the multiply, as `silu_and_mul`), its output is multiplied by the routing weight
 cast to x's dtype, and the top-k contributions are summed in x's dtype.
 
-The Triton path, four launches, none of which reads a device value on the host (CUDA-graph safe):
+The Triton path, four steps, none of which reads a device value on the host (CUDA-graph safe):
 1. align: the T*K token slots grouped by expert, each expert's run padded to a multiple of BLOCK_M
-   (two small kernels: per-chunk counts, then placement); buffers are sized for the worst case;
+   (per-chunk counts, then placement; one kernel when the slots fit one chunk); buffers are sized
+   for the worst case;
 2. gate/up: one grouped GEMM over the blocks, each block one expert's, SiLU * up in its epilogue;
 3. down: the second grouped GEMM, the routing weight applied in its epilogue;
 4. top-k sum: the K rows of each token added in slot order (ids < 0 skipped) into [T, H].
@@ -110,19 +111,20 @@ class MoEConfig:
 def moe_config(num_slots: int, num_experts: int) -> MoEConfig:
     """Tiles for `num_slots` = T*K token slots over `num_experts` experts, by the slots an expert gets
     on average. Decode batches give each expert a handful (one 16-row block, a long BLOCK_K: the
-    weight read is the cost); prefill gives each many, and larger row blocks re-read the weights less."""
+    weight read is the cost); prefill gives each many, and larger row blocks re-read the weights less.
+    GROUP_M keeps the row blocks of one expert on the same weight tile at the same time (L2 reuse)."""
     per_expert = num_slots / max(num_experts, 1)
-    if per_expert <= 16:
-        return MoEConfig(16, 64, 128, group_m=1, num_warps=4, num_stages=4)
-    if per_expert <= 48:
+    if per_expert < 16:
+        return MoEConfig(16, 64, 128, group_m=8, num_warps=4, num_stages=4)
+    if per_expert < 32:
         return MoEConfig(32, 64, 128, group_m=8, num_warps=4, num_stages=4)
-    if per_expert <= 128:
+    if per_expert < 96:
         return MoEConfig(64, 64, 64, group_m=8, num_warps=4, num_stages=4)
-    return MoEConfig(128, 64, 64, group_m=8, num_warps=8, num_stages=3)
+    return MoEConfig(128, 128, 64, group_m=8, num_warps=8, num_stages=3)
 
 
 # One-hot elements (slots x experts) an align program holds at a time.
-_ALIGN_TILE = 8192
+_ALIGN_TILE = 16384
 
 
 def moe_align_size(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -151,7 +153,7 @@ def _moe_count_kernel(
 
 def _moe_place_kernel(
     ids_ptr,  # [N] expert of each token slot, as for _moe_count_kernel
-    counts_ptr,  # [C, BLOCK_E] int32 per-chunk counts from _moe_count_kernel
+    counts_ptr,  # [C, BLOCK_E] int32 per-chunk counts from _moe_count_kernel (unread when ONE_CHUNK)
     sorted_ptr,  # [P] int32 out: token slots by expert, ascending within an expert, each run padded with N
     block_expert_ptr,  # [P / BLOCK_M] int32 out: the expert of each block of sorted_ptr, -1 from `total` on
     total_ptr,  # [1] int32 out: the padded count `total` (sorted_ptr[total:] is left unwritten)
@@ -163,24 +165,29 @@ def _moe_place_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    ONE_CHUNK: tl.constexpr,  # all N slots in this one program: it counts them itself, no count launch
 ):
     chunk = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
-    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
-    earlier = tl.zeros([BLOCK_E], dtype=tl.int32)  # each expert's slots in the chunks before this one
-    for c0 in range(0, num_chunks, BLOCK_C):
-        rows = c0 + tl.arange(0, BLOCK_C)
-        cnt = tl.load(counts_ptr + rows[:, None] * BLOCK_E + experts[None, :], mask=(rows < num_chunks)[:, None],
-                      other=0)
-        counts += tl.sum(cnt, axis=0)
-        earlier += tl.sum(tl.where((rows < chunk)[:, None], cnt, 0), axis=0)
+    offs = chunk * BLOCK_S + tl.arange(0, BLOCK_S)
+    ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
+    hit = ((ids[:, None] == experts[None, :]) & (experts[None, :] < num_experts)).to(tl.int32)
+    if ONE_CHUNK:
+        counts = tl.sum(hit, axis=0)
+        earlier = tl.zeros([BLOCK_E], dtype=tl.int32)
+    else:
+        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+        earlier = tl.zeros([BLOCK_E], dtype=tl.int32)  # each expert's slots in the chunks before this one
+        for c0 in range(0, num_chunks, BLOCK_C):
+            rows = c0 + tl.arange(0, BLOCK_C)
+            cnt = tl.load(counts_ptr + rows[:, None] * BLOCK_E + experts[None, :],
+                          mask=(rows < num_chunks)[:, None], other=0)
+            counts += tl.sum(cnt, axis=0)
+            earlier += tl.sum(tl.where((rows < chunk)[:, None], cnt, 0), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
 
-    offs = chunk * BLOCK_S + tl.arange(0, BLOCK_S)
-    ids = tl.load(ids_ptr + offs, mask=offs < num_slots, other=-1)
-    hit = ((ids[:, None] == experts[None, :]) & (experts[None, :] < num_experts)).to(tl.int32)
     rank = tl.cumsum(hit, axis=0) - hit  # same-expert slots before each one in this chunk
     dest = tl.sum(hit * (rank + (starts + earlier)[None, :]), axis=1)
     tl.store(sorted_ptr + dest, offs.to(tl.int32), mask=tl.sum(hit, axis=1) > 0)
@@ -373,25 +380,29 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     P = moe_align_size(T*K, E, block_m): expert e's slots ascending, then padding (the value T*K) up to
     a multiple of block_m, experts in order, `total` positions in all; block b holds expert
     block_experts[b], -1 from total on; sorted_slots[total:] is unspecified. Ids outside [0, E) get
-    no position. Two launches, no host sync."""
+    no position. One launch when the slots fit one chunk, else two (counts, then placement); no host
+    sync."""
     check_tensor("topk_ids", topk_ids, 2, (torch.int64, torch.int32))
     num_slots = topk_ids.numel()
     padded = moe_align_size(num_slots, num_experts, block_m)
     device = topk_ids.device
     sorted_slots = torch.empty(padded, dtype=torch.int32, device=device)
     block_experts = torch.empty(padded // block_m, dtype=torch.int32, device=device)
-    total = torch.zeros(1, dtype=torch.int32, device=device)
     if num_slots == 0:
-        return sorted_slots, block_experts, total
+        return sorted_slots, block_experts, torch.zeros(1, dtype=torch.int32, device=device)
+    total = torch.empty(1, dtype=torch.int32, device=device)  # the place kernel's first program writes it
     ids = topk_ids.reshape(-1)
     block_s, block_e, block_c = _align_tiles(num_slots, num_experts)
     num_chunks = cdiv(num_slots, block_s)
-    counts = torch.empty((num_chunks, block_e), dtype=torch.int32, device=device)
-    _TRITON.get("_moe_count_kernel")[(num_chunks,)](
-        ids, counts, num_slots, num_experts, BLOCK_S=block_s, BLOCK_E=block_e, num_warps=4)
+    counts = sorted_slots  # unread in one chunk
+    if num_chunks > 1:
+        counts = torch.empty((num_chunks, block_e), dtype=torch.int32, device=device)
+        _TRITON.get("_moe_count_kernel")[(num_chunks,)](
+            ids, counts, num_slots, num_experts, BLOCK_S=block_s, BLOCK_E=block_e, num_warps=8)
     _TRITON.get("_moe_place_kernel")[(num_chunks,)](
         ids, counts, sorted_slots, block_experts, total, num_slots, num_experts, num_chunks, padded // block_m,
-        BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_E=block_e, BLOCK_C=block_c, num_warps=4)
+        BLOCK_M=block_m, BLOCK_S=block_s, BLOCK_E=block_e, BLOCK_C=block_c, ONE_CHUNK=num_chunks == 1,
+        num_warps=8)
     return sorted_slots, block_experts, total
 
 
