@@ -106,6 +106,16 @@ with force_backend("triton"):
 gather_blocks_ref(pools, index, want)
 close(got, want)
 """,
+    "fused_moe": """
+from pdserve.kernels.dispatch import force_backend
+from pdserve.kernels.fused_moe import fused_moe, fused_moe_ref, moe_route
+x, w13, w2 = torch.randn(5, 32), torch.randn(4, 96, 32) / 6, torch.randn(4, 32, 48) / 7
+weights, ids = moe_route(torch.randn(5, 4), 2, True)
+ids[2, 1] = -1
+with force_backend("triton"):
+    got = fused_moe(x, w13, w2, weights, ids)
+close(got, fused_moe_ref(x, w13, w2, weights, ids))
+""",
     # the FP8 wire codec's kernels use kernels.cache's `_e4m3_bits`
     "kv_wire_codec": """
 from pdserve.kernels.dispatch import force_backend

@@ -156,7 +156,8 @@ def _fp8_pools(num_blocks, bs, hk, d):
     from pdserve.kernels import kv_quant
 
     shape = kv_quant.fp8_pool_shape(num_blocks, bs, hk, d)
-    return torch.zeros(shape, dtype=kv_quant.FP8_DTYPE, device=DEV), torch.zeros(shape, dtype=kv_quant.FP8_DTYPE, device=DEV)
+    return (torch.zeros(shape, dtype=kv_quant.FP8_DTYPE, device=DEV),
+            torch.zeros(shape, dtype=kv_quant.FP8_DTYPE, device=DEV))
 
 
 def _fp8_mismatch(ref, tri):
@@ -269,3 +270,59 @@ def test_dense_prefill_attention(lens, hq, hk, d, tma):
     torch.testing.assert_close(got, want, **TOL)
     got32 = dense_prefill_attention_triton(q.float(), k.float(), v.float(), cu, d ** -0.5, tma=tma)
     torch.testing.assert_close(got32, want.float(), **TOL)
+
+
+def _moe_case(num_tokens, hidden, inter, num_experts, top_k, gen):
+    x = torch.randn(num_tokens, hidden, device=DEV, generator=gen).to(BF16)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, device=DEV, generator=gen) / math.sqrt(hidden)).to(BF16)
+    w2 = (torch.randn(num_experts, hidden, inter, device=DEV, generator=gen) / math.sqrt(inter)).to(BF16)
+    return x, w13, w2
+
+
+def _moe_routing(num_tokens, num_experts, top_k, gen, dropped=0):
+    from pdserve.kernels.fused_moe import moe_route
+
+    weights, ids = moe_route(torch.randn(num_tokens, num_experts, device=DEV, generator=gen), top_k, True)
+    if dropped:
+        flat = ids.view(-1)
+        flat[torch.randperm(flat.numel(), device=DEV, generator=gen)[:dropped]] = -1
+    return weights, ids
+
+
+@pytest.mark.parametrize("num_tokens, hidden, inter, num_experts, top_k", [
+    (1, 1024, 768, 8, 2), (16, 2048, 768, 128, 8), (300, 1024, 512, 64, 8), (2048, 1024, 1536, 8, 2)])
+def test_fused_moe(num_tokens, hidden, inter, num_experts, top_k):
+    from pdserve.kernels.fused_moe import fused_moe_ref, fused_moe_triton
+
+    gen = torch.Generator(device=DEV).manual_seed(num_tokens)
+    x, w13, w2 = _moe_case(num_tokens, hidden, inter, num_experts, top_k, gen)
+    weights, ids = _moe_routing(num_tokens, num_experts, top_k, gen, dropped=num_tokens // 3)
+    got, want = fused_moe_triton(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids)
+    assert (got.float() - want.float()).norm() / want.float().norm() < 1e-2
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 8, 64])
+def test_fused_moe_cuda_graph_replays_new_routing(num_tokens):
+    """Captured once for a decode batch, replayed with fresh routing (ids of -1 included) and fresh
+    hidden states: each replay equals the reference on that step's inputs."""
+    from pdserve.kernels.fused_moe import fused_moe_ref, fused_moe_triton
+
+    hidden, inter, num_experts, top_k = 1024, 768, 64, 8
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    x, w13, w2 = _moe_case(num_tokens, hidden, inter, num_experts, top_k, gen)
+    weights, ids = _moe_routing(num_tokens, num_experts, top_k, gen)
+    fused_moe_triton(x, w13, w2, weights, ids)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe_triton(x, w13, w2, weights, ids)
+    for step in range(4):
+        new_weights, new_ids = _moe_routing(num_tokens, num_experts, top_k, gen, dropped=step * num_tokens)
+        if step == 3:
+            new_ids.fill_(5)  # every token on one expert: the longest run the padding allows
+        x.copy_(torch.randn(x.shape, device=DEV, generator=gen).to(BF16))
+        weights.copy_(new_weights)
+        ids.copy_(new_ids)
+        graph.replay()
+        torch.testing.assert_close(out, fused_moe_ref(x, w13, w2, weights, ids), **TOL)
