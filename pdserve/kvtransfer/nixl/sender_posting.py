@@ -88,7 +88,6 @@ class _Link:
         self.fenced: collections.OrderedDict[int, NackReason] = collections.OrderedDict()
 
 
-
 class SenderPosting:
     """``NixlSender``'s methods that run on a link's sending thread (``_drive``) and post its
     messages: staged WRITEs, DIRECT batches and their fences, READ requests; pacing, fault

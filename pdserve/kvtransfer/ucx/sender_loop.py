@@ -113,7 +113,6 @@ class _Link:
         self.pull = False  # the receiver mapped this sender's pools and reads the blocks itself
 
 
-
 class SenderLoop:
     """``UcxSender``'s methods that run on the runtime's event loop: each receiver address's
     ``_Link`` (connect and handshake, the driver that posts its messages in order, the reader of
