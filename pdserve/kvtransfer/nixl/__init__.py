@@ -19,7 +19,7 @@ In every mode the sender keeps its blocks until the ACK (the prefill worker rele
 as a CUDA IPC copy of its own, so the per-block descriptors of scattered blocks (DIRECT) run far
 slower than one descriptor per layer, and every mode is slower on a GPU than the UCX backend,
 which gathers with one kernel: a sender on CUDA pools logs a warning once (the figures:
-docs/results.md, "Figures behind the KV backends' design notes").
+docs/results.md, "Figures behind the code's choices").
 
 Modules: ``sender`` (``NixlSender``: ``send_layer``, the links' control path), ``sender_posting``
 (each link's sending thread: WRITE, DIRECT and its fences, READ requests), ``receiver``

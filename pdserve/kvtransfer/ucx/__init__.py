@@ -21,7 +21,7 @@ where present.
 The loop thread shares the GIL with the engine thread of a worker; a thread waiting for the GIL
 waits up to ``sys.getswitchinterval()`` each time, several times per message. The runtime lowers
 it to ``PDSERVE_GIL_SWITCH_INTERVAL_S`` (what that changes under a busy engine: docs/results.md,
-"Figures behind the KV backends' design notes").
+"Figures behind the code's choices").
 
 ucxx runs with ``enable_python_future=True`` (its notifier thread completes asyncio
 futures): the default polling mode spins the event loop at 100% CPU whenever a receive

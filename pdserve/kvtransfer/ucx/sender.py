@@ -4,11 +4,11 @@
 of one transfer's chunk are coalesced into one message up to ``coalesce_bytes`` (default 64 MiB
 for CUDA pools, where a message costs far more in fixed overhead than in bytes; 0, one layer per
 message, for host pools, where the link is slow next to compute and each layer should leave as
-soon as it is computed); a paced link coalesces at most what it moves in 2 ms. A group is sent
-when it is full or at the chunk's last layer, so the layers of a chunk overlap the next chunk's
-compute. On CUDA a waiter thread hands each message to the event loop once its gather is done,
-in order; the loop side (connection, handshake, posting, replies) is ``SenderLoop``
-(``pdserve.kvtransfer.ucx.sender_loop``).
+soon as it is computed); a paced link coalesces at most what it moves in a couple of
+milliseconds (``_open_group``). A group is sent when it is full or at the chunk's last layer, so
+the layers of a chunk overlap the next chunk's compute. On CUDA a waiter thread hands each
+message to the event loop once its gather is done, in order; the loop side (connection,
+handshake, posting, replies) is ``SenderLoop`` (``pdserve.kvtransfer.ucx.sender_loop``).
 
 Pull path (same host, CUDA pools that are one allocation, ``pull=True``, no pacer on the link):
 HELLO offers the pools' descriptor (``pdserve.kvtransfer.ipc``); once the receiver has mapped
@@ -269,8 +269,8 @@ class UcxSender(SenderLoop, KVSender):
 
     def _gpu_waiter(self) -> queue.SimpleQueue:
         """A thread that waits for each CUDA gather and then enqueues its message, in
-        order. Waiting on the loop instead (polling the event) costs a millisecond per
-        message: asyncio cannot sleep for less than the selector's 1 ms resolution."""
+        order. Waiting on the loop instead (polling the event) costs a selector tick per
+        message: asyncio cannot sleep for less than its selector's resolution, a millisecond."""
         with self._close_lock:
             if self._waiter is None:
                 self._waiter = queue.SimpleQueue()

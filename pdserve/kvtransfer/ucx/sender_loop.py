@@ -88,9 +88,9 @@ class _Message:
 
 
 async def _sleep_precisely(delay: float) -> None:
-    """asyncio.sleep rounds up to the selector's 1 ms: sleep to within 1.5 ms of the
-    deadline, then yield to the loop until it passes (a 100 Gbit/s link moves 4 MB in
-    0.3 ms)."""
+    """asyncio.sleep rounds up to the selector's resolution: sleep to just short of the
+    deadline, then yield to the loop until it passes (a fast link moves a message in a
+    fraction of that resolution)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + delay
     if delay > 2e-3:
