@@ -292,7 +292,7 @@ def _nixl_pattern(total: int, device: str) -> torch.Tensor:
 
 def _nixl_side(total: int, device: str, source: bool, progress_thread: bool = True):
     """A NIXL agent with one registered buffer of ``total`` bytes (the pattern when ``source``)."""
-    from pdserve.kvtransfer.nixl import _agent, _mem, load_nixl
+    from pdserve.kvtransfer.nixl.agent import _agent, _mem, load_nixl
 
     api = load_nixl()
     if device.startswith("cuda"):
@@ -358,7 +358,8 @@ def _nixl_initiator_main(conn, op: str, sizes: list[int], device: str, repeat: i
         local = _nixl_descs(buf.data_ptr(), sizes, dev)
         remote = _nixl_descs(remote_base, sizes, remote_dev)
     else:  # (source offsets, destination offsets, bytes each, buffer bytes)
-        mine, theirs = (blocks[0], blocks[1]) if op == "WRITE" else (blocks[1], blocks[0])  # READ: we hold the destination
+        # READ: we hold the destination
+        mine, theirs = (blocks[0], blocks[1]) if op == "WRITE" else (blocks[1], blocks[0])
         local = _nixl_block_descs(buf.data_ptr(), mine, blocks[2], dev)
         remote = _nixl_block_descs(remote_base, theirs, blocks[2], remote_dev)
     if prepped:
@@ -402,8 +403,8 @@ def _post_and_time(agent, op, handle, local, remote, mem, remote_mem, name, repe
     times = []
     for _ in range(repeat + 1):
         if not prepped:
-            handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, remote_mem),
-                                           name, b"done")
+            handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, mem),
+                                           agent.get_xfer_descs(remote, remote_mem), name, b"done")
         start = time.perf_counter()
         state = agent.transfer(handle)
         while state == "PROC":
@@ -431,8 +432,9 @@ def raw_nixl_gbps(sizes: list[int], op: str, device: str, receiver_device: str, 
     agent, buf, mem, dev = _nixl_side(total, passive_device, op == "READ", True)
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    child = ctx.Process(target=_nixl_initiator_main, args=(child_conn, op, sizes, initiator_device, repeat, prepped, poll,
-                                                                  progress_thread, thread, blocks),
+    child = ctx.Process(target=_nixl_initiator_main,
+                        args=(child_conn, op, sizes, initiator_device, repeat, prepped, poll, progress_thread, thread,
+                              blocks),
                         daemon=True)
     child.start()
     try:
@@ -653,7 +655,8 @@ def print_breakdown(results: list) -> None:
     for tokens, r in results:
         for mode, phases in (("kvx", r["phases"]), ("staged", r["staged_phases"])):
             p = {k: v * 1e3 for k, v in phases.items()}
-            extra = (f"  (receiver first byte to landed: {r['kvx_recv']:.2f} GB/s; messages pulled: {r['kvx_pulled']:.0f})"
+            extra = (f"  (receiver first byte to landed: {r['kvx_recv']:.2f} GB/s; "
+                     f"messages pulled: {r['kvx_pulled']:.0f})"
                      if mode == "kvx" else f"  (messages pulled: {r['staged_pulled']:.0f})")
             print(f"{tokens:>7} {mode:>6}: stage {p['stage']:.2f} queue {p['queue']:.2f} wire {p['wire']:.2f} "
                   f"ack {p['ack']:.2f} | scatter {p['scatter']:.2f} land {p['land']:.2f}{extra}")
@@ -672,7 +675,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--receiver-device", default=None,
-                        help="device of the receiver process (default: the sender's, e.g. cuda:0); cuda:1 for GPU to GPU")
+                        help="device of the receiver process (default: the sender's, e.g. cuda:0); "
+                             "cuda:1 for GPU to GPU")
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--no-nixl", action="store_true", help="leave out the NIXL rows")
@@ -719,7 +723,8 @@ def main() -> int:
     from pdserve.kvtransfer.ucx_runtime import UcxRuntime, ucx_library_path
 
     shape = SHAPES[args.device]
-    hardware = torch.cuda.get_device_name(0) if args.device == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    hardware = (torch.cuda.get_device_name(0) if args.device == "cuda"
+                else f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     runtime = UcxRuntime.acquire()
     transports = sorted(runtime.ucxx.get_active_transports())
     print(f"KV transfer, {shape.name} ({shape.num_layers} layers, {shape.num_kv_heads} kv heads, d{shape.head_dim}, "
@@ -757,14 +762,16 @@ def main() -> int:
             return f"{value:>{width}.{digits}f}" if value is not None else f"{'n/a':>{width}}"
 
         print(f"{tokens:>7} {r['bytes'] / 1e6:>8.1f} {r['copy']:>8.1f} {r['fake']:>8.2f} {r['raw_one']:>8.2f} "
-              f"{r['raw_same']:>9.2f} {na(r['nccl_one'], 9)} {na(r['nccl_same'], 10)} {r['staged']:>8.2f} {r['kvx']:>8.2f} "
+              f"{r['raw_same']:>9.2f} {na(r['nccl_one'], 9)} {na(r['nccl_same'], 10)} "
+              f"{r['staged']:>8.2f} {r['kvx']:>8.2f} "
               f"{r['kvx'] / r['raw_same']:>13.2f} "
               f"{na(r['kvx'] / r['nccl_same'] if r['nccl_same'] else None, 14)} {r['seconds'] * 1e3:>8.2f}",
               flush=True)
     if not args.nixl_only:
         print_breakdown(results)
     if missing is None:
-        print(f"\nNIXL, same run (GB/s; same: {shape.num_layers} descriptors, one per layer; kv: {2 * shape.num_layers}, "
+        print(f"\nNIXL, same run (GB/s; same: {shape.num_layers} descriptors, one per layer; "
+              f"kv: {2 * shape.num_layers}, "
               f"a layer's K and its V; blocks: one per block, K and V, of the scattered blocks moved here,\nthe "
               f"descriptors pdserve's DIRECT WRITE posts for them)")
         head = (f"{'tokens':>7} {'nixl W same':>12} {'nixl W kv':>10} {'nixl W blocks':>14} {'nixl W one':>11} "
@@ -776,9 +783,11 @@ def main() -> int:
         for tokens, r in results:
             landed = r["bytes"] / r["kvx_landed_s"] / 1e9
             direct_landed = r["bytes"] / r["kvx_nixl_direct_landed_s"] / 1e9
-            print(f"{tokens:>7} {r['nixl_WRITE_same']:>12.2f} {r['nixl_WRITE_kv']:>10.2f} {r['nixl_WRITE_blocks']:>14.2f} "
+            print(f"{tokens:>7} {r['nixl_WRITE_same']:>12.2f} {r['nixl_WRITE_kv']:>10.2f} "
+                  f"{r['nixl_WRITE_blocks']:>14.2f} "
                   f"{r['nixl_WRITE_one']:>11.2f} {r['nixl_READ_same']:>12.2f} {r['raw_same']:>9.2f} "
-                  f"{r['kvx_nixl_direct']:>8.2f} {direct_landed:>14.2f} {r['kvx_nixl']:>9.2f} {r['kvx_nixl_read']:>7.2f} "
+                  f"{r['kvx_nixl_direct']:>8.2f} {direct_landed:>14.2f} {r['kvx_nixl']:>9.2f} "
+                  f"{r['kvx_nixl_read']:>7.2f} "
                   f"{landed:>11.2f} {direct_landed / r['nixl_WRITE_blocks']:>23.2f} "
                   f"{direct_landed / r['nixl_WRITE_same']:>8.2f} {r['kvx_nixl'] / r['nixl_WRITE_same']:>16.2f} "
                   f"{landed / r['nixl_WRITE_same']:>18.2f}")
@@ -789,7 +798,8 @@ def main() -> int:
             for tokens, r in results:
                 cells = " ".join(f"{name} {t * 1e3:.3f}" for name, t in r.get("kvx_nixl_direct_trace", []))
                 print(f"{tokens:>7} direct trace: {cells}")
-        print("direct / staged W / read: pdserve's NIXL backend (--kv-backend nixl) to the sender's ACK: WRITE straight "
+        print("direct / staged W / read: pdserve's NIXL backend (--kv-backend nixl) to the sender's ACK: "
+              "WRITE straight "
               "into the\nreserved blocks, WRITE into the receiver's staging (the default), READ of the sender's pools; "
               "landed: first send_layer\nto the receiver's landing (what a decode worker waits for); kvx landed: the "
               "UCX backend's pull, the same")
@@ -798,15 +808,18 @@ def main() -> int:
                   "\n(initialize_xfer); state polled back to back (spin) or with 1 ms sleeps; posted from a new thread"
                   "\n(init spin), bare or after torch.cuda.set_device there")
             for tokens, r in results:
-                cells = [f"{op[0]} {how} {poll}: {r[f'nixl_{op}_same' if (how, poll) == ('prepped', 'spin') else f'nixl_{op}_same_{how}_{poll}']:.2f}"
-                         for how, poll in (("prepped", "spin"), ("init", "spin"), ("prepped", "sleep"), ("init", "sleep"))
+                cells = [f"{op[0]} {how} {poll}: "
+                         f"{r[f'nixl_{op}_same' if (how, poll) == ('prepped', 'spin') else f'nixl_{op}_same_{how}_{poll}']:.2f}"  # noqa: E501
+                         for how, poll in (("prepped", "spin"), ("init", "spin"), ("prepped", "sleep"),
+                                           ("init", "sleep"))
                          for op in nixl_ops]
                 cells += [f"{op[0]} thread {how}: {r[f'nixl_{op}_same_thread_{how}']:.2f}"
                           for how in ("bare", "device") for op in nixl_ops]
                 print(f"{tokens:>7}  " + "; ".join(cells))
     print("received blocks equal the sent ones, byte for byte, in every mode (checked)")
     print("\nkvx: first send_layer to ACK (sender), pulled by the receiver where it maps the sender's pools;"
-          "\nstaged: the same, pull=False (gather, payload over UCX, scatter); raw same: raw ucxx, one message per layer, all posted at once;"
+          "\nstaged: the same, pull=False (gather, payload over UCX, scatter); "
+          "raw same: raw ucxx, one message per layer, all posted at once;"
           "\nraw one: raw ucxx, one message; nccl: NCCL send/recv (torch.distributed), one message per layer / one"
           "\nmessage (n/a: both ends on one GPU); copy: device copy of the same bytes (bytes read, once).")
     return 0

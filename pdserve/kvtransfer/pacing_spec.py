@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pdserve.kvtransfer.pacing import LinkPacer
 from pdserve.kvtransfer.ucx_runtime import SCHEME
 
-NIXL_SCHEME = "nixl://"  # kvtransfer.nixl.SCHEME (not imported: that module loads NIXL's bindings lazily, but is large)
+NIXL_SCHEME = "nixl://"  # kvtransfer.nixl.control.SCHEME (not imported: the nixl package imports both of its roles)
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = r"""
-import json, time, torch, kvtransfer
+import json, time, torch
+from pdserve import kvtransfer
 from pdserve.kvtransfer import trace
 
 def caches():
@@ -94,7 +95,8 @@ def test_a_served_process_dumps_its_points_to_the_trace_dir(tmp_path):
 
 
 TRANSFERS = r"""
-import time, torch, kvtransfer
+import time, torch
+from pdserve import kvtransfer
 from pdserve.kvtransfer import trace
 
 def caches():

@@ -128,7 +128,7 @@ def test_nixl_write_splits_a_layer_over_slots_and_waits_for_credits(peer):
 def test_nixl_bad_slot_environment_is_refused_by_name():
     import os
 
-    from pdserve.kvtransfer.nixl import _slot_config
+    from pdserve.kvtransfer.nixl.receiver import _slot_config
 
     old = os.environ.get("PDSERVE_NIXL_SLOTS")
     os.environ["PDSERVE_NIXL_SLOTS"] = "zero"

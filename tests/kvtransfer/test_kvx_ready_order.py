@@ -140,7 +140,8 @@ class _NixlLedger(_Ledger):
 
 
 def test_nixl_direct_posts_the_computed_layers_before_waiting_for_the_next():
-    from pdserve.kvtransfer.nixl import NixlSender, _Link
+    from pdserve.kvtransfer.nixl import NixlSender
+    from pdserve.kvtransfer.nixl.sender_posting import _Link
 
     sender = NixlSender.__new__(NixlSender)  # only what _post_direct touches: ledger, pacer, the WRITE
     sender._ledger, sender._pacer = _NixlLedger(), None

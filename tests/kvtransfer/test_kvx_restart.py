@@ -105,7 +105,7 @@ def test_host_pools_send_eagerly_unless_told_otherwise(preset):
     code = (
         "import os\n"
         "from tests.kvtransfer.kvx_peer import CacheSpec, make_caches\n"
-        "from kvtransfer.ucx import UcxReceiver\n"
+        "from pdserve.kvtransfer.ucx import UcxReceiver\n"
         "r = UcxReceiver(make_caches(CacheSpec(), seed=None))\n"
         "print('RNDV', os.environ.get('UCX_RNDV_THRESH'))\n"
         "r.close()\n"

@@ -5,17 +5,17 @@ import logging
 
 import torch
 
-from pdserve.kvtransfer import nixl
+from pdserve.kvtransfer.nixl import agent
 
 
 def test_cuda_pools_warn_once_and_host_pools_never(caplog, monkeypatch):
-    monkeypatch.setattr(nixl, "_CUDA_WARNED", type(nixl._CUDA_WARNED)())
+    monkeypatch.setattr(agent, "_CUDA_WARNED", type(agent._CUDA_WARNED)())
     with caplog.at_level(logging.WARNING, logger="pdserve.kvtransfer.nixl"):
-        nixl._warn_on_cuda(torch.device("cpu"), "write")
+        agent._warn_on_cuda(torch.device("cpu"), "write")
         assert not caplog.records
-        nixl._warn_on_cuda(torch.device("cuda", 1), "write")
-        nixl._warn_on_cuda(torch.device("cuda", 0), "read")
+        agent._warn_on_cuda(torch.device("cuda", 1), "write")
+        agent._warn_on_cuda(torch.device("cuda", 0), "read")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "--kv-backend ucx" in warnings[0].getMessage()
     assert "WRITE" in warnings[0].getMessage()
-    assert nixl._mem(torch.device("cuda", 1)) == ("VRAM", 1) and nixl._mem(torch.device("cpu")) == ("DRAM", 0)
+    assert agent._mem(torch.device("cuda", 1)) == ("VRAM", 1) and agent._mem(torch.device("cpu")) == ("DRAM", 0)
