@@ -6,7 +6,7 @@ string annotations (`from __future__ import annotations`, so `tl.constexpr` need
 wraps every listed function with `triton.jit`, replacing the module global so that kernels
 calling each other see JIT functions.
 
-A helper defined in one kernel module and used by another (`from kernels.rope import
+A helper defined in one kernel module and used by another (`from pdserve.kernels.rope import
 _rope_rotate`) is bound where it is defined: its name is resolved, and its annotations and
 body read `tl`, in its own module's globals. So a loader never wraps a foreign function
 itself: it loads the defining module's loader first (every loader registers itself by module
@@ -14,7 +14,7 @@ name) and takes the JIT object from there. Whichever kernel module launches firs
 process, every function it reaches is bound, and a helper is wrapped exactly once.
 Three consequences:
 
-* `import kernels` works without triton installed and costs nothing when triton is unused;
+* `import pdserve.kernels` works without triton installed and costs nothing when triton is unused;
 * load order does not matter (tests/kernels/test_kernel_load_order.py runs each entry point
   first in its own interpreter);
 * `TRITON_INTERPRET` is read at the first launch, not at import, so a test conftest may set

@@ -79,8 +79,9 @@ def test_public_function_dispatches(no_env, monkeypatch):
 def test_package_imports_and_runs_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, kernels\n"
-        "from kernels.dispatch import triton_available\n"
+        "import torch\n"
+        "from pdserve import kernels\n"
+        "from pdserve.kernels.dispatch import triton_available\n"
         "assert not triton_available()\n"
         "assert kernels.kernel_backend('cuda') == 'torch'\n"
         "x = torch.randn(3, 8)\n"
@@ -93,6 +94,6 @@ def test_package_imports_and_runs_without_triton():
 
 
 def test_import_does_not_import_triton():
-    code = "import sys, kernels; assert 'triton' not in sys.modules, 'triton imported eagerly'"
+    code = "import sys; from pdserve import kernels; assert 'triton' not in sys.modules, 'triton imported eagerly'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -180,8 +180,10 @@ def test_the_simulator_imports_neither_the_engine_nor_ray_nor_torch():
     import subprocess
     import sys
 
-    code = ("import sys, sim.cli, sim.experiment, sim.cluster, sim.workload, sim.profiles; "
-            "print(sorted(m for m in ('pdserve', 'torch', 'ray') if m in sys.modules))")
+    code = ("import sys, pdserve.sim.cli, pdserve.sim.experiment, pdserve.sim.cluster, pdserve.sim.workload, "
+            "pdserve.sim.profiles; "
+            "print(sorted(m for m in ('pdserve.engine', 'pdserve.worker', 'pdserve.router.http', 'torch', 'ray') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr
