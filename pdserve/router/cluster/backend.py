@@ -28,7 +28,7 @@ Recovery:
   ServiceUnavailable (503, with Retry-After); no room anywhere: Overloaded (429).
 
 Queueing: a burst beyond the workers' KV capacity waits, it is not an error. A decode
-worker's Reserve waits in line for blocks (pdserve/worker/server.py), a worker's engine
+worker's Reserve waits in line for blocks (pdserve/worker/servicer.py), a worker's engine
 queues what it cannot admit yet; the router bounds the wait. A request counts as queued
 (`pdserve:requests_waiting`) from its arrival to its first token: past `max_queued_requests`
 queued requests a new one gets Overloaded (429) at once, and one without a first token after
