@@ -184,7 +184,8 @@ class ModelRunner:
         self.compiled_decode = self.torch_path and cache_config.compile_cpu_decode
         if self.compiled_decode:
             # no inductor per-call checks of every extern output's size, stride and alignment
-            # (their cost: docs/history.md); the graph's shapes are checked by its guards
+            # (their cost: docs/results.md, "Figures behind the code's choices"); the graph's
+            # shapes are checked by its guards
             self._decode_torch = torch.compile(self._decode_torch, fullgraph=True, options={
                 "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False})
         self.num_compiled_steps = 0

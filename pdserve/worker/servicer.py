@@ -343,8 +343,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             # the request's blocks are freed on the engine thread between steps; the answer does
             # not wait for that: behind a step running now (another prompt's prefill) it waited up
             # to that step's time, which every disaggregated TTFT paid on a busy prefill worker
-            # (docs/planner.md, run C). Commands run in order, so the next request's own still finds
-            # them freed first.
+            # (docs/results.md, "Figures behind the code's choices"). Commands run in order, so the
+            # next request's own still finds them freed first.
             released = True
             self.w.loop.unsubscribe(rid)
             self.w.loop.submit(free)

@@ -4,7 +4,7 @@
    (its Generate handler, the engine thread's first step) are warm for the first real request;
 2. every prefill -> decode pair moves a first two-token request's KV, WARM_PASSES times per wire
    precision the router may use: a pair's first transfers open its connection, map the peer's
-   pools and compile the copy kernels (docs/results.md, the pair warm-up);
+   pools and compile the copy kernels (docs/results.md, "Figures behind the code's choices");
 3. from then on a worker that joins (or moves to a new address) is left out of placement until
    its pairs are warmed, at most WARM_JOINER_TIMEOUT_S; one back after a failed check is warmed
    while it serves.
