@@ -1,12 +1,10 @@
 """The only place that touches devices: weights, the paged KV pools, batch tensors, sampling.
 
-Decode-only steps on CUDA replay CUDA graphs: at the first such step the decode forward is
-captured once per padded batch size (1, 2, 4, ... up to `CacheConfig.cuda_graph_max_batch`)
-over static input buffers (token ids, positions, slots, seq lens, block tables as wide as the
-longest possible sequence). A step copies its inputs into those buffers from pinned host
-memory and replays the graph of the next size up; padding rows have slot -1 (no KV write) and
-seq len 0 (attention reads nothing). Mixed and prefill steps, layer hooks, the torch kernel
-backend and `CacheConfig.enforce_eager` (--no-cuda-graphs) run eagerly.
+Decode-only steps on CUDA replay CUDA graphs, captured at the first such step (or the warm-up)
+once per padded batch size (pdserve/decode_graphs.py); steps with prefill rows, up to
+`prefill_graph_max_tokens`, replay piecewise graphs (pdserve/piecewise_graphs.py). Layer hooks on
+decode steps, the torch kernel backend and `CacheConfig.enforce_eager` (--no-cuda-graphs) run
+eagerly.
 
 Tensor parallelism (`pdserve.parallel`): each rank's runner holds its shard and its KV heads.
 Rank 0's runner is given a `StepChannel`: before each forward it publishes the step's host
@@ -19,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -29,6 +26,7 @@ import torch
 from pdserve import kernels
 
 from pdserve.config import CacheConfig, ModelConfig
+from pdserve.decode_graphs import DecodeGraphs, graph_batch_sizes
 from pdserve.models.llama import AttentionMetadata, LayerHook, LlamaModel, decode_forward_torch
 from pdserve.piecewise_graphs import PiecewiseGraphs
 from pdserve.sampler import Sampler, SamplingRow
@@ -43,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GIB = 1 << 30
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
 def resolve_device(device: str | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -96,8 +95,8 @@ def _packed(parts: list[np.ndarray], dtype) -> tuple[np.ndarray, list[int]]:
 class StepChannel(Protocol):
     """Rank 0's side of the step broadcast. Messages: ("eager", StepInputs, uses decode plan),
     ("graph", n, size, width, ids/positions/slots [3, size], seq lens [size], tables
-    [size, width]), ("capture",) (capture the CUDA graphs now) and ("stop",). `publish` raises `TPRankError` (pdserve.parallel.local)
-    when a rank is gone."""
+    [size, width]), ("capture",) (capture the CUDA graphs now) and ("stop",). `publish` raises
+    `TPRankError` (pdserve.parallel.local) when a rank is gone."""
 
     def publish(self, message: tuple) -> None: ...
 
@@ -135,7 +134,7 @@ class ModelRunner:
             raise ValueError("kv_cache_dtype fp8 does not support compile (the CPU torch.compile decode)")
         if (self.kv_cache_dtype == kernels.FP8_DTYPE and device.type == "cuda"
                 and not cache_config.experimental_fp8_kv):
-            # its exact-write and SmolLM2 tolerance tests failed on an H200 (docs/results/h200_gpu_tests.txt)
+            # its exact-write and SmolLM2 tolerance tests failed on a GPU (docs/results/h200_gpu_tests.txt)
             raise ValueError("kv_cache_dtype fp8 on CUDA is not verified yet (its GPU tests failed on an H200); "
                              "pass --experimental-fp8-kv (CacheConfig.experimental_fp8_kv) to use it anyway, "
                              "or use the default cache dtype")
@@ -156,17 +155,15 @@ class ModelRunner:
             torch.empty((0, 1, 1), dtype=dtype, device=device), self.kv_caches[0][0])
         logger.info("KV cache: %d blocks of %d tokens, %s (%.1f MiB)", self.num_blocks, self.block_size,
                     self.kv_cache_dtype_name, self.kv_cache_bytes / (1 << 20))
-        # CUDA graphs of the decode forward, captured at the first decode-only step.
+        # CUDA graphs of the decode forward (pdserve/decode_graphs.py), captured at the first
+        # decode-only step.
         self.use_cuda_graphs = (device.type == "cuda" and not self.torch_path
                                 and not cache_config.enforce_eager)
-        cap = min(cache_config.cuda_graph_max_batch, self.num_blocks)
-        sizes = [b for b in GRAPH_BATCH_SIZES if b <= cap]
-        if cap < GRAPH_BATCH_SIZES[-1] and cap not in sizes:
-            sizes.append(cap)
-        self.graph_batch_sizes: list[int] = sizes
         max_len = min(model_config.max_position_embeddings, self.num_blocks * self.block_size)
-        self.max_blocks_per_seq = -(-max_len // self.block_size)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, device, self.block_size,
+                                          graph_batch_sizes(min(cache_config.cuda_graph_max_batch, self.num_blocks)),
+                                          max_blocks_per_seq=-(-max_len // self.block_size))
+        self.graph_batch_sizes: list[int] = self.decode_graphs.batch_sizes
         # Steps with prefill rows, up to this many tokens, replay piecewise CUDA graphs
         # (pdserve/piecewise_graphs.py; on by default where they can run; 0 = off). Tests set it off
         # CUDA, where the segments run eagerly on the same static buffers.
@@ -176,7 +173,6 @@ class ModelRunner:
             logger.info("prefill graphs are off here: they need CUDA graphs on a CUDA device with Triton "
                         "kernels and no tensor parallelism")
         self._piecewise: PiecewiseGraphs | None = None
-        self.num_graph_replays = 0
         # pinned host buffers (and their copy events) for sampled tokens: two, one step in flight
         self._token_bufs: list[torch.Tensor] | None = None
         self._token_events: list | None = None
@@ -187,8 +183,9 @@ class ModelRunner:
         self._decode_torch = functools.partial(decode_forward_torch, self.model, self.kv_caches)
         self.compiled_decode = self.torch_path and cache_config.compile_cpu_decode
         if self.compiled_decode:
-            # inductor's per-call checks of every extern output's size, stride and alignment
-            # cost ~2 ms a step at batch 16; the graph's shapes are checked by its guards
+            # no inductor per-call checks of every extern output's size, stride and alignment
+            # (their cost: docs/results.md, "Figures behind the code's choices"); the graph's
+            # shapes are checked by its guards
             self._decode_torch = torch.compile(self._decode_torch, fullgraph=True, options={
                 "size_asserts": False, "alignment_asserts": False, "scalar_asserts": False})
         self.num_compiled_steps = 0
@@ -264,6 +261,12 @@ class ModelRunner:
         return self.model(input_ids, meta, self.kv_caches, layer_hook)
 
     @property
+    def num_graph_replays(self) -> int:
+        """Decode-only steps that ran through the decode graphs (replayed on CUDA, eagerly
+        elsewhere), since the runner started, warm-up included."""
+        return self.decode_graphs.num_replays
+
+    @property
     def num_prefill_graph_steps(self) -> int:
         """Steps that ran through the piecewise graphs (replayed on CUDA, their segments eagerly
         elsewhere), since the runner started, warm-up included."""
@@ -307,13 +310,7 @@ class ModelRunner:
                     self.model(input_ids, meta, self.kv_caches)
             elif kind == "graph":
                 _, n, size, width, i64, lens, tables = message
-                self._ensure_graph_buffers()
-                if self._copied is not None:
-                    self._copied.synchronize()
-                h_i64, h_lens, h_flat = self._h_views
-                h_i64[:, :size] = i64
-                h_lens[:size] = lens
-                np.copyto(h_flat[:size * width].reshape(size, width), tables)
+                self.decode_graphs.load(size, width, i64, lens, tables)
                 self._launch_graph(n, size, width, None)
             else:
                 raise AssertionError(f"unknown step message {kind!r}")
@@ -447,7 +444,6 @@ class ModelRunner:
         """Uploads a step's inputs: one int64 and one int32 array, each one copy (from pinned
         memory on CUDA, without waiting for the GPU), then views into them."""
         bs = self.block_size
-        dev = self.device
         nd = inputs.num_decodes
         i64 = [np.asarray(a, dtype=np.int64) for a in (inputs.input_ids, inputs.positions, inputs.slots,
                                                          inputs.logits_rows)]
@@ -496,127 +492,25 @@ class ModelRunner:
             tensor = tensor.pin_memory()
         return tensor.to(self.device, non_blocking=True)
 
-    # ---- CUDA graphs ------------------------------------------------------------------------
+    # ---- CUDA graphs of decode steps (pdserve/decode_graphs.py) ----------------------------
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
-        """Captures the decode forward for every size in `graph_batch_sizes` (largest first,
-        sharing one memory pool). Padding inputs make warm-up and capture write nothing.
+        """Captures the decode forward for every size in `graph_batch_sizes` (DecodeGraphs.capture).
         Off CUDA (tests) only the static buffers are set up and "replay" runs eagerly."""
-        if self._graphs or not self.use_cuda_graphs:
+        if self.decode_graphs.ready or not self.use_cuda_graphs:
             return
         if self.channel is not None:  # the capture's warm-up and captured collectives run on every rank
             self.channel.publish(("capture",))
-        t0 = time.perf_counter()
-        self._ensure_graph_buffers()
-        dev = self.device
-        if dev.type != "cuda":
-            self._graphs = {size: None for size in self.graph_batch_sizes}
-            return
-        self._capture(t0)
-
-    def _ensure_graph_buffers(self) -> None:
-        """The static input buffers of the graph path (pinned host and device), once."""
-        if getattr(self, "_h_views", None) is not None:
-            return
-        dev, max_b = self.device, self.graph_batch_sizes[-1]
-        on_cuda = dev.type == "cuda"
-        self._h_i64 = torch.zeros((3, max_b), dtype=torch.int64, pin_memory=on_cuda)  # ids, pos, slot
-        self._h_i64[2] = -1
-        self._h_lens = torch.zeros(max_b, dtype=torch.int32, pin_memory=on_cuda)
-        self._h_tables = torch.zeros(max_b * self.max_blocks_per_seq, dtype=torch.int32, pin_memory=on_cuda)
-        self._h_views = (self._h_i64.numpy(), self._h_lens.numpy(), self._h_tables.numpy())
-        self._d_i64 = self._h_i64.to(dev, copy=True)
-        self._d_lens = self._h_lens.to(dev, copy=True)
-        self._d_tables = torch.zeros((max_b, self.max_blocks_per_seq), dtype=torch.int32, device=dev)
-        self._d_rows = torch.arange(max_b, dtype=torch.long, device=dev)
-        # Host mirror of the block tables at a fixed row stride, updated incrementally.
-        self._table_mirror = np.zeros((max_b, self.max_blocks_per_seq), dtype=np.int32)
-        self._row_owners: list[tuple | None] = [None] * max_b
-        self._copied = None
-        if on_cuda:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-
-    def _capture(self, t0: float) -> None:
-        dev = self.device
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(dev)
-        for size in reversed(self.graph_batch_sizes):
-            input_ids, meta = self._graph_inputs(size)
-            # One eager run first: Triton compiles and loads this size's kernels outside capture.
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream):
-                self.model(input_ids, meta, self.kv_caches)
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(input_ids, meta, self.kv_caches)
-            self._graphs[size] = (graph, logits)
-        torch.cuda.synchronize(dev)
-        logger.info("captured CUDA graphs for decode batch sizes %s in %.1fs",
-                    self.graph_batch_sizes, time.perf_counter() - t0)
-
-    def _graph_inputs(self, size: int) -> tuple[torch.Tensor, AttentionMetadata]:
-        return self._d_i64[0, :size], AttentionMetadata(
-            positions=self._d_i64[1, :size],
-            slot_mapping=self._d_i64[2, :size],
-            num_decodes=size,
-            decode_block_tables=self._d_tables[:size],
-            decode_seq_lens=self._d_lens[:size],
-            prefill_block_tables=None,
-            prefill_cu_seqlens_q=None,
-            prefill_seq_lens=None,
-            logits_indices=self._d_rows[:size],
-        )
-
-    def _update_table_mirror(self, seqs) -> int:
-        """Brings the host mirror of the graph's block tables up to date for `seqs` (row i =
-        seqs[i]) and returns the widest row. A row that held the same request last step (and
-        it was not preempted since) only gets its new blocks: most steps write nothing."""
-        mirror, owners = self._table_mirror, self._row_owners
-        width = 1
-        for i, seq in enumerate(seqs):
-            blocks = seq.block_ids
-            nb = len(blocks)
-            width = max(width, nb)
-            owner = owners[i]
-            if owner is not None and owner[0] is seq and owner[1] == seq.num_preemptions and owner[2] <= nb:
-                if owner[2] < nb:
-                    mirror[i, owner[2]:nb] = blocks[owner[2]:]
-            else:
-                mirror[i, :nb] = blocks
-            owners[i] = (seq, seq.num_preemptions, nb)
-        for i in range(len(seqs), len(owners)):
-            if owners[i] is None:
-                break
-            owners[i] = None  # drop references to finished requests
-        return width
+        self.decode_graphs.capture()
 
     @torch.inference_mode()
     def _execute_graph(self, batch: ScheduledBatch, input_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        if not self._graphs:
+        graphs = self.decode_graphs
+        if not graphs.ready:
             self.capture_cuda_graphs()
-        n = len(batch)
-        size = next(b for b in self.graph_batch_sizes if b >= n)
-        bs = self.block_size
-        seqs = batch.seqs
-        width = self._update_table_mirror(seqs)
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copies have left the pinned buffers
-        i64, lens, flat = self._h_views
-        pos = [seq.num_computed_tokens for seq in seqs]
-        i64[0, :n] = [seq.token_at(p) for seq, p in zip(seqs, pos)]
-        i64[1, :n] = pos
-        i64[2, :n] = [seq.block_ids[p // bs] * bs + p % bs for seq, p in zip(seqs, pos)]
-        lens[:n] = pos
-        lens[:n] += 1
-        i64[0:2, n:size] = 0
-        i64[2, n:size] = -1
-        lens[n:size] = 0
-        np.copyto(flat[:size * width].reshape(size, width), self._table_mirror[:size, :width])
+        n, size, width = graphs.fill(batch.seqs)
         if self.channel is not None:
-            self.channel.publish(("graph", n, size, width, i64[:, :size].copy(), lens[:size].copy(),
-                                  self._table_mirror[:size, :width].copy()))
+            self.channel.publish(graphs.step_message(n, size, width))
         logits = self._launch_graph(n, size, width, input_tokens)
         sampling = [i for i in range(n) if batch.samples(i)]
         if len(sampling) == n:
@@ -624,27 +518,14 @@ class ModelRunner:
         return logits[torch.tensor(sampling, dtype=torch.long, device=self.device)]
 
     def _launch_graph(self, n: int, size: int, width: int, input_tokens: torch.Tensor | None) -> torch.Tensor:
-        """Copies the filled host buffers to the device and replays the graph of `size`
-        (off CUDA: runs the same static inputs eagerly). Returns the padded logits."""
-        if not self._graphs:
+        """Replays the graph of `size` over the filled buffers (DecodeGraphs.replay), captured
+        first if need be. Returns the padded logits."""
+        graphs = self.decode_graphs
+        if not graphs.ready:
             self.capture_cuda_graphs()
-        if not self._graphs:  # a follower whose rank 0 forced the graph path (tests)
-            self._graphs = {s: None for s in self.graph_batch_sizes}
-        self._d_i64.copy_(self._h_i64, non_blocking=True)
-        self._d_lens.copy_(self._h_lens, non_blocking=True)
-        self._d_tables[:size, :width].copy_(self._h_tables[:size * width].view(size, width),
-                                            non_blocking=True)
-        if input_tokens is not None:  # after the ids' copy on the same stream: these win
-            self._d_i64[0, :n].copy_(input_tokens[:n])
-        captured = self._graphs[size]
-        if captured is None:  # off CUDA: the same static inputs, run eagerly
-            logits = self.model(*self._graph_inputs(size), self.kv_caches)
-        else:
-            self._copied.record()
-            graph, logits = captured
-            graph.replay()
-        self.num_graph_replays += 1
-        return logits
+        if not graphs.ready:  # a follower whose rank 0 forced the graph path (tests)
+            graphs.run_eagerly()
+        return graphs.replay(n, size, width, input_tokens)
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
         if self.device.type == "cuda":

@@ -3,7 +3,7 @@ the JSON a client sees (`usage.pdserve_timing`, one entry per choice) in one pla
 
 `WorkerTiming` is a worker's own part of a Generate call's first token (from the gRPC chunk that
 carries it, pdserve.proto.convert); `RequestTiming` is what the router's cluster backend
-measured for a finished request (router.cluster.backend). Seconds unless the name says
+measured for a finished request (router.cluster.recorder). Seconds unless the name says
 otherwise; a field left None was not measured on this request's path and is left out of the JSON.
 """
 

@@ -18,7 +18,6 @@ from pdserve.kvtransfer.pacing_spec import (
     parse_pacing,
     sender_options,
 )
-from pdserve.launcher.emulation.kvprobe import make_caches, measure, num_blocks_for
 
 
 def test_parse_full_spec():
@@ -79,6 +78,7 @@ def test_worker_options():
 def test_worker_server_builds_the_pacer_from_kv_options(monkeypatch):
     """WorkerServer turns a ("pacer", SPEC) kv_option into a pacer for its sender and
     keeps it away from a decode worker's receiver."""
+    import pdserve.worker.kv_plane as kv_plane
     import pdserve.worker.server as server
 
     seen = {}
@@ -90,9 +90,9 @@ def test_worker_server_builds_the_pacer_from_kv_options(monkeypatch):
     def recorder(side):
         return lambda backend, caches, **opts: (seen.setdefault(side, opts), Stub())[1]
 
-    monkeypatch.setattr(server, "create_sender", recorder("send"))
-    monkeypatch.setattr(server, "create_receiver", recorder("recv"))
-    monkeypatch.setattr(server, "KVPusher", lambda *a: type("P", (), {"on_layer": None})())
+    monkeypatch.setattr(kv_plane, "create_sender", recorder("send"))
+    monkeypatch.setattr(kv_plane, "create_receiver", recorder("recv"))
+    monkeypatch.setattr(kv_plane, "KVPusher", lambda *a: type("P", (), {"on_layer": None})())
 
     class Engine:  # the smallest engine WorkerServer.__init__ needs
         def __init__(self, config):

@@ -35,7 +35,7 @@ def test_graph_replay_gives_eager_greedy_tokens_fp32(monkeypatch):
     graphed, llm = _generate(monkeypatch, True, "float32")
     runner = llm.engine.runner
     assert runner.num_graph_replays > 0
-    assert sorted(runner._graphs) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert sorted(runner.decode_graphs._graphs) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert [len(t) for t in graphed] == MAX_TOKENS
     assert graphed == eager
     bm = llm.engine.block_manager

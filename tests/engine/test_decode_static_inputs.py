@@ -84,18 +84,19 @@ def test_incremental_block_tables_match_every_step_under_preemption():
         runner = llm.engine.runner
         runner.use_cuda_graphs = static
         checked = []
-        update = runner._update_table_mirror if static else None
+        graphs = runner.decode_graphs
+        update = graphs._update_table_mirror if static else None
 
         def checking(seqs):
             width = update(seqs)
             for i, seq in enumerate(seqs):
-                assert np.array_equal(runner._table_mirror[i, :len(seq.block_ids)], seq.block_ids)
+                assert np.array_equal(graphs._table_mirror[i, :len(seq.block_ids)], seq.block_ids)
             assert width == max(len(s.block_ids) for s in seqs)
             checked.append(len(seqs))
             return width
 
         if static:
-            runner._update_table_mirror = checking
+            graphs._update_table_mirror = checking
         rng = random.Random(5)
         prompts = [[rng.randrange(2, 500) for _ in range(rng.randrange(3, 12))] for _ in range(6)]
         params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (9, 4, 13, 6, 11, 8)]

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from pdserve.sampling_params import RequestOutput, SamplingParams
-from pdserve.worker import server as worker_server
+from pdserve.worker import servicer as worker_servicer
 from pdserve.router.http import fanout as fanout_module
 from pdserve.router.http.fanout import QUEUE_PER_JOB, FanOut, Job
 from tests.router.conftest import wait_until
@@ -32,7 +32,8 @@ class EndlessBackend:
         self.produced = 0
         self.aborted: list[str] = []
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
         while True:
             self.produced += 1
             yield RequestOutput(request_id, [7], "x", False, None, len(prompt), self.produced)
@@ -80,7 +81,7 @@ def test_a_client_that_disconnects_mid_stream_aborts_and_frees_the_blocks(worker
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
 def test_a_slow_reader_gets_every_token_and_the_buffers_stay_bounded(workers, mode, monkeypatch):  # noqa: F811
     most = {"worker": 0, "router": 0}
-    put_nowait, next_delta = worker_server._Stream.put_nowait, fanout_module.FanOut.next
+    put_nowait, next_delta = worker_servicer._Stream.put_nowait, fanout_module.FanOut.next
 
     def counting_put(self, item):
         put_nowait(self, item)
@@ -93,7 +94,7 @@ def test_a_slow_reader_gets_every_token_and_the_buffers_stay_bounded(workers, mo
     for server in workers.values():  # steps of a real model's pace, so the reader sees many chunks
         step = server.engine.step
         monkeypatch.setattr(server.engine, "step", lambda step=step: (time.sleep(0.005), step())[1])
-    monkeypatch.setattr(worker_server._Stream, "put_nowait", counting_put)
+    monkeypatch.setattr(worker_servicer._Stream, "put_nowait", counting_put)
     monkeypatch.setattr(fanout_module.FanOut, "next", counting_next)
     # logprobs: a tiny random model's tokens decode to no text, a chunk per delta carries them
     request = {**body(1), "max_tokens": 70, "ignore_eos": True, "logprobs": True}
@@ -113,6 +114,6 @@ def test_a_slow_reader_gets_every_token_and_the_buffers_stay_bounded(workers, mo
                                      mode, chunks, most["router"], most["worker"])
     assert tokens == expected and len(tokens) == 70
     assert most["router"] <= QUEUE_PER_JOB
-    assert most["worker"] <= worker_server._Stream.MERGE_AT
+    assert most["worker"] <= worker_servicer._Stream.MERGE_AT
     assert chunks >= 5 and time.monotonic() - t0 < 30
     assert_all_free(workers)

@@ -61,7 +61,7 @@ def test_a_failing_observe_outcome_does_not_fail_the_request(caplog):
                 check_complete(await collect(env.backend, rid, max_tokens=4), rid, 4)
             assert env.backend.snapshot().worker("d0").num_inflight == 0
 
-    with caplog.at_level(logging.WARNING, logger="pdserve.router.cluster.backend"):
+    with caplog.at_level(logging.WARNING, logger="pdserve.router.cluster.recorder"):
         run(main)
     failures = [r for r in caplog.records if "observe_outcome failed" in r.getMessage()]
     assert len(failures) == 2 and "r1" in failures[0].getMessage()
@@ -72,7 +72,7 @@ def test_network_aware_learns_from_the_router_and_exports_its_factors():
         async with cluster(("p0", "prefill"), ("d0", "decode")) as env:
             policy = NetworkAware(profile=PROFILE)
             env.backend.policy = policy
-            env.backend._set_calibration_gauges()
+            env.backend.recorder.set_calibration_gauges(policy)
             assert env.metric("pdserve:policy_calibration_factor", policy="network-aware", quantity="prefill") == 1.0
             check_complete(await collect(env.backend, "r1"), "r1", 6)
             cal = policy.calibration

@@ -9,7 +9,8 @@ import openai
 import pytest
 
 from pdserve.timing import RequestTiming
-from pdserve.router.cluster.backend import TIMING_KEYS, ClusterBackend
+from pdserve.router.cluster.backend import ClusterBackend
+from pdserve.router.cluster.recorder import TIMING_KEYS, disaggregated_timing
 from pdserve.router.cluster.directory import StaticDirectory
 from pdserve.router.http.formatting import CompletionFormatter
 from pdserve.router.metrics import RouterMetrics
@@ -145,11 +146,11 @@ def test_timing_from_a_worker_without_link_figures():
         prefill, decode = "p0", "d0"
 
     result = PrefillResult(None, 1000, 0.5, 0.0, 0.1, {"wire": 0.4})  # type: ignore[arg-type]
-    timing = RequestTiming(**ClusterBackend._timing(Decision(), 0.01, 0.6, result))  # type: ignore[arg-type]
+    timing = RequestTiming(**disaggregated_timing(Decision(), 0.01, 0.6, result))  # type: ignore[arg-type]
     assert timing.kv_link_s is None and timing.kv_link_bytes is None
     assert "kv_link" not in timing.to_json() and timing.to_json()["kv_wire"] == 0.4
     paced = PrefillResult(None, 1000, 0.5, 0.0, 0.1, {"link": 0.3}, 800)  # type: ignore[arg-type]
-    timing = RequestTiming(**ClusterBackend._timing(Decision(), 0.01, 0.6, paced))  # type: ignore[arg-type]
+    timing = RequestTiming(**disaggregated_timing(Decision(), 0.01, 0.6, paced))  # type: ignore[arg-type]
     assert (timing.kv_link_s, timing.kv_link_bytes) == (0.3, 800)
     assert (timing.to_json()["kv_link"], timing.to_json()["kv_link_bytes"]) == (0.3, 800)
 

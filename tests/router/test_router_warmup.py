@@ -92,13 +92,13 @@ def test_cluster_warm_up_moves_kv_over_every_pair_and_a_joiner_is_placed_only_on
 
         # a decode worker joins: out of placement until p0 -> d1 is warmed
         gate = asyncio.Event()
-        original = backend._warm_once
+        original = backend.warmup._warm_once
 
         async def held(prefill, decode, *args):
             await gate.wait()
             return await original(prefill, decode, *args)
 
-        backend._warm_once = held
+        backend.warmup._warm_once = held
         directory.entries.append(d1.endpoint)
         loop.call(backend.refresh())
         joiner = backend.pool.workers["d1"]

@@ -18,7 +18,8 @@ from pdserve.router.placement.congestion import CongestionView, LinkState
 from pdserve.router.placement.base import ClusterSnapshot, RequestInfo, SLOUnattainable
 from pdserve.router.placement.policies.network_aware import NetworkAware
 from pdserve.router.placement.policies.oracle import Exhaustive, OracleNetworkAware
-from pdserve.router.placement.policies.search import Columns, Search
+from pdserve.router.placement.policies.columns import Columns
+from pdserve.router.placement.policies.search import Search
 from pdserve.router.placement.policies.baselines import PrefixIndex
 from pdserve.router.placement.policies.cost import estimate_local, estimate_pair
 from pdserve.router.placement.profiles import Profile
@@ -122,8 +123,8 @@ def test_an_exact_tie_with_a_later_prefill_worker_goes_to_the_lower_id():
     # d0 (node b) only at 2^29 bit/s: 0.25 + 0.5 - 0.125 = 0.625. p1 queues 352 tokens
     # (0.34375 s) and is local to d0: 0.34375 + 0.28125 = 0.625 too. Same TTFT, same loads
     # (one request each): the lower id, p1, wins, though its bound equals the best found.
-    workers = (w("p9", "prefill", "a", num_inflight=1), w("p1", "prefill", "b", num_inflight=1, num_inflight_tokens=352),
-               w("d0", "decode", "b"))
+    workers = (w("p9", "prefill", "a", num_inflight=1),
+               w("p1", "prefill", "b", num_inflight=1, num_inflight_tokens=352), w("d0", "decode", "b"))
     snap = snapshot(workers, DYADIC_TOPOLOGY)
     exhaustive, pruned = both(*split(snap), req(256), snap, profile=DYADIC)
     ttfts = {(e.prefill, e.decode): e.ttft_s for e in exhaustive.pairs}
@@ -176,7 +177,6 @@ def test_a_cost_model_the_search_does_not_know_falls_back_to_every_pair():
     workers = (w("p0", "prefill", "a"), w("p1", "prefill", "b"), w("d0", "decode", "a"), w("d1", "decode", "b"))
     snap = snapshot(workers, topology(remote_gbps=100.0))
     request = req(1024)
-    load = {x.worker_id: 0 for x in workers}
 
     def odd_pair(p, d):  # a model where p0 -> d0, the formula's best (ids break its tie with p1 -> d1), costs 1 s more
         e = estimate_pair(PROFILE, request, p, d, snap)
@@ -238,15 +238,17 @@ def random_cluster(rng: random.Random) -> ClusterSnapshot:
         for b in nodes:
             if rng.random() < 0.3:
                 links.append(Link(a, b, rng.choice([1.0, 25.0, 100.0, 100.0]), rng.choice([0.0, 0.005])))
-    topo = Topology(links=tuple(links), local_gbps=rng.choice([100.0, 200.0]), local_latency_ms=rng.choice([0.0, 0.005]),
-                    remote_gbps=rng.choice([10.0, 25.0]), remote_latency_ms=rng.choice([0.0, 0.01]))
+    topo = Topology(links=tuple(links), local_gbps=rng.choice([100.0, 200.0]),
+                    local_latency_ms=rng.choice([0.0, 0.005]), remote_gbps=rng.choice([10.0, 25.0]),
+                    remote_latency_ms=rng.choice([0.0, 0.01]))
     workers = []
     for i in range(rng.randint(2, 24)):
         role = rng.choice(["prefill", "decode", "decode", "mixed"] if rng.random() < 0.3 else ["prefill", "decode"])
         kw = {}
         if rng.random() < 0.6:  # few distinct loads: many exact ties
             n = rng.choice([0, 1, 2, 8])
-            kw = dict(num_running=n, num_inflight=rng.choice([0, n]), num_inflight_tokens=rng.choice([0, 512, 4096]) * n)
+            kw = dict(num_running=n, num_inflight=rng.choice([0, n]),
+                      num_inflight_tokens=rng.choice([0, 512, 4096]) * n)
         if rng.random() < 0.3:
             kw.update(num_blocks=512, block_size=16, num_free_blocks=rng.choice([0, 8, 300, 512]))
         workers.append(w(f"{role[0]}{i:02d}", role, rng.choice(nodes), **kw))

@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 from pdserve.router.placement.congestion import CongestionView, LinkState
-from pdserve.router.placement.base import ClusterSnapshot, NoWorkersAvailable, RequestInfo, SLOUnattainable, WorkerSnapshot
+from pdserve.router.placement.base import (ClusterSnapshot, NoWorkersAvailable, RequestInfo, SLOUnattainable,
+                                           WorkerSnapshot)
 from pdserve.router.placement.policies.network_aware import NetworkAware
 from pdserve.router.placement.policies.calibration import Factors
 from pdserve.router.placement.policies.oracle import OracleNetworkAware
-from pdserve.router.placement.policies.search import decode_steps, prefill_times
+from pdserve.router.placement.policies.columns import decode_steps, prefill_times
 from pdserve.router.placement.profiles import Profile
 from pdserve.router.placement.topology import Link, Topology
 from pdserve.sim.profiles import llama8b_h100, llama70b_h100_tp4

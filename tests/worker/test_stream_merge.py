@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from pdserve.sampling_params import RequestOutput, TokenLogprob
-from pdserve.worker.server import _Stream
+from pdserve.worker.servicer import _Stream
 
 
 def out(token: int, finished: bool = False, **kw) -> RequestOutput:
@@ -64,7 +64,7 @@ def test_a_reader_that_stops_reading_holds_a_bounded_number_of_items():
             most = max(most, len(stream))
         assert most == _Stream.MERGE_AT
         stream.put_nowait(out(1000, finished=True))
-        tokens = []
+        tokens, delta = [], None
         while not tokens or not delta.finished:
             delta = await stream.next()
             tokens.extend(delta.new_token_ids)

@@ -124,7 +124,7 @@ class _LateContext:
 def test_a_reserve_whose_caller_gave_up_holds_no_blocks(workers, start, after):
     import asyncio
 
-    from pdserve.worker.server import WorkerServicer
+    from pdserve.worker.servicer import WorkerServicer
 
     _, servers = workers
     decode = servers["decode"]

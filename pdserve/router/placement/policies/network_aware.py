@@ -74,9 +74,11 @@ from pdserve.router.placement.base import (
 )
 from pdserve.router.placement.policies.baselines import PrefixIndex
 from pdserve.router.placement.policies.calibration import Calibration, Prediction
-from pdserve.router.placement.policies.search import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, Columns, Search
+from pdserve.router.placement.policies.columns import ROLE_DECODE, ROLE_MIXED, ROLE_PREFILL, Columns
+from pdserve.router.placement.policies.search import Search
 from pdserve.router.placement.congestion import transfer_seconds
-from pdserve.router.placement.policies.cost import Estimate, at_wire_precision, estimate_local, estimate_pair, fp8_wire_ratio
+from pdserve.router.placement.policies.cost import (Estimate, at_wire_precision, estimate_local, estimate_pair,
+                                                    fp8_wire_ratio)
 from pdserve.router.placement.policies.split import SplitChooser, SplitPrediction
 from pdserve.router.placement.profiles import Profile
 from pdserve.router.placement.topology import Topology
