@@ -1,6 +1,7 @@
 """Frozen configuration dataclasses, composed into each other.
 
-`ModelConfig` describes the shape of a Llama-family model, whatever it was loaded from.
+`ModelConfig` describes the shape of a decoder model (the Llama family, Qwen3, and the
+mixture-of-experts families, whose sparse MLP is a `MoEConfig`), whatever it was loaded from.
 `CacheConfig`, `SchedulerConfig` and `EngineConfig` describe how the engine runs it; the
 engine's switches (overlapped steps, CUDA graphs, warm-up, experimental fp8 KV) are fields
 here, passed down, never read from the environment below the CLI (`pdserve.engine_args`).
@@ -13,7 +14,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "mixtral", "qwen3_moe", "olmoe")
+# RMSNorm of q and k before RoPE: none, per head over head_dim (Qwen3), or over the whole
+# q / k projection (OLMoE)
+QK_NORMS = ("none", "head", "proj")
 Role = Literal["mixed", "prefill", "decode"]
 ROLES = ("mixed", "prefill", "decode")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -28,6 +32,31 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MLP of a mixture-of-experts model: a replicated router (softmax over the
+    experts, the top-k kept, divided by their sum when `renormalize`) and `num_experts` SwiGLU
+    experts of width `intermediate_size`. `layers` are the layers whose MLP is sparse; the others
+    are dense, of the model's `intermediate_size` (Qwen3-MoE's `mlp_only_layers` and
+    `decoder_sparse_step`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for key in ("num_experts", "top_k", "intermediate_size"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"moe config: {key} must be a positive integer, got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"moe config: top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+        if not isinstance(self.layers, tuple) or list(self.layers) != sorted(set(self.layers)):
+            raise ValueError(f"moe config: layers must be a sorted tuple of distinct indices, got {self.layers!r}")
 
 
 @dataclass(frozen=True)
@@ -46,6 +75,9 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    qk_norm: str = "none"  # one of QK_NORMS
+    clip_qkv: float | None = None  # q, k and v clamped to [-clip, clip] after the norms (OLMoE)
+    moe: MoEConfig | None = None  # the sparse MLP of the layers in moe.layers
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
@@ -66,6 +98,20 @@ class ModelConfig:
                 f"model config: num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"model config: qk_norm must be one of {', '.join(QK_NORMS)}, got {self.qk_norm!r}")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ValueError(f"model config: clip_qkv must be > 0 or None, got {self.clip_qkv!r}")
+        if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.layers):
+            raise ValueError(f"model config: moe layers {self.moe.layers} outside the {self.num_layers} layers")
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe is not None and index in self.moe.layers
+
+    @property
+    def has_dense_layers(self) -> bool:
+        """Whether any layer's MLP is dense (of width intermediate_size)."""
+        return self.moe is None or len(self.moe.layers) < self.num_layers
 
     @property
     def q_size(self) -> int:
@@ -196,11 +242,16 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     # ranks of one engine (pdserve.parallel): heads, MLP columns and vocabulary split N ways
     tensor_parallel_size: int = 1
+    # mixture-of-experts models at tensor_parallel_size N: the experts are divided among the N
+    # ranks (each holds E / N whole experts) instead of each expert's width split N ways
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
             raise ValueError(f"engine config: tensor_parallel_size must be a positive integer, got {tp!r}")
+        if not isinstance(self.expert_parallel, bool):
+            raise ValueError(f"engine config: expert_parallel must be true or false, got {self.expert_parallel!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"engine config: dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:

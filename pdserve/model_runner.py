@@ -122,6 +122,8 @@ class ModelRunner:
         self.tp_size = comm.size if comm is not None else 1
         if self.tp_size > 1 and cache_config.compile_cpu_decode:
             raise ValueError("--compile (the CPU torch.compile decode) does not support --tensor-parallel-size > 1")
+        if model_config.moe is not None and cache_config.compile_cpu_decode:
+            raise ValueError("--compile (the CPU torch.compile decode) does not support mixture-of-experts models")
         self.model = LlamaModel(model_config, dtype, device, layout, comm)
         self.model_config = self.model.config  # this rank's shape (the whole model's at TP=1)
         self.model.load_weights(weights)

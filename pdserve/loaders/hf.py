@@ -2,6 +2,13 @@
 
 Reads configs written by transformers 4.x (`rope_theta`, `rope_scaling`) and 5.x
 (`rope_parameters` holding both). Weights are read lazily, one tensor at a time.
+
+Expert weights come in two layouts, both read into the per-expert names of `loaders.layout`:
+per expert (`mlp.experts.<e>.{gate,up,down}_proj.weight`; Mixtral's
+`block_sparse_moe.experts.<e>.w1/w3/w2.weight`, w1 the gate and w3 the up projection), or stacked
+as transformers 5 holds them in memory (`mlp.experts.gate_up_proj` [E, 2I, H], each expert's gate
+rows then its up rows, and `mlp.experts.down_proj` [E, H, I]). A stacked tensor is read one expert
+(and, under tensor parallelism, one slice) at a time.
 """
 
 from __future__ import annotations
@@ -10,12 +17,14 @@ import glob
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from pdserve.config import ModelConfig, RopeScaling
+from pdserve.config import ModelConfig, MoEConfig, RopeScaling
 from pdserve.loaders.source import ModelSource
 from pdserve.loaders.layout import check_weight_shapes
 from pdserve.tokenizer import load_hf_tokenizer
@@ -26,8 +35,15 @@ HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
-HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen3": "qwen3", "mixtral": "mixtral",
+                  "qwen3_moe": "qwen3_moe", "olmoe": "olmoe"}
+# q/k RMSNorm before RoPE: per head (Qwen3, Qwen3-MoE) or over the whole projection (OLMoE)
+_QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "proj"}
 INDEX_FILE = "model.safetensors.index.json"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 FLOAT_DTYPES = {"F32", "F16", "BF16", "F64"}
@@ -58,12 +74,13 @@ def load_hf_dir(model_dir: str) -> ModelSource:
 
         for path in files:
             with safe_open(path, framework="pt") as handle:
-                for name in names_by_file[path]:
-                    index = None if shard is None else shard(name)
+                for name, read in names_by_file[path]:
+                    index = read.index(None if shard is None else shard(name))
                     if index is None:
-                        yield name, handle.get_tensor(name)
-                    else:  # tensor parallelism: read only this rank's slice
-                        yield name, handle.get_slice(name)[index]
+                        yield name, handle.get_tensor(read.name)
+                    else:  # a stacked expert, or tensor parallelism: read only this slice
+                        tensor = handle.get_slice(read.name)[index]
+                        yield name, tensor[0] if read.expert is not None else tensor
 
     dtype_text = "/".join(sorted(dtypes))
     return ModelSource(
@@ -112,8 +129,18 @@ def config_from_hf_dict(raw: dict[str, Any], where: str, generation: dict[str, A
                 "so outputs past %d tokens differ from the reference model",
                 where, window, max_positions, window,
             )
+    if architecture in ("mixtral", "qwen3", "qwen3_moe") and get("sliding_window") is not None \
+            and get("use_sliding_window", architecture == "mixtral"):
+        logger.warning("%s: sliding_window is ignored; attention is full", where)
     if architecture == "qwen2" and get("use_sliding_window", False):
         logger.warning("%s: use_sliding_window is ignored; attention is full", where)
+    num_layers = _int(get("num_hidden_layers", required=True), "num_hidden_layers", where)
+    intermediate = _int(get("intermediate_size", required=True), "intermediate_size", where)
+    moe = _moe(raw, architecture, num_layers, intermediate, where)
+    clip_qkv = get("clip_qkv") if architecture == "olmoe" else None
+    if clip_qkv is not None and (isinstance(clip_qkv, bool) or not isinstance(clip_qkv, (int, float))
+                                 or clip_qkv <= 0):
+        raise ValueError(f"{where}: clip_qkv must be a positive number or null, got {clip_qkv!r}")
 
     eos_ids = _token_ids(get("eos_token_id"), "eos_token_id", where)
     if generation:
@@ -126,8 +153,8 @@ def config_from_hf_dict(raw: dict[str, Any], where: str, generation: dict[str, A
             architecture=architecture,
             vocab_size=_int(get("vocab_size", required=True), "vocab_size", where),
             hidden_size=hidden_size,
-            intermediate_size=_int(get("intermediate_size", required=True), "intermediate_size", where),
-            num_layers=_int(get("num_hidden_layers", required=True), "num_hidden_layers", where),
+            intermediate_size=intermediate,
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=_int(head_dim, "head_dim", where),
@@ -137,12 +164,63 @@ def config_from_hf_dict(raw: dict[str, Any], where: str, generation: dict[str, A
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             attention_bias=architecture == "qwen2" or bool(get("attention_bias", False)),
+            qk_norm=_QK_NORM.get(architecture, "none"),
+            clip_qkv=None if clip_qkv is None else float(clip_qkv),
+            moe=moe,
             bos_token_id=None if bos is None else _int(bos, "bos_token_id", where, allow_zero=True),
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),
             name=str(get("_name_or_path") or os.path.basename(os.path.dirname(os.path.abspath(where)))),
         )
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from exc
+
+
+# transformers' defaults for the MoE keys a config.json may leave out (their config classes')
+_MOE_DEFAULTS = {
+    "mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1, "mlp_only_layers": []},
+    "olmoe": {"num_experts": 64, "num_experts_per_tok": 8, "norm_topk_prob": False},
+}
+
+
+def _moe(raw: dict[str, Any], architecture: str, num_layers: int, intermediate: int, where: str) -> MoEConfig | None:
+    """The sparse MLP of a mixture-of-experts config.json (None for a dense family)."""
+    if architecture not in _MOE_DEFAULTS:
+        return None
+    defaults = _MOE_DEFAULTS[architecture]
+
+    def get(key: str) -> Any:
+        value = raw.get(key)
+        return defaults[key] if value is None else value
+
+    # transformers 5 writes num_local_experts for every family (an alias of num_experts)
+    key = next((k for k in ("num_experts", "num_local_experts") if raw.get(k) is not None),
+               "num_local_experts" if architecture == "mixtral" else "num_experts")
+    num_experts = _int(raw.get(key, defaults.get(key)), key, where, allow_zero=architecture == "qwen3_moe")
+    if architecture == "mixtral":
+        width, renormalize, layers = intermediate, True, tuple(range(num_layers))
+    else:
+        renormalize = get("norm_topk_prob")
+        if not isinstance(renormalize, bool):
+            raise ValueError(f"{where}: norm_topk_prob must be true or false, got {renormalize!r}")
+        width, layers = intermediate, tuple(range(num_layers))
+        if architecture == "qwen3_moe":
+            width = _int(get("moe_intermediate_size"), "moe_intermediate_size", where)
+            step = _int(get("decoder_sparse_step"), "decoder_sparse_step", where)
+            dense = get("mlp_only_layers")
+            if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+                raise ValueError(f"{where}: mlp_only_layers must be a list of layer indices, got {dense!r}")
+            # as transformers' Qwen3MoeDecoderLayer chooses
+            layers = tuple(i for i in range(num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+            if not layers:
+                return None  # every layer dense
+    top_k = _int(get("num_experts_per_tok"), "num_experts_per_tok", where)
+    try:
+        return MoEConfig(num_experts=num_experts, top_k=top_k, intermediate_size=width, renormalize=renormalize,
+                         layers=layers)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def _architecture(raw: dict[str, Any], where: str) -> str:
@@ -201,9 +279,77 @@ def _rope(raw: dict[str, Any], where: str) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _index_weights(model_dir: str, config: ModelConfig) -> tuple[list[str], dict[str, list[str]], set[str]]:
-    """The safetensors files in load order, the HF names each holds, and their dtypes; checks
-    names and shapes against the config."""
+@dataclass(frozen=True)
+class _Read:
+    """Where one weight (under its `loaders.layout` name) lies in a file: the whole tensor `name`,
+    or, of a stacked expert tensor [E, R, C], expert `expert`'s rows [row_start, row_start + rows)."""
+
+    name: str
+    expert: int | None = None
+    row_start: int = 0
+    rows: int = 0
+
+    def index(self, shard: tuple[slice, ...] | None) -> tuple[slice, ...] | None:
+        """The file tensor's index of the weight's slice `shard` (None: the whole weight)."""
+        if self.expert is None:
+            return shard
+        rows, *rest = shard if shard is not None else (slice(None),)
+        start, stop, step = rows.indices(self.rows)
+        if step != 1:
+            raise AssertionError("weight slices are contiguous")
+        return (slice(self.expert, self.expert + 1), slice(self.row_start + start, self.row_start + stop),
+                *(rest or [slice(None)]))
+
+
+# Mixtral's names for the experts and the router, and the stacked (fused) expert tensors
+_MIXTRAL_EXPERT = re.compile(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_MIXTRAL_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_STACKED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
+
+
+def _layout_name(name: str) -> str:
+    """A per-tensor name of the file as `loaders.layout` names it (Mixtral's renamed)."""
+    match = _MIXTRAL_EXPERT.match(name)
+    if match:
+        return f"{match.group(1)}.mlp.experts.{match.group(2)}.{_MIXTRAL_PROJ[match.group(3)]}.weight"
+    return name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
+
+
+def _file_name(name: str, architecture: str) -> str:
+    """The name a checkpoint of `architecture` gives the layout's weight `name` (for messages)."""
+    if architecture != "mixtral":
+        return name
+    for short, proj in _MIXTRAL_PROJ.items():
+        name = re.sub(rf"\.mlp\.experts\.(\d+)\.{proj}\.", rf".block_sparse_moe.experts.\1.{short}.", name)
+    return name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+
+
+def _reads(name: str, shape: tuple[int, ...], config: ModelConfig, path: str) -> list[tuple[str, _Read, tuple]]:
+    """The weights one file tensor holds: [(layout name, read, shape)]; a stacked expert tensor
+    holds one (two: gate and up) per expert, and is checked against the config here."""
+    match = _STACKED.match(name)
+    if match is None:
+        return [(_layout_name(name), _Read(name), shape)]
+    layer, kind = int(match.group(1)), match.group(2)
+    moe = config.moe
+    if moe is None or not config.is_moe_layer(layer):
+        raise ValueError(f"{path}: unexpected tensor {name} (layer {layer} of the model config has a dense MLP)")
+    e, i, h = moe.num_experts, moe.intermediate_size, config.hidden_size
+    expected = (e, 2 * i, h) if kind == "gate_up_proj" else (e, h, i)
+    if shape != expected:
+        raise ValueError(f"{path}: tensor {name} has shape {shape}, expected {expected} from the model config "
+                         f"({e} experts of width {i}, hidden size {h})")
+    prefix = f"model.layers.{layer}.mlp.experts."
+    if kind == "down_proj":
+        return [(f"{prefix}{x}.down_proj.weight", _Read(name, x, 0, h), (h, i)) for x in range(e)]
+    return [(f"{prefix}{x}.{proj}.weight", _Read(name, x, start, i), (i, h))
+            for x in range(e) for proj, start in (("gate_proj", 0), ("up_proj", i))]
+
+
+def _index_weights(model_dir: str, config: ModelConfig) -> tuple[list[str], dict[str, list[tuple[str, _Read]]],
+                                                                  set[str]]:
+    """The safetensors files in load order, the weights each holds (layout name and where it
+    lies), and their dtypes; checks names and shapes against the config."""
     from safetensors import SafetensorError, safe_open
 
     index_path = os.path.join(model_dir, INDEX_FILE)
@@ -224,10 +370,10 @@ def _index_weights(model_dir: str, config: ModelConfig) -> tuple[list[str], dict
             raise ValueError(f"{model_dir}: no *.safetensors weights{extra}")
 
     shapes: dict[str, tuple[int, ...]] = {}
-    names_by_file: dict[str, list[str]] = {}
+    names_by_file: dict[str, list[tuple[str, _Read]]] = {}
     dtypes: set[str] = set()
     for path in files:
-        names: list[str] = []
+        names: list[tuple[str, _Read]] = []
         try:
             with safe_open(path, framework="pt") as handle:
                 for name in handle.keys():
@@ -236,21 +382,24 @@ def _index_weights(model_dir: str, config: ModelConfig) -> tuple[list[str], dict
                     if name == "lm_head.weight" and config.tie_word_embeddings:
                         logger.debug("%s: skipping lm_head.weight, embeddings are tied", path)
                         continue
-                    if name in shapes:
-                        raise ValueError(f"{path}: tensor {name} appears in more than one file")
                     tensor_slice = handle.get_slice(name)
                     dtype = tensor_slice.get_dtype()
                     if dtype not in FLOAT_DTYPES:
-                        raise ValueError(f"{path}: tensor {name} has unsupported dtype {dtype} (quantized checkpoints are not supported)")
+                        raise ValueError(f"{path}: tensor {name} has unsupported dtype {dtype} "
+                                         "(quantized checkpoints are not supported)")
                     dtypes.add(dtype)
-                    shapes[name] = tuple(tensor_slice.get_shape())
-                    names.append(name)
+                    for weight, read, shape in _reads(name, tuple(tensor_slice.get_shape()), config, path):
+                        if weight in shapes:
+                            raise ValueError(f"{path}: tensor {_file_name(weight, config.architecture)} appears "
+                                             "more than once (in more than one file, or both per expert and stacked)")
+                        shapes[weight] = shape
+                        names.append((weight, read))
         except SafetensorError as exc:
             raise ValueError(f"{path}: not a valid safetensors file ({exc})") from exc
         except OSError as exc:
             raise ValueError(f"{path}: cannot read ({exc})") from exc
         names_by_file[path] = names
-    check_weight_shapes(shapes, config, model_dir)
+    check_weight_shapes(shapes, config, model_dir, lambda name: _file_name(name, config.architecture))
     return files, names_by_file, dtypes
 
 

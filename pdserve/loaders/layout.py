@@ -1,12 +1,21 @@
-"""The Hugging Face Llama weight layout every loader produces, and checks against it."""
+"""The Hugging Face weight layout every loader produces, and checks against it.
+
+Llama names and shapes (out_features, in_features), plus Qwen3's and OLMoE's
+`self_attn.q_norm` / `k_norm` and, in a sparse layer, the router `mlp.gate.weight` [E, H] and each
+expert's `mlp.experts.<e>.{gate,up,down}_proj.weight` (the per-expert layout of Qwen3-MoE and OLMoE
+checkpoints; loaders rename Mixtral's `block_sparse_moe.experts.<e>.w1/w3/w2` and split stacked
+expert tensors into it).
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 
 from pdserve.config import ModelConfig
 
 _LAYER_PREFIX = "model.layers.{i}."
+_EXPERT_RE = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 
 
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -23,8 +32,19 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q,)
             shapes[p + "self_attn.k_proj.bias"] = (kv,)
             shapes[p + "self_attn.v_proj.bias"] = (kv,)
+        if config.qk_norm != "none":
+            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,) if config.qk_norm == "head" else (q,)
+            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,) if config.qk_norm == "head" else (kv,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if config.moe is not None and config.is_moe_layer(i):
+            moe = config.moe
+            shapes[p + "mlp.gate.weight"] = (moe.num_experts, h)
+            for e in range(moe.num_experts):
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (moe.intermediate_size, h)
+                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (moe.intermediate_size, h)
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, moe.intermediate_size)
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (ff, h)
         shapes[p + "mlp.up_proj.weight"] = (ff, h)
         shapes[p + "mlp.down_proj.weight"] = (h, ff)
@@ -55,4 +75,8 @@ def check_weight_shapes(
             )
     for name in found:
         if name not in expected:
+            expert = _EXPERT_RE.match(name)
+            if expert and config.moe is not None and int(expert.group(1)) >= config.moe.num_experts:
+                raise ValueError(f"{where}: unexpected tensor {display_name(name)}: expert {expert.group(1)} of a "
+                                 f"model config of {config.moe.num_experts} experts")
             raise ValueError(f"{where}: unexpected tensor {display_name(name)}")

@@ -21,7 +21,7 @@ from urllib.parse import parse_qsl
 
 import torch
 
-from pdserve.config import ModelConfig, RopeScaling
+from pdserve.config import ModelConfig, MoEConfig, RopeScaling
 from pdserve.loaders.source import ModelSource, default_model_path
 from pdserve.loaders.layout import expected_weight_shapes
 from pdserve.tokenizer import Tokenizer, load_gguf_tokenizer
@@ -53,6 +53,38 @@ REAL_SHAPES: dict[str, ModelConfig] = {
         architecture="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
         num_heads=28, num_kv_heads=4, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6,
         rope_theta=1000000.0, attention_bias=True, name="random:qwen2.5-7b"),
+    # Qwen3: per-head q/k norms and its own head_dim (0.6B: 16 x 128 = 2048 wide q, hidden 1024)
+    "qwen3-0.6b": ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+        num_heads=16, num_kv_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=True, qk_norm="head", name="random:qwen3-0.6b"),
+    "qwen3-8b": ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+        num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, qk_norm="head", name="random:qwen3-8b"),
+    "qwen3-32b": ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_layers=64,
+        num_heads=64, num_kv_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, qk_norm="head", name="random:qwen3-32b"),
+    # mixture of experts
+    "mixtral-8x7b": ModelConfig(
+        architecture="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope_theta=1000000.0, moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=14336, renormalize=True,
+                                            layers=tuple(range(32))),
+        name="random:mixtral-8x7b"),
+    "qwen3-30b-a3b": ModelConfig(
+        architecture="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, qk_norm="head",
+        moe=MoEConfig(num_experts=128, top_k=8, intermediate_size=768, renormalize=True, layers=tuple(range(48))),
+        name="random:qwen3-30b-a3b"),
+    "olmoe-1b-7b": ModelConfig(
+        architecture="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_layers=16,
+        num_heads=16, num_kv_heads=16, head_dim=128, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_theta=10000.0, qk_norm="proj",
+        moe=MoEConfig(num_experts=64, top_k=8, intermediate_size=1024, renormalize=False, layers=tuple(range(16))),
+        name="random:olmoe-1b-7b"),
 }
 
 _TINY = dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -65,6 +97,19 @@ TINY_SHAPES: dict[str, ModelConfig] = {
                                 **{**_TINY, "num_kv_heads": 1}),
     "tiny-tied": ModelConfig(architecture="llama", vocab_size=1000, num_layers=4, tie_word_embeddings=True,
                              name="random:tiny-tied", **_TINY),
+    # head_dim 24: not hidden / heads (16)
+    "tiny-qwen3": ModelConfig(architecture="qwen3", vocab_size=512, num_layers=2, qk_norm="head",
+                              rope_theta=1000000.0, name="random:tiny-qwen3", **{**_TINY, "head_dim": 24}),
+    "tiny-mixtral": ModelConfig(architecture="mixtral", vocab_size=512, num_layers=2, name="random:tiny-mixtral",
+                                moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=48, renormalize=True,
+                                              layers=(0, 1)), **_TINY),
+    # layer 1 dense (mlp_only_layers)
+    "tiny-qwen3-moe": ModelConfig(architecture="qwen3_moe", vocab_size=512, num_layers=3, qk_norm="head",
+                                  moe=MoEConfig(num_experts=8, top_k=3, intermediate_size=32, renormalize=True,
+                                                layers=(0, 2)), name="random:tiny-qwen3-moe", **_TINY),
+    "tiny-olmoe": ModelConfig(architecture="olmoe", vocab_size=512, num_layers=2, qk_norm="proj", clip_qkv=0.5,
+                              moe=MoEConfig(num_experts=6, top_k=2, intermediate_size=32, renormalize=False,
+                                            layers=(0, 1)), name="random:tiny-olmoe", **_TINY),
 }
 TINY_TP_SHAPES: dict[str, ModelConfig] = {
     # Tensor-parallel tests (TP 2 and 3): heads and MLP width divide by 6; vocabularies that do
@@ -86,6 +131,18 @@ TINY_TP_SHAPES: dict[str, ModelConfig] = {
                                  intermediate_size=192, num_heads=6, num_kv_heads=2, head_dim=16,
                                  max_position_embeddings=512, tie_word_embeddings=True,
                                  name="random:tiny-serve-tp"),
+    # mixture of experts at TP 2 (each expert's width split) and under expert parallelism (4 experts:
+    # 2 a rank); a dense layer among the sparse ones; OLMoE's norms over a projection split across ranks
+    "tiny-qwen3-moe-tp": ModelConfig(architecture="qwen3_moe", vocab_size=511, num_layers=3, hidden_size=96,
+                                     intermediate_size=192, num_heads=6, num_kv_heads=2, head_dim=16,
+                                     max_position_embeddings=512, qk_norm="head",
+                                     moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=48, renormalize=True,
+                                                   layers=(0, 2)), name="random:tiny-qwen3-moe-tp"),
+    "tiny-olmoe-tp": ModelConfig(architecture="olmoe", vocab_size=511, num_layers=2, hidden_size=96,
+                                 intermediate_size=48, num_heads=6, num_kv_heads=2, head_dim=16,
+                                 max_position_embeddings=512, qk_norm="proj", clip_qkv=0.5,
+                                 moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=48, renormalize=False,
+                                               layers=(0, 1)), name="random:tiny-olmoe-tp"),
 }
 # Llama 3's vocabulary on a tiny body: served on the CPU with `--tokenizer smollm2`, it has the
 # random 8B's mismatch (a tokenizer of 49152 ids, a vocabulary of 128256); benchmarks/first_token_gaps.py

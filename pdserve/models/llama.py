@@ -1,4 +1,8 @@
-"""The Llama family (Llama 2/3/3.x, Qwen2/2.5, Mistral, SmolLM2) over a paged KV cache.
+"""The Llama-style decoder over a paged KV cache, and the families built on it: Llama 2/3/3.x,
+Qwen2/2.5, Mistral, SmolLM2, Qwen3 (RMSNorm of each q and k head before RoPE), and the
+mixture-of-experts families Mixtral, Qwen3-MoE and OLMoE (the sparse MLP of `models.moe` in the
+layers `ModelConfig.moe` names; OLMoE also normalizes q and k over the whole projection and may
+clip q, k and v). The features are the config's (`qk_norm`, `clip_qkv`, `moe`), not the name's.
 
 Q/K/V and gate/up projections are fused into one matmul each. Attention reads the paged cache
 through `kernels` (Triton on CUDA, torch on CPU). The batch is varlen and flat: the first
@@ -7,7 +11,8 @@ through `kernels` (Triton on CUDA, torch on CPU). The batch is varlen and flat: 
 Under tensor parallelism (`pdserve.parallel`) the model holds one rank's shard: its query and
 KV heads, its MLP columns and its vocabulary rows (`TPLayout`); `self.config` is that rank's
 local shape. o_proj and down_proj outputs and the embedding are all-reduced, the logits
-all-gathered. Without a `TPComm` none of that runs.
+all-gathered; a sparse MLP's partial sum (its experts' shares, or its own experts) is
+all-reduced as the dense one's. Without a `TPComm` none of that runs.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from torch import nn
 
 from pdserve import kernels
 from pdserve.config import ModelConfig
+from pdserve.models.moe import SparseMoeBlock
 
 if TYPE_CHECKING:
     from pdserve.parallel.comm import TPComm
@@ -64,7 +70,8 @@ class LlamaModel(nn.Module):
         vocab_rows = self.layout.vocab_per_rank if self.layout else c.vocab_size
         empty = torch.zeros if self.layout else torch.empty  # padding rows of the last rank stay 0
         self.embed_tokens = nn.Parameter(empty(vocab_rows, c.hidden_size, **kw), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(c, dtype, device, comm) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, dtype, device, comm, i, self.layout)
+                                    for i in range(c.num_layers))
         self.norm = nn.Parameter(torch.empty(c.hidden_size, **kw), requires_grad=False)
         if c.tie_word_embeddings:
             self.lm_head = self.embed_tokens
@@ -124,7 +131,8 @@ class LlamaModel(nn.Module):
         copy of its own: the embedding table stays dense for the lookups."""
         for layer in self.layers:
             for name in PROJECTIONS:
-                _replace_weight(layer, name, kernels.PackedWeight(getattr(layer, name)))
+                if getattr(layer, name, None) is not None:  # a sparse layer has no dense MLP
+                    _replace_weight(layer, name, kernels.PackedWeight(getattr(layer, name)))
         _replace_weight(self, "lm_head", kernels.PackedWeight(self.lm_head))
 
     @property
@@ -134,16 +142,17 @@ class LlamaModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Loads Hugging Face-named tensors, fusing q/k/v and gate/up. Every parameter must
         be set exactly once; a missing or unexpected tensor raises ValueError. Under tensor
-        parallelism the tensors are this rank's slices (`TPLayout.shard_index`)."""
+        parallelism the tensors are this rank's slices (`TPLayout.shard_index`); under expert
+        parallelism the weights of the experts other ranks hold are skipped."""
         c = self.config
         expected = set(self.expected_weight_names())
         seen: set[str] = set()
         for name, tensor in weights:
             if name not in expected:
-                if name.endswith("rotary_emb.inv_freq"):
+                if name.endswith("rotary_emb.inv_freq") or self._other_ranks_expert(name):
                     continue
                 raise ValueError(f"unexpected weight {name!r}")
-            target, rows = self._target(name)
+            target, rows = self._target(name)  # rows: an index into target
             if tuple(tensor.shape) != tuple(target[rows].shape):
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(target[rows].shape)}")
@@ -170,10 +179,30 @@ class LlamaModel(nn.Module):
             if self.config.attention_bias:
                 for proj in ("q_proj", "k_proj", "v_proj"):
                     yield p + f"self_attn.{proj}.bias"
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                yield p + f"mlp.{proj}.weight"
+            if self.config.qk_norm != "none":
+                yield p + "self_attn.q_norm.weight"
+                yield p + "self_attn.k_norm.weight"
+            moe = self.layers[i].moe
+            if moe is None:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    yield p + f"mlp.{proj}.weight"
+                continue
+            yield p + "mlp.gate.weight"
+            for e in moe.experts:
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    yield p + f"mlp.experts.{e}.{proj}.weight"
 
-    def _target(self, name: str) -> tuple[torch.Tensor, slice]:
+    def _other_ranks_expert(self, name: str) -> bool:
+        """Whether `name` is a weight of an expert of a sparse layer this rank does not hold."""
+        parts = name.split(".")
+        if len(parts) != 8 or parts[:2] != ["model", "layers"] or parts[3:5] != ["mlp", "experts"]:
+            return False
+        if not (parts[2].isdigit() and parts[5].isdigit()) or int(parts[2]) >= len(self.layers):
+            return False
+        moe = self.layers[int(parts[2])].moe
+        return moe is not None and int(parts[5]) not in moe.experts and int(parts[5]) < moe.num_experts
+
+    def _target(self, name: str) -> tuple[torch.Tensor, slice | tuple]:
         c = self.config
         everything = slice(None)
         vocab_rows = everything
@@ -197,10 +226,19 @@ class LlamaModel(nn.Module):
             return layer.post_norm.data, everything
         if sub == "self_attn.o_proj.weight":
             return layer.o_proj.data, everything
+        if sub == "self_attn.q_norm.weight":
+            return layer.q_norm.data, everything  # type: ignore[union-attr]
+        if sub == "self_attn.k_norm.weight":
+            return layer.k_norm.data, everything  # type: ignore[union-attr]
         if sub.startswith("self_attn.") and sub.endswith(".weight"):
             return layer.qkv_proj.data, qkv_rows[parts[4]]
         if sub.startswith("self_attn.") and sub.endswith(".bias"):
             return layer.qkv_bias.data, qkv_rows[parts[4]]  # type: ignore[union-attr]
+        if layer.moe is not None:
+            if sub == "mlp.gate.weight":
+                return layer.moe.gate.data, everything
+            if sub.startswith("mlp.experts."):  # mlp.experts.<e>.<proj>.weight
+                return layer.moe.target(int(parts[5]), parts[6])
         if sub == "mlp.gate_proj.weight":
             return layer.gate_up_proj.data, slice(0, c.intermediate_size)
         if sub == "mlp.up_proj.weight":
@@ -220,11 +258,27 @@ def _replace_weight(module: nn.Module, name: str, value: kernels.PackedWeight) -
 
 class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 comm: "TPComm | None" = None) -> None:
+                 comm: "TPComm | None" = None, index: int = 0, layout: "TPLayout | None" = None) -> None:
+        """`c`: this rank's shape; `index`: the layer's (whether its MLP is sparse)."""
         super().__init__()
         kw = {"dtype": dtype, "device": device}
         self.c = c
         self.comm = comm  # row-parallel o_proj and down_proj: their outputs are summed over ranks
+        self.q_norm = self.k_norm = None
+        if c.qk_norm != "none":  # per head: one weight of head_dim; per projection: this rank's slice
+            q_rows, k_rows = (c.head_dim, c.head_dim) if c.qk_norm == "head" else (c.q_size, c.kv_size)
+            self.q_norm = nn.Parameter(torch.empty(q_rows, **kw), requires_grad=False)
+            self.k_norm = nn.Parameter(torch.empty(k_rows, **kw), requires_grad=False)
+        # per projection under TP: the mean square is over the whole model's q (k) projection, every
+        # KV head counted once although it lives on kv_replicas ranks
+        whole = layout.config if layout is not None else c
+        replicas = layout.kv_replicas if layout is not None else 1
+        self._proj_norm_sizes = (float(whole.q_size), float(whole.kv_size * replicas))
+        self.moe: SparseMoeBlock | None = None
+        if c.is_moe_layer(index):
+            experts = layout.expert_range if layout is not None else range(c.moe.num_experts)  # type: ignore[union-attr]
+            self.moe = SparseMoeBlock(c.moe, c.hidden_size, dtype, device, experts,  # type: ignore[arg-type]
+                                      c.moe.intermediate_size)  # type: ignore[union-attr]
         self.input_norm = nn.Parameter(torch.empty(c.hidden_size, **kw), requires_grad=False)
         self.post_norm = nn.Parameter(torch.empty(c.hidden_size, **kw), requires_grad=False)
         self.qkv_proj = nn.Parameter(torch.empty(c.q_size + 2 * c.kv_size, c.hidden_size, **kw),
@@ -232,17 +286,58 @@ class DecoderLayer(nn.Module):
         self.qkv_bias = (nn.Parameter(torch.empty(c.q_size + 2 * c.kv_size, **kw), requires_grad=False)
                          if c.attention_bias else None)
         self.o_proj = nn.Parameter(torch.empty(c.hidden_size, c.q_size, **kw), requires_grad=False)
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size, **kw),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size, **kw),
-                                      requires_grad=False)
+        self.gate_up_proj = self.down_proj = None
+        if self.moe is None:
+            self.gate_up_proj = nn.Parameter(torch.empty(2 * c.intermediate_size, c.hidden_size, **kw),
+                                             requires_grad=False)
+            self.down_proj = nn.Parameter(torch.empty(c.hidden_size, c.intermediate_size, **kw),
+                                          requires_grad=False)
+
+    def project_qkv(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> qkv [T, q + 2 kv]: the projection, then the family's q/k norm and clip, in
+        place (into `out` when given: q, k and v are then views of it)."""
+        c = self.c
+        qkv = kernels.linear(x, self.qkv_proj, self.qkv_bias)
+        if out is not None:
+            qkv = out.copy_(qkv)
+        if self.q_norm is not None:
+            self._norm_qk(qkv)
+        if c.clip_qkv is not None:
+            qkv.clamp_(-c.clip_qkv, c.clip_qkv)
+        return qkv
+
+    def _norm_qk(self, qkv: torch.Tensor) -> None:
+        c, eps = self.c, self.c.rms_norm_eps
+        t = qkv.shape[0]
+        q = qkv[:, :c.q_size]
+        k = qkv[:, c.q_size:c.q_size + c.kv_size]
+        if c.qk_norm == "head":
+            q, k = q.view(t, c.num_heads, c.head_dim), k.view(t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm == "head" or self.comm is None:
+            q.copy_(kernels.rms_norm_ref(q, self.q_norm, eps))
+            k.copy_(kernels.rms_norm_ref(k, self.k_norm, eps))
+            return
+        # over the whole projection, split across ranks: the squares are summed over the ranks
+        squares = torch.stack([q.float().pow(2).sum(-1), k.float().pow(2).sum(-1)], dim=-1)
+        self.comm.all_reduce(squares)
+        q_size, k_size = self._proj_norm_sizes
+        for part, weight, total, size in ((q, self.q_norm, squares[:, :1], q_size),
+                                          (k, self.k_norm, squares[:, 1:], k_size)):
+            normed = part.float() * torch.rsqrt(total / size + eps)
+            part.copy_(weight * normed.to(part.dtype))
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP of x [T, H], dense or sparse; under TP or EP this rank's partial sum."""
+        if self.moe is not None:
+            return self.moe(x)
+        return kernels.linear(kernels.silu_and_mul(kernels.linear(x, self.gate_up_proj)), self.down_proj)
 
     def forward(self, hidden, residual, meta: AttentionMetadata, kv_cache, cos_sin, scale):
         c = self.c
         k_cache, v_cache = kv_cache
         if meta.rope_tables is not None:  # torch path: fewer, larger ops
             x, residual = self.input_norm_of(hidden, residual)
-            qkv = kernels.linear(x, self.qkv_proj, self.qkv_bias)
+            qkv = self.project_qkv(x)
             heads = qkv.view(qkv.shape[0], c.num_heads + 2 * c.num_kv_heads, c.head_dim)
             qk = kernels.apply_rope_tables(heads[:, :c.num_heads + c.num_kv_heads], *meta.rope_tables)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
@@ -277,9 +372,7 @@ class DecoderLayer(nn.Module):
         `pdserve.piecewise_graphs`)."""
         c = self.c
         x, residual = self.input_norm_of(hidden, residual)
-        qkv = kernels.linear(x, self.qkv_proj, self.qkv_bias)
-        if qkv_out is not None:
-            qkv = qkv_out.copy_(qkv)
+        qkv = self.project_qkv(x, qkv_out)
         q, k, v = split_qkv(qkv, c)
         k_cache, v_cache = kv_cache
         q = kernels.rope_write_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
@@ -293,8 +386,7 @@ class DecoderLayer(nn.Module):
         if self.comm is not None:
             self.comm.all_reduce(hidden)
         x, residual = kernels.rms_norm(hidden, self.post_norm, c.rms_norm_eps, residual)
-        gate_up = kernels.linear(x, self.gate_up_proj)
-        hidden = kernels.linear(kernels.silu_and_mul(gate_up), self.down_proj)
+        hidden = self.mlp(x)
         if self.comm is not None:
             self.comm.all_reduce(hidden)
         return hidden, residual
@@ -351,7 +443,7 @@ def decode_forward_torch(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, 
         if index:
             residual = hidden + residual
         x = kernels.rms_norm_ref(residual, layer.input_norm, eps)
-        heads = kernels.linear(x, layer.qkv_proj, layer.qkv_bias).view(batch, nh + 2 * nk, d)
+        heads = layer.project_qkv(x).view(batch, nh + 2 * nk, d)
         qk = kernels.apply_rope_tables(heads[:, :nh + nk], cos, signed_sin)
         k_cache, v_cache = kv_caches[index]
         if k_cache.dtype == kernels.FP8_DTYPE:
@@ -365,7 +457,7 @@ def decode_forward_torch(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, 
             comm.all_reduce(out)
         residual = out + residual
         x = kernels.rms_norm_ref(residual, layer.post_norm, eps)
-        hidden = kernels.linear(kernels.silu_and_mul_ref(kernels.linear(x, layer.gate_up_proj)), layer.down_proj)
+        hidden = layer.mlp(x)
         if comm is not None:
             comm.all_reduce(hidden)
     residual = (hidden + residual)[logits_indices]

@@ -10,7 +10,7 @@ import torch
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
 
-from .conftest import FAMILIES
+from .conftest import FAMILIES, LLAMA_FAMILIES
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -74,7 +74,7 @@ def test_prefill_and_decode_logits_match(hf_models, family):
     assert_all_blocks_free(llm)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", LLAMA_FAMILIES)
 def test_greedy_32_tokens_batched_and_chunked(hf_models, family):
     model, path = hf_models[family]
     # Odd chunk size: prompts of various lengths are prefilled in 7-token chunks, mixed with decodes.
