@@ -318,12 +318,20 @@ def _gguf_hf_tokenizer(path: str) -> Any:
             import shutil
 
             shutil.rmtree(cached, ignore_errors=True)
+    where = dict(pretrained_model_name_or_path=os.path.dirname(path) or ".", gguf_file=os.path.basename(path),
+                 local_files_only=True)
     try:
-        hf = AutoTokenizer.from_pretrained(
-            os.path.dirname(path) or ".", gguf_file=os.path.basename(path), local_files_only=True
-        )
+        hf = AutoTokenizer.from_pretrained(**where)
     except Exception as exc:
-        raise ValueError(f"{path}: cannot build tokenizer from GGUF metadata ({_one_line(exc)})") from exc
+        # AutoTokenizer reads the file's model config first, and refuses an arch transformers
+        # cannot load as a model (olmoe); the tokenizer itself needs only the tokenizer metadata
+        from transformers import PreTrainedTokenizerFast
+
+        try:
+            hf = PreTrainedTokenizerFast.from_pretrained(**where)
+        except Exception:
+            raise ValueError(f"{path}: cannot build tokenizer from GGUF metadata ({_one_line(exc)})") from exc
+        logger.debug("%s: tokenizer built without its model config (%s)", path, _one_line(exc))
     if cached is not None:
         _save_tokenizer(hf, cached)
     return hf

