@@ -136,7 +136,8 @@ class LLMEngine:
 
         config, size = self.config, self.config.tensor_parallel_size
         num_gpus = torch.cuda.device_count() if self.device.type == "cuda" else None
-        check_tensor_parallel(self.model_config, size, device_type=self.device.type, num_gpus=num_gpus)
+        check_tensor_parallel(self.model_config, size, expert_parallel=config.expert_parallel,
+                              device_type=self.device.type, num_gpus=num_gpus)
         if config.cache.compile_cpu_decode:
             raise ValueError(f"--compile (the CPU torch.compile decode) does not support {TP_FLAG} > 1")
         share_kv = config.scheduler.role != "mixed"  # its KV moves: rank 0's KV plane needs every rank's pools

@@ -37,6 +37,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {
     "compile": False,
     "no_packed_weights": False,
     "kv_cache_dtype": "auto",
+    "expert_parallel": False,
     # switches: None = not given (the environment variable of ENGINE_ENV, else SWITCH_DEFAULTS)
     "overlap_steps": None,
     "cuda_graphs": None,
@@ -134,6 +135,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, suppress_defaults: bool = Fal
     p.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=default("kv_cache_dtype"),
                    help="KV cache dtype: auto (the model's), bf16, or fp8 (e4m3, a scale per token "
                         "and head: half the KV bytes)")
+    p.add_argument("--expert-parallel", action="store_true", default=default("expert_parallel"),
+                   help="mixture-of-experts models at --tensor-parallel-size N: divide the experts among the N "
+                        "ranks (E / N whole experts each) instead of splitting every expert's width")
     bool_flag = argparse.BooleanOptionalAction
     p.add_argument("--overlap-steps", action=bool_flag, default=default("overlap_steps"),
                    help="GPU: launch the next decode-only step before reading the last one's tokens "
@@ -177,12 +181,13 @@ def engine_kwargs(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any
     return dict(model=v["model"], tokenizer=v.get("tokenizer"), dtype=v["dtype"], device=v["device"],
                 max_model_len=v["max_model_len"], overlap_steps=sw["overlap_steps"],
                 enforce_eager=not sw["cuda_graphs"], experimental_fp8_kv=sw["experimental_fp8_kv"],
-                prefill_graphs=sw["prefill_graphs"], kv_cache_gib=v["kv_cache_gib"], gpu_memory_fraction=v["gpu_memory_fraction"],
+                prefill_graphs=sw["prefill_graphs"], kv_cache_gib=v["kv_cache_gib"],
+                gpu_memory_fraction=v["gpu_memory_fraction"],
                 block_size=v["block_size"], max_num_batched_tokens=v["max_num_batched_tokens"],
                 max_num_seqs=v["max_num_seqs"], enable_prefix_caching=not v["no_prefix_caching"],
                 compile=v.get("compile", False), packed_weights=not v.get("no_packed_weights", False),
                 kv_cache_dtype=v.get("kv_cache_dtype", "auto"),
-                tensor_parallel_size=v.get("tensor_parallel_size", 1))
+                tensor_parallel_size=v.get("tensor_parallel_size", 1), expert_parallel=v.get("expert_parallel", False))
 
 
 def engine_config(values: argparse.Namespace | Mapping[str, Any], role: str = "mixed") -> EngineConfig:
@@ -204,4 +209,5 @@ def engine_config(values: argparse.Namespace | Mapping[str, Any], role: str = "m
         scheduler=SchedulerConfig(max_num_batched_tokens=v["max_num_batched_tokens"],
                                   max_num_seqs=v["max_num_seqs"], role=role),
         tensor_parallel_size=v.get("tensor_parallel_size", 1),
+        expert_parallel=v.get("expert_parallel", False),
     )

@@ -32,16 +32,18 @@ class CompletionOutput:
 
 
 class LLM:
-    def __init__(self, model: str = "smollm2", *, tokenizer: str | None = None, dtype: str | None = None, device: str | None = None,
+    def __init__(self, model: str = "smollm2", *, tokenizer: str | None = None, dtype: str | None = None,
+                 device: str | None = None,
                  seed: int = 0, max_model_len: int | None = None, block_size: int = 16,
                  kv_cache_gib: float = 0.5, num_blocks: int | None = None,
                  gpu_memory_fraction: float = 0.85, max_num_batched_tokens: int | None = None,
                  max_num_seqs: int | None = None, enable_prefix_caching: bool = True, compile: bool = False,
                  packed_weights: bool = True, kv_cache_dtype: str = "auto", overlap_steps: bool = True,
                  enforce_eager: bool = False, experimental_fp8_kv: bool = False,
-                 prefill_graphs: bool = True, tensor_parallel_size: int = 1) -> None:
+                 prefill_graphs: bool = True, tensor_parallel_size: int = 1, expert_parallel: bool = False) -> None:
         """`tensor_parallel_size` N > 1: the model is split over N ranks, this process being
-        rank 0 and N - 1 local processes the others (pdserve.parallel); `close()` stops them."""
+        rank 0 and N - 1 local processes the others (pdserve.parallel); `close()` stops them.
+        `expert_parallel`: a mixture-of-experts model's experts are divided among those ranks."""
         # max_num_batched_tokens / max_num_seqs None: the device's defaults (pdserve.config.SCHEDULER_DEFAULTS)
         config = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
@@ -55,6 +57,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs),
             tensor_parallel_size=tensor_parallel_size,
+            expert_parallel=expert_parallel,
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

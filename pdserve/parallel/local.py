@@ -79,7 +79,7 @@ def load_rank_runner(config: EngineConfig, source: ModelSource, device: torch.de
     """The `ModelRunner` of one rank: its shard of `source`'s weights (each tensor cut as it is
     read) and the KV pools of its KV heads. Rank 0 passes the `channel` it publishes steps on."""
     size = comm.size if comm is not None else 1
-    layout = TPLayout(source.config, comm.rank if comm is not None else 0, size)
+    layout = TPLayout(source.config, comm.rank if comm is not None else 0, size, config.expert_parallel)
     if size > 1:
         logger.info("tensor parallel %s", layout.describe())
     dtype = resolve_dtype(config.dtype, device)
@@ -150,8 +150,8 @@ class LocalTPGroup:
         procs, conns = {}, {}
         for rank in range(1, size):
             parent, child = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=follower_main, args=(_RankSpec(config, rank, size, port, timeout_s, share_kv), child),
-                               name=f"pdserve-tp-rank{rank}", daemon=True)
+            spec = _RankSpec(config, rank, size, port, timeout_s, share_kv)
+            proc = ctx.Process(target=follower_main, args=(spec, child), name=f"pdserve-tp-rank{rank}", daemon=True)
             proc.start()
             child.close()
             procs[rank], conns[rank] = proc, parent
@@ -238,7 +238,8 @@ class LocalTPGroup:
         elif dead:
             what = ", ".join(f"rank {r} exited with code {code}" for r, code in sorted(dead.items()))
         else:
-            what = f"a collective failed ({type(cause).__name__}: {str(cause).strip().splitlines()[0] if cause and str(cause).strip() else ''})"
+            detail = str(cause).strip().splitlines()[0] if cause and str(cause).strip() else ""
+            what = f"a collective failed ({type(cause).__name__}: {detail})"
         self.error = TPRankError(f"tensor-parallel engine stopped: {what}")
         self._stop_all()
         return self.error

@@ -18,7 +18,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 from pdserve.kvtransfer import KVLayout, KVReceiver, KVSender, TransferResult
-from pdserve.kvtransfer.shards import HeadPiece, HeadShards, RankHeads, copy_blocks, encode_routes, parse_routes, pieces_for, rank_groups
+from pdserve.kvtransfer.shards import (HeadPiece, HeadShards, RankHeads, copy_blocks, encode_routes, parse_routes,
+                                       pieces_for, rank_groups)
 
 SenderFactory = Callable[[object], KVSender]  # kv_caches -> a backend sender over them
 ReceiverFactory = Callable[[object], KVReceiver]
@@ -31,7 +32,7 @@ def rank_heads(engine) -> list[RankHeads]:
     caches = engine.rank_kv_caches or [engine.runner.kv_caches]
     out = []
     for rank, pools in enumerate(caches):
-        layout = TPLayout(engine.model_config, rank, len(caches))
+        layout = TPLayout(engine.model_config, rank, len(caches), engine.config.expert_parallel)
         out.append(RankHeads(pools, layout.first_kv_head, layout.num_kv_heads))
     return out
 

@@ -51,6 +51,7 @@ class UpConfig:
     compile: bool = ENGINE_DEFAULTS["compile"]
     no_packed_weights: bool = ENGINE_DEFAULTS["no_packed_weights"]
     kv_cache_dtype: str = ENGINE_DEFAULTS["kv_cache_dtype"]
+    expert_parallel: bool = ENGINE_DEFAULTS["expert_parallel"]  # MoE: experts divided among a worker's TP ranks
     # switches; None: the environment variable (pdserve.engine_args.ENGINE_ENV), else the default
     overlap_steps: bool | None = ENGINE_DEFAULTS["overlap_steps"]
     cuda_graphs: bool | None = ENGINE_DEFAULTS["cuda_graphs"]
@@ -220,10 +221,12 @@ _INTS = {"max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"
          "prefill_tp", "decode_tp"}
 _FLOATS = {"kv_cache_gib", "gpu_memory_fraction", "worker_cpus", "worker_gpus", "kv_deadline_s", "startup_timeout_s",
            "worker_wait_s", "slo_ttft", "slo_tpot", "queue_timeout_s"}
-_BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration", "no_local_prefill", "usage_timing",
-          "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv", "prefill_graphs"}
+_BOOLS = {"no_prefix_caching", "compile", "no_packed_weights", "admission_control", "no_calibration",
+          "no_local_prefill", "usage_timing", "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv",
+          "prefill_graphs", "expert_parallel"}
 _OPTIONAL = {"tokenizer", "dtype", "device", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
-             "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv", "prefill_graphs", "replicas", "worker_gpus", "address", "api_key",
+             "overlap_steps", "cuda_graphs", "warmup", "experimental_fp8_kv", "prefill_graphs", "replicas",
+             "worker_gpus", "address", "api_key",
              "served_model_name", "topology", "profile", "slo_ttft", "slo_tpot", "max_tokens_default",
              "prefill_tp", "decode_tp", "autoscale"}
 

@@ -148,7 +148,7 @@ def check_tensor_parallel_pools(config: UpConfig, num_local_gpus: int | None = N
         own = {"prefill": "--prefill-tp", "decode": "--decode-tp"}.get(role)
         named = own if own and getattr(config, f"{role}_tp") is not None else "--tensor-parallel-size"
         try:
-            check_tensor_parallel(model, tp, device_type=device,
+            check_tensor_parallel(model, tp, expert_parallel=config.expert_parallel, device_type=device,
                                   num_gpus=num_local_gpus if config.address is None else None)
         except ValueError as e:
             raise ValueError(str(e).replace("--tensor-parallel-size", named, 1)) from None
