@@ -97,9 +97,9 @@ TINY_SHAPES: dict[str, ModelConfig] = {
                                 **{**_TINY, "num_kv_heads": 1}),
     "tiny-tied": ModelConfig(architecture="llama", vocab_size=1000, num_layers=4, tie_word_embeddings=True,
                              name="random:tiny-tied", **_TINY),
-    # head_dim 24: not hidden / heads (16)
+    # head_dim 32: not hidden / heads (16)
     "tiny-qwen3": ModelConfig(architecture="qwen3", vocab_size=512, num_layers=2, qk_norm="head",
-                              rope_theta=1000000.0, name="random:tiny-qwen3", **{**_TINY, "head_dim": 24}),
+                              rope_theta=1000000.0, name="random:tiny-qwen3", **{**_TINY, "head_dim": 32}),
     "tiny-mixtral": ModelConfig(architecture="mixtral", vocab_size=512, num_layers=2, name="random:tiny-mixtral",
                                 moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=48, renormalize=True,
                                               layers=(0, 1)), **_TINY),

@@ -13,8 +13,8 @@ FAMILIES = {
     "qwen2": dict(cls="Qwen2Config", extra=dict()),
     "mistral": dict(cls="MistralConfig", extra=dict(sliding_window=None)),
     "tied": dict(cls="LlamaConfig", extra=dict(tie_word_embeddings=True)),
-    # head_dim 24, not hidden / heads (16); tied like Qwen3-0.6B
-    "qwen3": dict(cls="Qwen3Config", extra=dict(head_dim=24, tie_word_embeddings=True)),
+    # head_dim 32, not hidden / heads (16); tied like Qwen3-0.6B
+    "qwen3": dict(cls="Qwen3Config", extra=dict(head_dim=32, tie_word_embeddings=True)),
     "mixtral": dict(cls="MixtralConfig", extra=dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
     # layer 1 dense (mlp_only_layers), experts of their own width, top-k renormalized
     "qwen3_moe": dict(cls="Qwen3MoeConfig", extra=dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,

@@ -62,12 +62,12 @@ def test_stacked_expert_layout_gives_the_same_tokens(hf_models, tmp_path, family
 def test_qwen3_config_head_dim_and_norms(hf_models):
     _, path = hf_models["qwen3"]
     c = load_model_source(path).config
-    assert (c.architecture, c.head_dim, c.hidden_size // c.num_heads, c.qk_norm) == ("qwen3", 24, 16, "head")
+    assert (c.architecture, c.head_dim, c.hidden_size // c.num_heads, c.qk_norm) == ("qwen3", 32, 16, "head")
     assert c.tie_word_embeddings and not c.attention_bias and c.moe is None
     llm = LLM(path, dtype="float32", device="cpu", num_blocks=8, block_size=16)
-    # K and V of 2 KV heads of 24 a layer, 3 layers, 4 bytes: from head_dim, not hidden / heads
-    assert llm.engine.runner.kv_bytes_per_token == 2 * 3 * 2 * 24 * 4
-    assert llm.engine.runner.kv_caches[0][0].shape == (8, 16, 2, 24)
+    # K and V of 2 KV heads of 32 a layer, 3 layers, 4 bytes: from head_dim, not hidden / heads
+    assert llm.engine.runner.kv_bytes_per_token == 2 * 3 * 2 * 32 * 4
+    assert llm.engine.runner.kv_caches[0][0].shape == (8, 16, 2, 32)
 
 
 def test_moe_configs_read_from_config_json(hf_models):

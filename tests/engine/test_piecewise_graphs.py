@@ -55,9 +55,13 @@ def test_capture_sizes_end_at_the_bound():
 
 
 @pytest.mark.parametrize("model,kv", [("random:tiny-llama", "auto"), ("random:tiny-qwen2", "auto"),
-                                      ("random:tiny-tied", "auto"), ("random:tiny-llama", "fp8")])
+                                      ("random:tiny-tied", "auto"), ("random:tiny-llama", "fp8"),
+                                      ("random:tiny-qwen3", "auto"), ("random:tiny-qwen3-moe", "auto"),
+                                      ("random:tiny-olmoe", "auto")])
 def test_piecewise_steps_give_the_eager_tokens_and_logprobs(model, kv):
-    """Llama, Qwen2 (QKV bias), tied embeddings, and an FP8 cache."""
+    """Llama, Qwen2 (QKV bias), tied embeddings, an FP8 cache, and the kernels path of Qwen3's
+    per-head and OLMoE's per-projection q/k norms (in place in the static QKV buffer) and of the
+    sparse MLP."""
     eager, eager_runner, eager_steps, _ = _generate(0, model, kv)
     assert eager_runner._piecewise is None
     # 24 of the 32-token budget: full 32-token steps stay eager, the rest run in segments

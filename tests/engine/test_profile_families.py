@@ -28,12 +28,12 @@ def test_profile_cli_on_the_new_families(tmp_path, capsys, model):
 
 
 def test_kv_layout_of_qwen3_is_its_head_dim(hf_models):
-    """head_dim 24 on a hidden size of 64 and 4 heads (16 = hidden / heads would be wrong)."""
+    """head_dim 32 on a hidden size of 64 and 4 heads (16 = hidden / heads would be wrong)."""
     _, path = hf_models["qwen3"]
     runner = LLM(path, dtype="float32", device="cpu", num_blocks=4, block_size=16).engine.runner
     layout = KVLayout.from_caches(runner.kv_caches)
-    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (3, 2, 24)
-    assert layout.block_bytes == 16 * 2 * 24 * 4
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim) == (3, 2, 32)
+    assert layout.block_bytes == 16 * 2 * 32 * 4
     wrong = KVLayout(3, 16, 2, 16, "float32")
     assert layout.fingerprint != wrong.fingerprint
     assert runner.kv_bytes_per_token == 2 * 3 * layout.block_bytes / 16
