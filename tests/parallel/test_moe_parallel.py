@@ -129,3 +129,23 @@ def test_stacked_experts_at_tp2(hf_models, tmp_path, ep):
         outs = llm.generate(batch, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     for prompt, out in zip(batch, outs):
         assert out.token_ids == hf_generate(model, prompt, 10)
+
+
+def test_expert_parallel_flag_reaches_every_engine(tmp_path):
+    from pdserve.engine_args import engine_config, engine_kwargs
+    from pdserve.launcher.cli import build_parser
+    from pdserve.launcher.cluster.config import load_up_config
+    from pdserve.launcher.cluster.up import check_tensor_parallel_pools, pool_specs
+
+    args = build_parser().parse_args(["generate", "--model", "random:tiny-qwen3-moe-tp", "-tp", "2",
+                                      "--expert-parallel", "--prompt", "hi"])
+    assert engine_kwargs(args)["expert_parallel"] and engine_config(args).expert_parallel
+    assert not engine_config(build_parser().parse_args(["generate", "--prompt", "hi"])).expert_parallel
+    args = build_parser().parse_args(["up", "--model", "random:tiny-qwen3-moe-tp", "-tp", "2", "--expert-parallel"])
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "log_level", "config")}
+    specs = pool_specs(load_up_config(flags), gpus_in_cluster=0.0)
+    assert all(s.engine.expert_parallel and s.engine.tensor_parallel_size == 2 for s in specs)
+    path = tmp_path / "c.yaml"
+    path.write_text("model: random:tiny-olmoe\ntensor-parallel-size: 4\nexpert-parallel: true\n")
+    with pytest.raises(ValueError, match="--expert-parallel at --tensor-parallel-size 4: the 6 experts"):
+        check_tensor_parallel_pools(load_up_config({}, str(path)))
