@@ -457,7 +457,10 @@ def decode_forward_torch(model: LlamaModel, kv_caches: list[tuple[torch.Tensor, 
             comm.all_reduce(out)
         residual = out + residual
         x = kernels.rms_norm_ref(residual, layer.post_norm, eps)
-        hidden = layer.mlp(x)
+        if layer.moe is not None:
+            hidden = layer.moe(x)
+        else:
+            hidden = kernels.linear(kernels.silu_and_mul_ref(kernels.linear(x, layer.gate_up_proj)), layer.down_proj)
         if comm is not None:
             comm.all_reduce(hidden)
     residual = (hidden + residual)[logits_indices]
