@@ -108,6 +108,18 @@ def test_logits_and_greedy_tokens_equal_tp1(reference, model, ep):
     assert not multiprocessing.active_children()
 
 
+def test_graph_path_steps_with_experts_divided(reference):
+    """Decode-only steps through the CUDA-graph path's static buffers (off CUDA: run eagerly) of a
+    MoE model under expert parallelism: padding rows route to experts too, and are dropped."""
+    model = "random:tiny-qwen3-moe-tp"
+    ref_tokens, _ = reference(model)
+    with LLM(model, tensor_parallel_size=2, expert_parallel=True, **ENGINE) as llm:
+        llm.engine.runner.use_cuda_graphs = True
+        tokens, _ = run_recording(llm, PROMPTS, GREEDY)
+        assert llm.engine.runner.num_graph_replays > 0
+    assert tokens == ref_tokens
+
+
 @pytest.mark.parametrize("family, ep", [("qwen3", False), ("mixtral", False), ("qwen3_moe", False), ("olmoe", False),
                                         ("qwen3_moe", True), ("olmoe", True)])
 def test_hf_models_at_tp2_equal_transformers_generate(hf_models, family, ep):
