@@ -1,6 +1,6 @@
 """The headline table, placements per pair and one bar plot, from a finished experiment.
 
-    .venv/bin/python experiments/analyze.py results/headline results/headline-servers
+    .venv/bin/python -m experiments.analyze results/headline results/headline-servers
 
 Reads <exp>/summary.csv (pdserve-loadgen experiment) and <servers>/<policy>/router.log (the
 routers' DEBUG logs, one directory per policy), writes <exp>/headline.csv (goodput, SLO

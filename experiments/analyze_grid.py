@@ -1,7 +1,7 @@
 """The link-rate x policy grid's figures, from a finished `experiments/run_gpu_grid.sh` run.
 
-    python3 experiments/analyze_grid.py gpu-grid          # a name: results/gpu-grid, else its archive
-    python3 experiments/analyze_grid.py path/to/a/run     # or any results folder
+    python3 -m experiments.analyze_grid gpu-grid          # a name: results/gpu-grid, else its archive
+    python3 -m experiments.analyze_grid path/to/a/run     # or any results folder
 
 Reads <exp>/summary.csv and runs/*.jsonl (pdserve-loadgen experiment; records carry the
 router's per-request timing, usage.pdserve_timing) and <exp>/cluster/ (links.jsonl: the SET
@@ -37,9 +37,7 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.records import resolve  # noqa: E402
+from experiments.records import resolve
 
 POLICIES = ("round-robin", "least-loaded", "network-aware")
 # TTFT = place + reserve + queue + prefill + kv_after + rest, on the router's clocks: kv_after is

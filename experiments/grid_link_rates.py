@@ -1,6 +1,6 @@
 """The SET link rates of a grid spec, as bench_pacing.py arguments (run_gpu_grid.sh's links step).
 
-    python3 experiments/grid_link_rates.py experiments/gpu-grid.yaml    ->  0.1 1 2.5 10 25 100
+    python3 -m experiments.grid_link_rates experiments/gpu-grid.yaml    ->  0.1 1 2.5 10 25 100
 
 Each of the spec's bandwidth_gbps, and each times the router command's --slow-factor when it
 has --slow pairs; then `--burst B` when the command sets --burst (so the check paces as the run).
@@ -27,7 +27,7 @@ def link_rates(spec: dict) -> list[str]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python3 experiments/grid_link_rates.py SPEC.yaml", file=sys.stderr)
+        print("usage: python3 -m experiments.grid_link_rates SPEC.yaml", file=sys.stderr)
         return 2
     try:
         with open(argv[0]) as f:

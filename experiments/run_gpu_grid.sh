@@ -84,11 +84,11 @@ echo "profile done at +$(( $(date +%s) - start ))s"
 
 # links: the spec's SET rates (each bandwidth, and its --slow-factor share) and --burst, paced on a
 # bare link before anything else uses the GPU
-read -r -a LINK_RATES <<< "$(python3 experiments/grid_link_rates.py "$SPEC")"
+read -r -a LINK_RATES <<< "$(python3 -m experiments.grid_link_rates "$SPEC")"
 echo "links: pacing check, bench_pacing.py --rates ${LINK_RATES[*]}"
 rc=0
 CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=${GPUS%%,*} timeout -k 10 "${LINKS_TIMEOUT_S:-90}" \
-  python3 benchmarks/bench_pacing.py "${LINKS_ARGS[@]}" --rates "${LINK_RATES[@]}" > "$STATE/pacing.txt" 2>&1 || rc=$?
+  python3 -m benchmarks.bench_pacing "${LINKS_ARGS[@]}" --rates "${LINK_RATES[@]}" > "$STATE/pacing.txt" 2>&1 || rc=$?
 [ "$rc" -eq 0 ] || echo "bench_pacing exited with $rc (124: stopped after ${LINKS_TIMEOUT_S:-90} s)" >> "$STATE/pacing.txt"
 cat "$STATE/pacing.txt"
 echo "links done at +$(( $(date +%s) - start ))s"
@@ -118,5 +118,5 @@ mkdir -p "$OUT/cluster"
 cp "$STATE/profile.json" "$STATE/links.jsonl" "$STATE/cluster.json" "$STATE/pacing.txt" "$OUT/cluster/"
 [ -f "$STATE/gpu_samples.csv" ] && cp "$STATE/gpu_samples.csv" "$OUT/cluster/"
 for log in "$STATE"/*.log "$STATE/workers.out"; do tail -n 40 "$log" > "$OUT/cluster/$(basename "$log").tail"; done
-python3 experiments/analyze_grid.py "$OUT"
+python3 -m experiments.analyze_grid "$OUT"
 echo "all done in $(( $(date +%s) - start ))s; results in $OUT"

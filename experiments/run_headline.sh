@@ -21,4 +21,4 @@ cleanup() {
 trap cleanup EXIT
 rm -rf results/headline results/headline-servers
 .venv/bin/pdserve-loadgen experiment experiments/headline.yaml
-"$PY" experiments/analyze.py results/headline results/headline-servers
+"$PY" -m experiments.analyze results/headline results/headline-servers

@@ -1,6 +1,6 @@
 """Simulated vs real: the committed CPU headline and sweep runs, point by point.
 
-    PYTHONPATH=. .venv/bin/python experiments/sim_fidelity.py        # seconds, no root, no model
+    .venv/bin/python -m experiments.sim_fidelity        # seconds, no root, no model
 
 For each committed real run (docs/records/headline.tar.xz: 0.3 req/s; headline-sweep: 0.2
 and 0.4 req/s; three policies each) the simulator replays the run's own requests (send

@@ -1,6 +1,6 @@
 """Simulated vs real on the GPU: the committed H100 PD TTFT run (docs/results/h100_pd_ttft.json).
 
-    PYTHONPATH=. .venv/bin/python experiments/sim_fidelity_gpu.py      # seconds
+    .venv/bin/python -m experiments.sim_fidelity_gpu      # seconds
 
 The real run (benchmarks/bench_pd_ttft.py on one H100, two worker processes, UCX over CUDA
 IPC, link paced at 1/10/25/100 Gbit/s): `random:llama-3.2-1b`, 2,048-token prompts, one

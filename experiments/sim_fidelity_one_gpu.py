@@ -1,6 +1,6 @@
 """Simulated vs real on one H200: the one-GPU runs (experiments/two-gpu/one-gpu.yaml).
 
-    PYTHONPATH=. python -m experiments.sim_fidelity_one_gpu        # seconds, CPU only
+    python -m experiments.sim_fidelity_one_gpu        # seconds, CPU only
 
 Real: the committed runs of `experiments/two-gpu/one-gpu.yaml` (one mixed worker, `pdserve up
 --mode colocated --replicas 1`, 64 Poisson requests a point at 1.5, 3, 4.5 and 6.5 req/s, 2048/256

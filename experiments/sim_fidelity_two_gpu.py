@@ -1,6 +1,6 @@
 """Simulated vs real on two H200s: every run of the two-GPU study (experiments/two-gpu/).
 
-    PYTHONPATH=. python -m experiments.sim_fidelity_two_gpu        # seconds, CPU only
+    python -m experiments.sim_fidelity_two_gpu        # seconds, CPU only
 
 Real: the committed runs of `experiments/two-gpu/spec.yaml` (the rerun sweep: 64 Poisson
 requests a point at 3, 6, 9 and 13 req/s, 2005/256 and 501/1024 server-counted tokens, every
@@ -25,7 +25,7 @@ outputs are those of the four models above): `chained` with the workers stepping
 plus that file's mixed table, so that steps mixing decodes and prefill chunks cost the measured
 mixed step instead of chunk + decode (pdserve/sim/worker.py), and nothing else differs from `chained`.
 
-    PYTHONPATH=. python -m experiments.sim_fidelity_two_gpu --mixed-profile experiments/two-gpu/profile-mixed.json
+    python -m experiments.sim_fidelity_two_gpu --mixed-profile experiments/two-gpu/profile-mixed.json
 
 Clusters:
 

@@ -1,6 +1,6 @@
 """Network-aware vs least-loaded vs round-robin goodput on a two-tier topology (simulated).
 
-    PYTHONPATH=. .venv/bin/python experiments/sim_placement_figure.py     # ~10 minutes on 2 cores
+    .venv/bin/python -m experiments.sim_placement_figure     # ~10 minutes on 2 cores
 
 32 GPUs (workers), 4 to a node, 4 nodes to a rack, 2 racks: 200 Gbit/s within a node (the
 topology's local default), 100 Gbit/s between nodes of a rack, 25 Gbit/s across racks (each

@@ -1,16 +1,11 @@
 """experiments/analyze_grid.py on a small hand-made results directory."""
 
 import csv
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location(
-    "analyze_grid", Path(__file__).resolve().parents[1] / "experiments" / "analyze_grid.py")
-grid_mod = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(grid_mod)
+from experiments import analyze_grid as grid_mod
 
 MB = 1_000_000
 
@@ -36,9 +31,10 @@ def exp(tmp_path):
     runs = {
         # two back-to-back 10 MB transfers on p0->d0, 0.1 s each: 160 Mbit in 0.2 s = 0.8 Gbit/s (SET 1)
         # link-bound: 2 x 7.5 MB in 2 x 0.05 s = 1.2 Gbit/s: 20% above its SET rate
-        ("round-robin", 1.0, 2.0): ([_record(0, 0.2, _timing("p0", "d0", 100.1, 0.1, kv_link=0.05, kv_link_bytes=7.5 * MB)),
-                                     _record(1, 0.3, _timing("p0", "d0", 100.2, 0.1, kv_link=0.05, kv_link_bytes=7.5 * MB))],
-                                    1.0),
+        ("round-robin", 1.0, 2.0): (
+            [_record(0, 0.2, _timing("p0", "d0", 100.1, 0.1, kv_link=0.05, kv_link_bytes=7.5 * MB)),
+             _record(1, 0.3, _timing("p0", "d0", 100.2, 0.1, kv_link=0.05, kv_link_bytes=7.5 * MB))],
+            1.0),
         # two overlapping 10 MB transfers on p1->d0 over [100, 100.16]: 1.0 Gbit/s (SET 1)
         ("network-aware", 1.0, 2.0): ([_record(0, 0.2, _timing("p1", "d0", 100.1, 0.1)),
                                        _record(1, 0.2, _timing("p1", "d0", 100.16, 0.1)),

@@ -35,8 +35,8 @@ def _load_sim_cluster(path):
 
 # path (relative to the repository) -> its reader; a new YAML file must be listed here
 READERS = {
-    "benchmarks/soak-1p1d.yaml": _load_emulation,
     "experiments/headline-topology.yaml": _load_emulation,
+    "experiments/soak-1p1d.yaml": _load_emulation,
     "pdserve/launcher/emulation/examples/2p2d.yaml": _load_emulation,
     "experiments/sim/headline-cluster.yaml": _load_sim_cluster,
     **{f"experiments/{name}.yaml": _load_spec

@@ -1,9 +1,9 @@
-"""benchmarks/faults.py without a cluster: its device flags (CPU by default, one shared GPU on
+"""experiments/faults.py without a cluster: its device flags (CPU by default, one shared GPU on
 request), the slow-link row's placement phases, and the results folder it packs."""
 
 import tarfile
 
-from benchmarks import faults
+from experiments import faults
 from pdserve.loadgen.records import RequestRecord
 
 
@@ -65,7 +65,7 @@ def test_results_folder_packs(tmp_path):
     row = {"fault": "kv-loss", "sent": 2, "completed": 2, "failed": {}, "lost": 0, "hung": 0,
            "kv_in_use": {"prefill-0": 0.0, "decode-0": 0.0}, "service_back_s": 0.0, "healthy_again_s": None,
            "note": {"router_recoveries": {}}}
-    report = {"command": "python benchmarks/faults.py --only kv-loss", "machine": "test", "rows": [row],
+    report = {"command": "python -m experiments.faults --only kv-loss", "machine": "test", "rows": [row],
               "not_run": ["gcs-kill"]}
     tar = tmp_path / "faults-gpu.tar.gz"
     faults.write_results(out, report, str(tar))

@@ -15,7 +15,8 @@ def test_grid_spec(name, runs):
     assert spec.output_dir == f"results/{name}"
     assert spec.server.launch.vars == {"state": f"results/{name}-state",
                                        "profile": f"results/{name}-state/profile.json"}
-    assert "pdserve.launcher.paced router" in spec.server.launch.command and "--slow p1:d1" in spec.server.launch.command
+    command = spec.server.launch.command
+    assert "pdserve.launcher.paced router" in command and "--slow p1:d1" in command
     assert sum(len(spec.rates_for(b)) for b in spec.bandwidths) * len(spec.policies) == runs
     assert spec.slo is not None and spec.workload.ignore_eos
 
@@ -30,17 +31,16 @@ def test_full_grid_covers_the_issue():
 @pytest.mark.parametrize("name, args", [("gpu-grid", "0.1 1 2.5 10 25 100"), ("gpu-grid-smoke", "1 10"),
                                         ("gpu-grid-cpu", "0.005 0.05 0.5 --burst 64KiB")])
 def test_links_step_paces_every_set_rate(name, args):
-    """run_gpu_grid.sh's links step: bench_pacing.py at every SET rate of the spec (the bandwidths
+    """run_gpu_grid.sh's links step: benchmarks.bench_pacing at every SET rate of the spec (the bandwidths
     and their --slow-factor share), with the run's burst, into cluster/pacing.txt."""
-    import importlib.util
+    import importlib
 
     import yaml
 
-    spec = importlib.util.spec_from_file_location("grid_link_rates", EXPERIMENTS / "grid_link_rates.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("experiments.grid_link_rates")
     assert " ".join(mod.link_rates(yaml.safe_load((EXPERIMENTS / f"{name}.yaml").read_text()))) == args
     script = (EXPERIMENTS / "run_gpu_grid.sh").read_text()
-    assert "benchmarks/bench_pacing.py" in script and 'timeout -k 10 "${LINKS_TIMEOUT_S:-90}"' in script
+    assert "python3 -m benchmarks.bench_pacing" in script and 'timeout -k 10 "${LINKS_TIMEOUT_S:-90}"' in script
     assert '"$STATE/pacing.txt" "$OUT/cluster/"' in script
-    assert script.index("bench_pacing.py") < script.index("pdserve.launcher.paced workers")  # before the workers and the sweep
+    # before the workers and the sweep
+    assert script.index("-m benchmarks.bench_pacing") < script.index("pdserve.launcher.paced workers")

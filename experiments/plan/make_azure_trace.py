@@ -1,7 +1,7 @@
 """A small synthetic trace in the Azure LLM inference trace format (TIMESTAMP, ContextTokens,
 GeneratedTokens), shaped like its code trace: long prompts, short outputs, bursty arrivals.
 
-    PYTHONPATH=. python experiments/plan/make_azure_trace.py   # writes experiments/plan/azure-code-synthetic.csv
+    python -m experiments.plan.make_azure_trace   # writes experiments/plan/azure-code-synthetic.csv
 
 Not the real trace (which this repository does not carry): 2,000 requests, seeded. Prompts are
 lognormal with a median of 384 tokens (sigma 0.6, clipped to 32..2000, inside the SmolLM2 CPU

@@ -11,7 +11,7 @@ runs/*.jsonl). Both SLO sets are scored from the same records:
 - the light-load check: PD TTFT p50 <= colocated TTFT p50 + KV bytes / link + 5 ms at the
   lowest rate, the link being raw ucxx in one message from `kvtransfer.txt` (2k row).
 
-    python experiments/two-gpu/analyze.py [--results two-gpu]
+    python -m experiments.two-gpu.analyze [--results two-gpu]
 
 --results is a folder, or an experiment's name looked up by experiments/records.py: a new run
 in results/<name>, else the committed archive docs/records/<name>.tar.xz (extracted once into
@@ -27,11 +27,9 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from experiments.records import resolve  # noqa: E402
-from pdserve.loadgen.metrics import SLO, meets_slo, summarize  # noqa: E402
-from pdserve.loadgen.records import read_jsonl  # noqa: E402
+from experiments.records import resolve
+from pdserve.loadgen.metrics import SLO, meets_slo, summarize
+from pdserve.loadgen.records import read_jsonl
 
 CONFIGS = ("pd", "colocated", "hybrid-loose", "hybrid-tight")
 SLOS = {"loose": SLO(ttft_s=1.0, tpot_s=0.05), "tight": SLO(ttft_s=1.0, tpot_s=0.01)}

@@ -23,7 +23,7 @@ steps=("$@")
 for step in "${steps[@]}"; do
   echo "== $step ($(date -u +%H:%M:%S))"
   case "$step" in
-    kv) "$py" benchmarks/bench_kvtransfer.py --device cuda --receiver-device cuda:1 --tokens 2048 8192 \
+    kv) "$py" -m benchmarks.bench_kvtransfer --device cuda --receiver-device cuda:1 --tokens 2048 8192 \
           --repeat 5 2>&1 | tee "$results/kvtransfer.txt" ;;
     profile) "$py" -m pdserve.launcher.cli profile --model "$model" --out "$results/profile.json" -q \
           --prefill-tokens 128,512,1024,2048,4096 --decode-batches 1,8,32,64 --decode-contexts 512,2048 \
@@ -35,7 +35,7 @@ for step in "${steps[@]}"; do
     pd|colocated|hybrid-loose|hybrid-tight|single)
       "$py" -m pdserve.loadgen.cli experiment "${SPEC:-experiments/two-gpu/spec.yaml}" --policy "$step" \
           --output-dir "$results/$step" --no-progress ;;
-    analyze) "$py" experiments/two-gpu/analyze.py --results "$results" ;;
+    analyze) "$py" -m experiments.two-gpu.analyze --results "$results" ;;
     *) echo "run.sh: unknown step '$step'" >&2; exit 2 ;;
   esac
 done

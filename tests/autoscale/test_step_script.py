@@ -1,22 +1,16 @@
-"""benchmarks/autoscale_step.py's arguments and the `pdserve up` command it builds, for cpu and
+"""experiments/autoscale_step.py's arguments and the `pdserve up` command it builds, for cpu and
 cuda (no GPU needed: the command is parsed by pdserve's own parser and made an UpConfig)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import tarfile
-from pathlib import Path
 
 import pytest
 
+from experiments import autoscale_step as step
 from pdserve.launcher.cli import build_parser
 from pdserve.launcher.cluster.config import load_up_config
-
-_SPEC = importlib.util.spec_from_file_location(
-    "autoscale_step", Path(__file__).resolve().parents[2] / "benchmarks" / "autoscale_step.py")
-step = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(step)
 
 
 def up_config(args, tmp_path):
@@ -40,7 +34,8 @@ def test_cuda_command(tmp_path):
     args = step.parse_args(["--device", "cuda", "--dtype", "bfloat16", "--gpu-memory-fraction", "0.1",
                             "--max-workers", "2", "--worker-gpus", "0.25", "--up-load", "8"])
     cmd, config = up_config(args, tmp_path)
-    assert (config.device, config.dtype, config.worker_gpus, config.gpu_memory_fraction) == ("cuda", "bfloat16", 0.25, 0.1)
+    assert (config.device, config.dtype, config.worker_gpus, config.gpu_memory_fraction) == (
+        "cuda", "bfloat16", 0.25, 0.1)
     assert "--kv-cache-gib" not in cmd and "--worker-cpus" not in cmd  # pdserve up's defaults on cuda
     assert config.autoscale.max_workers == {"prefill": 2, "decode": 2, "mixed": 4} and config.autoscale.up_load == 8
     # the default share: 1/(2M), in Ray's two decimals

@@ -1,18 +1,11 @@
-"""benchmarks/gpu_serving.py reads the router's /metrics between two scrapes: its histogram
+"""experiments/gpu_serving.py reads the router's /metrics between two scrapes: its histogram
 quantiles and counters, checked on a real RouterMetrics registry (the GPU walk itself runs on
 the device machine)."""
 
-import importlib.util
-from pathlib import Path
-
 from prometheus_client import generate_latest
 
+from experiments import gpu_serving
 from pdserve.router.metrics import RouterMetrics
-
-_SPEC = importlib.util.spec_from_file_location(
-    "gpu_serving", Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_serving.py")
-gpu_serving = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(gpu_serving)
 
 
 def test_histogram_and_counter_between_scrapes():

@@ -1,20 +1,13 @@
-"""benchmarks/kv_precision_sweep.py's table: a row per cell and the full/auto ratios per link
+"""experiments/kv_precision_sweep.py's table: a row per cell and the full/auto ratios per link
 (the sweep itself starts a cluster: run it by hand, `--quick`)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+import importlib
 
 
 def _sweep():
-    path = os.path.join(HERE, "..", "..", "benchmarks", "kv_precision_sweep.py")
-    spec = importlib.util.spec_from_file_location("kv_precision_sweep", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("experiments.kv_precision_sweep")
 
 
 def _cell(gbps, precision, ttft, tail, kv, met, goodput, chosen):
@@ -24,7 +17,8 @@ def _cell(gbps, precision, ttft, tail, kv, met, goodput, chosen):
 
 def test_table_rows_and_ratios():
     sweep = _sweep()
-    cells = [_cell(1.0, "full", 2.0, 0.8, 1.2, 1, 0.1, {"full": 4}), _cell(1.0, "auto", 1.0, 0.4, 0.6, 3, 0.3, {"fp8": 4}),
+    cells = [_cell(1.0, "full", 2.0, 0.8, 1.2, 1, 0.1, {"full": 4}),
+             _cell(1.0, "auto", 1.0, 0.4, 0.6, 3, 0.3, {"fp8": 4}),
              _cell(sweep.HOST_GBPS, "full", 0.9, None, 0.1, 4, 0.4, {"full": 4}),
              _cell(sweep.HOST_GBPS, "auto", 0.9, None, 0.1, 4, 0.4, {"full": 3, "local": 1})]
     text = sweep.table(cells, 1.0)

@@ -37,7 +37,8 @@ def test_the_command_line_reads_back_as_the_same_spec(monkeypatch, tmp_path):
     pacing.write_text("default=2\n")
     spec = WorkerSpec(role="mixed", worker_id="w7", host="10.0.0.2", port=5000, kv_backend="fake",
                       kv_host="10.0.0.3", kv_interface="any", moves_kv=True, kv_pacing=f"file:{pacing}",
-                      cluster_token=TOKEN, model="random:tiny-llama", device="cpu", engine_args=("--max-num-seqs", "3"), python="py")
+                      cluster_token=TOKEN, model="random:tiny-llama", device="cpu", engine_args=("--max-num-seqs", "3"),
+                      python="py")
     argv, env = worker_argv(spec), worker_env(spec)
     assert argv[:4] == ["py", "-m", "pdserve.launcher.cli", "worker"] and argv[-2:] == ["--max-num-seqs", "3"]
     assert TOKEN not in " ".join(argv) and env == {TOKEN_ENV: TOKEN}  # the token goes by environment only
@@ -67,7 +68,8 @@ def test_defaults_stay_off_the_command_line(monkeypatch):
 
 
 def test_engine_args_win_over_the_device():
-    assert "--device" not in worker_argv(WorkerSpec(role="prefill", device="cuda:1", engine_args=("--device", "cpu")))[:-2]
+    given = WorkerSpec(role="prefill", device="cuda:1", engine_args=("--device", "cpu"))
+    assert "--device" not in worker_argv(given)[:-2]
     argv = worker_argv(WorkerSpec(role="prefill", device="cuda:1"))
     assert argv[argv.index("--device") + 1] == "cuda:1"
 
@@ -135,7 +137,8 @@ def test_emulated_workers_use_it(tmp_path):
 
 def test_ray_pool_workers_use_it():
     engine = EngineConfig(model="random:tiny-llama")
-    spec = WorkerSpec(role="mixed", worker_id="pdserve:c:mixed:0", kv_backend="fake", cluster_token=TOKEN, moves_kv=True)
+    spec = WorkerSpec(role="mixed", worker_id="pdserve:c:mixed:0", kv_backend="fake", cluster_token=TOKEN,
+                      moves_kv=True)
     options, args = ray_actor(spec, engine, namespace="ns", num_cpus=1.0, num_gpus=0.5, resources={"node_a": 1},
                               scheduling_strategy="STRATEGY")
     assert options == dict(name="pdserve:c:mixed:0", namespace="ns", lifetime=None, max_restarts=-1,
@@ -159,7 +162,7 @@ def test_ray_pool_workers_use_it():
 # ---- no second copy -------------------------------------------------------------------------
 
 SOURCE_DIRS = ("launcher", "router", "pdserve", "kvtransfer", "kernels", "sim", "loadgen", "benchmarks",
-               "experiments", "deploy")
+               "experiments", "tools", "deploy")
 # a shell or YAML line that runs `python -m pdserve.launcher.cli [...] worker` (or a worker module)
 SHELL_WORKER = re.compile(r"-m\s+([\w.]+\s.*\bworker\s+--|[\w.]*\bworker\b)")
 
@@ -222,6 +225,8 @@ def test_only_launcher_workers_constructs_a_worker_config_in_the_launcher():
         if rel == "pdserve/launcher/workers.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), rel)):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "WorkerConfig":
+            if not isinstance(node, ast.Call):
+                continue
+            if getattr(node.func, "id", getattr(node.func, "attr", None)) == "WorkerConfig":
                 found.append(f"{rel}:{node.lineno}")
     assert not found, found

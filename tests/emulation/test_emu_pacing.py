@@ -183,8 +183,7 @@ def test_measure_plan_several_rates_in_one_pair_of_processes(tmp_path):
     """benchmarks/bench_pacing.py's path: the unpaced ceiling and two rates measured by one pair
     of kvprobe processes; each rate's transfers start on a drained bucket, so the achieved rate
     (first send_layer to ACK) and the link-bound rate both read the SET rate, not rate + burst."""
-    import importlib.util
-    from pathlib import Path
+    import importlib
 
     from pdserve.launcher.emulation.kvprobe import measure_plan, parse_plan
 
@@ -205,9 +204,6 @@ def test_measure_plan_several_rates_in_one_pair_of_processes(tmp_path):
     with pytest.raises(ValueError, match="--plan"):
         parse_plan('[[0, "default=1"]]')
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_pacing", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_pacing.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = importlib.import_module("benchmarks.bench_pacing")
     assert bench.main(["--device", "cpu", "--rates", "0.2", "--transfers", "1", "--seconds", "0.1",
                        "--ceiling-mb", "3"]) == 0

@@ -1,23 +1,21 @@
-"""The GPU benchmark scripts' code paths, run on the CPU with a tiny model (smoke tests: the
-figures mean nothing here; a typo must not surface first on a rented GPU)."""
+"""The GPU benchmark scripts' code paths (benchmarks/, and the served studies of experiments/), run
+on the CPU with a tiny model (smoke tests: the figures mean nothing here; a typo must not surface
+first on a rented GPU)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import pathlib
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
 SMALL = ["--device", "cpu", "--requests", "4", "--input-len", "24", "--output-len", "4"]
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """A script as the module it runs as (`python -m benchmarks.bench_engine_gpu`)."""
+    room = "experiments" if name in ("served_vs_bare", "defaults_vs_flags") else "benchmarks"
+    return importlib.import_module(f"{room}.{name}")
 
 
 @pytest.mark.timeout(120)
@@ -102,7 +100,8 @@ def test_served_vs_bare_cpu_path(tmp_path, capsys):
     assert set(results["runs"]) == {"bare run 1", "bare run 2", "served run 1", "served run 2"}
     assert all(run["num_errors"] == 0 for run in results["runs"].values())
     assert any("defaults for cpu" in line for line in results["chosen"])
-    assert {"served_minus_bare_ttft_p50_ms", "served_over_bare_tpot_p50", "first_over_second_ttft_p50"} <= set(results["ratios"])
+    assert {"served_minus_bare_ttft_p50_ms", "served_over_bare_tpot_p50",
+            "first_over_second_ttft_p50"} <= set(results["ratios"])
     # the workers' steps during each served run, from the router's /metrics: every request's
     # prompt took a step that was not decode-only; no prefill graphs on the CPU
     for label in ("served run 1", "served run 2"):

@@ -11,22 +11,15 @@ prefill round differently), or the comparison would not be of the same continuat
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import importlib
 
 import pytest
 
 from pdserve.llm import LLM
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def _bench():
-    path = os.path.join(HERE, "..", "..", "benchmarks", "kv_wire_quality.py")
-    spec = importlib.util.spec_from_file_location("kv_wire_quality", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.kv_wire_quality")
 
 
 @pytest.mark.timeout(900)

@@ -189,12 +189,9 @@ def test_piecewise_steps_with_the_triton_kernels_and_dense_prefill(monkeypatch):
 def test_the_benchmark_runs_both_modes_on_the_cpu(capsys):
     """benchmarks/bench_prefill_graphs.py, tiny: each point on and off, and each mode checked
     to have run the path it names (it raises otherwise)."""
-    import importlib.util
+    import importlib
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_prefill_graphs.py")
-    spec = importlib.util.spec_from_file_location("bench_prefill_graphs", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    bench = importlib.import_module("benchmarks.bench_prefill_graphs")
     assert bench.main(["--prompts", "8", "40", "--batches", "2", "--chunks", "8", "--context", "24",
                        "--max-tokens", "32", "--repeats", "1", "--decode-steps", "2", "--num-blocks", "64"]) == 0
     out = capsys.readouterr().out

@@ -6,9 +6,8 @@ codec benchmark's CPU path runs."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
-import pathlib
 
 import pytest
 import torch
@@ -49,7 +48,8 @@ def reference_unpack(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def test_fast_codec_matches_the_plain_formulas_bit_for_bit():
     gen = torch.Generator().manual_seed(3)
     # magnitudes from 1e-30 to 1e30 (subnormal scales and large exponents), zeros, a whole zero channel
-    x = torch.randn(24, 16, 3, 64, generator=gen) * torch.pow(10.0, torch.randint(-30, 31, (24, 1, 3, 1), generator=gen).float())
+    x = torch.randn(24, 16, 3, 64, generator=gen) * torch.pow(
+        10.0, torch.randint(-30, 31, (24, 1, 3, 1), generator=gen).float())
     x[0, :, 1, 5] = 0.0
     x[1, 3] = 0.0
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -70,10 +70,7 @@ def test_fp8_table_covers_every_byte():
 
 
 def test_codec_benchmark_cpu_path(capsys):
-    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_kv_codec.py"
-    spec = importlib.util.spec_from_file_location("bench_kv_codec", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module("benchmarks.bench_kv_codec")
     assert module.main(["--blocks", "4", "--repeat", "2", "--threads", "1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1].split()[0] == "4" and float(lines[-1].split()[-1]) > 0

@@ -114,13 +114,13 @@ time.sleep(1.2)  # the dump thread writes every 0.5 s
 
 
 def test_the_trace_report_reads_a_served_processes_dump(tmp_path):
-    """benchmarks/kv_trace_report.py on what a real UCX transfer's process dumped: one line per
+    """tools/kv_trace_report.py on what a real UCX transfer's process dumped: one line per
     transfer, in order, with its messages; --transfer N its messages; a bad flag is named."""
     env = dict(os.environ, PDSERVE_KV_TRACE="1", PDSERVE_KV_TRACE_DIR=str(tmp_path), PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-c", TRANSFERS], env=env, capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = os.path.join(ROOT, "benchmarks", "kv_trace_report.py")
-    out = subprocess.run([sys.executable, report, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    report = [sys.executable, "-m", "tools.kv_trace_report"]  # run as a module from the checkout's root
+    out = subprocess.run([*report, str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split()[:3] == ["#", "msgs", "s.ready"] and len(lines) == 3  # two transfers
@@ -129,10 +129,10 @@ def test_the_trace_report_reads_a_served_processes_dump(tmp_path):
         assert int(cells[0]) == i and int(cells[1]) >= 1
         ready, post, sent, copied, ack, tail = (float(c) for c in cells[2:8])
         assert 0 <= ready <= post <= sent and copied <= ack and tail == pytest.approx(ack - ready, abs=0.11)
-    one = subprocess.run([sys.executable, report, str(tmp_path), "--transfer", "1"], capture_output=True, text=True,
+    one = subprocess.run([*report, str(tmp_path), "--transfer", "1"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert one.returncode == 0 and one.stdout.splitlines()[0].split()[:2] == ["layer", "s.flush"]
     assert one.stdout.splitlines()[1].split()[0] == "0"  # the first message starts at layer 0
-    bad = subprocess.run([sys.executable, report, str(tmp_path), "--transfer", "5"], capture_output=True, text=True,
+    bad = subprocess.run([*report, str(tmp_path), "--transfer", "5"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "--transfer: 5 is not one of the 2 transfers" in bad.stderr

@@ -4,21 +4,16 @@ the ratios, and the light-load bound."""
 from __future__ import annotations
 
 import csv
-import importlib.util
+import importlib
 from pathlib import Path
 
 import pytest
 
 from pdserve.loadgen.records import RequestRecord, write_jsonl
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _analyze():
-    spec = importlib.util.spec_from_file_location("two_gpu_analyze", ROOT / "experiments/two-gpu/analyze.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("experiments.two-gpu.analyze")  # `python -m experiments.two-gpu.analyze`
 
 
 def _run(root: Path, config: str, rate: float, ttft: float, tpot: float, n: int = 10) -> None:

@@ -2,7 +2,7 @@
 load from the load generator, and `kill -9` of one worker's process while it runs; Ray
 restarts the worker, the router waits for it or runs the requests on the survivor.
 
-    python benchmarks/ride_through.py --kill decode --out docs/results/ride_through_decode.json
+    python -m experiments.ride_through --kill decode --out docs/results/ride_through_decode.json
 
 Reports requests sent, completed and failed, the gap (kill until the worker is healthy again
 at its new address) and the TTFT of the requests caught in it (in flight at the kill or sent
@@ -23,10 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pdserve.loadgen.launcher import free_port  # noqa: E402
-from benchmarks.faultlib import HealthTimeline, start_up, stop_group, wait_all_healthy, worker_pid  # noqa: E402
+from experiments.faultlib import HealthTimeline, start_up, stop_group, wait_all_healthy, worker_pid
+from pdserve.loadgen.launcher import free_port
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -123,7 +121,7 @@ def main(argv=None) -> int:
     report = {
         "what": f"kill -9 of the {args.kill} worker of a 1P+1D `pdserve up` under load",
         "machine": f"{platform.node()} ({os.cpu_count()} CPUs), CPU only",
-        "command": "python benchmarks/ride_through.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m experiments.ride_through " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": args.model, "rate": args.rate, "input_len": args.input_len, "output_len": args.output_len,
         "killed": {k: v for k, v in killed.items() if k != "time"},
         "kill_at_s": round(kill_rel, 2) if kill_rel is not None else None,

@@ -1,9 +1,9 @@
 """KV precision chosen by the link, on a paced 1P+1D cluster: full vs auto per link rate.
 
-    python benchmarks/kv_precision_sweep.py                 # CPU: SmolLM2, 1, 10, 25, 100 Gbit/s and host
-    python benchmarks/kv_precision_sweep.py --quick         # CPU: 1 and 100 Gbit/s, 4 requests of 512 tokens
-    python benchmarks/kv_precision_sweep.py --device cuda   # one GPU: random:llama-3.1-8b, 2048/256, SLO 1 s
-    python benchmarks/kv_precision_sweep.py --out DIR/kv_precision.json
+    python -m experiments.kv_precision_sweep                 # CPU: SmolLM2, 1, 10, 25, 100 Gbit/s and host
+    python -m experiments.kv_precision_sweep --quick         # CPU: 1 and 100 Gbit/s, 4 requests of 512 tokens
+    python -m experiments.kv_precision_sweep --device cuda   # one GPU: random:llama-3.1-8b, 2048/256, SLO 1 s
+    python -m experiments.kv_precision_sweep --out DIR/kv_precision.json
 
 1. one prefill and one decode worker start once (launcher.paced workers; no prefix cache; with
    `--device cuda` both on GPU 0, each with `--gpu-memory-fraction` of it): the prefill worker
@@ -39,11 +39,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
 
-import httpx  # noqa: E402
-
-from pdserve.loadgen.launcher import free_port  # noqa: E402
+from pdserve.loadgen.launcher import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = REPO / "experiments" / "profile-smollm2-cpu-1thread-2026-12-01.json"

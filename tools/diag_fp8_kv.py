@@ -1,7 +1,7 @@
 """FP8 (e4m3) KV cache: the Triton kernels against the torch reference, bit for bit.
 
-    python benchmarks/diag_fp8_kv.py                # on a CUDA GPU (compiled Triton), ~20 s
-    python benchmarks/diag_fp8_kv.py --device cpu   # TRITON_INTERPRET=1 (float32 attention)
+    python -m tools.diag_fp8_kv                # on a CUDA GPU (compiled Triton), ~20 s
+    python -m tools.diag_fp8_kv --device cpu   # TRITON_INTERPRET=1 (float32 attention)
 
 Checks, each printed with its numbers, and exits 1 if any fails:
 1. cast: the kernels' float32 -> e4m3 byte (kernels.cache._e4m3_bits) against torch's cast
@@ -36,7 +36,6 @@ def main() -> int:
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
         os.environ["PDSERVE_KERNEL_BACKEND"] = "triton"
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
     import torch
 

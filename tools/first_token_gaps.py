@@ -1,6 +1,6 @@
 """Where a served request's time to first token goes, one request at a time, on any device.
 
-    python3 benchmarks/first_token_gaps.py [--model random:tiny-wide-vocab] [--tokenizer smollm2] \
+    python3 -m tools.first_token_gaps [--model random:tiny-wide-vocab] [--tokenizer smollm2] \
         [--device cpu] [--requests 24] [--input-len 64] [--output-len 8] [--root DIR ...] [--out FILE]
 
 Starts `pdserve up --mode colocated --replicas 1` (one mixed worker) from each code tree given with
@@ -30,9 +30,9 @@ import sys
 import time
 import urllib.request
 
+from pdserve.loadgen.launcher import free_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from pdserve.loadgen.launcher import free_port  # noqa: E402
 
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()

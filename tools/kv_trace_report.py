@@ -1,8 +1,8 @@
 """Where a served transfer's time goes: the KV trace points that served workers dumped.
 
     PDSERVE_KV_TRACE=1 PDSERVE_KV_TRACE_DIR=DIR pdserve up ...     # or any launcher of workers
-    python benchmarks/kv_trace_report.py DIR                      # one line per transfer
-    python benchmarks/kv_trace_report.py DIR --transfer 3         # that transfer, message by message
+    python -m tools.kv_trace_report DIR                      # one line per transfer
+    python -m tools.kv_trace_report DIR --transfer 3         # that transfer, message by message
 
 Every worker's ``DIR/kv-trace-<pid>.jsonl`` is read and the points are grouped by transfer key
 (senders and receivers of one host share ``time.monotonic``). Times are milliseconds from the

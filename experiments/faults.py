@@ -1,15 +1,15 @@
 """The fault matrix: each fault below against a live cluster (CPU, SmolLM2) under a bounded load,
 from fresh processes, and one table row per fault.
 
-    python benchmarks/faults.py --quick                       # about 8 minutes here: three rows, short
-    python benchmarks/faults.py --out docs/results/faults     # every row, full length
-    python benchmarks/faults.py --only sigstop-decode,kv-loss
+    python -m experiments.faults --quick                       # about 8 minutes here: three rows, short
+    python -m experiments.faults --out docs/results/faults     # every row, full length
+    python -m experiments.faults --only sigstop-decode,kv-loss
 
 One GPU (every worker on GPU 0: standalone workers share it, `pdserve up` gives each Ray worker
 --worker-gpus of it), a random-weight shape, and network-aware's profile measured there first:
 
     pdserve profile --model random:llama-3.2-1b --device cuda --dtype bfloat16 --out prof.json
-    python benchmarks/faults.py --model random:llama-3.2-1b --device cuda --dtype bfloat16 \\
+    python -m experiments.faults --model random:llama-3.2-1b --device cuda --dtype bfloat16 \\
         --worker-gpus 0.25 --gpu-memory-fraction 0.1 --profile prof.json --out faults-gpu --tar faults-gpu.tar.gz
 
 Results: one folder (--out): rows.json (settings, machine, every row), table.md (the table and
@@ -54,15 +54,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
+import psutil
 
-import httpx  # noqa: E402
-import psutil  # noqa: E402
-
-from benchmarks.faultlib import (  # noqa: E402
+from experiments.faultlib import (
     REPO, HealthTimeline, cluster_env, health, start_up, stop_group, wait_all_healthy, worker_pid,
 )
-from pdserve.loadgen.launcher import free_port  # noqa: E402
+from pdserve.loadgen.launcher import free_port
 
 ROWS = ("kill-prefill", "kill-decode", "restart-same-address", "sigstop-decode", "slow-link", "kv-loss",
         "mismatched-peers", "router-restart", "gcs-kill")
@@ -737,7 +735,7 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     not_run: list[str] = []
     report = {
-        "command": "python benchmarks/faults.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m experiments.faults " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine(args.device),
         "settings": {k: getattr(args, k) for k in ("model", "device", "dtype", "worker_gpus", "gpu_memory_fraction",
                                                      "kv_cache_gib", "rate",

@@ -1,6 +1,6 @@
 """`pdserve up`'s defaults against hand-set flags, in one command: goodput per SLO over a rate sweep.
 
-    python3 benchmarks/defaults_vs_flags.py [--model random:llama-3.1-8b] [--rates 8,12,16] \
+    python3 -m experiments.defaults_vs_flags [--model random:llama-3.1-8b] [--rates 8,12,16] \
         [--requests N[,N...]] [--input-len 2048] [--output-len 256] [--slo ttft=1,tpot=0.05 --slo ttft=1,tpot=0.01] \
         [--configs "FLAGS;FLAGS;..."] [--time-budget-s S] [--out DIR] [--tar FILE]
 
@@ -51,14 +51,12 @@ import tarfile
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_serving import log  # noqa: E402
-from served_vs_bare import Server  # noqa: E402  (gpu_serving.Cluster with the model, device and a log file)
+from experiments.gpu_serving import log
+from experiments.served_vs_bare import Server  # gpu_serving.Cluster with the model, device and a log file
+from pdserve.loadgen.metrics import SLO, summarize
+from pdserve.loadgen.records import read_jsonl
 
-sys.path.insert(0, ROOT)
-from pdserve.loadgen.metrics import SLO, summarize  # noqa: E402
-from pdserve.loadgen.records import read_jsonl  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DEFAULT_CONFIGS = ("--max-num-batched-tokens 16384 --max-num-seqs 512;"
                    "--max-num-batched-tokens 4096 --max-num-seqs 128;"
@@ -316,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                                     if s.strip()]
     out_dir = args.out or tempfile.mkdtemp(prefix="defaults-vs-flags-")
     os.makedirs(out_dir, exist_ok=True)
-    results: dict = {"command": "python3 benchmarks/defaults_vs_flags.py " + shlex.join(argv if argv is not None
+    results: dict = {"command": "python3 -m experiments.defaults_vs_flags " + shlex.join(argv if argv is not None
                                                                                           else sys.argv[1:]),
                      "args": vars(args), "device_name": device_name(args.device),
                      "slos": [{"name": slo_name(s), "ttft_s": s.ttft_s, "tpot_s": s.tpot_s} for s in slos],

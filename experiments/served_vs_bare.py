@@ -1,6 +1,6 @@
 """What serving adds to the engine, in one command: the bare engine against `pdserve up` with its defaults.
 
-    python3 benchmarks/served_vs_bare.py [--model random:llama-3.1-8b] [--requests 90] [--rate 6] \
+    python3 -m experiments.served_vs_bare [--model random:llama-3.1-8b] [--requests 90] [--rate 6] \
         [--input-len 2048] [--output-len 256] [--out DIR]
 
 Every figure comes from a fresh process started the way a user starts it, and each run draws new
@@ -34,13 +34,11 @@ import tempfile
 import time
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_serving import Cluster, log  # noqa: E402
+from experiments.gpu_serving import Cluster, log
+from pdserve.loadgen.launcher import free_port
+from pdserve.loadgen.server_metrics import parse_prometheus_text
 
-sys.path.insert(0, ROOT)
-from pdserve.loadgen.launcher import free_port  # noqa: E402
-from pdserve.loadgen.server_metrics import parse_prometheus_text  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 
@@ -110,7 +108,7 @@ def loadgen(url: str, args: argparse.Namespace, seed: int) -> dict:
 
 def bare(args: argparse.Namespace, out_dir: str) -> list[dict]:
     path = os.path.join(out_dir, "bare.json")
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "bench_engine_replay.py"), "--device", args.device,
+    cmd = [sys.executable, "-m", "benchmarks.bench_engine_replay", "--device", args.device,
            "--model", args.model, "--requests", str(args.requests), "--rate", str(args.rate),
            "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--runs", "2",
            "--seed", str(args.seed), "--max-run-time", str(args.max_run_time), "--json", path]

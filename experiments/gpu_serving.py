@@ -18,7 +18,7 @@ p50 <= colocated TTFT p50 + KV bytes / link rate + 5 ms, the link rate being raw
 moving the same bytes in one message between two processes, measured in the same run.
 Exit status 1 when the smoke fails (errors or fallbacks), else 0.
 
-    python benchmarks/gpu_serving.py [--model random:llama-3.2-1b] [--out DIR]
+    python -m experiments.gpu_serving [--model random:llama-3.2-1b] [--out DIR]
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 def log(msg: str) -> None:

@@ -18,14 +18,14 @@ and writes the record (JSON, with the `pdserve up` log's path) to --out, the plo
 (docs/autoscale.png) and, with --tar, the record, the plot and the log in one tar.gz (also when
 the run fails midway: then with what there is).
 
-    PYTHONPATH=$PWD python benchmarks/autoscale_step.py --model random:smollm2-135m \\
+    python -m experiments.autoscale_step --model random:smollm2-135m \\
         --low 0.2 --high 1.0 --phases 60,120,120 --slo-ttft 2 --slo-tpot 0.25
 
 On one GPU: `--device cuda` with a share of it per worker; with --max-workers M, up to 2M
 workers share it, so --worker-gpus must be at most 1/(2M), and --gpu-memory-fraction sets each
 worker's KV cache (the fraction of the free GPU memory a worker takes when it starts):
 
-    PYTHONPATH=$PWD python benchmarks/autoscale_step.py --device cuda --worker-gpus 0.16 \\
+    python -m experiments.autoscale_step --device cuda --worker-gpus 0.16 \\
         --gpu-memory-fraction 0.1 --model <model> --tar step.tar.gz
 """
 

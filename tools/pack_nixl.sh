@@ -5,8 +5,8 @@
 # Left out: the expert-parallel package (nixl_ep_*), the other plugins (storage, libfabric, ...),
 # headers and example binaries. On the GPU host:
 #   mkdir -p /tmp/nixl && tar -xJf .gpu/nixl/nixl-cu13-1.5.1-cp312.tar.xz -C /tmp/nixl
-#   PYTHONPATH=$PWD:/tmp/nixl python benchmarks/bench_kvtransfer.py --device cuda
-# Usage: benchmarks/pack_nixl.sh [FLAVOUR (cu13|cu12)] [VERSION] [PYTHON_VERSION (e.g. 3.12)]
+#   PYTHONPATH=/tmp/nixl python -m benchmarks.bench_kvtransfer --device cuda
+# Usage: tools/pack_nixl.sh [FLAVOUR (cu13|cu12)] [VERSION] [PYTHON_VERSION (e.g. 3.12)]
 set -euo pipefail
 flavour=${1:-cu13}
 version=${2:-1.5.1}

@@ -3,10 +3,10 @@ time, a `kill -9` of a worker every `--kill-every-s` (alternating decode and pre
 script restarts it, as a supervisor would), and for `--link-fault-for-s` loss and delay on the
 KV link (tc netem on the emulated link). Needs root (network namespaces).
 
-    sudo python benchmarks/soak.py --out docs/results/soak            # 30 min, rate from a search
-    sudo python benchmarks/soak.py --out /tmp/soak --duration-s 300 --rate 0.3 --kill-every-s 120
+    sudo python -m experiments.soak --out docs/results/soak            # 30 min, rate from a search
+    sudo python -m experiments.soak --out /tmp/soak --duration-s 300 --rate 0.3 --kill-every-s 120
 
-1. Start the cluster (`benchmarks/soak-1p1d.yaml`: workers in namespaces, router in front).
+1. Start the cluster (`experiments/soak-1p1d.yaml`: workers in namespaces, router in front).
 2. Unless `--rate` is given: `pdserve-loadgen search` for the highest rate whose requests meet
    the SLO (`--slo-ttft`, `--slo-tpot`) at `--target`; the soak runs at `--load-fraction` of it.
 3. Run the load (Poisson arrivals) for `--duration-s`; every `--sample-s` record RSS, threads
@@ -34,10 +34,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import httpx  # noqa: E402
-import psutil  # noqa: E402
+import httpx
+import psutil
 
 SPEC = Path(__file__).resolve().parent / "soak-1p1d.yaml"
 
@@ -314,7 +312,7 @@ def _summarize(args, rate, search_cmd, result, samples, events, kv_end, failed_p
                 "every --kill-every-s (restarted by the script), loss/delay on the KV link",
         "label": args.label,
         "machine": f"{platform.node()} ({os.cpu_count()} CPUs, shared), CPU only",
-        "command": "sudo python benchmarks/soak.py " + " ".join(sys.argv[1:]),
+        "command": "sudo python -m experiments.soak " + " ".join(sys.argv[1:]),
         "search": search_cmd,
         "rate_rps": rate,
         "sample_s": args.sample_s,

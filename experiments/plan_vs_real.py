@@ -1,6 +1,6 @@
 """`pdserve plan`'s prediction against a real `pdserve up` of the configuration it chooses (CPU).
 
-    PYTHONPATH=$PWD python benchmarks/plan_vs_real.py [--profile P.json] [--gpus 2] \\
+    python -m experiments.plan_vs_real [--profile P.json] [--gpus 2] \\
         [--slo-ttft 4 --slo-tpot 0.5] [--input-len fixed:128 --output-len fixed:32] [--requests 36]
 
 1. The profile: `--profile`, else a committed CPU profile (experiments/profile-smollm2-cpu-*.json)
@@ -173,7 +173,7 @@ def up_command(best: dict, policy: str, args) -> list[str]:
 
 def start_cluster(cmd: list[str], args) -> subprocess.Popen:
     """`cmd` (a `pdserve up` command line) as a process group of its own; once /health answers 200."""
-    import faultlib
+    from experiments import faultlib
 
     log_path = os.path.join(args.out, "up.log")
     print("up:", " ".join(cmd[2:]), file=sys.stderr)
@@ -192,7 +192,7 @@ def start_cluster(cmd: list[str], args) -> subprocess.Popen:
 
 
 def stop_cluster(proc: subprocess.Popen) -> None:
-    import faultlib
+    from experiments import faultlib
 
     faultlib.stop_group(proc, timeout_s=60)
 

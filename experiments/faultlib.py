@@ -1,4 +1,4 @@
-"""Shared pieces of the fault benchmarks (ride_through.py, soak.py): a real `pdserve up` in its
+"""Shared pieces of the fault runs (faults.py, ride_through.py, plan_vs_real.py): a real `pdserve up` in its
 own process group, the worker processes behind the router's /health, a /health timeline.
 
 Not a test helper: everything here drives real processes."""

@@ -1,6 +1,6 @@
 """Ready means warm, measured: the first loadgen run after `pdserve up` says ready against the next.
 
-    python3 benchmarks/bench_warm_start.py [--replicas 2] [--model random:llama-3.1-8b]
+    python3 -m experiments.bench_warm_start [--replicas 2] [--model random:llama-3.1-8b]
 
 Starts `pdserve up --mode colocated --replicas N` (one mixed worker per GPU), times how long it
 takes until the router answers `/v1/models`, then runs the same load twice on that server
@@ -25,8 +25,7 @@ import tempfile
 import time
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pdserve.loadgen.launcher import free_port  # noqa: E402
+from pdserve.loadgen.launcher import free_port
 
 
 def engine_counters(url: str) -> dict[str, float]:
