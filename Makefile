@@ -41,7 +41,7 @@ test-all: setup
 	$(BIN)/python -m pytest -q -m 'slow or not slow'
 
 bench: setup
-	$(BIN)/python benchmarks/bench_engine_cpu.py
+	$(BIN)/python -m benchmarks.bench_engine_cpu
 
 clean:
 	rm -rf $(VENV) *.egg-info

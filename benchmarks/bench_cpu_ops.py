@@ -1,6 +1,6 @@
 """The CPU decode path's two big costs, side by side, on a model's real shapes (fp32).
 
-    python benchmarks/bench_cpu_ops.py [--model smollm2-135m] [--rows 1 2 4 8 16] [--context 170]
+    python -m benchmarks.bench_cpu_ops [--model smollm2-135m] [--rows 1 2 4 8 16] [--context 170]
 
 1. The layer stack's projections (QKV, O, gate/up, down, every layer) and the LM head, with
    dense weights (`torch.nn.functional.linear`) and with MKL-packed weights
@@ -23,10 +23,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pdserve import kernels  # noqa: E402
-from pdserve.loaders.random_weights import RANDOM_SHAPES  # noqa: E402
+from pdserve import kernels
+from pdserve.loaders.random_weights import RANDOM_SHAPES
 
 
 def timed(fn) -> float:

@@ -1,6 +1,6 @@
 """Engine vs transformers `generate` on the same SmolLM2 weights (fp32, CPU), in one run.
 
-    python benchmarks/bench_engine_cpu.py [--model smollm2] [--new-tokens 128] [--batch 16] [--compile]
+    python -m benchmarks.bench_engine_cpu [--model smollm2] [--new-tokens 128] [--batch 16] [--compile]
                                           [--no-packed-weights]
 
 Each side runs in its own subprocess so peak resident memory is measured per side. Prints
@@ -21,6 +21,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # each side runs as a module from here
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -141,11 +143,11 @@ def main() -> int:
     runs: dict[str, list[dict]] = {"engine": [], "transformers": []}
     for _ in range(args.rounds):  # alternate the sides so machine drift hits both alike
         for side in ("engine", "transformers"):
-            cmd = ([sys.executable, __file__, "--side", side, "--model", args.model, "--new-tokens",
+            cmd = ([sys.executable, "-m", "benchmarks.bench_engine_cpu", "--side", side, "--model", args.model, "--new-tokens",
                     str(args.new_tokens), "--batch", str(args.batch), "--kv-cache-gib", str(args.kv_cache_gib),
                     "--threads", str(args.threads)] + (["--compile"] if args.compile else [])
                    + (["--no-packed-weights"] if args.no_packed_weights else []))
-            proc = subprocess.run(cmd, capture_output=True, text=True)
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if proc.returncode != 0:
                 print(proc.stderr, file=sys.stderr)
                 return proc.returncode

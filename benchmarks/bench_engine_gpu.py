@@ -1,6 +1,6 @@
 """Engine speed on a CUDA GPU, as fractions of limits measured in the same run.
 
-    python3 benchmarks/bench_engine_gpu.py [--quick] [--model random:llama-3.1-8b] [--kv-cache-dtype auto]
+    python3 -m benchmarks.bench_engine_gpu [--quick] [--model random:llama-3.1-8b] [--kv-cache-dtype auto]
 
 Measures first, in this process: the device-copy bandwidth (a 1 GiB copy) and the bf16
 matmul rate (8192^3). Then prints, each against its roofline:
@@ -26,7 +26,6 @@ the same code on a tiny model (a smoke test of this script, not a measurement).
 from __future__ import annotations
 
 import argparse
-import os
 import json
 import math
 import random
@@ -56,7 +55,7 @@ def copy_bandwidth(torch, device: str, nbytes: int = 1 << 30) -> float:
     x = torch.empty(nbytes, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     ms = timed_ms(torch, lambda: y.copy_(x), device)
-    del x, y
+    x = y = None  # freed (not del: the lambdas above close over them)
     return 2 * nbytes / (ms / 1e3)
 
 
@@ -66,7 +65,7 @@ def matmul_rate(torch, device: str, n: int = MATMUL_N) -> float:
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
     ms = timed_ms(torch, lambda: a @ b, device)
-    del a, b
+    a = b = None  # freed (not del: the lambdas above close over them)
     return 2 * n ** 3 / (ms / 1e3)
 
 

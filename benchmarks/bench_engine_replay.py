@@ -1,6 +1,6 @@
 """The serving workload run on the bare engine, in this process: what serving adds on top.
 
-    python3 benchmarks/bench_engine_replay.py [--requests 200] [--rate 8] [--input-len 2048] [--output-len 256]
+    python3 -m benchmarks.bench_engine_replay [--requests 200] [--rate 8] [--input-len 2048] [--output-len 256]
 
 Poisson arrivals at --rate (seeded), --input-len random prompt tokens, --output-len tokens each
 (ignore_eos), fed to an `LLMEngine` with a `pdserve up` worker's settings (--max-num-seqs,
@@ -9,7 +9,7 @@ and steps the engine. Prints TTFT and TPOT p50/p90 and the achieved rate, measur
 (token timestamps taken after each step), and the engine's step count and step-time split
 (decode-only vs steps with prefill work).
 
-Run `benchmarks/bench_warm_start.py --replicas 1` with the same --requests/--rate/--input-len/
+Run `python -m experiments.bench_warm_start --replicas 1` with the same --requests/--rate/--input-len/
 --output-len in the same session for the served figures (router, gRPC worker, HTTP client): the
 difference is the serving path (HTTP, tokenising, router, RPC, streaming, the engine thread
 sharing the worker process with the gRPC server). `--device cpu` with a tiny model is a smoke
@@ -17,7 +17,7 @@ test of this script.
 
 Several workloads on one engine, one after the other, with loadgen records for the simulator:
 
-    python3 benchmarks/bench_engine_replay.py --point 2048:256@1.5 --point 512:1024@3 --requests 64 \
+    python3 -m benchmarks.bench_engine_replay --point 2048:256@1.5 --point 512:1024@3 --requests 64 \
         --max-num-batched-tokens 512 --max-num-seqs 64 --records DIR
 
 writes DIR/summary.csv and DIR/runs/*.jsonl as `pdserve-loadgen experiment` does (one record per
@@ -34,8 +34,7 @@ import random
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine_gpu import StepTimer, prompts  # noqa: E402
+from benchmarks.bench_engine_gpu import StepTimer, prompts
 
 
 def percentile(values: list[float], q: float) -> float:

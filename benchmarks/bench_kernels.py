@@ -7,7 +7,7 @@ Prefill: causal TFLOP/s of `prefill_attention` (one sequence, d128) against torc
 the flash backend, in the same run. `--sweep` also times other tile configurations of both
 kernels (the defaults live in pdserve/kernels/prefill_attention.py and pdserve/kernels/decode_attention.py).
 
-    python benchmarks/bench_kernels.py [--block-sizes 16,32] [--quick] [--sweep] [--json out.json]
+    python -m benchmarks.bench_kernels [--block-sizes 16,32] [--quick] [--sweep] [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def copy_bandwidth(do_bench) -> float:
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
-    del src, dst
+    src = dst = None  # freed (not del: the lambdas above close over them)
     return 2 * (1 << 30) / (ms * 1e-3)
 
 
@@ -80,7 +80,7 @@ def bench_decode(do_bench, block_size: int, copy_bw: float, batches, contexts,
             bw = moved / (ms * 1e-3)
             rows.append(dict(block_size=block_size, batch=batch, context=context, us=ms * 1e3,
                              gb_s=bw / 1e9, of_copy_bw=bw / copy_bw, config=config))
-            del k_cache, v_cache, block_tables, seq_lens, q
+            k_cache = v_cache = block_tables = seq_lens = q = None  # freed (not del: the lambdas above close over them)
             torch.cuda.empty_cache()
     return rows
 
@@ -123,7 +123,7 @@ def bench_prefill(do_bench, block_size: int, token_counts, configs=(None,)) -> l
                              default=config is None, ours_us=ours * 1e3, ours_tflops=flops / ours / 1e9,
                              sdpa_us=sdpa * 1e3, sdpa_tflops=flops / sdpa / 1e9, speedup=sdpa / ours,
                              max_abs_err=err))
-        del k_cache, v_cache, q, k, v, qd
+        k_cache = v_cache = q = k = v = qd = None  # freed (not del: the lambdas above close over them)
         torch.cuda.empty_cache()
     return rows
 
@@ -198,7 +198,7 @@ def bench_prefill_paths(token_counts, dense_configs=(None,), seqs: int = 1) -> l
                              tflops=flops / us / 1e6, max_abs_err=err))
             print(f"{seqs:>4} x {tokens:>6} {name:>15} {us:>10.1f} us {flops / us / 1e6:>7.1f} TFLOP/s "
                   f"err {err:.4f}  {config or 'default'}", flush=True)
-        del qkv, q, k_cache, v_cache, qd, kd, vd, want
+        qkv = q = k_cache = v_cache = qd = kd = vd = want = None  # freed (not del: the lambdas above close over them)
         torch.cuda.empty_cache()
     return rows
 
@@ -235,7 +235,7 @@ def bench_skinny(copy_bw: float, matmul_flops: float, rows=(1, 16, 64, 128, 256,
                 out.append(dict(rows=m, shape=name, path=label, us=us, of_bound=bound / us, max_abs_err=err))
                 print(f"M={m:>4} {name:>8} {label:>18} {us:>9.1f} us {bound / us:>6.3f} of bound  err {err:.4f}",
                       flush=True)
-            del w, x
+            w = x = None  # freed (not del: the lambdas above close over them)
         for label, us in step.items():
             print(f"M={m:>4} one 8B step's projections {label:>18}: {us / 1e3:.3f} ms, {bound_step / us:.3f} of "
                   f"bound ({step['linear'] / us:.3f}x linear)", flush=True)

@@ -2,7 +2,7 @@
 receiver), in Gbit/s of full-precision KV: the figure the network-aware policy prices FP8 with
 (router.placement.policies.cost.CODEC_GBPS).
 
-    python benchmarks/bench_kv_codec.py [--device cpu|cuda] [--blocks N ...] [--threads N] [--repeat 20]
+    python -m benchmarks.bench_kv_codec [--device cpu|cuda] [--blocks N ...] [--threads N] [--repeat 20]
 
 Shape: SmolLM2-135M's KV blocks in float32 on the CPU (16 tokens, 3 KV heads, d64), Llama-3.1-8B's
 in bf16 on CUDA (8 KV heads, d128). Median of --repeat after a warm-up; CUDA timed with a
@@ -20,17 +20,14 @@ launched from the prefill's thread takes from it.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pdserve.kernels.kv_codec import pack_blocks, unpack_blocks  # noqa: E402
-from pdserve.kernels.kv_quant import pack_blocks_ref, unpack_blocks_ref  # noqa: E402
+from pdserve.kernels.kv_codec import pack_blocks, unpack_blocks
+from pdserve.kernels.kv_quant import pack_blocks_ref, unpack_blocks_ref
 
 SHAPES = {"cpu": ((16, 3, 64), torch.float32), "cuda": ((16, 8, 128), torch.bfloat16)}
 BLOCKS = {"cpu": [64, 256], "cuda": [128, 4096]}

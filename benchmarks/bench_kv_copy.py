@@ -11,21 +11,18 @@ on), CUDA events around each op, median of ``--repeat``:
 - ``peer copy``: torch ``copy_`` of the same bytes, contiguous, GPU 0 -> GPU 1 (copy engine);
 - ``local copy``: torch ``copy_`` of the same bytes on GPU 0.
 
-    python benchmarks/bench_kv_copy.py [--tokens 2048 8192] [--repeat 10]
+    python -m benchmarks.bench_kv_copy [--tokens 2048 8192] [--repeat 10]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pdserve.kernels.kv_copy import copy_blocks, gather_blocks, scatter_blocks  # noqa: E402
+from pdserve.kernels.kv_copy import copy_blocks, gather_blocks, scatter_blocks
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 

@@ -1,6 +1,6 @@
 """FP8 (e4m3) against bf16 KV cache on a CUDA GPU, everything in one run.
 
-    python3 benchmarks/bench_kv_fp8.py [--model random:llama-3.1-8b] [--quick]
+    python3 -m benchmarks.bench_kv_fp8 [--model random:llama-3.1-8b] [--quick]
 
 1. Decode attention kernel (32 q / 8 kv heads, d128, block 16) over bf16 and FP8 pools at
    batch 64 and 256, context 1k and 4k: time, the pool bytes it must read (FP8: the e4m3
@@ -23,12 +23,10 @@ import argparse
 import gc
 import json
 import math
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine_gpu import StepTimer, copy_bandwidth, prompts, step_weight_bytes, timed_ms  # noqa: E402
+from benchmarks.bench_engine_gpu import StepTimer, copy_bandwidth, prompts, step_weight_bytes, timed_ms
 
 
 def attention_bytes(batch: int, context: int, hk: int, d: int, fp8: bool) -> int:
@@ -63,7 +61,7 @@ def kernel_rates(torch, device: str, batches, contexts) -> list[dict]:
                 nbytes = attention_bytes(batch, context, hk, d, fp8)
                 row[f"{name}_ms"] = ms
                 row[f"{name}_gb_s"] = nbytes / (ms / 1e3) / 1e9
-                del k, v
+                k = v = None  # freed (not del: the lambdas above close over them)
             row["fp8_speedup"] = row["bf16_ms"] / row["fp8_ms"]
             rows.append(row)
             print(f"decode attention batch {batch:>3} context {context:>5}: bf16 {row['bf16_ms']:.3f} ms "
@@ -89,7 +87,7 @@ def config_sweep(torch, configs, batches=(64, 256), contexts=(1024, 4096)) -> li
             q = torch.randn(batch, hq, d, device="cuda", dtype=torch.bfloat16)
             kb = torch.randn(blocks, bs, hk, d, device="cuda", dtype=q.dtype)
             bf16_ms = timed_ms(torch, lambda: decode_attention_triton(q, kb, kb, tables, lens, d ** -0.5), "cuda")
-            del kb
+            kb = None  # freed (not del: the lambdas above close over them)
             k = torch.randn(kv_quant.fp8_pool_shape(blocks, bs, hk, d), device="cuda").to(kv_quant.FP8_DTYPE)
             k.view(blocks, -1)[:, bs * hk * d:].view(torch.float32).fill_(0.01)
             want = decode_attention_triton(q, k, k, tables, lens, d ** -0.5)
@@ -104,7 +102,7 @@ def config_sweep(torch, configs, batches=(64, 256), contexts=(1024, 4096)) -> li
                 print(f"fp8 decode attention b{batch:>3} ctx{context:>5} config {config}: {ms:.3f} ms "
                       f"({rows[-1]['fp8_gb_s']:.0f} GB/s), bf16 default {bf16_ms:.3f} ms: fp8 {bf16_ms / ms:.2f}x faster"
                       f" (max diff vs default {err:.1e})", flush=True)
-            del k
+            k = None  # freed (not del: the lambdas above close over them)
             torch.cuda.empty_cache()
     return rows
 

@@ -37,7 +37,7 @@ Shapes: ``--device cpu``: SmolLM2-135M (30 layers, 3 KV heads, head_dim 64, fp32
 ``--device cuda``: Llama-3.1-8B (32 layers, 8 KV heads, head_dim 128, bf16). The receiver
 runs on ``--receiver-device`` (default: the sender's device: two processes on one GPU).
 
-    python benchmarks/bench_kvtransfer.py [--device cpu|cuda] [--receiver-device cuda:1]
+    python -m benchmarks.bench_kvtransfer [--device cpu|cuda] [--receiver-device cuda:1]
         [--tokens 2048 8192] [--repeat 5] [--no-nixl] [--nixl-diag]
 """
 
@@ -55,9 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from pdserve.kvtransfer import trace  # noqa: E402  (after the path; PDSERVE_KV_TRACE=1: print where the time goes)
+from pdserve.kvtransfer import trace  # PDSERVE_KV_TRACE=1: print where the time goes
 
 BLOCK_SIZE = 16
 RAW_TAG = 0x5244

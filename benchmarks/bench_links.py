@@ -8,7 +8,7 @@ this host, then each set rate; a set rate above ~90% of the ceiling is reported 
 held (the row shows what the host carried instead). Achieved = KV bytes / (first
 send_layer .. receiver's ACK), median of ``--transfers`` after a warm-up. Needs root.
 
-    sudo python benchmarks/bench_links.py [--rates 1 5 10 25 100] [--methods tc pacing]
+    sudo python -m benchmarks.bench_links [--rates 1 5 10 25 100] [--methods tc pacing]
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import os
 import platform
 import subprocess
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 METHODS = {"tc": "tc-htb over veth", "pacing": "pacing"}
 

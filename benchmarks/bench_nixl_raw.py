@@ -1,7 +1,7 @@
 """Raw NIXL between two processes: WRITE and READ, and the variants that could slow a transfer.
 
 Needs only torch and NIXL (no ucxx), so it runs where just the NIXL wheel is carried
-(benchmarks/pack_nixl.sh). The same bytes as bench_kvtransfer.py's shapes: one descriptor per
+(tools/pack_nixl.sh). The same bytes as bench_kvtransfer.py's shapes: one descriptor per
 layer (``same``) or one for the whole KV (``one``); WRITE posted by the sender, READ by the
 receiver, both processes on ``--device``. Variants: descriptor lists prepared once and one
 handle re-posted (``prepped``) or a handle made per transfer (``init``, ``initialize_xfer``);
@@ -12,22 +12,18 @@ keeps its thread, without which UCX's wire-up never completes). Every run checks
 landed bytes. ``UCX_PROTO_INFO=y`` in the environment makes UCX print the protocol it picked
 for each operation (e.g. a GET over cuda_ipc, or staged through host memory).
 
-    python benchmarks/bench_nixl_raw.py [--device cuda|cpu] [--tokens 2048 8192] [--repeat 5] [--variants] [--no-progress-thread]
+    python -m benchmarks.bench_nixl_raw [--device cuda|cpu] [--tokens 2048 8192] [--repeat 5] [--variants] [--no-progress-thread]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench_kvtransfer import BLOCK_SIZE, SHAPES, nixl_missing, raw_nixl_gbps  # noqa: E402
+from benchmarks.bench_kvtransfer import BLOCK_SIZE, SHAPES, nixl_missing, raw_nixl_gbps
 
 
 def main() -> int:

@@ -13,7 +13,7 @@ Achieved = KV bytes / (first send_layer .. receiver's ACK), median of ``--transf
 the sender's link-bound rate (bytes it held back over its time on them, TransferResult
 link_bytes / phase "link"). A set rate above ~90% of the unpaced ceiling is marked as not held.
 
-    python benchmarks/bench_pacing.py [--device auto|cpu|cuda] [--rates 1 10 25 100] [--seconds 0.5]
+    python -m benchmarks.bench_pacing [--device auto|cpu|cuda] [--rates 1 10 25 100] [--seconds 0.5]
 
 At --seconds 0.5 and 3 transfers, six rates take about 3 x 0.5 s each plus the warm-ups (2 MB
 each: 0.17 s at 0.1 Gbit/s) and one start of the two processes.
@@ -27,8 +27,6 @@ import platform
 import subprocess
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """TTFT and TPOT of disaggregated (1 prefill + 1 decode process) versus colocated (1 mixed
 process), with the KV link paced at several rates, in one run.
 
-    python benchmarks/bench_pd_ttft.py [--model random:llama-3.2-1b] [--device cuda]
+    python -m benchmarks.bench_pd_ttft [--model random:llama-3.2-1b] [--device cuda]
         [--gbps 1 10 25 100] [--prompt-len 2048] [--requests 8] [--max-tokens 32]
 
 Workers are real `WorkerServer` processes (gRPC request plane, UCX KV plane); on one GPU the

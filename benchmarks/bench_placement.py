@@ -1,6 +1,6 @@
 """Network-aware placement speed: placements per second at 16, 256 and 1,000 workers.
 
-    PYTHONPATH=. python benchmarks/bench_placement.py [--workers 4 16 64 256 1000] [--out FILE]
+    python -m benchmarks.bench_placement [--workers 4 16 64 256 1000] [--out FILE]
 
 Clusters are laid out as the simulator's scale runs lay them out (benchmarks/bench_sim.py):
 8 workers a node, 4 nodes a rack, a quarter of the workers prefill; 100 Gbit/s links inside a

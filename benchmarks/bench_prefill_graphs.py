@@ -1,6 +1,6 @@
 """Steps with prefill rows, eager against piecewise CUDA graphs (--prefill-graphs), in one process.
 
-    python3 benchmarks/bench_prefill_graphs.py [--model random:llama-3.1-8b] [--max-tokens 512]
+    python3 -m benchmarks.bench_prefill_graphs [--model random:llama-3.1-8b] [--max-tokens 512]
         [--prompts 16 64 128 256 512] [--batches 1 16 64] [--chunks 64 128 256 512] [--context 1024]
 
 One engine with the prefill graphs captured (pdserve/piecewise_graphs.py); each point is measured

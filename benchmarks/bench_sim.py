@@ -1,6 +1,6 @@
 """Simulator scale: many workers, a long trace; events per second and peak memory.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_sim.py --workers 1000 --requests 1000000
+    .venv/bin/python -m benchmarks.bench_sim --workers 1000 --requests 1000000
 
 1. Writes (once) a synthetic trace in the Azure LLM-inference CSV format (TIMESTAMP as an
    ISO date-time, ContextTokens, GeneratedTokens; Poisson arrivals at `--rate`, lognormal

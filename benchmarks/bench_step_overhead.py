@@ -1,7 +1,7 @@
 """Host (CPU) time of one engine step with the model forward taken out: what the GPU waits
 for between decode steps when the forward itself is fast.
 
-    python3 benchmarks/bench_step_overhead.py [--batch 256] [--context 1024] [--steps 40] [--rounds 5]
+    python3 -m benchmarks.bench_step_overhead [--batch 256] [--context 1024] [--steps 40] [--rounds 5]
 
 Builds an engine on a tiny random model, replaces the forward with one that returns zero
 logits at once (no device work), puts `--batch` requests of `--context` prompt tokens in the

@@ -1,6 +1,6 @@
 """What streaming tokens costs a worker process besides its engine: CPU per streamed token.
 
-    python3 benchmarks/bench_worker_streaming.py [--streams 64] [--tokens 200] [--rounds 3]
+    python3 -m benchmarks.bench_worker_streaming [--streams 64] [--tokens 200] [--rounds 3]
 
 Starts a real `WorkerServer` (mixed role, gRPC) on a tiny random model on the CPU, opens
 `--streams` concurrent Generate calls of `--tokens` tokens each from a grpc.aio client in

@@ -1,8 +1,8 @@
 """Quality of FP8 KV: SmolLM2 teacher-forced with its prompt's KV through the FP8 wire, or with an
 FP8 KV cache, against full precision.
 
-    python benchmarks/kv_wire_quality.py [--prompts 64] [--tokens 128] [--device cpu|cuda] [--skip K]
-    python benchmarks/kv_wire_quality.py --mode cache --device cuda [--model PATH.gguf] [--dtype float32]
+    python -m benchmarks.kv_wire_quality [--prompts 64] [--tokens 128] [--device cpu|cuda] [--skip K]
+    python -m benchmarks.kv_wire_quality --mode cache --device cuda [--model PATH.gguf] [--dtype float32]
 
 `--mode wire` (the default) is described below. `--mode cache` compares two engines on the same
 weights: the reference with the model's KV dtype (bfloat16 on a GPU) and one with an FP8 KV cache
@@ -16,7 +16,7 @@ For each of N fixed prompts (chat-templated questions over a list of topics):
    model's dtype (float32 on the CPU, bfloat16 on a GPU);
 2. the prompt is prefilled alone into the engine's KV pools, once as is (the reference) and
    once with the prompt's K and V of every layer put through the FP8 wire round trip
-   (kernels.kv_quant.round_trip: `pack_blocks` then `unpack_blocks`, the functions the KV
+   (kernels.kv_codec.round_trip: `pack_blocks` then `unpack_blocks`, the functions the KV
    plane runs when a transfer goes in FP8), the first block apart, which an FP8 transfer sends
    at full precision (kvtransfer.layout.FP8_FULL_HEAD_BLOCKS; `--head-blocks 0` puts it
    through FP8 too): what a decode worker holds after an FP8 transfer into a full-precision pool;
@@ -35,13 +35,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import torch  # noqa: E402
+import torch
 
 TOPICS = (
     "the water cycle", "photosynthesis", "the French Revolution", "black holes", "the immune system",
@@ -90,7 +87,7 @@ def _head_blocks(head_blocks: int | None) -> int:
 def _round_trip_prompt(runner, num_tokens: int, head_blocks: int | None = None) -> None:
     """Puts the K and V of tokens [0, num_tokens) of every layer through the FP8 wire as a
     transfer sends them: the first `head_blocks` blocks (`_head_blocks`) stay at full precision."""
-    from pdserve.kernels import kv_quant
+    from pdserve.kernels import kv_codec, kv_quant
 
     start = _head_blocks(head_blocks) * runner.block_size
     for pair in runner.kv_caches:
@@ -99,7 +96,7 @@ def _round_trip_prompt(runner, num_tokens: int, head_blocks: int | None = None) 
                 raise ValueError("the engine's KV cache is FP8 already: run with --kv-cache-dtype auto")
             tokens = pool.view(-1, pool.shape[2], pool.shape[3])[start:num_tokens]
             if len(tokens):
-                tokens.copy_(kv_quant.round_trip(tokens, runner.block_size))
+                tokens.copy_(kv_codec.round_trip(tokens, runner.block_size))
 
 
 def compare(llm, texts: list[str], max_tokens: int, progress: bool = False, head_blocks: int | None = None) -> dict:

@@ -1,6 +1,6 @@
 """Plots a `bench_pd_ttft.py --json` result: TTFT p50 against link rate, PD vs colocated.
 
-    python benchmarks/plot_pd_ttft.py RESULT.json OUT.png
+    python -m benchmarks.plot_pd_ttft RESULT.json OUT.png
 """
 
 from __future__ import annotations

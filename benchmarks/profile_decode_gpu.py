@@ -1,6 +1,6 @@
 """Where a decode step's time goes on a CUDA GPU: kernels, idle gaps and host work.
 
-    python3 benchmarks/profile_decode_gpu.py [--model random:llama-3.1-8b] [--batches 1 64 256]
+    python3 -m benchmarks.profile_decode_gpu [--model random:llama-3.1-8b] [--batches 1 64 256]
 
 For each decode batch size (context ~ --input-len), with CUDA graphs and then eagerly:
 
@@ -32,8 +32,7 @@ import re
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine_gpu import StepTimer, matmul_rate, prefill_flops, prompts  # noqa: E402
+from benchmarks.bench_engine_gpu import StepTimer, matmul_rate, prefill_flops, prompts
 
 KINDS = (  # first match wins
     ("attention", r"attention|attn|_decode_split|_decode_reduce|flash"),
