@@ -36,14 +36,14 @@ import asyncio
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tarfile
 import tempfile
 import time
 
 import httpx
+
+from pdserve.loadgen.launcher import LaunchError, ServerProcess
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -180,41 +180,25 @@ def autoscale_settings(args: argparse.Namespace) -> dict:
             "up_load": args.up_load, "spares": args.spares}
 
 
-def start_cluster(args, logs: dict) -> tuple[subprocess.Popen, str]:
-    """Starts `pdserve up`; its log's path goes in logs["up"] at once (for --tar, whatever happens)."""
+def start_cluster(args, logs: dict) -> tuple[ServerProcess, str]:
+    """Starts `pdserve up` (loadgen's ServerProcess: its own process group; stopped with SIGTERM, then
+    SIGKILL after 30 s); its log's path goes in logs["up"] at once (for --tar, whatever happens)."""
     path = os.path.join(tempfile.mkdtemp(prefix="autoscale-"), "cluster.json")  # JSON is YAML
     with open(path, "w") as f:
         json.dump({"autoscale": autoscale_settings(args)}, f)
-    log = open(os.path.join(os.path.dirname(path), "up.log"), "w")
-    logs["up"] = log.name
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
+    log_path = os.path.join(os.path.dirname(path), "up.log")
+    logs["up"] = log_path
+    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", "RAY_ADDRESS": None}
     cmd = [sys.executable, *up_command(args, path)]
-    print("starting:", " ".join(cmd[1:]), f"(log {log.name})", file=sys.stderr)
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    print("starting:", " ".join(cmd[1:]), f"(log {log_path})", file=sys.stderr)
     url = f"http://127.0.0.1:{args.port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"pdserve up exited with {proc.returncode}; see {log.name}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    stop_cluster(proc)
-    raise SystemExit("pdserve up not healthy within 600 s")
-
-
-def stop_cluster(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    up = ServerProcess(cmd, health_url=url + "/health", log_path=log_path, env=env, cwd=REPO, name="pdserve up",
+                       startup_timeout_s=600, shutdown_timeout_s=30, poll_interval_s=1.0)
+    try:
+        up.launch()
+    except LaunchError as e:
+        raise SystemExit(str(e)) from None
+    return up, url
 
 
 def scrape(text: str) -> dict:
@@ -495,7 +479,7 @@ def main(argv=None) -> int:
             requests, samples, elapsed = asyncio.run(run_load(args, url))
         finally:
             if proc is not None:
-                stop_cluster(proc)
+                proc.stop()
         series = attainment_series(requests, args, elapsed)
         summary = summarize(requests, samples, series, args)
         with open(args.out, "w") as f:

@@ -22,10 +22,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 
-from pdserve.loadgen.launcher import free_port
+from pdserve.loadgen.launcher import ServerProcess, free_port
 
 
 def engine_counters(url: str) -> dict[str, float]:
@@ -58,21 +57,6 @@ def engine_delta(before: dict[str, float], after: dict[str, float]) -> dict[str,
             "other_ms": (d.get("step_seconds", 0.0) - d.get("decode_only_step_seconds", 0.0)) / max(other, 1) * 1e3}
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> float:
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pdserve up exited with code {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
-                if resp.status == 200:
-                    return time.perf_counter() - t0
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"pdserve up not ready within {timeout_s:.0f}s")
-
-
 def loadgen(url: str, args, seed: int) -> dict:
     cmd = [sys.executable, "-m", "pdserve.loadgen.cli", "run", "--url", url, "--num-requests", str(args.requests),
            "--rate", str(args.rate), "--input-len", str(args.input_len), "--output-len", str(args.output_len),
@@ -101,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile("w+", prefix="pdserve-up-", suffix=".log", delete=False)
+    fd, log_path = tempfile.mkstemp(prefix="pdserve-up-", suffix=".log")
+    os.close(fd)
     cmd = [sys.executable, "-m", "pdserve.launcher.cli", "up", "--mode", "colocated", "--replicas", str(args.replicas),
            "--model", args.model, "--device", args.device, "--port", str(port), "--host", "127.0.0.1",
            "--kv-cache-dtype", args.kv_cache_dtype, "--startup-timeout-s", str(args.startup_timeout)]
@@ -110,13 +95,15 @@ def main(argv: list[str] | None = None) -> int:
                 "--worker-gpus", "1"]
     else:
         cmd += ["--worker-gpus", "0"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    server = ServerProcess(cmd, health_url=url + "/v1/models", log_path=log_path, env={"PYTHONUNBUFFERED": "1"},
+                           name="pdserve up", startup_timeout_s=args.startup_timeout, shutdown_timeout_s=60,
+                           stop_signal=signal.SIGINT, poll_interval_s=1.0)
     print("starting:", " ".join(cmd[2:]), flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     results: dict = {"model": args.model, "replicas": args.replicas, "rate": args.rate, "requests": args.requests,
                      "input_len": args.input_len, "output_len": args.output_len}
     try:
-        results["startup_s"] = wait_ready(url, proc, args.startup_timeout)
+        server.launch()
+        results["startup_s"] = server.startup_s
         print(f"ready after {results['startup_s']:.1f}s", flush=True)
         runs = []
         for i in range(2):
@@ -138,15 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"first / second: TTFT p50 {results['ttft_p50_first_over_second']:.2f}, TPOT p50 "
               f"{results['tpot_p50_first_over_second']:.2f} (target: within 0.90-1.10)")
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        log.seek(0)
-        text = log.read().splitlines()
+        server.stop()
+        with open(log_path, errors="replace") as log:
+            text = log.read().splitlines()
         if "runs" not in results:
             print("server log tail:\n  " + "\n  ".join(text[-20:]))
         lines = [line.rstrip() for line in text if "warm-up" in line or "loaded in" in line or "start-up" in line]
@@ -154,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print("worker start-up (from the server log):")
         for line in lines:
             print("  " + line[-400:])
-        log.close()
-        os.unlink(log.name)
+        os.unlink(log_path)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=2)

@@ -1,39 +1,62 @@
-"""Shared pieces of the fault runs (faults.py, ride_through.py, plan_vs_real.py): a real `pdserve up` in its
-own process group, the worker processes behind the router's /health, a /health timeline.
+"""Shared pieces of the fault runs (faults.py, ride_through.py, plan_vs_real.py): a real `pdserve up`
+(loadgen's ServerProcess: its own process group, always stopped), the worker processes behind the
+router's /health, a /health timeline.
 
 Not a test helper: everything here drives real processes."""
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import psutil
 
+from pdserve.loadgen.launcher import ServerProcess, answers_200
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def cluster_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1", **extra)
-    env.setdefault("RAY_AUTH_MODE", "disabled")
-    env.pop("RAY_ADDRESS", None)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+def cluster_env(**extra: str) -> dict[str, str | None]:
+    """What every process of a fault run gets on top of this process's environment (ServerProcess's
+    `env`: None removes a variable): no Ray usage stats, unbuffered output, Ray's auth off unless
+    set, no RAY_ADDRESS (a cluster of its own), this checkout first on PYTHONPATH; then `extra`."""
+    env: dict[str, str | None] = {"RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", **extra}
+    env.setdefault("RAY_AUTH_MODE", os.environ.get("RAY_AUTH_MODE", "disabled"))
+    env["RAY_ADDRESS"] = None
+    pythonpath = env.get("PYTHONPATH", os.environ.get("PYTHONPATH"))
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + pythonpath if pythonpath else "")
     return env
 
 
-def start_up(args: list[str], log_path: Path, **env: str) -> subprocess.Popen:
-    """`pdserve up <args>` in a new session (its own process group), output to log_path; `env`:
-    variables for it beyond `cluster_env`'s."""
-    log = open(log_path, "w")
-    return subprocess.Popen([sys.executable, "-m", "pdserve.launcher.cli", "up", *args], cwd=REPO, stdout=log,
-                            stderr=subprocess.STDOUT, env=cluster_env(**env), start_new_session=True)
+def all_healthy(num_workers: int) -> Callable[[httpx.Response], bool]:
+    """A readiness test for ServerProcess: the router's /health answers 200 with `num_workers`
+    workers, every one healthy."""
+    def ready(response: httpx.Response) -> bool:
+        if response.status_code != 200:
+            return False
+        try:
+            workers = response.json()["backend"]["workers"]
+        except (ValueError, KeyError, TypeError):
+            return False
+        return len(workers) == num_workers and all(w["healthy"] for w in workers.values())
+
+    return ready
+
+
+def up_process(args: list[str], base: str, log_path: str | Path, *, num_workers: int | None = None,
+               env: dict[str, str] | None = None, **options) -> ServerProcess:
+    """`pdserve up <args>` as a fault run starts it (from this checkout, `cluster_env(**env)`), not
+    started yet: ready once the router at `base` answers /health with 200 and, with `num_workers`,
+    that many healthy workers. `options`: more ServerProcess settings (timeouts, poll interval)."""
+    options = {"poll_interval_s": 0.5, **options}
+    return ServerProcess([sys.executable, "-m", "pdserve.launcher.cli", "up", *args], health_url=f"{base}/health",
+                         log_path=log_path, env=cluster_env(**(env or {})), cwd=REPO, name="pdserve up",
+                         ready=answers_200 if num_workers is None else all_healthy(num_workers), **options)
 
 
 def health(base: str, timeout_s: float = 3.0) -> dict | None:
@@ -45,20 +68,6 @@ def health(base: str, timeout_s: float = 3.0) -> dict | None:
         return r.json() | {"_status": r.status_code}
     except ValueError:
         return None
-
-
-def wait_all_healthy(base: str, proc: subprocess.Popen | None, timeout_s: float, num_workers: int) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the cluster exited with {proc.returncode} while starting")
-        h = health(base)
-        if h and h["_status"] == 200:
-            workers = h["backend"]["workers"]
-            if len(workers) == num_workers and all(w["healthy"] for w in workers.values()):
-                return h
-        time.sleep(0.5)
-    raise RuntimeError(f"{base}: {num_workers} healthy workers not reached within {timeout_s:.0f}s")
 
 
 def listener_pid(address: str) -> int | None:
@@ -116,16 +125,3 @@ class HealthTimeline(threading.Thread):
             if down_seen or old_address is not None:
                 return t
         return None
-
-
-def stop_group(proc: subprocess.Popen, timeout_s: float = 20.0) -> float:
-    """SIGTERM to the process group; seconds until the leader exited (SIGKILL past timeout_s)."""
-    t0 = time.monotonic()
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-    return time.monotonic() - t0

@@ -57,10 +57,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from experiments.faultlib import (
-    REPO, HealthTimeline, cluster_env, health, start_up, stop_group, wait_all_healthy, worker_pid,
-)
-from pdserve.loadgen.launcher import free_port
+from experiments.faultlib import REPO, HealthTimeline, all_healthy, cluster_env, worker_pid
+from pdserve.loadgen.launcher import ServerProcess, answers_200, free_port
 
 ROWS = ("kill-prefill", "kill-decode", "restart-same-address", "sigstop-decode", "slow-link", "kv-loss",
         "mismatched-peers", "router-restart", "gcs-kill")
@@ -139,42 +137,36 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class Cluster:
-    """Processes we started (each in its own session), the router's base URL, how to stop them."""
+    """Processes we started (loadgen's ServerProcess: each in its own session, always stopped), the
+    router's base URL, how to stop them."""
 
     def __init__(self, base: str, logdir: Path):
         self.base = base
         self.logdir = logdir
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, ServerProcess] = {}
         self.argv: dict[str, list[str]] = {}
-        self.log_start: dict[str, int] = {}  # where the latest process of a name began its log
 
-    def start(self, name: str, argv: list[str], env_extra: dict | None = None) -> subprocess.Popen:
-        path = self.logdir / f"{name}.log"
-        self.log_start[name] = path.stat().st_size if path.exists() else 0
-        log = open(path, "a")
-        env = cluster_env(**(env_extra or {}))
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+    def start(self, name: str, argv: list[str], env_extra: dict | None = None,
+              num_workers: int | None = None) -> ServerProcess:
+        """`argv` as process `name`, its output added to NAME.log (a restart's after the last one's);
+        with `num_workers` it is the router: ready once /health has that many healthy workers."""
+        proc = ServerProcess(argv, health_url=None if num_workers is None else f"{self.base}/health",
+                             ready=answers_200 if num_workers is None else all_healthy(num_workers),
+                             log_path=self.logdir / f"{name}.log",
+                             env=cluster_env(**(env_extra or {})), cwd=REPO, append_log=True, name=name,
+                             poll_interval_s=0.3 if num_workers is None else 0.5)
+        proc.start()
         self.procs[name], self.argv[name] = proc, argv
         return proc
 
     def wait_line(self, name: str, pattern: str, timeout_s: float) -> str:
-        deadline = time.monotonic() + timeout_s
-        path = self.logdir / f"{name}.log"
-        while time.monotonic() < deadline:
-            if self.procs[name].poll() is not None:
-                raise RuntimeError(f"{name} exited with {self.procs[name].returncode}; see {path}")
-            m = re.search(pattern, path.read_text(errors="replace")[self.log_start[name]:])
-            if m:
-                return m.group(0)
-            time.sleep(0.3)
-        raise RuntimeError(f"{name}: {pattern!r} not seen within {timeout_s:.0f}s; see {path}")
+        return self.procs[name].wait_for_line(pattern, timeout_s)
 
     def stop(self) -> float:
         """Stops every process group we started; seconds it took (the longest)."""
         took = 0.0
         for proc in self.procs.values():
-            took = max(took, stop_group(proc))
+            took = max(took, proc.stop())
         return took
 
 
@@ -185,8 +177,11 @@ def up_cluster(args, logdir: Path, env_extra: dict | None = None) -> Cluster:
             "--kv-cache-gib", args.kv_cache_gib, "--kv-deadline-s", str(args.kv_deadline_s),
             "--worker-wait-s", "60", "--startup-timeout-s", str(args.startup_timeout_s),
             *device_flags(args), *(["--worker-gpus", f"{args.worker_gpus:g}"] if args.worker_gpus is not None else [])]
-    cluster.start("up", argv, env_extra)
-    wait_all_healthy(cluster.base, cluster.procs["up"], args.startup_timeout_s + 30, 2)
+    try:
+        cluster.start("up", argv, env_extra, num_workers=2).wait_healthy(args.startup_timeout_s + 30)
+    except BaseException:
+        cluster.stop()
+        raise
     return cluster
 
 
@@ -218,14 +213,18 @@ def standalone_cluster(args, logdir: Path, workers: list[tuple[str, list[str]]],
     port = free_port()
     cluster = Cluster(f"http://127.0.0.1:{port}", logdir)
     entries = []
-    for name, argv in workers:
-        cluster.start(name, argv, env_extra)
-    for name, argv in workers:
-        cluster.wait_line(name, r"listening on \S+", args.startup_timeout_s)
-        role = argv[argv.index("--role") + 1]
-        entries += ["--worker", f"{role}#{name}=127.0.0.1:{argv[argv.index('--port') + 1]}"]
-    cluster.start("router", router_argv(args, port, entries) + list(router_extra))
-    wait_all_healthy(cluster.base, cluster.procs["router"], 120, len(workers))
+    try:
+        for name, argv in workers:
+            cluster.start(name, argv, env_extra)
+        for name, argv in workers:
+            cluster.wait_line(name, r"listening on \S+", args.startup_timeout_s)
+            role = argv[argv.index("--role") + 1]
+            entries += ["--worker", f"{role}#{name}=127.0.0.1:{argv[argv.index('--port') + 1]}"]
+        router = cluster.start("router", router_argv(args, port, entries) + list(router_extra), num_workers=len(workers))
+        router.wait_healthy(120)
+    except BaseException:
+        cluster.stop()
+        raise
     return cluster
 
 
@@ -462,7 +461,7 @@ def row_restart_same_address(args, logdir: Path) -> dict:
             return {"restarted": "decode-0", "kv": line.rsplit("kv=", 1)[1]}
 
         records, start, at, info = run_with_fault(args, cluster.base, fault)
-        wait_all_healthy(cluster.base, None, 120, len(workers))
+        cluster.procs["router"].wait_healthy(120)
         first_after = probe_disaggregated(cluster.base)
         kv = kv_in_use(cluster.base)
     finally:
@@ -676,8 +675,7 @@ def row_router_restart(args, logdir: Path) -> dict:
             os.killpg(router.pid, signal.SIGTERM)
             router.wait(30)
             stopped = time.time() - t0
-            cluster.start("router", cluster.argv["router"])
-            wait_all_healthy(cluster.base, cluster.procs["router"], 120, len(workers))
+            cluster.start("router", cluster.argv["router"], num_workers=len(workers)).wait_healthy(120)
             return {"router_stopped_in_s": round(stopped, 1), "router_back_after_s": round(time.time() - t0, 1)}
 
         records, start, at, info = run_with_fault(args, cluster.base, fault)

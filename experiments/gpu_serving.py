@@ -33,6 +33,8 @@ import sys
 import time
 import urllib.request
 
+from pdserve.loadgen.launcher import ServerProcess
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,46 +42,23 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-class Cluster:
-    """A `pdserve up` in its own process group, stopped with SIGINT (then SIGKILL)."""
+class Cluster(ServerProcess):
+    """A `pdserve up`, started here and ready once /v1/models answers (loadgen's ServerProcess: its
+    own process group), stopped with SIGINT (then SIGKILL after 60 s)."""
 
     def __init__(self, args: list[str], port: int, logfile: str, timeout_s: float):
         self.url = f"http://127.0.0.1:{port}"
-        self._log = open(logfile, "w")
         cmd = [sys.executable, "-m", "pdserve.launcher.cli", "up", "--port", str(port), *args]
+        super().__init__(cmd, health_url=self.url + "/v1/models", log_path=logfile, cwd=ROOT, name="pdserve up",
+                         startup_timeout_s=timeout_s, shutdown_timeout_s=60, stop_signal=signal.SIGINT,
+                         poll_interval_s=1.0)
         log("start: " + " ".join(cmd[1:]))
-        t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve up exited with {self.proc.returncode}; see {logfile}")
-            try:
-                with urllib.request.urlopen(self.url + "/v1/models", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() - t0 > timeout_s:
-                self.stop()
-                raise RuntimeError(f"pdserve up not ready within {timeout_s:.0f}s; see {logfile}")
-            time.sleep(1)
-        self.startup_s = time.monotonic() - t0
+        self.launch()
         log(f"ready in {self.startup_s:.1f}s")
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
             return r.read().decode()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        self._log.close()
 
 
 def loadgen(url: str, n: int, rate: float, prompt_len: int, output_len: int, seed: int, out: str) -> dict:

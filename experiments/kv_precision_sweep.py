@@ -30,18 +30,13 @@ import argparse
 import functools
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
-import httpx
-
-from pdserve.loadgen.launcher import free_port
+from pdserve.loadgen.launcher import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PROFILE = REPO / "experiments" / "profile-smollm2-cpu-1thread-2026-12-01.json"
@@ -55,37 +50,12 @@ PRESETS = {
 HOST_GBPS = 1000.0  # the "host" cell: a link this fast is not the bound anywhere here
 
 
-def start(argv: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
-
-
-def stop(proc: subprocess.Popen, grace_s: float = 30.0) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def wait_for(check, proc: subprocess.Popen, timeout_s: float, what: str, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited ({proc.returncode}); see {log}:\n{log.read_text()[-2000:]}")
-        if check():
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"{what} not ready within {timeout_s:.0f}s; see {log}")
-
-
-def healthy(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+def process(argv: list[str], log: Path, name: str, **options) -> ServerProcess:
+    """`argv` from this checkout (first on PYTHONPATH), in its own process group, output to `log`,
+    not started yet; stopped with SIGTERM, then SIGKILL after 30 s."""
+    pythonpath = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    return ServerProcess(argv, log_path=log, cwd=REPO, env={"PYTHONPATH": pythonpath}, name=name,
+                         shutdown_timeout_s=30, poll_interval_s=0.5, **options)
 
 
 def p50(values: list[float]) -> float | None:
@@ -113,13 +83,14 @@ def run_cell(args, state: Path, gbps: float, precision: str, seed: int) -> dict:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = state / f"router-{gbps:g}-{precision}.log"
-    router = start([sys.executable, "-m", "pdserve.launcher.paced", "router", "--state", str(state), "--policy", "network-aware",
-                    "--profile", str(args.profile), "--slo-ttft", f"{args.slo_ttft:g}", "--bandwidth", f"{gbps:g}",
-                    "--port", str(port), "--kv-wire-precision", precision, "--kv-deadline-s", "60"]
-                   + ([] if args.local_prefill else ["--no-local-prefill"]), log)
+    router = process([sys.executable, "-m", "pdserve.launcher.paced", "router", "--state", str(state), "--policy",
+                      "network-aware", "--profile", str(args.profile), "--slo-ttft", f"{args.slo_ttft:g}",
+                      "--bandwidth", f"{gbps:g}", "--port", str(port), "--kv-wire-precision", precision,
+                      "--kv-deadline-s", "60"] + ([] if args.local_prefill else ["--no-local-prefill"]),
+                     log, "router", health_url=f"{base}/health", startup_timeout_s=180)
     rate = cell_rate(args, gbps)
     try:
-        wait_for(lambda: healthy(base), router, 180, "router", log)
+        router.launch()
         cfg = LoadConfig(
             client=ClientConfig(base_url=base, endpoint="completions", ignore_eos=True, temperature=0.0,
                                 request_timeout_s=300),
@@ -130,7 +101,7 @@ def run_cell(args, state: Path, gbps: float, precision: str, seed: int) -> dict:
         )
         result = run_load(cfg, progress=False)
     finally:
-        stop(router)
+        router.stop()
     ok = [r for r in result.records if r.ok]
     timing = [r.server_timing or {} for r in ok]
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
@@ -231,12 +202,13 @@ def main() -> int:
     state = Path(tempfile.mkdtemp(prefix="kv-precision-sweep-"))
     log = state / "workers.log"
     gpus = ["--gpus", "0"] if args.device == "cuda" else []
-    workers = start([sys.executable, "-m", "pdserve.launcher.paced", "workers", "--state", str(state), "--model", args.model,
-                     "--prefill", "1", "--decode", "1", *gpus, "--", "--no-prefix-caching", *worker_flags,
-                     *args.worker_arg], log)
+    workers = process([sys.executable, "-m", "pdserve.launcher.paced", "workers", "--state", str(state), "--model",
+                       args.model, "--prefill", "1", "--decode", "1", *gpus, "--", "--no-prefix-caching",
+                       *worker_flags, *args.worker_arg], log, "workers", health_url=None, startup_timeout_s=600)
+    workers.start()
     cells = []
     try:
-        wait_for(lambda: (state / "cluster.json").exists(), workers, 600, "workers", log)
+        workers.wait_until(lambda: (state / "cluster.json").exists(), "they wrote cluster.json")
         seed = args.seed
         for gbps in rates:
             for precision in precisions:
@@ -245,7 +217,7 @@ def main() -> int:
                 print(json.dumps(cell), flush=True)
                 cells.append(cell)
     finally:
-        stop(workers)
+        workers.stop()
     text = table(cells, args.slo_ttft)
     print(text)
     if args.out:

@@ -38,6 +38,8 @@ import sys
 import tempfile
 import time
 
+from pdserve.loadgen.launcher import ServerProcess
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 
@@ -171,30 +173,19 @@ def up_command(best: dict, policy: str, args) -> list[str]:
     return cmd
 
 
-def start_cluster(cmd: list[str], args) -> subprocess.Popen:
+def start_cluster(cmd: list[str], args) -> ServerProcess:
     """`cmd` (a `pdserve up` command line) as a process group of its own; once /health answers 200."""
     from experiments import faultlib
 
     log_path = os.path.join(args.out, "up.log")
     print("up:", " ".join(cmd[2:]), file=sys.stderr)
-    proc = faultlib.start_up(cmd[4:], log_path, OMP_NUM_THREADS="1")
-    url = f"http://127.0.0.1:{args.port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pdserve up exited ({proc.returncode}); see {log_path}")
-        h = faultlib.health(url)
-        if h and h["_status"] == 200:
-            return proc
-        time.sleep(2)
-    stop_cluster(proc)
-    raise RuntimeError(f"pdserve up not healthy within 600 s; see {log_path}")
+    up = faultlib.up_process(cmd[4:], f"http://127.0.0.1:{args.port}", log_path, env={"OMP_NUM_THREADS": "1"},
+                             startup_timeout_s=600, shutdown_timeout_s=60, poll_interval_s=2)
+    return up.launch()
 
 
-def stop_cluster(proc: subprocess.Popen) -> None:
-    from experiments import faultlib
-
-    faultlib.stop_group(proc, timeout_s=60)
+def stop_cluster(up: ServerProcess) -> None:
+    up.stop()
 
 
 def run_load(args, rate: float) -> tuple[dict, list[dict]]:

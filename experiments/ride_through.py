@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from experiments.faultlib import HealthTimeline, start_up, stop_group, wait_all_healthy, worker_pid
+from experiments.faultlib import HealthTimeline, up_process, worker_pid
 from pdserve.loadgen.launcher import free_port
 
 
@@ -54,13 +54,14 @@ def main(argv=None) -> int:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     log = out.with_suffix(".up.log")
-    proc = start_up(["--model", args.model, "--port", str(port), "--kv-cache-gib", args.kv_cache_gib,
+    up = up_process(["--model", args.model, "--port", str(port), "--kv-cache-gib", args.kv_cache_gib,
                      "--worker-wait-s", str(args.worker_wait_s), "--startup-timeout-s",
-                     str(args.startup_timeout_s)], log)
+                     str(args.startup_timeout_s)], base, log, num_workers=2)
+    up.start()
     timeline = HealthTimeline(base)
     try:
         t_start = time.monotonic()
-        wait_all_healthy(base, proc, args.startup_timeout_s + 30, 2)
+        up.wait_healthy(args.startup_timeout_s + 30)
         print(f"cluster healthy after {time.monotonic() - t_start:.0f}s", file=sys.stderr)
         timeline.start()
         cfg = LoadConfig(
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
             time.sleep(0.5)
         timeline.stop()
     finally:
-        shutdown_s = stop_group(proc)
+        shutdown_s = up.stop()
 
     t0 = result.summary["start_time_unix"] or load_started
     back = timeline.back_at(killed["worker"], killed["time"], killed["address"]) if killed else None

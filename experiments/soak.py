@@ -37,6 +37,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from pdserve.loadgen.launcher import free_port
+
 SPEC = Path(__file__).resolve().parent / "soak-1p1d.yaml"
 
 
@@ -148,7 +150,7 @@ def main(argv=None) -> int:
     samples: list[dict] = []
     records = []
     t_start = time.time()
-    with EmulatedDeployment(spec, out / "logs", port=_free_port()) as dep:
+    with EmulatedDeployment(spec, out / "logs", port=free_port()) as dep:
         base = dep.url
         search_cmd = None
         rate = args.rate
@@ -240,14 +242,6 @@ def main(argv=None) -> int:
     print(json.dumps({k: summary[k] for k in ("requests", "rss_growth_after_warmup", "kv_usage_at_end")},
                      indent=2))
     return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _sample(now: float, dep, records, lock, load_t0: float, window_s: float, slo) -> dict:

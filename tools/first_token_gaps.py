@@ -24,13 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
 
-from pdserve.loadgen.launcher import free_port
+from pdserve.loadgen.launcher import ServerProcess, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,41 +39,17 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
 
 
 
-def start(root: str, args: argparse.Namespace, port: int, logfile: str) -> subprocess.Popen:
+def start(root: str, args: argparse.Namespace, port: int, logfile: str) -> ServerProcess:
+    """`pdserve up` from the code tree `root`, once /v1/models answers (stopped with SIGINT)."""
     cmd = [sys.executable, "-m", "pdserve.launcher.cli", "up", "--port", str(port), "--host", "127.0.0.1",
            "--model", args.model, "--device", args.device, "--mode", "colocated", "--replicas", "1",
            "--worker-gpus", "1" if args.device == "cuda" else "0"]
     if args.tokenizer:
         cmd += ["--tokenizer", args.tokenizer]
-    env = dict(os.environ, PYTHONPATH=root)
-    log = open(logfile, "w")
-    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    t0 = time.monotonic()
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pdserve up exited with {proc.returncode}; see {logfile}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        if time.monotonic() - t0 > args.startup_timeout:
-            stop(proc)
-            raise RuntimeError(f"pdserve up not ready within {args.startup_timeout:.0f}s; see {logfile}")
-        time.sleep(0.5)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    import signal
-
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    server = ServerProcess(cmd, health_url=f"http://127.0.0.1:{port}/v1/models", log_path=logfile, cwd=root,
+                           env={"PYTHONPATH": root}, name="pdserve up", startup_timeout_s=args.startup_timeout,
+                           shutdown_timeout_s=60, stop_signal=signal.SIGINT, poll_interval_s=0.5)
+    return server.launch()
 
 
 def model_id(url: str) -> str:
@@ -112,9 +88,9 @@ def measure_all(roots: list[str], args: argparse.Namespace) -> dict[str, dict]:
     try:
         for k, root in enumerate(roots):
             port = free_port()
-            proc = start(root, args, port, os.path.join(args.log_dir, f"server-{k}.log"))
+            server = start(root, args, port, os.path.join(args.log_dir, f"server-{k}.log"))
             url = f"http://127.0.0.1:{port}"
-            servers.append((root, proc, url, model_id(url)))
+            servers.append((root, server, url, model_id(url)))
         rows: dict[str, list[dict]] = {root: [] for root in roots}
         for i in range(args.requests):
             # a new prompt each time: a repeated one would hit the prefix cache
@@ -122,8 +98,8 @@ def measure_all(roots: list[str], args: argparse.Namespace) -> dict[str, dict]:
             for root, _, url, model in servers:
                 rows[root].append(one_request(url, model, f"{i} " + " ".join(words), args.output_len))
     finally:
-        for _, proc, _, _ in servers:
-            stop(proc)
+        for _, server, _, _ in servers:
+            server.stop()
     return {root: summarize(r) for root, r in rows.items()}
 
 
