@@ -41,7 +41,8 @@ def bench_linear(c, rows: list[int], reps: int) -> None:
     packed = [[kernels.PackedWeight(w) for w in layer] for layer in dense]
     head = torch.randn(c.vocab_size, h, generator=g) * 0.02
     head_packed = kernels.PackedWeight(head)
-    print(f"projections of {c.num_layers} layers ({sum(n * k for _, n, k in shapes) * c.num_layers * 4 / 2**20:.0f} MiB)"
+    mib = sum(n * k for _, n, k in shapes) * c.num_layers * 4 / 2**20
+    print(f"projections of {c.num_layers} layers ({mib:.0f} MiB)"
           f" and LM head ({c.vocab_size} x {h}), ms per pass, median of {reps}")
     print(f"{'M':>4}{'layers dense':>14}{'packed':>9}{'ratio':>7}{'head dense':>12}{'packed':>9}{'ratio':>7}")
     for m in rows:

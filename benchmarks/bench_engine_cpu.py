@@ -143,9 +143,10 @@ def main() -> int:
     runs: dict[str, list[dict]] = {"engine": [], "transformers": []}
     for _ in range(args.rounds):  # alternate the sides so machine drift hits both alike
         for side in ("engine", "transformers"):
-            cmd = ([sys.executable, "-m", "benchmarks.bench_engine_cpu", "--side", side, "--model", args.model, "--new-tokens",
-                    str(args.new_tokens), "--batch", str(args.batch), "--kv-cache-gib", str(args.kv_cache_gib),
-                    "--threads", str(args.threads)] + (["--compile"] if args.compile else [])
+            cmd = ([sys.executable, "-m", "benchmarks.bench_engine_cpu", "--side", side, "--model", args.model,
+                    "--new-tokens", str(args.new_tokens), "--batch", str(args.batch),
+                    "--kv-cache-gib", str(args.kv_cache_gib), "--threads", str(args.threads)]
+                   + (["--compile"] if args.compile else [])
                    + (["--no-packed-weights"] if args.no_packed_weights else []))
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if proc.returncode != 0:

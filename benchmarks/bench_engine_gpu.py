@@ -317,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"offline: {requests} x ({args.input_len} in / {args.output_len} out) in {elapsed:.1f}s = "
               f"{ours:.0f} output tok/s ({len(timer.records)} steps: {len(dsteps)} decode-only in {d_s:.1f}s, "
               f"{len(timer.records) - len(dsteps)} with prefill work in {o_s:.1f}s)")
-        print(f"offline roofline: {pre + dec:.1f}s = prefill {pre:.1f}s ({requests * prefill_flops(config, args.input_len) / 1e15:.2f}"
+        print(f"offline roofline: {pre + dec:.1f}s = prefill {pre:.1f}s "
+              f"({requests * prefill_flops(config, args.input_len) / 1e15:.2f}"
               f" PFLOP at {flops / 1e12:.0f} TFLOP/s) + decode {dec:.1f}s ({waves} x {args.output_len - 1} steps of "
               f"{weight_bytes / 1e9:.1f} GB weights + {kv_tokens * kv_per_token / 1e12:.1f} TB of KV for "
               f"{decode_tokens} tokens, at copy bw); fraction {(pre + dec) / elapsed:.3f}")

@@ -172,7 +172,8 @@ def bench_prefill_paths(token_counts, dense_configs=(None,), seqs: int = 1) -> l
                  ("dense", None, lambda: dense_prefill_attention_triton(q, k, v, cu, scale, max_len=tokens, tma=False))]
         for config in dense_configs:
             paths.append(("dense-tma", config,
-                          lambda c=config: dense_prefill_attention_triton(q, k, v, cu, scale, config=c, max_len=tokens)))
+                          lambda c=config: dense_prefill_attention_triton(q, k, v, cu, scale, config=c,
+                                                                          max_len=tokens)))
         for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
             def run(b=backend):
                 with sdpa_kernel(b):
@@ -339,7 +340,8 @@ def main() -> int:
         a = torch.randn(8192, 8192, dtype=DTYPE, device="cuda")
         rate = 2 * 8192 ** 3 / (do_bench(lambda: a @ a, warmup=10, rep=50) * 1e-3)
         del a
-        print(f"\ndecode-sized matmuls, bf16, GPU time from CUDA graph replay; copy bandwidth {copy_bw / 1e9:.0f} GB/s, "
+        print("\ndecode-sized matmuls, bf16, GPU time from CUDA graph replay; "
+              f"copy bandwidth {copy_bw / 1e9:.0f} GB/s, "
               f"matmul 8192^3 {rate / 1e12:.0f} TFLOP/s")
         results["skinny"] = bench_skinny(copy_bw, rate)
     if args.json:

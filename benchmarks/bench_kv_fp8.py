@@ -100,7 +100,8 @@ def config_sweep(torch, configs, batches=(64, 256), contexts=(1024, 4096)) -> li
                              "bf16_ms": bf16_ms, "fp8_gb_s": attention_bytes(batch, context, hk, d, True) / ms / 1e6,
                              "max_diff_vs_default": err})
                 print(f"fp8 decode attention b{batch:>3} ctx{context:>5} config {config}: {ms:.3f} ms "
-                      f"({rows[-1]['fp8_gb_s']:.0f} GB/s), bf16 default {bf16_ms:.3f} ms: fp8 {bf16_ms / ms:.2f}x faster"
+                      f"({rows[-1]['fp8_gb_s']:.0f} GB/s), bf16 default {bf16_ms:.3f} ms: "
+                      f"fp8 {bf16_ms / ms:.2f}x faster"
                       f" (max diff vs default {err:.1e})", flush=True)
             k = None  # freed (not del: the lambdas above close over them)
             torch.cuda.empty_cache()
@@ -225,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = {name: engine_run(torch, args, name, bw) for name in ("bf16", "fp8")}
     agree = compare_greedy(runs["bf16"].pop("greedy"), runs["fp8"].pop("greedy"))
     results.update(runs=runs, greedy_agreement=agree)
-    print(f"\ngreedy tokens, fp8 vs bf16 cache (8 prompts of {min(512, args.input_len)} random tokens, 32 tokens each):")
+    print(f"\ngreedy tokens, fp8 vs bf16 cache (8 prompts of {min(512, args.input_len)} random tokens, "
+          "32 tokens each):")
     for i, row in enumerate(agree):
         tail = "" if "in_top3" not in row else (f"; differs there: each in the other's top-3 {row['in_top3']}, "
                                                 f"bf16 gap {row['bf16_gap']}")

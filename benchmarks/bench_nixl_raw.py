@@ -12,7 +12,8 @@ keeps its thread, without which UCX's wire-up never completes). Every run checks
 landed bytes. ``UCX_PROTO_INFO=y`` in the environment makes UCX print the protocol it picked
 for each operation (e.g. a GET over cuda_ipc, or staged through host memory).
 
-    python -m benchmarks.bench_nixl_raw [--device cuda|cpu] [--tokens 2048 8192] [--repeat 5] [--variants] [--no-progress-thread]
+    python -m benchmarks.bench_nixl_raw [--device cuda|cpu] [--tokens 2048 8192] [--repeat 5] [--variants] \
+        [--no-progress-thread]
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--variants", action="store_true", help="also init/spin, prepped/sleep and init/sleep")
-    parser.add_argument("--no-progress-thread", action="store_true", help="the initiator's NIXL agent without its UCX progress thread")
+    parser.add_argument("--no-progress-thread", action="store_true",
+                        help="the initiator's NIXL agent without its UCX progress thread")
     args = parser.parse_args()
     missing = nixl_missing()
     if missing is not None:

@@ -92,8 +92,8 @@ def snapshot(workers: list[tuple[str, str, str]], topology: Topology, loaded: bo
         nodes = sorted({node for _, _, node in workers})
         for link in topology.links:
             if rng.random() < 1 / 3:
-                links[link.key] = LinkState(active_flows=int(rng.integers(1, 5)), measured_gbps=float(rng.uniform(60, 100)),
-                                            num_samples=3)
+                links[link.key] = LinkState(active_flows=int(rng.integers(1, 5)),
+                                            measured_gbps=float(rng.uniform(60, 100)), num_samples=3)
         for _ in range(len(nodes) * 2 if len(nodes) > 1 else 0):  # cross-node flows need two nodes
             a, b = rng.choice(nodes, 2, replace=False)
             links[link_key(str(a), str(b))] = LinkState(active_flows=int(rng.integers(1, 4)),

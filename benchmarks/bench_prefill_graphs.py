@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         memory = f", {(torch.cuda.memory_reserved(runner.device) - reserved) / (1 << 20):.0f} MiB more reserved"
     name = torch.cuda.get_device_name(runner.device) if device == "cuda" else "cpu"
     print(f"# {model} on {name} ({runner.dtype}); prefill graphs up to {pw.max_tokens} tokens, sizes "
-          f"{pw.sizes}, captured in {seconds:.1f}s{memory}" + ("" if pw.captured else " (not captured: eager segments)"))
+          f"{pw.sizes}, captured in {seconds:.1f}s{memory}"
+          + ("" if pw.captured else " (not captured: eager segments)"))
 
     def measure(graphs: bool, size: int, fn, *a) -> tuple[float, float]:
         """`fn(*a)` with the graphs on or off, a timed step of `size` tokens: its seconds and the

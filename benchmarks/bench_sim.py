@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 2 or args.requests < 1:
         p.error("--workers must be >= 2 and --requests >= 1")
 
-    trace = Path(args.trace) if args.trace else Path(args.trace_dir) / f"azure-synthetic-{args.requests}-{args.rate:g}.csv"
+    trace = (Path(args.trace) if args.trace
+             else Path(args.trace_dir) / f"azure-synthetic-{args.requests}-{args.rate:g}.csv")
     if not trace.exists():
         if args.trace:
             p.error(f"--trace: {trace} does not exist")

@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model or ("random:llama-3.1-8b" if args.device == "cuda" else "random:tiny-llama")
     cuda = args.device == "cuda"
-    llm = LLM(model, dtype="bfloat16" if cuda else "float32", device=args.device, max_num_seqs=max(args.batches + args.mixed_batches, default=1) + 1,
+    llm = LLM(model, dtype="bfloat16" if cuda else "float32", device=args.device,
+              max_num_seqs=max(args.batches + args.mixed_batches, default=1) + 1,
               max_num_batched_tokens=max([8192] + args.prefill_lens), gpu_memory_fraction=0.85,
               **({} if cuda else {"num_blocks": 2048, "block_size": 16}))
     engine, runner = llm.engine, llm.engine.runner
@@ -244,9 +245,11 @@ def main(argv: list[str] | None = None) -> int:
                 row["host"] = host_profile(engine, steps)
             abort_all(engine)
             results["decode"].append(row)
-            print(f"\ndecode batch {batch} ({mode}): {wall:.2f} ms/step unprofiled, {row['wall_ms_per_step']:.2f} profiled; "
+            print(f"\ndecode batch {batch} ({mode}): {wall:.2f} ms/step unprofiled, "
+                  f"{row['wall_ms_per_step']:.2f} profiled; "
                   f"GPU busy {row['gpu_busy_ms_per_step']:.2f} ms/step ({row['kernels_per_step']:.0f} kernels), "
-                  f"idle {max(0.0, 1 - row['gpu_busy_ms_per_step'] / row['wall_ms_per_step']):.0%} of the step", flush=True)
+                  f"idle {max(0.0, 1 - row['gpu_busy_ms_per_step'] / row['wall_ms_per_step']):.0%} of the step",
+                  flush=True)
             print_kernels(row, "step")
             for where, tt, ct, n in row.get("host", [])[:20]:
                 print(f"  host {tt:7.3f} ms self {ct:7.3f} ms cum {n:5d} calls  {where}")

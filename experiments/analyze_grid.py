@@ -241,7 +241,8 @@ def grid_rows(exp: Path) -> tuple[list[dict], list[dict]]:
             links.append({"policy": policy, "bandwidth_gbps": bandwidth, "rate": rate, "pair": pair,
                           "set_gbps": target, "link_recorded": a["link_recorded"], "link_gbps": a["link_gbps"],
                           "link_ratio": link_ratio,
-                          "link_share": a["link_bytes"] / a["bytes"] if a["link_bytes"] is not None and a["bytes"] else None,
+                          "link_share": (a["link_bytes"] / a["bytes"] if a["link_bytes"] is not None and a["bytes"]
+                                         else None),
                           "link_s": a["link_s"], "link_transfers": a["link_transfers"],
                           # issue 16's target, on the link-bound figure; None: not recorded / too little to judge
                           "off_by_more_than_5pct": None if link_ratio is None else abs(link_ratio - 1) > OFF_TOLERANCE,
@@ -328,19 +329,24 @@ def _gbps(v) -> str:
 
 def markdown(exp: Path, grid: list[dict], ratios: list[dict], links: list[dict]) -> str:
     env = json.loads((exp / "environment.json").read_text()) if (exp / "environment.json").is_file() else {}
-    cluster = json.loads((exp / "cluster" / "cluster.json").read_text()) if (exp / "cluster" / "cluster.json").is_file() else {}
+    cluster_json = exp / "cluster" / "cluster.json"
+    cluster = json.loads(cluster_json.read_text()) if cluster_json.is_file() else {}
     lines = [f"# Link rate x placement policy grid: `{exp.name}`", "",
-             f"- GPUs: {', '.join(env.get('gpus') or []) or 'none (CPU)'}; CPU: {env.get('cpu_model')} x {env.get('cpu_count')}",
+             f"- GPUs: {', '.join(env.get('gpus') or []) or 'none (CPU)'}; "
+             f"CPU: {env.get('cpu_model')} x {env.get('cpu_count')}",
              f"- packages: {env.get('packages')}; git {str(env.get('git_commit'))[:12]}, time {env.get('time_utc')}",
              f"- model {cluster.get('model')}; workers: " + ", ".join(
                  f"{w['id']} ({w['role']}, GPU {w.get('gpu')})" for w in cluster.get("workers", [])),
              "- links: sender-side token bucket per (P, D) pair; SET rates per configuration in cluster/links.jsonl",
              "- GPU utilisation: " + ("nvidia-smi samples (pmon SM % per worker process, utilization.gpu per GPU)"
-                                     if any(k.startswith("gpu_util") for g in grid for k in g) else "missing (not sampled)"),
+                                     if any(k.startswith("gpu_util") for g in grid for k in g)
+                                     else "missing (not sampled)"),
              "", "## TTFT, TPOT, goodput and KV transfer latency (ms, req/s)", "",
-             "| link Gbit/s | policy | rate | ok | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 | goodput | KV p50 | KV p90 | pairs |",
+             "| link Gbit/s | policy | rate | ok | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 | goodput | KV p50 "
+             "| KV p90 | pairs |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for g in sorted(grid, key=lambda g: (g["bandwidth_gbps"], POLICIES.index(g["policy"]) if g["policy"] in POLICIES else 9, g["rate"])):
+    for g in sorted(grid, key=lambda g: (g["bandwidth_gbps"], POLICIES.index(g["policy"]) if g["policy"] in POLICIES
+                                         else 9, g["rate"])):
         lines.append(f"| {g['bandwidth_gbps']:g} | {g['policy']} | {g['rate']:g} | {g['num_ok']}/{g['num_requests']} | "
                      f"{_fmt(g['ttft_p50'], 1e3, 0)} | {_fmt(g['ttft_p90'], 1e3, 0)} | {_fmt(g['tpot_p50'], 1e3, 1)} | "
                      f"{_fmt(g['tpot_p90'], 1e3, 1)} | {_fmt(g['goodput'])} | {_fmt(g['kv_p50'], 1e3, 0)} | "
@@ -369,7 +375,8 @@ def markdown(exp: Path, grid: list[dict], ratios: list[dict], links: list[dict])
     for g in sorted(grid, key=lambda g: (g["bandwidth_gbps"], g["policy"], g["rate"])):
         share = (g["ttft_kv_after_mean"] / g["ttft_mean_timed"]
                  if g.get("ttft_kv_after_mean") is not None and g.get("ttft_mean_timed") else None)
-        lines.append(f"| {g['bandwidth_gbps']:g} | {g['policy']} | {g['rate']:g} | {_fmt(g['ttft_mean_timed'], 1e3, 0)} | "
+        lines.append(f"| {g['bandwidth_gbps']:g} | {g['policy']} | {g['rate']:g} | "
+                     f"{_fmt(g['ttft_mean_timed'], 1e3, 0)} | "
                      + " | ".join(_fmt(g[f'ttft_{k}_mean'], 1e3, 1) for k in (*BREAKDOWN, "rest"))
                      + f" | {_fmt(share, 100, 0)}% | {_fmt(g['first_decode_mean'], 1e3, 1)} | "
                      f"{_fmt(g['kv_wire_mean'], 1e3, 1)} | {_fmt(g['kv_wait_mean'], 1e3, 1)} |")
@@ -387,7 +394,8 @@ def markdown(exp: Path, grid: list[dict], ratios: list[dict], links: list[dict])
         lines += ["gpu<i>: utilization.gpu of GPU i; the others: pmon SM % of the worker's process (a worker that ran "
                   "nothing in the run has no pmon row). -: no sample fell inside the run (nvidia-smi samples about "
                   "once a second, so a run shorter than that can have none).", ""]
-        lines += ["| link Gbit/s | policy | rate | " + " | ".join(k.removeprefix("gpu_util_") for k in util_keys) + " |",
+        lines += ["| link Gbit/s | policy | rate | " + " | ".join(k.removeprefix("gpu_util_") for k in util_keys)
+                  + " |",
                   "|---|---|---|" + "---|" * len(util_keys)]
         for g in grid:
             lines.append(f"| {g['bandwidth_gbps']:g} | {g['policy']} | {g['rate']:g} | "
@@ -449,7 +457,8 @@ def link_section(links: list[dict]) -> list[str]:
             ["ABOVE SET"] if link["above_set_by_more_than_5pct"] else [])
         lines.append(f"| {link['bandwidth_gbps']:g} | {link['policy']} | {link['rate']:g} | {link['pair']} | "
                      f"{_gbps(link['set_gbps'])} | {link_gbps} | {link_ratio} | {link_share} | "
-                     f"{_gbps(link['achieved_gbps'])} | {_fmt(link['ratio'])} | {_fmt(link['reply_lag_mean'], 1e3, 0)} | "
+                     f"{_gbps(link['achieved_gbps'])} | {_fmt(link['ratio'])} | "
+                     f"{_fmt(link['reply_lag_mean'], 1e3, 0)} | "
                      f"{link['transfers']} | {_fmt(link['busy_share'], 100, 0)}% | {_gbps(link['run_mean_gbps'])} | "
                      f"{' '.join(flags)} |")
     return lines

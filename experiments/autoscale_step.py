@@ -150,7 +150,8 @@ def up_command(args: argparse.Namespace, config_path: str) -> list[str]:
         "--mode", "hybrid", "--replicas", "2"]
     cmd = ["-m", "pdserve.launcher.cli", "up", "--autoscale", "--config", config_path, "--model", args.model,
            "--device", args.device, *workers, "--port", str(args.port),
-           "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot), "--max-model-len", str(args.max_model_len),
+           "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot),
+           "--max-model-len", str(args.max_model_len),
            "--cluster-name", "autoscale-step", "--namespace", "pdserve-autoscale-step"]
     if args.dtype is not None:
         cmd += ["--dtype", args.dtype]
@@ -204,7 +205,8 @@ def start_cluster(args, logs: dict) -> tuple[ServerProcess, str]:
 def scrape(text: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {"workers": {}, "draining": {}, "spares": {}, "duties": {}, "attainment": None, "busy": {}, "load": {}, "decisions": {}, "rate": None}
+    out = {"workers": {}, "draining": {}, "spares": {}, "duties": {}, "attainment": None, "busy": {}, "load": {},
+           "decisions": {}, "rate": None}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "pdserve:pool_workers":
@@ -451,7 +453,8 @@ def plot(requests, samples, series, args, path: str) -> None:
     for a in axes:
         for e in edges[1:3]:
             a.axvline(e, color="grey", linewidth=0.8)
-    fig.suptitle(f"pdserve up --autoscale{' --mode hybrid' if args.mode == 'hybrid' else ''}, {args.model}, {args.low:g} -> {args.high:g} -> {args.low:g} req/s "
+    fig.suptitle(f"pdserve up --autoscale{' --mode hybrid' if args.mode == 'hybrid' else ''}, {args.model}, "
+                 f"{args.low:g} -> {args.high:g} -> {args.low:g} req/s "
                  f"(TTFT <= {args.slo_ttft:g} s, TPOT <= {args.slo_tpot:g} s)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -111,14 +111,16 @@ def main(argv: list[str] | None = None) -> int:
             summary = loadgen(url, args, seed=i)
             summary["engine"] = steps = engine_delta(before, engine_counters(url))
             runs.append(summary)
-            print(f"run {i + 1}: TTFT p50 {summary['ttft_p50'] * 1e3:.0f} ms, TPOT p50 {summary['tpot_p50'] * 1e3:.1f} ms, "
+            print(f"run {i + 1}: TTFT p50 {summary['ttft_p50'] * 1e3:.0f} ms, "
+                  f"TPOT p50 {summary['tpot_p50'] * 1e3:.1f} ms, "
                   f"{summary['request_throughput']:.2f} req/s achieved, {summary['num_errors']} errors", flush=True)
             if steps:
                 print(f"  engine steps (all workers, from the router's /metrics): {steps['steps']:.0f}: "
                       f"{steps['decode_only_steps']:.0f} decode-only, {steps['decode_only_ms']:.1f} ms each; "
                       f"{steps['other_steps']:.0f} with prefill work, {steps['other_ms']:.1f} ms each; "
                       f"idle {steps['idle_s']:.1f} s; CPU: engine thread {steps['engine_cpu_s']:.1f} s in "
-                      f"{steps['step_s']:.1f} s of steps, the worker process {steps['process_cpu_s']:.1f} s", flush=True)
+                      f"{steps['step_s']:.1f} s of steps, the worker process {steps['process_cpu_s']:.1f} s",
+                      flush=True)
         results["runs"] = runs
         for key in ("ttft_p50", "tpot_p50"):
             results[f"{key}_first_over_second"] = runs[0][key] / runs[1][key]

@@ -31,11 +31,12 @@ shutdown, no orphan). Rows 1, 3 and 8 run on `pdserve up` (Ray); 2, 4, 5, 6 and 
 variable in the workers' environment, workers of different flags, a router of its own).
 
 Columns: requests sent; completed; failed, by what the client saw (HTTP status; `200, stream cut`: a
-stream that began and ended in an error; `conn`: connection refused, nothing listening); lost (a connection that dropped mid-request without
-an answer); hung (no answer within `--request-timeout-s`); KV blocks in use at the end on every
-worker (router /metrics `pdserve:kv_cache_usage_ratio` after the load drained: 0 is every block
-free); service back (fault to the end of the first request sent after the fault that completed);
-healthy again (fault to every worker healthy in the router's /health).
+stream that began and ended in an error; `conn`: connection refused, nothing listening); lost (a
+connection that dropped mid-request without an answer); hung (no answer within
+`--request-timeout-s`); KV blocks in use at the end on every worker (router /metrics
+`pdserve:kv_cache_usage_ratio` after the load drained: 0 is every block free); service back (fault
+to the end of the first request sent after the fault that completed); healthy again (fault to
+every worker healthy in the router's /health).
 """
 
 from __future__ import annotations
@@ -220,7 +221,8 @@ def standalone_cluster(args, logdir: Path, workers: list[tuple[str, list[str]]],
             cluster.wait_line(name, r"listening on \S+", args.startup_timeout_s)
             role = argv[argv.index("--role") + 1]
             entries += ["--worker", f"{role}#{name}=127.0.0.1:{argv[argv.index('--port') + 1]}"]
-        router = cluster.start("router", router_argv(args, port, entries) + list(router_extra), num_workers=len(workers))
+        router = cluster.start("router", router_argv(args, port, entries) + list(router_extra),
+                               num_workers=len(workers))
         router.wait_healthy(120)
     except BaseException:
         cluster.stop()
@@ -229,8 +231,8 @@ def standalone_cluster(args, logdir: Path, workers: list[tuple[str, list[str]]],
 
 
 def router_argv(args, port: int, entries: list[str]) -> list[str]:
-    return [sys.executable, "-m", "pdserve.launcher.cli", "router", *entries, "--model", args.model, "--port", str(port),
-            "--kv-deadline-s", str(args.kv_deadline_s), "--worker-wait-s", "60"]
+    return [sys.executable, "-m", "pdserve.launcher.cli", "router", *entries, "--model", args.model,
+            "--port", str(port), "--kv-deadline-s", str(args.kv_deadline_s), "--worker-wait-s", "60"]
 
 
 # ---------------------------------------------------------------- load and readings
@@ -390,7 +392,8 @@ def row_sigstop(args, logdir: Path) -> dict:
 
 
 def row_kv_loss(args, logdir: Path) -> dict:
-    workers = [("prefill-0", worker_argv(args, "prefill", free_port())), ("decode-0", worker_argv(args, "decode", free_port()))]
+    workers = [("prefill-0", worker_argv(args, "prefill", free_port())),
+               ("decode-0", worker_argv(args, "decode", free_port()))]
     faults = KV_FAULTS_NIXL if getattr(args, "kv_backend", None) == "nixl" else KV_FAULTS
     cluster = standalone_cluster(args, logdir, workers, {"PDSERVE_KV_FAULTS": faults})
     try:
@@ -476,8 +479,8 @@ def probe_disaggregated(base: str) -> str:
     """One request after the load; where it ran, from the router's timing (usage.pdserve_timing)."""
     try:
         r = httpx.post(f"{base}/v1/completions", timeout=120, json={
-            "model": MODEL_NAME[0], "prompt": "The first transfer after a restart " * 20, "max_tokens": 4, "temperature": 0,
-            "pdserve_timing": True})
+            "model": MODEL_NAME[0], "prompt": "The first transfer after a restart " * 20, "max_tokens": 4,
+            "temperature": 0, "pdserve_timing": True})
         body = r.json()
     except (httpx.HTTPError, ValueError) as e:
         return f"error {type(e).__name__}"

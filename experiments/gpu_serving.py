@@ -62,9 +62,9 @@ class Cluster(ServerProcess):
 
 
 def loadgen(url: str, n: int, rate: float, prompt_len: int, output_len: int, seed: int, out: str) -> dict:
-    cmd = [sys.executable, "-m", "pdserve.loadgen.cli", "run", "--url", url, "--num-requests", str(n), "--rate", str(rate),
-           "--input-len", f"fixed:{prompt_len}", "--output-len", f"fixed:{output_len}", "--ignore-eos",
-           "--seed", str(seed), "--json", "--no-progress", "--max-run-time", "300", "--output", out]
+    cmd = [sys.executable, "-m", "pdserve.loadgen.cli", "run", "--url", url, "--num-requests", str(n),
+           "--rate", str(rate), "--input-len", f"fixed:{prompt_len}", "--output-len", f"fixed:{output_len}",
+           "--ignore-eos", "--seed", str(seed), "--json", "--no-progress", "--max-run-time", "300", "--output", out]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     if proc.returncode != 0:
         raise RuntimeError(f"loadgen failed ({proc.returncode}): {proc.stderr[-2000:]}")
@@ -148,7 +148,8 @@ def measured_run(cluster: Cluster, name: str, n: int, rate: float, args, out_dir
     res = {"summary": summary, "kv": kv, "phases": phases, "first_token": first_token, "fallbacks": fallbacks,
            "kv_bytes_per_request": kv_bytes / kv["count"] if kv["count"] else None}
     ms = lambda v: "-" if v is None else f"{v * 1e3:.2f}"  # noqa: E731
-    log(f"{name}: {summary['num_ok']}/{summary['num_requests']} ok, rate {rate}/s, TTFT p50 {ms(summary['ttft_p50'])} ms "
+    log(f"{name}: {summary['num_ok']}/{summary['num_requests']} ok, rate {rate}/s, "
+        f"TTFT p50 {ms(summary['ttft_p50'])} ms "
         f"p90 {ms(summary['ttft_p90'])} ms, TPOT p50 {ms(summary['tpot_p50'])} ms; KV transfers {kv['count']:.0f}: "
         f"p50 {ms(kv['p50'])} ms mean {ms(kv['mean'])} ms; fallbacks {fallbacks:.0f}")
     if kv["count"]:
@@ -221,7 +222,8 @@ def main() -> int:
         from benchmarks.bench_kvtransfer import raw_ucxx_gbps
 
         results["link_gbs"] = raw_ucxx_gbps([int(kv_bytes)], "cuda:0", "cuda:0", 3)
-        log(f"link: raw ucxx, one {kv_bytes / 1e6:.1f} MB message between two processes: {results['link_gbs']:.1f} GB/s")
+        log(f"link: raw ucxx, one {kv_bytes / 1e6:.1f} MB message between two processes: "
+            f"{results['link_gbs']:.1f} GB/s")
     light, load = results["pd_light"], results["pd_load"]
     if light["kv"]["p50"] and load["kv"]["p50"]:
         ratio = load["kv"]["p50"] / light["kv"]["p50"]

@@ -130,7 +130,8 @@ def fmt(x, spec=".3f") -> str:
 
 
 def table(cells: list[dict], slo: float) -> str:
-    lines = [f"| link | precision | TTFT p50 s | KV part of TTFT p50 s | KV transfer p50 s | goodput at TTFT <= {slo:g} s "
+    lines = ["| link | precision | TTFT p50 s | KV part of TTFT p50 s | KV transfer p50 s | "
+             f"goodput at TTFT <= {slo:g} s "
              "(req/s, met/ok) | chosen | wire MB/request |", "|---|---|---|---|---|---|---|---|"]
     for c in cells:
         link = "host" if c["gbps"] == HOST_GBPS else f"{c['gbps']:g} Gbit/s"
@@ -153,7 +154,8 @@ def table(cells: list[dict], slo: float) -> str:
             continue
         link = "host" if gbps == HOST_GBPS else f"{gbps:g} Gbit/s"
         lines.append(f"| {link} | {ratio(full['ttft_p50_s'], auto['ttft_p50_s'])} | "
-                     f"{ratio(full['kv_tail_p50_s'], auto['kv_tail_p50_s'])} | {ratio(full['kv_p50_s'], auto['kv_p50_s'])} | "
+                     f"{ratio(full['kv_tail_p50_s'], auto['kv_tail_p50_s'])} | "
+                     f"{ratio(full['kv_p50_s'], auto['kv_p50_s'])} | "
                      f"{ratio(auto['goodput_rps'], full['goodput_rps'])} |")
     return "\n".join(lines)
 
@@ -221,7 +223,8 @@ def main() -> int:
     text = table(cells, args.slo_ttft)
     print(text)
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args) | {"profile": os.path.relpath(args.profile, REPO)}, "cells": cells}, indent=2) + "\n")
+        record = {"args": vars(args) | {"profile": os.path.relpath(args.profile, REPO)}, "cells": cells}
+        Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
         Path(args.out).with_suffix(".md").write_text(text + "\n")
     return 0 if all(c["ok"] == c["requests"] for c in cells) else 1
 

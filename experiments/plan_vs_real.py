@@ -134,7 +134,8 @@ def measure_profile(args) -> str:
     out = os.path.join(args.out, "profile.json")
     print(f"profile: measuring one into {out}", file=sys.stderr)
     cmd = [PY, "-m", "pdserve.launcher.cli", "profile", "--device", "cpu", "--dtype", "float32", "--out", out,
-           "--prefill-tokens", "16,32,64,128,256", "--decode-batches", "1,2,4,8,16,32,64", "--decode-contexts", "128,256",
+           "--prefill-tokens", "16,32,64,128,256", "--decode-batches", "1,2,4,8,16,32,64",
+           "--decode-contexts", "128,256",
            "--mixed", "--mixed-batches", "1,4,16", "--mixed-chunks", "32,64,128", "--mixed-context", "128",
            "--repeats", "3", "--decode-steps", "8", "-q", *model_flag(args)]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -190,9 +191,10 @@ def stop_cluster(up: ServerProcess) -> None:
 
 def run_load(args, rate: float) -> tuple[dict, list[dict]]:
     out = os.path.join(args.out, "loadgen")
-    cmd = [PY, "-m", "pdserve.loadgen.cli", "run", "--url", f"http://127.0.0.1:{args.port}", "--endpoint", "completions",
-           "--arrival", "poisson", "--rate", f"{rate:.4f}", "--num-requests", str(args.requests), "--seed",
-           str(args.seed), "--input-len", args.input_len, "--output-len", args.output_len, "--ignore-eos",
+    cmd = [PY, "-m", "pdserve.loadgen.cli", "run", "--url", f"http://127.0.0.1:{args.port}",
+           "--endpoint", "completions", "--arrival", "poisson", "--rate", f"{rate:.4f}",
+           "--num-requests", str(args.requests), "--seed", str(args.seed), "--input-len", args.input_len,
+           "--output-len", args.output_len, "--ignore-eos",
            "--temperature", "0", "--slo-ttft", str(args.slo_ttft), "--slo-tpot", str(args.slo_tpot),
            "--output", out, "--no-progress", "--timeout", "300"]
     print("loadgen:", " ".join(cmd[2:]), file=sys.stderr)
@@ -269,8 +271,8 @@ def main(argv=None) -> int:
           f"load average before/after: {contention['loadavg_before']} / {after}")
     print(f"the {contention['workers']} workers ran {contention['cpu_s']} CPU-s and waited {contention['waited_s']} s "
           f"for a CPU ({contention['wait_share']:.0%} of their runnable time)"
-          + (f"; the profile waited {args.profile_contention['wait_share']:.0%}" if getattr(args, "profile_contention", None)
-             else ""))
+          + (f"; the profile waited {args.profile_contention['wait_share']:.0%}"
+             if getattr(args, "profile_contention", None) else ""))
     print(f"{'metric':<12}{'predicted':>12}{'measured':>12}{'ratio':>8}  within 10%")
     for r in rows:
         print(f"{r['metric']:<12}{r['predicted']:>12.4f}{r['measured']:>12.4f}{r['ratio']:>8.2f}  "

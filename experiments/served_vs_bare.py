@@ -113,7 +113,8 @@ def bare(args: argparse.Namespace, out_dir: str) -> list[dict]:
            "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--runs", "2",
            "--seed", str(args.seed), "--max-run-time", str(args.max_run_time), "--json", path]
     log("bare: " + " ".join(cmd[1:]))
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.startup_timeout + 3 * args.max_run_time)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                         timeout=args.startup_timeout + 3 * args.max_run_time)
     sys.stdout.write(out.stdout)
     if out.returncode != 0:
         raise RuntimeError(f"bench_engine_replay failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="first seed; each run adds to it, so every run draws new prompts (default: the clock)")
     p.add_argument("--modes", default="bare,colocated,disaggregated",
                    help="which of bare, colocated, disaggregated to run (default %(default)s)")
-    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for a server (default %(default)s)")
+    p.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="seconds to wait for a server (default %(default)s)")
     p.add_argument("--max-run-time", type=float, default=300.0, help="seconds per loadgen run (default %(default)s)")
     p.add_argument("--kv-backends", default="ucx",
                    help="KV backends of the disaggregated run, comma-separated: one run each (default %(default)s; "

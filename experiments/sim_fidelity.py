@@ -126,7 +126,8 @@ def main() -> int:
         lines += [f"## model `{model}`", "",
                   "| rate | policy | TTFT p50 s real / sim (err) | TTFT p90 | TPOT p50 | TPOT p90 | goodput req/s |",
                   "|---|---|---|---|---|---|---|"]
-        mine = sorted((p for p in points if p["model"] == model), key=lambda p: (p["rate"], POLICIES.index(p["policy"])))
+        mine = sorted((p for p in points if p["model"] == model),
+                      key=lambda p: (p["rate"], POLICIES.index(p["policy"])))
         for p in mine:
             cells = [f"{p['real_' + m]:.3f} / {p['sim_' + m]:.3f} ({p['err_' + m]:+.0%})" for m in METRICS]
             lines.append(f"| {p['rate']:g} | {p['policy']} | " + " | ".join(cells) + " |")

@@ -41,7 +41,8 @@ def main() -> int:
     lines = ["# Simulated vs real: PD TTFT on one H100 (docs/results/h100_pd_ttft.json)", "",
              f"{args['requests']} requests one at a time, {args['prompt_len']}-token prompts, {args['model']}; "
              "real = the committed run; error = (sim - real) / real.", "",
-             "| link set Gbit/s | achieved Gbit/s | real TTFT p50 ms | sim, set rate (err) | sim, achieved rate (err) |",
+             "| link set Gbit/s | achieved Gbit/s | real TTFT p50 ms | sim, set rate (err) "
+             "| sim, achieved rate (err) |",
              "|---|---|---|---|---|"]
     for row in real["rows"]:
         if row["mode"] != "disaggregated":

@@ -5,8 +5,9 @@
 Real: the committed runs of `experiments/two-gpu/one-gpu.yaml` (one mixed worker, `pdserve up
 --mode colocated --replicas 1`, 64 Poisson requests a point at 1.5, 3, 4.5 and 6.5 req/s, 2048/256
 and 512/1024 tokens: one GPU's share of the two-GPU colocated sweep), made with
-`experiments/two-gpu/run.sh profile single` (RESULTS=results/one-gpu; committed: docs/records/one-gpu.tar.xz), so the profile
-(`profile.json` there) was measured by the same engine on the same machine in the same call.
+`experiments/two-gpu/run.sh profile single` (RESULTS=results/one-gpu; committed:
+docs/records/one-gpu.tar.xz), so the profile (`profile.json` there) was measured by the same
+engine on the same machine in the same call.
 Simulated: each record's send time, server-counted prompt tokens and `max_tokens` on one mixed
 worker with that profile and the server's engine limits (512-token budget, 64 sequences).
 
@@ -253,7 +254,8 @@ def report(found: list[dict], profile: Path, results: Path,
         lines.append(f"| {p['dataset']} | {p['rate']:g} | {p['real_ttft_p50'] * 1000:.1f} | "
                      f"{p['real_engine_p50'] * 1000:.1f} ({p['real_queue_p50'] * 1000:.1f}) | "
                      f"{p['real_legs_p50'] * 1000:.1f} | {p['real_text_p50'] * 1000:.1f} | "
-                     f"{p['real_http_p50'] * 1000:.1f} | {p['sim_engine_p50'] * 1000:.1f} | {p['err_engine_p50']:+.0%} |")
+                     f"{p['real_http_p50'] * 1000:.1f} | {p['sim_engine_p50'] * 1000:.1f} | "
+                     f"{p['err_engine_p50']:+.0%} |")
     for model in MODELS:
         mine = [p for p in found if p["model"] == model]
         if not mine:
@@ -298,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.bare is not None:
         bare_profile = args.bare / "profile.json"
         if not runs(args.bare) or not bare_profile.exists():
-            print(f"sim_fidelity_one_gpu: --bare {args.bare}: needs single/summary.csv and profile.json", file=sys.stderr)
+            print(f"sim_fidelity_one_gpu: --bare {args.bare}: needs single/summary.csv and profile.json",
+                  file=sys.stderr)
             return 2
         bare, _ = points(args.bare, bare_profile, OLD_PROFILE)
         write_summary_csv(args.out / "one_gpu_bare.csv", bare)

@@ -563,7 +563,8 @@ def mixed_steps(points: list[dict], mixed: Profile | None) -> list[str]:
     lines = ["## Mixed steps: `chained` against `chained-mixed`", "",
              "TPOT p50 / p90 in ms, real / `chained` / `chained-mixed`, at every point of the configurations "
              "with mixed workers.", "",
-             "| experiment | config | dataset | rate | TPOT p50 | TPOT p90 | goodput tight |", "|---|---|---|---|---|---|---|"]
+             "| experiment | config | dataset | rate | TPOT p50 | TPOT p90 | goodput tight |",
+             "|---|---|---|---|---|---|---|"]
     key = lambda p: (p["experiment"], p["config"], p["dataset"], p["rate"])  # noqa: E731
     by = {(p["model"], *key(p)): p for p in points}
     for p in sorted((p for p in points if p["model"] == "chained" and p["config"] != "pd"),
@@ -574,7 +575,8 @@ def mixed_steps(points: list[dict], mixed: Profile | None) -> list[str]:
         cells = [f"{p['real_' + k] * 1e3:.1f} / {p['sim_' + k] * 1e3:.1f} / {m['sim_' + k] * 1e3:.1f}"
                  for k in ("tpot_p50", "tpot_p90")]
         cells.append(f"{p['real_goodput_tight']:.2f} / {p['sim_goodput_tight']:.2f} / {m['sim_goodput_tight']:.2f}")
-        lines.append(f"| {p['experiment']} | {p['config']} | {p['dataset']} | {p['rate']:g} | " + " | ".join(cells) + " |")
+        lines.append(f"| {p['experiment']} | {p['config']} | {p['dataset']} | {p['rate']:g} | "
+                     + " | ".join(cells) + " |")
     if mixed is not None:
         c = mixed.mixed_context
         lines += ["", f"The mixed table (ms) against profile.json's chunk + decode sum P(T) + D(B, {c}) for the "
@@ -643,11 +645,13 @@ def causes(points: list[dict], served: dict[str, float]) -> list[str]:
             "moved its KV on the pull path (2.5 / 7.2 ms for 2k / 8k tokens against 6.6 / 17.9), a few ms of TTFT.")
     col = pt("colocated", big, mid)
     if col:
+        col_tpot = _span([p["err_tpot_p50"] for p in points if p["model"] == "chained" and p["config"] == "colocated"
+                          and p["experiment"] == "sweep" and p["rate"] >= mid])
         lines.append(
             f"3. **Sweep, tight-SLO goodput of colocated at {mid:g} req/s, {col['err_goodput_tight']:+.0%}**: "
             f"TPOT p50 {col['real_tpot_p50'] * 1e3:.1f} ms real vs {col['sim_tpot_p50'] * 1e3:.1f} simulated "
             "around the 10 ms threshold; colocated TPOT p50 is "
-            f"{_span([p['err_tpot_p50'] for p in points if p['model'] == 'chained' and p['config'] == 'colocated' and p['experiment'] == 'sweep' and p['rate'] >= mid])} "
+            f"{col_tpot} "
             f"off at {mid:g} req/s and up (the steady cause, at smaller batches).")
     pd = pt("pd", big, high)
     if pd:
@@ -673,10 +677,12 @@ def causes(points: list[dict], served: dict[str, float]) -> list[str]:
             f"transfer tail of {served['tail_ms']:.0f} ms after the prefill (the benchmark link's latency: 2.85 "
             f"ms) and a served prefill x{served['prefill_factor']:.2f} the profile's. `chained-served` adds these "
             "three, measured at PD's lowest rate, to every configuration.")
+    pd_tpot = _span([p["err_tpot_p50"] for p in points
+                     if p["model"] == "chained" and p["config"] == "pd" and p["rate"] >= high])
     lines += ["", "Decode steps: at the lowest rate the PD decode worker's time per token is "
               f"x{served['decode_factor']:.2f} the profile's step at the batches the records imply, so the profile "
               "holds for small decode batches; the TPOT shortfall is at larger batches (PD TPOT p50 "
-              f"{_span([p['err_tpot_p50'] for p in points if p['model'] == 'chained' and p['config'] == 'pd' and p['rate'] >= high])} "
+              f"{pd_tpot} "
               "at the highest sweep rate and the steady point) and in mixed steps (colocated), not a constant "
               "factor, so the calibration leaves TPOT as it was.", ""]
     return lines
@@ -706,8 +712,8 @@ def evidence() -> list[str]:
             p = _median([profile.prefill_seconds(int(r["prompt_tokens"])) for r in split]) * 1e3
             ratio = _median([r["server_timing"]["prefill"] / profile.prefill_seconds(int(r["prompt_tokens"]))
                              for r in split])
-            lines.append(f"| {config} | {row['dataset']} | {float(row['rate']):g} | {len(split)} | {med('prefill'):.1f} "
-                         f"| {p:.1f} | {ratio:.2f} | {med('queue'):.1f} | {med('kv_tail'):.1f} "
+            lines.append(f"| {config} | {row['dataset']} | {float(row['rate']):g} | {len(split)} | "
+                         f"{med('prefill'):.1f} | {p:.1f} | {ratio:.2f} | {med('queue'):.1f} | {med('kv_tail'):.1f} "
                          f"| {_median([r['ttft_s'] for r in split]) * 1e3:.0f} |")
     return lines + [""]
 

@@ -16,9 +16,10 @@ node pair its own link, as router.placement.topology models it: no shared rack u
   H100 figures, the 70B one scaled; labelled so, not profiled).
 Workload: Poisson arrivals, prompts lognormal mean 1,024 (max 8,192), outputs mean 128 (max
 1,024), 1,000 requests per run, at 70%, 90% and 120% of the prefill pool's capacity for that
-workload (from the profile; above 100% only local prefill on decode workers can keep up); goodput = requests meeting TTFT <= 0.15 s and TPOT <= 0.04 s
-(8B; 70B: 0.5 s and 0.08 s) per second of arrivals (first to last send: a run's output tail
-does not dilute it); the figure takes each policy's best over the three rates.
+workload (from the profile; above 100% only local prefill on decode workers can keep up); goodput =
+requests meeting TTFT <= 0.15 s and TPOT <= 0.04 s (8B; 70B: 0.5 s and 0.08 s) per second of
+arrivals (first to last send: a run's output tail does not dilute it); the figure takes each
+policy's best over the three rates.
 Writes results/sim-placement/: figure.csv (every run), figure.png, figure.md.
 """
 
@@ -162,7 +163,8 @@ def plot(rows) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(MODELS), len(RATIOS), figsize=(13, 6.5), squeeze=False)
-    lines = ["| model | P:D | cross-rack pairs | " + " | ".join(f"{p} goodput" for p in POLICIES) + " | NA / RR | NA / LL | NA pairs only / LL |",
+    lines = ["| model | P:D | cross-rack pairs | " + " | ".join(f"{p} goodput" for p in POLICIES)
+             + " | NA / RR | NA / LL | NA pairs only / LL |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for i, model in enumerate(MODELS):
         for j, ratio in enumerate(RATIOS):

@@ -111,12 +111,14 @@ def p50(values: list[float]) -> float | None:
 def summarize(rows: list[dict]) -> dict:
     rest = rows[1:]
     ms = lambda key, rs=rest: None if p50([r.get(key) for r in rs]) is None else 1e3 * p50([r.get(key) for r in rs])  # noqa: E731
-    out = {key: ms(key) for key in ("queue", "prefill", "worker_handoff", "first_token", "first_text", "headers", "ttft")}
+    out = {key: ms(key)
+           for key in ("queue", "prefill", "worker_handoff", "first_token", "first_text", "headers", "ttft")}
     out["text_gap"] = (None if out["first_text"] is None or out["first_token"] is None
                        else out["first_text"] - out["first_token"])
     out["client_gap"] = None if out["ttft"] is None or out["first_text"] is None else out["ttft"] - out["first_text"]
     out["first_request_ttft"] = None if rows[0]["ttft"] is None else 1e3 * rows[0]["ttft"]
-    out["first_over_rest_ttft"] = (out["first_request_ttft"] / out["ttft"]) if out["ttft"] and out["first_request_ttft"] else None
+    out["first_over_rest_ttft"] = ((out["first_request_ttft"] / out["ttft"])
+                                   if out["ttft"] and out["first_request_ttft"] else None)
     out["requests"] = len(rows)
     out["first_request"] = {k: (1e3 * v if isinstance(v, float) else v) for k, v in rows[0].items()}
     return out
@@ -140,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args.log_dir = tempfile.mkdtemp(prefix="first-token-gaps-")
     results = measure_all(roots, args)
-    keys = ("queue", "prefill", "worker_handoff", "first_token", "first_text", "headers", "ttft", "text_gap", "client_gap",
-            "first_request_ttft", "first_over_rest_ttft")
+    keys = ("queue", "prefill", "worker_handoff", "first_token", "first_text", "headers", "ttft", "text_gap",
+            "client_gap", "first_request_ttft", "first_over_rest_ttft")
     print("| tree | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
     for i, (root, s) in enumerate(results.items()):
