@@ -171,7 +171,7 @@ def _e4m3_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 def e4m3_bytes_triton(x: torch.Tensor) -> torch.Tensor:
     """The e4m3 bytes (uint8) that the writing kernels store for float32 values x (already
-    divided by their scale): for tests and benchmarks/diag_fp8_kv.py."""
+    divided by their scale): for tests and tools/diag_fp8_kv.py."""
     check_tensor("x", x, 1, (torch.float32,), contiguous=True)
     out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     if x.numel():

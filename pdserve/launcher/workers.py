@@ -190,7 +190,7 @@ def worker_config(spec: WorkerSpec, engine: EngineConfig) -> WorkerConfig:
     if engine.tensor_parallel_size != spec.tensor_parallel_size:
         engine = dataclasses.replace(engine, tensor_parallel_size=spec.tensor_parallel_size)
     kv_options: tuple[tuple[str, object], ...] = ((PACER_OPTION, spec.kv_pacing),) if spec.kv_pacing is not None else ()
-    faults = os.environ.get(FAULTS_ENV, "")  # fault injection (tests, benchmarks/faults.py); off unless set
+    faults = os.environ.get(FAULTS_ENV, "")  # fault injection (tests, experiments/faults.py); off unless set
     if faults:
         try:
             parse_faults(faults)

@@ -145,7 +145,7 @@ TINY_TP_SHAPES: dict[str, ModelConfig] = {
                                                layers=(0, 1)), name="random:tiny-olmoe-tp"),
 }
 # Llama 3's vocabulary on a tiny body: served on the CPU with `--tokenizer smollm2`, it has the
-# random 8B's mismatch (a tokenizer of 49152 ids, a vocabulary of 128256); benchmarks/first_token_gaps.py
+# random 8B's mismatch (a tokenizer of 49152 ids, a vocabulary of 128256); tools/first_token_gaps.py
 TINY_WIDE_SHAPES: dict[str, ModelConfig] = {
     "tiny-wide-vocab": ModelConfig(architecture="llama", vocab_size=128256, num_layers=2,
                                    name="random:tiny-wide-vocab", **_TINY),

@@ -8,7 +8,7 @@ numbers) or refusal that differs raises `DecisionMismatch`; `checked` counts the
 compared. The simulation then runs as on the policy alone, so a run with the check
 makes the same events as one without it.
 
-    PYTHONPATH=. python benchmarks/bench_sim.py --workers 64 --requests 2000 \
+    python -m benchmarks.bench_sim --workers 64 --requests 2000 \
         --policy network-aware --check-decisions
 
 (the oracle prices every pair: at 1,000 workers a few seconds a placement)
@@ -16,7 +16,9 @@ makes the same events as one without it.
 
 from __future__ import annotations
 
-from pdserve.router.placement.base import ClusterSnapshot, Decision, NoWorkersAvailable, Outcome, RequestInfo, SLOUnattainable
+from pdserve.router.placement.base import (
+    ClusterSnapshot, Decision, NoWorkersAvailable, Outcome, RequestInfo, SLOUnattainable,
+)
 from pdserve.router.placement.policies.network_aware import NetworkAware
 from pdserve.router.placement.policies.oracle import OracleNetworkAware
 from pdserve.sim.config import ClusterConfig
