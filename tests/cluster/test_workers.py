@@ -125,7 +125,7 @@ def test_emulated_workers_use_it(tmp_path):
     from pdserve.launcher.emulation.cluster import EmulatedDeployment
     from pdserve.launcher.emulation.spec import load_topology
 
-    spec = load_topology(REPO / "launcher" / "emulation" / "examples" / "2p2d.yaml")
+    spec = load_topology(REPO / "pdserve" / "launcher" / "emulation" / "examples" / "2p2d.yaml")
     deployment = EmulatedDeployment(spec, tmp_path, run_id="wspec")
     deployment.cluster.subnet = ipaddress.ip_network("10.251.0.0/24")
     deployment.cluster._created = True  # addresses only; nothing is created
@@ -155,14 +155,13 @@ def test_ray_pool_workers_use_it():
     with pytest.raises(ValueError, match="actor name"):
         ray_actor(WorkerSpec(role="mixed"), engine, namespace="ns", num_cpus=1, num_gpus=0, resources={},
                   scheduling_strategy=None)
-    pools = (REPO / "launcher" / "cluster" / "pools.py").read_text()
+    pools = (REPO / "pdserve" / "launcher" / "cluster" / "pools.py").read_text()
     assert "ray_actor(" in pools and ".options(**options).remote(*args)" in pools
 
 
 # ---- no second copy -------------------------------------------------------------------------
 
-SOURCE_DIRS = ("launcher", "router", "pdserve", "kvtransfer", "kernels", "sim", "loadgen", "benchmarks",
-               "experiments", "tools", "deploy")
+SOURCE_DIRS = ("pdserve", "benchmarks", "experiments", "tools", "deploy")
 # a shell or YAML line that runs `python -m pdserve.launcher.cli [...] worker` (or a worker module)
 SHELL_WORKER = re.compile(r"-m\s+([\w.]+\s.*\bworker\s+--|[\w.]*\bworker\b)")
 
@@ -220,7 +219,7 @@ def test_no_other_module_assembles_a_worker_command_line():
 def test_only_launcher_workers_constructs_a_worker_config_in_the_launcher():
     """Within the composition root, `WorkerConfig(...)` is built in pdserve/launcher/workers.py alone."""
     found = []
-    for path in (REPO / "launcher").rglob("*.py"):
+    for path in (REPO / "pdserve" / "launcher").rglob("*.py"):
         rel = path.relative_to(REPO).as_posix()
         if rel == "pdserve/launcher/workers.py":
             continue

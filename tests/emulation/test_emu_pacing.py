@@ -96,6 +96,7 @@ def test_worker_server_builds_the_pacer_from_kv_options(monkeypatch):
 
     class Engine:  # the smallest engine WorkerServer.__init__ needs
         def __init__(self, config):
+            self.config = config
             self.runner = type("R", (), {"kv_caches": make_caches(2)})()
             self.rank_kv_caches = None  # TP=1: the runner's pools are every KV head
             caches = self.runner.kv_caches
