@@ -102,7 +102,8 @@ def test_worker_server_builds_the_pacer_from_kv_options(monkeypatch):
             caches = self.runner.kv_caches
             self.model_config = type("M", (), {"num_layers": 30, "name": "stub", "architecture": "llama",
                                                "intermediate_size": 64, "num_heads": caches[0][0].shape[-2],
-                                               "num_kv_heads": caches[0][0].shape[-2]})()
+                                               "num_kv_heads": caches[0][0].shape[-2], "has_dense_layers": True,
+                                               "moe": None})()
 
     monkeypatch.setattr(server, "LLMEngine", Engine)
     monkeypatch.setattr(server, "EngineLoop", lambda engine, name: None)
