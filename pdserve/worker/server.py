@@ -214,11 +214,14 @@ class WorkerServer:
         logging.shutdown()
         os._exit(EXIT_RANK_DIED)
 
-    def stop(self, grace: float = 5.0, close_kv: bool = True) -> None:
+    def stop(self, grace: float = 5.0, close_kv: bool = True, wait_engine: bool = True) -> None:
         """Stops the gRPC server (in-flight calls get `grace` seconds) and the engine loop, then
         closes the KV plane. `close_kv=False` leaves the KV plane to the end of the process, for a
         process that is killed next: closing the last UCX endpoint resets ucxx after a full garbage
-        collection, seconds in a process that holds a model."""
+        collection, seconds in a process that holds a model. `wait_engine=False`, for such a
+        process too: the engine loop is told to stop, but the step it is in is not waited for (a
+        prefill step takes seconds on a loaded CPU), nor are the other tensor-parallel ranks
+        stopped (they end with this process, whose pipe they read)."""
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -230,14 +233,15 @@ class WorkerServer:
                 pass
         if self._thread is not None:
             self._thread.join(grace + 5)
-        self.loop.stop()
+        self.loop.stop(timeout=5.0 if wait_engine else 0.0)
         for part in (self.sender, self.receiver) if close_kv else ():
             if part is not None:
                 try:
                     part.close()
                 except Exception:
                     logger.warning("closing the KV transfer backend failed", exc_info=True)
-        self.engine.shutdown()  # the other tensor-parallel ranks (nothing at TP=1)
+        if wait_engine:
+            self.engine.shutdown()  # the other tensor-parallel ranks (nothing at TP=1)
 
     def wait_for_termination(self) -> None:
         if self._thread is not None:

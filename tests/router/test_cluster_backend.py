@@ -315,6 +315,23 @@ def test_death_with_nowhere_to_go_raises_service_unavailable():
     run(main)
 
 
+def test_a_worker_death_while_draining_ends_the_request_instead_of_moving_it():
+    """Shutting down (`drain`): the request whose decode worker dies ends with ServiceUnavailable
+    at once; it is not migrated to the other decode worker (the one the same death would move it
+    to when serving: test_decode_worker_death_migrates_with_resumed_tokens)."""
+    async def main():
+        async with cluster(("p0", "prefill"), ("d0", "decode", Script(die_after_tokens=2)), ("d1", "decode")) as env:
+            env.backend.drain()
+            received: list[RequestOutput] = []
+            with pytest.raises(ServiceUnavailable, match="shutting down"):
+                async for output in env.backend.generate("r1", PROMPT, SamplingParams(max_tokens=8)):
+                    received.append(output)
+            assert tokens(received) == expected_tokens(PROMPT, 3)  # P's first token and D0's two
+            assert env["d1"].generate_requests == [] and env["d1"].called("Decode") == []
+            assert env.metric("pdserve:request_recoveries_total", kind="migrate") == 0
+    run(main)
+
+
 # ---------------------------------------------------------------- riding through a worker restart
 
 

@@ -8,8 +8,10 @@ Lifecycle (`ClusterPools`):
    the namespace, with `max_restarts=-1` so that Ray brings back a dead worker.
 2. `wait_ready(timeout, progress)`: wait until each worker has loaded its model and serves;
    a worker whose constructor raised is an error naming the worker and the cause.
-3. `shutdown()`: stop each server (bounded), kill the actors without restart, remove the
-   placement groups. Idempotent.
+3. `stop_servers()`: stop every worker's server at once (bounded); they answer nothing after.
+4. `shutdown()`: stop the servers unless done, kill the actors without restart, remove the
+   placement groups. Idempotent. (A Ray that `pdserve up` started ends with its processes
+   instead, `pdserve.launcher.cluster.up`: it may be going down already, and then answers no call.)
 
 Resizing a running cluster (`pdserve.launcher.cluster.resize`) goes through `adopt` (a worker started
 in a placement group of its own joins the pools, which then stop it and remove its group at
@@ -81,6 +83,7 @@ class PoolWorker:
     name: str
     role: str
     handle: Any
+    pid: int | None = None  # its process when it was last seen ready (Ray may restart it since)
 
 
 def short_error(exc: BaseException) -> str:
@@ -102,6 +105,7 @@ class ClusterPools:
         self._group_of: dict[str, Any] = {}  # worker name -> the placement group it was started in
         self._lock = threading.Lock()  # adopt and release run in the autoscaler's threads
         self._closed = False
+        self._stopped = False  # stop_servers ran
 
     @property
     def names(self) -> list[str]:
@@ -212,12 +216,45 @@ class ClusterPools:
             if not health.get("healthy"):
                 raise ClusterStartError(f"worker {worker.name} is unhealthy: {health.get('detail')}")
             ready[worker.name] = health
+            worker.pid = health.get("pid")
             if on_ready is not None:
                 on_ready(worker.name, health)
         return ready
 
+    def stop_servers(self, grace_s: float = 5.0, alive: Callable[[PoolWorker], bool] | None = None) -> None:
+        """Stops every worker's server at once, bounded by grace_s overall (in-flight calls get
+        half of it). Quick also under load: WorkerActor.stop leaves the KV plane and the
+        engine's step in progress to the kill. `alive(worker)` False: its process is gone
+        already, nothing to stop (a call to it would wait for a GCS that may be gone with it).
+        Once only."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            workers = [w for w in self.workers if alive is None or alive(w)]
+        import ray
+
+        if not ray.is_initialized() or not workers:
+            return
+        stops = {}
+        for w in workers:
+            try:
+                stops[w.name] = (w, w.handle.stop.remote(grace_s / 2))
+            except Exception:  # its actor is gone
+                logger.debug("stopping %s failed", w.name, exc_info=True)
+        if not stops:
+            return
+        refs = [ref for _, ref in stops.values()]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+        if len(done) < len(stops):
+            late = [name for name, (w, ref) in stops.items() if ref not in done and (alive is None or alive(w))]
+            if late:  # the others' processes ended meanwhile
+                logger.warning("%d of %d workers did not stop within %.1fs; killing them: %s",
+                               len(late), len(stops), grace_s, ", ".join(late))
+
     def shutdown(self, grace_s: float = 5.0) -> None:
-        """Stops the servers (bounded by grace_s overall), kills the actors, removes the groups."""
+        """Stops the servers unless `stop_servers` did (bounded by grace_s overall), kills the
+        actors, removes the groups."""
         if self._closed:
             return
         self._closed = True
@@ -226,12 +263,7 @@ class ClusterPools:
 
         if not ray.is_initialized():
             return
-        stops = [w.handle.stop.remote(grace_s / 2) for w in self.workers]
-        if stops:  # milliseconds when nothing is in flight (WorkerActor.stop leaves the KV plane to the kill)
-            done, _ = ray.wait(stops, num_returns=len(stops), timeout=grace_s)
-            if len(done) < len(stops):
-                logger.warning("%d of %d workers did not stop within %.1fs; killing them",
-                               len(stops) - len(done), len(stops), grace_s)
+        self.stop_servers(grace_s)
         for w in self.workers:
             try:
                 ray.kill(w.handle, no_restart=True)

@@ -136,8 +136,10 @@ class WorkerActor:
         return {**self.info(), "healthy": alive, "detail": "" if alive else "engine loop stopped"}
 
     def stop(self, grace: float = 5.0) -> None:
-        """Stops the gRPC server and the engine loop; the process stays until killed (`ray.kill`),
-        which frees the KV plane with it: tearing UCX down first only delays the kill (a full
-        garbage collection of the worker, seconds on a loaded CPU, raced the driver's bound; docs/results.md,
-        "Figures behind the code's choices")."""
-        self._server.stop(grace, close_kv=False)
+        """Stops the gRPC server and tells the engine loop to stop; the process stays until killed
+        (`ray.kill`, or the end of the Ray we started), which frees the KV plane and ends the
+        engine's step in progress with it: tearing UCX down first, or waiting for that step, only
+        delays the kill (a full garbage collection of the worker, or a whole prefill step, is
+        seconds on a loaded CPU and raced the driver's bound; docs/results.md, "Figures behind the
+        code's choices")."""
+        self._server.stop(grace, close_kv=False, wait_engine=False)

@@ -1,16 +1,26 @@
 """The router in the foreground: a `ClusterBackend` over a worker directory, behind the HTTP app.
 
 Shared by `pdserve up` (Ray directory) and `pdserve router` (static list). Serves until
-SIGINT/SIGTERM, then stops accepting, lets in-flight requests finish (bounded) and closes the
-backend. A signal raises `KeyboardInterrupt` out of `serve_router`, after the server and
-backend are down, so that callers run their own cleanup in `finally`.
+SIGINT/SIGTERM, then:
+
+1. stops accepting; in-flight requests get `graceful_shutdown_s` to finish (one whose worker
+   fails meanwhile ends: nothing is placed again while the cluster stops);
+2. closes the backend, which aborts what is still in flight: those responses end (a finish
+   reason or an error the client reads) instead of being cancelled under the server's feet;
+3. `on_drained` (`pdserve up`: stop the workers) runs while the backend closes, so that the
+   aborts it sends do not wait for engine steps in progress (seconds each on a loaded CPU).
+
+A signal raises `KeyboardInterrupt` out of `serve_router`, after the server and backend are
+down, so that callers run their own cleanup in `finally`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,7 +91,8 @@ def make_router_policy(settings: RouterSettings) -> Any:
     try:
         return build_policy(settings.policy, topology_path=settings.topology, profile_path=settings.profile,
                             slo_ttft=settings.slo_ttft, slo_tpot=settings.slo_tpot,
-                            admission_control=settings.admission_control, calibrate=settings.calibrate, seed=settings.seed,
+                            admission_control=settings.admission_control, calibrate=settings.calibrate,
+                            seed=settings.seed,
                             max_batch=settings.max_batch, kv_wire_precision=settings.kv_wire_precision,
                             local_prefill=settings.local_prefill)
     except ValueError as e:
@@ -107,10 +118,13 @@ def build_app(directory: Any, settings: RouterSettings, model: RouterModel, poli
     return app, backend
 
 
-def install_shutdown_signals() -> None:
-    """SIGTERM behaves like Ctrl-C (KeyboardInterrupt) in the main thread."""
+def install_shutdown_signals(on_signal: Callable[[], None] | None = None) -> None:
+    """SIGTERM behaves like Ctrl-C (KeyboardInterrupt) in the main thread; `on_signal()` is
+    called first (`pdserve up` tells its Ray watchdog that a stop was asked for)."""
 
     def interrupt(signum, frame):
+        if on_signal is not None:
+            on_signal()
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, interrupt)
@@ -128,16 +142,61 @@ def restore_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def serve_router(app: Any, backend: Any, settings: RouterSettings, on_ready=None, background=()) -> None:
+def serve_router(app: Any, backend: Any, settings: RouterSettings, on_ready=None, background=(),
+                 on_signal: Callable[[], None] | None = None, on_drained: Callable[[], None] | None = None) -> None:
     """Serves in the foreground until a signal (see the module docstring). `background`: async
     callables run as tasks beside the server once the backend has started (the autoscaler),
-    cancelled when the server stops."""
+    cancelled when the server stops. `on_signal()`: called at the first SIGINT/SIGTERM.
+    `on_drained()`: called in a thread once the drain is over and the backend is closing (step 3)."""
     import uvicorn
 
+    drain_s = settings.graceful_shutdown_s
+
+    class Server(uvicorn.Server):
+        signalled: str | None = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.signalled is None:
+                self.signalled = signal.Signals(sig).name
+                if on_signal is not None:
+                    on_signal()
+                drain = getattr(backend, "drain", None)
+                if drain is not None:  # a request whose worker fails now ends: it is not placed again
+                    drain()
+            super().handle_exit(sig, frame)
+            # uvicorn raises a captured signal again once it has served, inside the event loop
+            # (where a KeyboardInterrupt would cut the backend's close short): it is raised below,
+            # once the loop is done
+            getattr(self, "_captured_signals", []).clear()
+
+    # uvicorn's own bound on the drain only backs up step 2, which ends the responses before it
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=int(settings.graceful_shutdown_s), proxy_headers=False,
+                            timeout_graceful_shutdown=math.ceil(2 * drain_s) + 1, proxy_headers=False,
                             lifespan="off")
-    server = uvicorn.Server(config)
+    server = Server(config)
+    closing: asyncio.Future | None = None
+
+    async def close_backend() -> None:
+        done = asyncio.ensure_future(backend.close())
+        await asyncio.sleep(0)  # closed: a request whose worker stops now is not placed again
+        if on_drained is not None:
+            try:
+                await asyncio.to_thread(on_drained)
+            except Exception:
+                logger.warning("stopping the workers behind the router failed", exc_info=True)
+        await asyncio.wait_for(done, drain_s)
+
+    def close() -> asyncio.Future:
+        nonlocal closing
+        if closing is None:
+            closing = asyncio.ensure_future(close_backend())
+        return closing
+
+    async def end_requests_after_drain() -> None:
+        while not server.should_exit:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(drain_s)
+        close()  # the requests still in flight are aborted: their responses end, and the server's wait
 
     async def announce() -> None:
         while not server.started and not server.should_exit:
@@ -152,10 +211,12 @@ def serve_router(app: Any, backend: Any, settings: RouterSettings, on_ready=None
             await serving.warm_up()
         try:
             announcer = asyncio.create_task(announce()) if on_ready is not None else None
+            drain = asyncio.create_task(end_requests_after_drain())
             tasks = [asyncio.create_task(run_task()) for run_task in background]
             try:
                 await server.serve()
             finally:
+                drain.cancel()
                 for task in tasks:
                     task.cancel()
                 if tasks:
@@ -164,9 +225,10 @@ def serve_router(app: Any, backend: Any, settings: RouterSettings, on_ready=None
                 announcer.cancel()
         finally:
             try:
-                await asyncio.wait_for(backend.close(), settings.graceful_shutdown_s)
+                await close()
             except Exception:
                 logger.warning("closing the router backend failed", exc_info=True)
 
     asyncio.run(run())
-
+    if server.signalled is not None:
+        raise KeyboardInterrupt(server.signalled)

@@ -1,15 +1,18 @@
 """Bounded shutdown of everything `pdserve up` started, whatever killed it.
 
-`kill -TERM -- -PGID` (timeout, shells, supervisors) signals Ray's own daemons too: GCS and
-raylet die first, and every Ray call the driver then makes (kill an actor, remove a placement
-group, `ray.shutdown`) waits a minute for the GCS to come back. So shutdown never trusts Ray:
+`kill -TERM -- -PGID` (timeout, shells, supervisors) signals Ray's own daemons too: the GCS
+stops serving at once (and does not exit while the driver lives), the raylet waits for it, and
+every Ray call the driver then makes that needs the GCS (kill an actor, remove a placement
+group, `ray.shutdown`) waits until the GCS comes back. So shutdown never trusts Ray:
 
 1. `ProcessTracker` records, every second, the processes below this one (GCS, raylet, the
    worker actors that the raylet spawned in their own process groups). A process reparented
-   away when its raylet died is still in the record.
+   away when its raylet died is still in the record. `end_all` ends them the way
+   `ray.shutdown` ends Ray's processes (SIGTERM, a grace, SIGKILL), with no call to Ray.
 2. `RayWatchdog` notices Ray dying under the driver (a local GCS or raylet gone, or the GCS
    port of a joined cluster unreachable for a few seconds) and raises SIGTERM in the driver,
-   so that the same shutdown path runs.
+   so that the same shutdown path runs; once a stop was asked for it stays quiet (a signal to
+   the process group takes Ray's daemons down with the rest, as it should).
 3. `run_bounded(fn, timeout_s)` runs each Ray cleanup step in a daemon thread and gives up
    on it at its deadline; what is left is SIGKILLed from the record (`kill_leftovers`).
 4. `HardDeadline`: if the whole shutdown is not over by its deadline, the leftovers are
@@ -92,6 +95,21 @@ class ProcessTracker:
                 continue
         return out
 
+    def end_all(self, grace_s: float, kill_wait_s: float = 5.0) -> tuple[list[str], list[str]]:
+        """Ends every recorded process still running as `ray.shutdown` ends Ray's: SIGTERM, up to
+        `grace_s` to exit, SIGKILL for the rest, all at once (Ray does it one process after the
+        other). A killed process may take seconds to go on a loaded machine (the kernel frees a
+        model's memory): each gets up to `kill_wait_s`. Returns ('pid name' of those that got
+        SIGKILL, of those still running after `kill_wait_s`)."""
+        self.scan()
+        running = self.alive()
+        for p in running:
+            _signal(p, signal.SIGTERM)
+        stayed = wait_gone(running, grace_s)
+        killed = [f"{p.pid} {_name(p)}" for p in stayed if _signal(p, signal.SIGKILL)]
+        left = [f"{p.pid} {_name(p)}" for p in wait_gone(stayed, kill_wait_s)]
+        return killed, left
+
     def kill_leftovers(self, sig: int = signal.SIGKILL) -> list[str]:
         """Sends `sig` to every recorded process still running; returns 'pid name' of each."""
         self.scan()
@@ -103,6 +121,21 @@ class ProcessTracker:
             except psutil.Error:
                 continue
         return killed
+
+
+def _signal(p: psutil.Process, sig: int) -> bool:
+    try:
+        p.send_signal(sig)
+        return True
+    except psutil.Error:
+        return False
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name()
+    except psutil.Error:
+        return "?"
 
 
 def run_bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> bool:
@@ -139,15 +172,19 @@ class RayWatchdog:
     """Raises `SIGTERM` in this process once Ray is gone (module docstring, step 2).
 
     `tracker`: for a Ray we started, the GCS and raylet processes it recorded; `gcs_address`:
-    for a joined cluster, checked by connecting to it; `misses` checks in a row must fail."""
+    for a joined cluster, checked by connecting to it; `misses` checks in a row must fail.
+    `stopping`: set once a stop was asked for (a signal); from then on Ray going away is part of
+    the stop, not news: the watchdog neither logs it nor raises SIGTERM again."""
 
     def __init__(self, tracker: ProcessTracker | None, gcs_address: str | None, *, interval_s: float = 1.0,
-                 misses: int = 3, on_dead: Callable[[str], None] | None = None) -> None:
+                 misses: int = 3, on_dead: Callable[[str], None] | None = None,
+                 stopping: threading.Event | None = None) -> None:
         self.tracker = tracker
         self.gcs_address = gcs_address
         self.interval_s = interval_s
         self.misses = misses
         self.on_dead = on_dead or _raise_sigterm
+        self.stopping = stopping
         self.dead_reason: str | None = None
         self._daemons = {p.pid for p in tracker.alive(RAY_DAEMONS)} if tracker is not None else set()
         self._stop = threading.Event()
@@ -173,9 +210,13 @@ class RayWatchdog:
     def _run(self) -> None:
         missed = 0
         while not self._stop.wait(self.interval_s):
+            if self.stopping is not None and self.stopping.is_set():
+                return
             reason = self.check()
             missed = missed + 1 if reason else 0
             if reason and (missed >= self.misses or self._daemons):
+                if self.stopping is not None and self.stopping.is_set():
+                    return  # asked to stop meanwhile: the signal took Ray down too
                 self.dead_reason = reason
                 logger.error("%s; shutting down", reason)
                 self.on_dead(reason)
@@ -229,6 +270,14 @@ def wait_gone(processes: list[psutil.Process], timeout_s: float) -> list[psutil.
         time.sleep(0.1)
         left = [p for p in left if _running(p)]
     return left
+
+
+def pid_running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie awaiting its parent's wait() does not)."""
+    try:
+        return _running(psutil.Process(pid))
+    except psutil.Error:
+        return False
 
 
 def _running(p: psutil.Process) -> bool:

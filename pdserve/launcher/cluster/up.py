@@ -6,9 +6,13 @@
 4. Serve the router (HTTP) over a `RayDirectory` of the actors; with `--autoscale`, the planner
    loop runs beside it on the router's event loop (`pdserve.launcher.autoscale.loop`) and resizes the pools.
 5. On Ctrl-C or SIGTERM, at any step, to this process or to its whole process group, or when
-   Ray dies under it: stop the router, stop and kill the actors, remove the placement groups,
-   shut Ray down if we started it; every step is bounded, and whatever is left of the
-   processes we started is killed, so that all is gone within 15 s (`pdserve.launcher.cluster.shutdown`).
+   Ray dies under it: the router drains, aborts what is left and closes while the workers'
+   servers stop (all at once; none waits for its engine's step in progress). A Ray we started
+   then ends with its processes, as `ray.shutdown` ends them but without a call to Ray (a
+   signal to the process group has reached its GCS and raylet too, which then answer nothing);
+   on a joined cluster the actors are killed and the placement groups removed. Every step is
+   bounded, and whatever is left of the processes we started is killed (and said so), so that
+   all is gone within 15 s (`pdserve.launcher.cluster.shutdown`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import math
 import os
 import socket
 import sys
+import threading
 import time
 
 from pdserve.launcher.cluster.config import UpConfig, router_mode
@@ -268,7 +273,8 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
 
     from pdserve.launcher.cluster.shutdown import ProcessTracker, RayWatchdog
 
-    install_shutdown_signals()
+    stopping = threading.Event()  # set at the first SIGINT/SIGTERM
+    install_shutdown_signals(stopping.set)
     started_ray = config.address is None  # ours to shut down, even if interrupted while starting
     tracker = ProcessTracker().start() if started_ray else None  # what we may kill at the end
     watchdog: RayWatchdog | None = None
@@ -276,10 +282,11 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
     code = 0
     try:
         _start_ray(config)
-        install_shutdown_signals()  # ray.init installs its own SIGTERM handler
+        install_shutdown_signals(stopping.set)  # ray.init installs its own SIGTERM handler
         if tracker is not None:
             tracker.scan()
-        watchdog = RayWatchdog(tracker, None if started_ray else ray.get_runtime_context().gcs_address).start()
+        watchdog = RayWatchdog(tracker, None if started_ray else ray.get_runtime_context().gcs_address,
+                               stopping=stopping).start()
         gpus = ray.cluster_resources().get("GPU", 0.0)
         try:
             specs = pool_specs(config, gpus, cluster_token)
@@ -325,7 +332,11 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
             print(f"pdserve up: serving {model.name} at {scheme_host}/v1 ({total} workers, {config.mode}, "
                   f"policy {config.policy}); Ctrl-C to stop", file=sys.stderr, flush=True)
 
-        serve_router(app, backend, settings, on_ready=ready, background=background)
+        def stop_workers() -> None:  # while the router closes: its aborts then wait for no engine step
+            pools.stop_servers(grace_s=SHUTDOWN_WORKERS_S / 2, alive=_worker_alive if started_ray else None)
+
+        serve_router(app, backend, settings, on_ready=ready, background=background, on_signal=stopping.set,
+                     on_drained=stop_workers)
     except KeyboardInterrupt:
         pass
     except ClusterStartError as e:
@@ -348,42 +359,60 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
 # Time budget of the shutdown after the router has stopped (the router's own drain is
 # RouterSettings.graceful_shutdown_s, twice at most); the whole stays under 15 s.
 SHUTDOWN_WORKERS_S = 4.0
-SHUTDOWN_RAY_S = 3.0
 SHUTDOWN_HARD_DEADLINE_S = 8.5
+# what ray.shutdown gives each of its processes between SIGTERM and SIGKILL
+RAY_PROCESS_GRACE_S = 1.0
 
 
 def _shutdown(pools, watchdog, tracker, started_ray: bool) -> bool:
     """Stops the workers and Ray, each step bounded; kills what is left of what we started.
-    False when Ray was gone or a step had to be abandoned (the caller then exits hard)."""
+    False when Ray had died under us or a step had to be abandoned (the caller then exits hard)."""
     import ray
 
     from pdserve.launcher.cluster.shutdown import HardDeadline, run_bounded, wait_gone
 
     deadline = HardDeadline(tracker, SHUTDOWN_HARD_DEADLINE_S).arm()
-    ray_gone = None
+    died = None  # why Ray died under us, before any stop was asked for
     if watchdog is not None:
         watchdog.stop()
-        ray_gone = watchdog.dead_reason or watchdog.check()
-    clean = ray_gone is None
+        died = watchdog.dead_reason
+    clean = died is None
     if ray.is_initialized():
-        print("pdserve up: shutting down" + (f" ({ray_gone})" if ray_gone else ""), file=sys.stderr, flush=True)
+        print("pdserve up: shutting down" + (f" ({died})" if died else ""), file=sys.stderr, flush=True)
     start = time.monotonic()
     if pools is not None and clean:
-        clean = run_bounded(lambda: pools.shutdown(grace_s=SHUTDOWN_WORKERS_S / 2), SHUTDOWN_WORKERS_S,
-                            "stopping the workers")
+        # done already when the router ran its on_drained; direct calls to the actors, no GCS needed
+        alive = _worker_alive if started_ray else None
+        clean = run_bounded(lambda: pools.stop_servers(grace_s=SHUTDOWN_WORKERS_S / 2, alive=alive),
+                            SHUTDOWN_WORKERS_S, "stopping the workers")
         logger.info("workers stopped in %.2fs", time.monotonic() - start)
-    if started_ray and ray.is_initialized() and clean:
-        clean = run_bounded(ray.shutdown, SHUTDOWN_RAY_S, "ray.shutdown")
-        logger.info("ray.shutdown done %.2fs into the shutdown", time.monotonic() - start)
-    if tracker is not None:
+    if not started_ray:
+        if pools is not None and clean and ray.is_initialized():
+            clean = run_bounded(lambda: pools.shutdown(grace_s=SHUTDOWN_WORKERS_S / 2), SHUTDOWN_WORKERS_S,
+                                "removing the workers from the Ray cluster")
+    elif tracker is not None:
+        # Ray's processes end as ray.shutdown ends them, without its calls to a GCS that a signal
+        # to our process group may have stopped already (it then answers none, and never exits)
         tracker.stop()
-        left = wait_gone(tracker.alive(), 1.0 if clean else 0.0)
-        if left:
-            killed = tracker.kill_leftovers()
+        killed, left = tracker.end_all(RAY_PROCESS_GRACE_S)
+        logger.info("Ray and the workers ended %.2fs into the shutdown%s", time.monotonic() - start,
+                    f" ({len(killed)} after their grace: {', '.join(killed)})" if killed else "")
+        if not clean and killed:
             logger.warning("killed what was left of the cluster: %s", ", ".join(killed))
-            wait_gone(left, 2.0)
+        if left:
+            logger.warning("still running after SIGKILL: %s", ", ".join(left))
+            clean = False
+        wait_gone(tracker.alive(), 1.0)
     deadline.cancel()
     return clean
+
+
+def _worker_alive(worker) -> bool:
+    """Whether a worker of a Ray we started (this machine alone) still runs: False once its
+    process is gone (with the raylet that a signal to our process group stopped, say)."""
+    from pdserve.launcher.cluster.shutdown import pid_running
+
+    return worker.pid is None or pid_running(worker.pid)
 
 
 def _describe(specs) -> str:

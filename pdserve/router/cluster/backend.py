@@ -174,6 +174,7 @@ class ClusterBackend:
         self._flights: dict[str, Flight] = {}
         self._started = False
         self._closed = False
+        self._draining = False  # shutting down (`drain`): requests still run, none is placed again
         self._start_lock = asyncio.Lock()
 
     # ---------------------------------------------------------------- lifecycle
@@ -188,6 +189,11 @@ class ClusterBackend:
             await self.pool.start()
             self._started = True
             self.network.start()
+
+    def drain(self) -> None:
+        """Shutting down: live requests may still finish, but one whose worker fails from now on
+        ends (ServiceUnavailable) instead of moving to another worker; `close` ends the rest."""
+        self._draining = True
 
     async def close(self) -> None:
         """Aborts live requests (bounded), stops the monitor and closes every connection."""
@@ -364,7 +370,7 @@ class ClusterBackend:
                 if flight.aborted:
                     yield flight.aborted_output()
                     return
-                if self._closed:
+                if self._closed or self._draining:
                     raise ServiceUnavailable("The backend is shutting down.") from exc
                 if isinstance(exc, KVTransferDeadline) and decision.kind == "disaggregated":
                     logger.warning("request %s: %s; prefilling on %s instead",
