@@ -2,9 +2,10 @@
 
 `ModelConfig` describes the shape of a decoder model (the Llama family, Qwen3, and the
 mixture-of-experts families, whose sparse MLP is a `MoEConfig`), whatever it was loaded from.
-`CacheConfig`, `SchedulerConfig` and `EngineConfig` describe how the engine runs it; the
-engine's switches (overlapped steps, CUDA graphs, warm-up, experimental fp8 KV) are fields
-here, passed down, never read from the environment below the CLI (`pdserve.engine_args`).
+`CacheConfig`, `SchedulerConfig`, `KernelConfig` and `EngineConfig` describe how the engine
+runs it; the engine's switches (overlapped steps, CUDA graphs, warm-up, experimental fp8 KV) and
+the kernels' settings are fields here, passed down, never read from the environment below the
+CLI (`pdserve.engine_args`).
 Unknown keys and bad values raise `ValueError` naming the key.
 """
 
@@ -225,6 +226,15 @@ def resolve_scheduler(config: SchedulerConfig, device_type: str) -> tuple[Schedu
 
 
 @dataclass(frozen=True)
+class KernelConfig:
+    """The kernels' settings. They are process-wide: the engine sets them when it starts
+    (`pdserve.kernels.dispatch.configure`, which refuses a bad value by name)."""
+
+    backend: str = "auto"  # auto | torch | triton (auto: Triton on CUDA when it imports, else the torch references)
+    prefill_attention: str = "auto"  # auto | dense | paged (pdserve.kernels.prefill_attention.dense_applies)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2"
     tokenizer: str | None = None  # a tokenizer spec that replaces the model's own (pdserve.loaders)
@@ -245,6 +255,9 @@ class EngineConfig:
     # mixture-of-experts models at tensor_parallel_size N: the experts are divided among the N
     # ranks (each holds E / N whole experts) instead of each expert's width split N ways
     expert_parallel: bool = False
+    # None: the process's PDSERVE_KERNEL_BACKEND and PDSERVE_PREFILL_ATTENTION, read when the engine
+    # starts (`pdserve.engine_args.kernel_config`); the CLI fills it in
+    kernels: KernelConfig | None = None
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -260,7 +273,7 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
         """Builds a config from nested dicts; unknown keys raise ValueError naming the key."""
-        nested = {"cache": CacheConfig, "scheduler": SchedulerConfig}
+        nested = {"cache": CacheConfig, "scheduler": SchedulerConfig, "kernels": KernelConfig}
         known = {f.name for f in dataclasses.fields(cls)}
         kwargs: dict[str, Any] = {}
         for key, value in data.items():

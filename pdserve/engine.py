@@ -40,6 +40,8 @@ import torch
 
 from pdserve.block_manager import BlockManager
 from pdserve.config import EngineConfig, ModelConfig, resolve_scheduler
+from pdserve.engine_args import kernel_config
+from pdserve.kernels import dispatch as kernel_dispatch
 from pdserve.loaders import ModelSource, load_model_source
 from pdserve.model_runner import ModelRunner, resolve_device, resolve_dtype
 from pdserve.parallel.errors import TPRankError
@@ -71,10 +73,14 @@ class NoKVSpaceError(RuntimeError):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+        # the kernels' settings are the process's: set here, before the first kernel (none given:
+        # the process's environment, as the CLI reads it)
+        kernels = config.kernels if config.kernels is not None else kernel_config()
+        kernel_dispatch.configure(kernels.backend, kernels.prefill_attention)
         self.device = resolve_device(config.device)
         scheduler_config, chosen = resolve_scheduler(config.scheduler, self.device.type)
         logger.info("engine: %s", chosen)
-        config = dataclasses.replace(config, scheduler=scheduler_config)
+        config = dataclasses.replace(config, scheduler=scheduler_config, kernels=kernels)
         self.config = config
         source = source if source is not None else load_model_source(config.model, config.tokenizer)
         self.model_config: ModelConfig = source.config

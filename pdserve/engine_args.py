@@ -5,9 +5,11 @@
 
 The engine's switches are flags too (`--[no-]overlap-steps`, `--[no-]cuda-graphs`,
 `--[no-]warmup`, `--experimental-fp8-kv`, `--[no-]prefill-graphs`). Each may also be set by an environment variable
-(`ENGINE_ENV`), read here and nowhere below: a switch not given (None) takes the variable's
-value when it is set, else its default, in `resolve_switches`. A flag or a config-file key
-wins over the variable.
+(`ENGINE_ENV`, read through `pdserve.environment` here and nowhere below): a switch not given
+(None) takes the variable's value when it is set, else its default, in `resolve_switches`. A
+flag or a config-file key wins over the variable. The kernels' settings have no flag: their
+variables (PDSERVE_KERNEL_BACKEND, PDSERVE_PREFILL_ATTENTION) are read here too, into
+`EngineConfig.kernels` (`kernel_config`).
 
 `max_num_batched_tokens` and `max_num_seqs` not given stay None here: the engine fills them
 in for its device (`pdserve.config.resolve_scheduler`).
@@ -16,11 +18,11 @@ in for its device (`pdserve.config.resolve_scheduler`).
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, SchedulerConfig
+from pdserve import environment
+from pdserve.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
 
 ENGINE_DEFAULTS: dict[str, Any] = {
     "model": "smollm2",
@@ -55,24 +57,24 @@ ENGINE_ENV: dict[str, str] = {
     "experimental_fp8_kv": "PDSERVE_EXPERIMENTAL_FP8_KV",
     "prefill_graphs": "PDSERVE_PREFILL_GRAPHS",
 }
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
 def resolve_switches(values: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> dict[str, bool]:
     """The engine switches: each given value (True/False), else its ENGINE_ENV variable when set
     (1/0, true/false, yes/no, on/off), else SWITCH_DEFAULTS; ValueError naming a bad variable.
-    The one place the engine's environment variables are read."""
-    env = os.environ if environ is None else environ
+    The one place the engine's switch variables are read."""
     out: dict[str, bool] = {}
     for key, default in SWITCH_DEFAULTS.items():
         value = values.get(key)
-        if value is None and env.get(ENGINE_ENV[key]) is not None:
-            text = env[ENGINE_ENV[key]].strip().lower()
-            if text not in _TRUE + _FALSE:
-                raise ValueError(f"{ENGINE_ENV[key]} must be 0 or 1, got {env[ENGINE_ENV[key]]!r}")
-            value = text in _TRUE
+        if value is None and environment.is_set(ENGINE_ENV[key], environ):
+            value = environment.get(ENGINE_ENV[key], environ)
         out[key] = default if value is None else bool(value)
     return out
+
+
+def kernel_config(environ: Mapping[str, str] | None = None) -> KernelConfig:
+    """The kernels' settings from PDSERVE_KERNEL_BACKEND and PDSERVE_PREFILL_ATTENTION (auto when
+    unset); ValueError naming a bad variable."""
+    return KernelConfig(backend=environment.get("PDSERVE_KERNEL_BACKEND", environ),
+                        prefill_attention=environment.get("PDSERVE_PREFILL_ATTENTION", environ))
 
 
 def int_arg(flag: str):
@@ -175,7 +177,7 @@ def add_tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
     """Keyword arguments of `pdserve.llm.LLM` from parsed engine flags (switches not given: the
-    environment, `resolve_switches`)."""
+    environment, `resolve_switches`; the kernels': `kernel_config`)."""
     v = vars(args) if isinstance(args, argparse.Namespace) else args
     sw = resolve_switches(v)
     return dict(model=v["model"], tokenizer=v.get("tokenizer"), dtype=v["dtype"], device=v["device"],
@@ -187,12 +189,13 @@ def engine_kwargs(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any
                 max_num_seqs=v["max_num_seqs"], enable_prefix_caching=not v["no_prefix_caching"],
                 compile=v.get("compile", False), packed_weights=not v.get("no_packed_weights", False),
                 kv_cache_dtype=v.get("kv_cache_dtype", "auto"),
-                tensor_parallel_size=v.get("tensor_parallel_size", 1), expert_parallel=v.get("expert_parallel", False))
+                tensor_parallel_size=v.get("tensor_parallel_size", 1), expert_parallel=v.get("expert_parallel", False),
+                kernels=kernel_config())
 
 
 def engine_config(values: argparse.Namespace | Mapping[str, Any], role: str = "mixed") -> EngineConfig:
     """The `EngineConfig` of one worker from engine flag values (ValueError names a bad value;
-    switches not given: the environment, `resolve_switches`)."""
+    switches not given: the environment, `resolve_switches`; the kernels': `kernel_config`)."""
     v = vars(values) if isinstance(values, argparse.Namespace) else values
     sw = resolve_switches(v)
     return EngineConfig(
@@ -210,4 +213,5 @@ def engine_config(values: argparse.Namespace | Mapping[str, Any], role: str = "m
                                   max_num_seqs=v["max_num_seqs"], role=role),
         tensor_parallel_size=v.get("tensor_parallel_size", 1),
         expert_parallel=v.get("expert_parallel", False),
+        kernels=kernel_config(),
     )

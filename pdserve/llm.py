@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 from tqdm import tqdm
 
-from pdserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from pdserve.config import CacheConfig, EngineConfig, KernelConfig, SchedulerConfig
 from pdserve.engine import LLMEngine
 from pdserve.sampling_params import SamplingParams, TokenLogprob
 
@@ -40,10 +40,13 @@ class LLM:
                  max_num_seqs: int | None = None, enable_prefix_caching: bool = True, compile: bool = False,
                  packed_weights: bool = True, kv_cache_dtype: str = "auto", overlap_steps: bool = True,
                  enforce_eager: bool = False, experimental_fp8_kv: bool = False,
-                 prefill_graphs: bool = True, tensor_parallel_size: int = 1, expert_parallel: bool = False) -> None:
+                 prefill_graphs: bool = True, tensor_parallel_size: int = 1, expert_parallel: bool = False,
+                 kernels: KernelConfig | None = None) -> None:
         """`tensor_parallel_size` N > 1: the model is split over N ranks, this process being
         rank 0 and N - 1 local processes the others (pdserve.parallel); `close()` stops them.
-        `expert_parallel`: a mixture-of-experts model's experts are divided among those ranks."""
+        `expert_parallel`: a mixture-of-experts model's experts are divided among those ranks.
+        `kernels`: the kernels' settings, this process's (None: from its environment,
+        PDSERVE_KERNEL_BACKEND and PDSERVE_PREFILL_ATTENTION, when the engine starts)."""
         # max_num_batched_tokens / max_num_seqs None: the device's defaults (pdserve.config.SCHEDULER_DEFAULTS)
         config = EngineConfig(
             model=model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, max_model_len=max_model_len,
@@ -57,7 +60,7 @@ class LLM:
             scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                       max_num_seqs=max_num_seqs),
             tensor_parallel_size=tensor_parallel_size,
-            expert_parallel=expert_parallel,
+            expert_parallel=expert_parallel, kernels=kernels,
         )
         self.engine = LLMEngine(config)
         self.tokenizer = self.engine.tokenizer

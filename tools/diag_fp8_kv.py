@@ -35,7 +35,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
-        os.environ["PDSERVE_KERNEL_BACKEND"] = "triton"
+        from pdserve.kernels import dispatch
+
+        dispatch.configure(backend="triton")  # the interpreter's kernels where a function dispatches
 
     import torch
 

@@ -10,9 +10,7 @@ dequantized on the fly.
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -20,11 +18,10 @@ import torch.nn.functional as F
 from pdserve.kernels._jit import TritonKernels, cdiv, check_head_dim, check_tensor, next_power_of_2
 from pdserve.kernels import kv_quant
 from pdserve.kernels.cache import fp8_kernel_args
-from pdserve.kernels.dispatch import kernel_backend
+from pdserve.kernels.dispatch import kernel_backend, settings
 from pdserve.kernels.prefill_attention_dense import _query_tile, _softmax_update  # noqa: F401 (JIT helpers)
 from pdserve.kernels.prefill_attention_dense import dense_prefill_attention_triton
 
-DENSE_ENV = "PDSERVE_PREFILL_ATTENTION"  # auto | dense | paged (see dense_applies)
 
 tl = None  # bound to triton.language on the first launch (kernels._jit)
 
@@ -286,20 +283,13 @@ def dense_applies(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether a step whose prefills all start at position 0 reads the keys and values of
     its own k/v (kernels.prefill_attention_dense) rather than the paged cache: on CUDA with
     the Triton kernels, a cache that is not FP8 (whose decode would read the quantized
-    values). PDSERVE_PREFILL_ATTENTION=paged turns it off; =dense also takes it off CUDA
+    values). The process's prefill attention setting (`dispatch.configure`, from
+    PDSERVE_PREFILL_ATTENTION at the edge) "paged" turns it off; "dense" also takes it off CUDA
     (the Triton interpreter, in tests)."""
-    choice = _dense_choice(os.environ.get(DENSE_ENV, "auto"))
+    choice = settings().prefill_attention
     if choice == "paged" or k_cache.dtype != q.dtype or kernel_backend(q.device) != "triton":
         return False
     return q.is_cuda or choice == "dense"
-
-
-@functools.lru_cache(maxsize=8)
-def _dense_choice(value: str) -> str:
-    choice = value.strip().lower()
-    if choice not in ("auto", "dense", "paged"):
-        raise ValueError(f"{DENSE_ENV} must be auto, dense or paged; got {value!r}")
-    return choice
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -41,7 +41,8 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from pdserve.config import EngineConfig
+from pdserve.config import EngineConfig, KernelConfig
+from pdserve.kernels import dispatch as kernel_dispatch
 from pdserve.loaders import ModelSource, load_model_source
 from pdserve.model_runner import ModelRunner, StepChannel, resolve_device, resolve_dtype
 from pdserve.parallel.comm import DEFAULT_TIMEOUT_S, TPComm
@@ -285,6 +286,8 @@ def _terminate(procs: dict) -> None:
 def follower_main(spec: _RankSpec, conn: Connection) -> None:
     """Rank `spec.rank` (>= 1): joins the group, loads its shard, runs what rank 0 publishes."""
     try:
+        kernels = spec.config.kernels or KernelConfig()  # rank 0's engine resolved them
+        kernel_dispatch.configure(kernels.backend, kernels.prefill_attention)
         device = rank_device(spec.config, spec.rank)
         if spec.config.seed is not None:
             torch.manual_seed(spec.config.seed)

@@ -155,6 +155,10 @@ def test_piecewise_steps_with_the_triton_kernels_and_dense_prefill(monkeypatch):
     attention of fresh prompts reads; later chunks take the paged kernel."""
     import importlib
 
+    from pdserve.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_settings", dispatch.settings())  # the engines below set them: restored after
+
     monkeypatch.setenv("PDSERVE_KERNEL_BACKEND", "triton")
     monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", "dense")
     pa = importlib.import_module("pdserve.kernels.prefill_attention")

@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from pdserve.kernels import dispatch
 from pdserve.llm import LLM
 from pdserve.sampling_params import SamplingParams
 
@@ -18,6 +19,13 @@ from .test_model_vs_transformers import prompts
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="interprets the Triton kernels on CPU (the GPU path: test_model_gpu.py)")
+
+
+@pytest.fixture(autouse=True)
+def kernel_settings_restored(monkeypatch):
+    """The engines here set the process's kernel settings from the variables when they start
+    (EngineConfig.kernels None): as they were again after each test."""
+    monkeypatch.setattr(dispatch, "_settings", dispatch.settings())
 
 
 def run(path: str, monkeypatch, mode: str, batch: list[list[int]]):

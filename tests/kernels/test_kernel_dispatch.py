@@ -1,3 +1,6 @@
+"""Which backend the kernels run: forced, else the process's (`dispatch.configure`, which the
+engine calls from EngineConfig.kernels; the CLI reads PDSERVE_KERNEL_BACKEND into it), else auto."""
+
 import subprocess
 import sys
 
@@ -5,13 +8,30 @@ import pytest
 import torch
 
 from pdserve import kernels
+from pdserve.engine_args import kernel_config
 from pdserve.kernels import dispatch, norm
-from pdserve.kernels.dispatch import ENV_VAR, force_backend, kernel_backend
+from pdserve.kernels.dispatch import force_backend, kernel_backend
+
+ENV_VAR = "PDSERVE_KERNEL_BACKEND"
+
+
+@pytest.fixture(autouse=True)
+def process_settings():
+    """Each test starts from the defaults and leaves them (the settings are the process's)."""
+    dispatch.configure()
+    yield
+    dispatch.configure()
 
 
 @pytest.fixture
 def no_env(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
+
+
+def configure_from_env() -> None:
+    """What an engine's start does with the variable (EngineConfig.kernels, read at the edge)."""
+    config = kernel_config()
+    dispatch.configure(config.backend, config.prefill_attention)
 
 
 def test_auto_is_torch_on_cpu(no_env):
@@ -29,11 +49,13 @@ def test_auto_on_cuda_follows_triton_availability(no_env, monkeypatch):
 @pytest.mark.parametrize("value, expected", [("torch", "torch"), ("TORCH", "torch"), (" auto ", "torch")])
 def test_env_choice(monkeypatch, value, expected):
     monkeypatch.setenv(ENV_VAR, value)
+    configure_from_env()
     assert kernel_backend("cpu") == expected
 
 
 def test_env_triton(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "triton")
+    configure_from_env()
     monkeypatch.setattr(dispatch, "triton_available", lambda: True)
     assert kernel_backend("cpu") == "triton"
     monkeypatch.setattr(dispatch, "triton_available", lambda: False)
@@ -44,11 +66,23 @@ def test_env_triton(monkeypatch):
 def test_bad_env_value_names_the_variable(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "cuda")
     with pytest.raises(ValueError, match=ENV_VAR):
-        kernel_backend("cpu")
+        configure_from_env()
+    with pytest.raises(ValueError, match="kernel backend must be one of auto, torch, triton; got 'cuda'"):
+        dispatch.configure("cuda")
+
+
+def test_the_variable_is_read_at_the_edge_not_at_each_dispatch(monkeypatch):
+    """Set after the process configured its kernels, the variable changes nothing below."""
+    monkeypatch.setenv(ENV_VAR, "torch")
+    configure_from_env()
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    monkeypatch.setenv(ENV_VAR, "triton")
+    assert kernel_backend("cpu") == "torch" and dispatch.settings().backend == "torch"
 
 
 def test_force_backend_overrides_env_and_restores(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "torch")
+    configure_from_env()
     monkeypatch.setattr(dispatch, "triton_available", lambda: True)
     with force_backend("triton"):
         assert kernel_backend("cpu") == "triton"

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pdserve import kernels
+from pdserve.kernels import dispatch
 from pdserve.kernels.dispatch import force_backend
 from pdserve.kernels.prefill_attention import dense_applies, prefill_attention_ref
 from pdserve.kernels.prefill_attention_dense import dense_prefill_attention_ref, dense_prefill_attention_triton
@@ -114,20 +115,24 @@ def test_rope_write_kv_rotates_k_in_place(impl, request):
     torch.testing.assert_close(caches[0].view(-1, 2, 32)[slots[rows]], k_rot[rows], rtol=1e-6, atol=1e-6)
 
 
-def test_dense_applies(monkeypatch):
+def test_dense_applies():
+    """The process's prefill attention setting (dispatch.configure; PDSERVE_PREFILL_ATTENTION at
+    the engine's start: tests/engine/test_prefill_dense_model.py)."""
     q = torch.zeros(2, 4, 16)
     cache = torch.zeros(1, 16, 2, 16)
-    monkeypatch.delenv("PDSERVE_PREFILL_ATTENTION", raising=False)
-    assert not dense_applies(q, cache)  # auto: CUDA only
-    with force_backend("triton"):
-        assert not dense_applies(q, cache)
-        monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", "dense")
-        assert dense_applies(q, cache)
-        assert not dense_applies(q, cache.to(kernels.FP8_DTYPE))  # an FP8 cache: the decode reads quantized keys
-        monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", "paged")
-        assert not dense_applies(q, cache)
-        monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", "flash")
-        with pytest.raises(ValueError, match="PDSERVE_PREFILL_ATTENTION must be auto, dense or paged"):
-            dense_applies(q, cache)
-    monkeypatch.setenv("PDSERVE_PREFILL_ATTENTION", "dense")
-    assert not dense_applies(q, cache)  # the torch backend never takes it
+    try:
+        dispatch.configure(prefill_attention="auto")
+        assert not dense_applies(q, cache)  # auto: CUDA only
+        with force_backend("triton"):
+            assert not dense_applies(q, cache)
+            dispatch.configure(prefill_attention="dense")
+            assert dense_applies(q, cache)
+            assert not dense_applies(q, cache.to(kernels.FP8_DTYPE))  # an FP8 cache: the decode reads quantized keys
+            dispatch.configure(prefill_attention="paged")
+            assert not dense_applies(q, cache)
+            with pytest.raises(ValueError, match="prefill attention must be auto, dense or paged; got 'flash'"):
+                dispatch.configure(prefill_attention="flash")
+        dispatch.configure(prefill_attention="dense")
+        assert not dense_applies(q, cache)  # the torch backend never takes it
+    finally:
+        dispatch.configure()
