@@ -55,7 +55,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kvtransfer import trace  # PDSERVE_KV_TRACE=1: print where the time goes
+from pdserve.kvtransfer import settings, trace
+
+# This process's KV plane from its environment (PDSERVE_KV_TRACE=1: print where the time goes; the
+# GIL switch interval, the UCX progress mode): here, and in each child of the spawn context, which
+# imports this module again
+settings.configure(settings.KVSettings.from_environment())
 
 BLOCK_SIZE = 16
 RAW_TAG = 0x5244

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import abc
 import importlib
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -168,19 +167,6 @@ class KVSender(abc.ABC):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def env_positive_int(name: str, default: int, error: type[Exception] = ValueError) -> int:
-    """The environment variable ``name`` as an int >= 1 (``default`` when unset); ``error`` naming
-    it otherwise."""
-    raw = os.environ.get(name, str(default))
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise error(f"{name} must be an int >= 1, got {raw!r}")
-    return value
 
 
 def wire_fp8(layout, precision: str) -> bool:

@@ -1,14 +1,16 @@
 """Time points of every KV message on its way, for finding where a transfer's time goes.
 
-Off unless ``PDSERVE_KV_TRACE=1`` in the process's environment when this module is imported:
-then each ``mark`` appends ``(point, transfer key, first layer, time.monotonic())`` to a bounded
-buffer (the newest 65,536 points), and ``drain`` hands them over. ``time.monotonic`` is one clock
-for every process of a host, so a sender's points and its receiver's line up
-(``benchmarks/bench_kvtransfer.py`` prints the timeline). Off, a mark is one global check.
+Off unless switched on (``configure``, by ``kvtransfer.settings.configure``: a worker's
+``WorkerConfig.kv_settings.trace``, which ``PDSERVE_KV_TRACE=1`` sets at the worker's start, or a
+benchmark's own): then each ``mark`` appends ``(point, transfer key, first layer,
+time.monotonic())`` to a bounded buffer (the newest 65,536 points), and ``drain`` hands them
+over. ``time.monotonic`` is one clock for every process of a host, so a sender's points and its
+receiver's line up (``benchmarks/bench_kvtransfer.py`` prints the timeline). Off, a mark is one
+global check.
 
-A served worker has nobody to drain it: with ``PDSERVE_KV_TRACE_DIR=DIR`` as well, a thread of
-the process appends its points every half second to ``DIR/kv-trace-<pid>.jsonl``, one JSON array
-``[point, key, layer, t]`` a line (``write_points`` is that file's writer).
+A served worker has nobody to drain it: given a dump directory as well (``PDSERVE_KV_TRACE_DIR=DIR``),
+a thread of the process appends its points every half second to ``DIR/kv-trace-<pid>.jsonl``,
+one JSON array ``[point, key, layer, t]`` a line (``write_points`` is that file's writer).
 """
 
 from __future__ import annotations
@@ -20,11 +22,23 @@ import os
 import threading
 import time
 
-ENABLED = os.environ.get("PDSERVE_KV_TRACE") == "1"
-DUMP_DIR = os.environ.get("PDSERVE_KV_TRACE_DIR") or None
+ENABLED = False  # `configure`
+DUMP_DIR: str | None = None
 
 _points: collections.deque = collections.deque(maxlen=1 << 16)
 _lock = threading.Lock()
+_dumping: set[str] = set()  # the directories a dump thread of this process writes to
+
+
+def configure(enabled: bool, dump_dir: str | None = None) -> None:
+    """Switches the marks on or off; on, with `dump_dir`, a daemon thread appends the points to
+    `dump_dir/kv-trace-<pid>.jsonl` every half second (one thread per directory, however often
+    this is called)."""
+    global ENABLED, DUMP_DIR
+    ENABLED, DUMP_DIR = bool(enabled), dump_dir or None
+    if ENABLED and DUMP_DIR and DUMP_DIR not in _dumping:
+        _dumping.add(DUMP_DIR)
+        threading.Thread(target=_dump_forever, args=(DUMP_DIR,), daemon=True, name="kv-trace-dump").start()
 
 
 def mark(point: str, key: int, layer: int = -1) -> None:
@@ -105,6 +119,3 @@ def _dump_forever(directory: str, every_s: float = 0.5) -> None:
                                                 path, e)
             return
 
-
-if ENABLED and DUMP_DIR:
-    threading.Thread(target=_dump_forever, args=(DUMP_DIR,), daemon=True, name="kv-trace-dump").start()

@@ -15,15 +15,19 @@ CPU path: the first sender or receiver that makes the runtime says so) gets
 (UCX 1.21), a receiver whose sender died while it was fetching a message's payload crashed
 in ``ucp_proto_rndv_send_reply`` (SIGSEGV in its progress thread: 1 of 8 kills of a prefill
 worker mid-transfer took its decode worker with it); an eager message has no reply to send.
-CUDA pools keep rendezvous (zero-copy; the same-host pull path sends no payload messages). ``PDSERVE_UCX_PROGRESS_MODE``:
+CUDA pools keep rendezvous (zero-copy; the same-host pull path sends no payload messages).
+
+The process's KV settings (``kvtransfer.settings``, set at the process's start from
+``PDSERVE_UCX_PROGRESS_MODE`` and the others) say the rest: ``ucx_progress_mode``
 ``thread`` (default; the progress thread sleeps in epoll) or ``thread-polling`` (it
-spins: lower latency per message, one core busy). ``PDSERVE_GIL_SWITCH_INTERVAL_S``
+spins: lower latency per message, one core busy). ``gil_switch_interval_s``
 (default 0.0002): the runtime lowers ``sys.setswitchinterval`` to it (never raises it), so
 that the loop thread gets the GIL within that time from a busy engine thread, not within
 5 ms, at each of the few hand-offs every message needs. The UCX libraries must be the
 ``libucx`` wheel's (ucxx loads them by absolute path unless
 ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY`` is true); the runtime checks the loaded
-``libucp`` and raises if it is another one, unless ``PDSERVE_UCX_ALLOW_SYSTEM_LIB=1``.
+``libucp`` and raises if it is another one, unless ``ucx_allow_system_lib``
+(``PDSERVE_UCX_ALLOW_SYSTEM_LIB=1``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import threading
 from typing import Any, Coroutine
 
 from pdserve.kvtransfer.errors import KVTransferError, KVTransferTimeout
+from pdserve.kvtransfer.settings import current as kv_settings
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +78,7 @@ def _check_ucx_library() -> None:
     if loaded is None or loaded.startswith(wheel_dir):
         return
     message = f"ucxx loaded UCX from {loaded}, not from the libucx wheel in {wheel_dir}"
-    if os.environ.get("PDSERVE_UCX_ALLOW_SYSTEM_LIB") == "1":
+    if kv_settings().ucx_allow_system_lib:
         logger.warning("%s (allowed by PDSERVE_UCX_ALLOW_SYSTEM_LIB=1)", message)
         return
     raise KVTransferError(message + "; unset RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY / LD_PRELOAD, "
@@ -115,10 +120,7 @@ class UcxRuntime:
     async def _init(self) -> None:
         # on the loop thread: ucxx binds its progress and notifier to the running loop
         try:
-            mode = os.environ.get("PDSERVE_UCX_PROGRESS_MODE", "thread")
-            if mode not in ("thread", "thread-polling"):
-                raise ValueError(f"PDSERVE_UCX_PROGRESS_MODE must be thread or thread-polling, got {mode!r}")
-            self.ucxx.init(progress_mode=mode, enable_python_future=True)
+            self.ucxx.init(progress_mode=kv_settings().ucx_progress_mode, enable_python_future=True)
         except Exception as e:
             raise KVTransferError(f"UCX failed to initialise: {type(e).__name__}: {e}") from e
         self.worker_address = bytes(self.ucxx.get_worker_address())
@@ -175,13 +177,7 @@ class UcxRuntime:
 
 
 def _lower_switch_interval() -> None:
-    value = os.environ.get("PDSERVE_GIL_SWITCH_INTERVAL_S", "0.0002")
-    try:
-        interval = float(value)
-    except ValueError:
-        interval = 0.0
-    if not interval > 0:
-        raise KVTransferError(f"PDSERVE_GIL_SWITCH_INTERVAL_S must be a positive number of seconds, got {value!r}")
+    interval = kv_settings().gil_switch_interval_s
     if interval < sys.getswitchinterval():
         sys.setswitchinterval(interval)
 

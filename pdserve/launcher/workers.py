@@ -17,7 +17,6 @@ A new worker flag is a field of `WorkerSpec` plus its lines in ``add_worker_args
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 from collections.abc import Mapping
@@ -180,17 +179,21 @@ def check_pacing(text: str) -> None:
 
 def worker_config(spec: WorkerSpec, engine: EngineConfig) -> WorkerConfig:
     """The `WorkerConfig` a worker serves with (in its own process or in a Ray actor); the
-    spec's tensor-parallel size is the engine's."""
+    spec's tensor-parallel size is the engine's. The KV plane's variables (PDSERVE_KV_FAULTS,
+    PDSERVE_KV_TRACE, ..., pdserve.environment) are read here, in the process that starts the
+    worker, and travel in the config; ValueError naming a bad one."""
     import dataclasses
 
+    from pdserve import environment
     from pdserve.kvtransfer.faults import FAULTS_ENV, FAULTS_OPTION, parse_faults
     from pdserve.kvtransfer.pacing_spec import PACER_OPTION
+    from pdserve.kvtransfer.settings import KVSettings
     from pdserve.worker.server import WorkerConfig
 
     if engine.tensor_parallel_size != spec.tensor_parallel_size:
         engine = dataclasses.replace(engine, tensor_parallel_size=spec.tensor_parallel_size)
     kv_options: tuple[tuple[str, object], ...] = ((PACER_OPTION, spec.kv_pacing),) if spec.kv_pacing is not None else ()
-    faults = os.environ.get(FAULTS_ENV, "")  # fault injection (tests, experiments/faults.py); off unless set
+    faults = environment.get(FAULTS_ENV)  # fault injection (tests, experiments/faults.py); off unless set
     if faults:
         try:
             parse_faults(faults)
@@ -202,7 +205,7 @@ def worker_config(spec: WorkerSpec, engine: EngineConfig) -> WorkerConfig:
     return WorkerConfig(
         worker_id=spec.worker_id or default_worker_id(spec.role, spec.port), role=spec.role, engine=engine,
         host=spec.host, port=spec.port, kv_backend=spec.kv_backend, kv_host=spec.kv_host or spec.host,
-        kv_interface=spec.kv_interface, kv_options=kv_options,
+        kv_interface=spec.kv_interface, kv_options=kv_options, kv_settings=KVSettings.from_environment(),
         cluster_token=spec.cluster_token, moves_kv=spec.moves_kv)
 
 

@@ -1,6 +1,8 @@
 """A worker's KV plane: the KV sender and receiver it builds over its engine's pools.
 
 `build_kv_plane` (once, after the engine is built and warmed):
+0. settings: the process's KV settings (`WorkerConfig.kv_settings`, kvtransfer.settings: staging,
+   UCX runtime, trace), before the first sender or receiver; none given: the environment's;
 1. layout: every rank's KV heads (worker.kv_routes) and the whole model's KV layout, whose
    fingerprint and `kv_compat` key a peer must share (workers at any two TP degrees of one model
    pair; their endpoints check the head ranges);
@@ -24,6 +26,7 @@ from typing import Protocol
 from pdserve.config import EngineConfig
 from pdserve.kernels.kv_codec import warm_codec
 from pdserve.kvtransfer import WIRE_VERSION, KVLayout, KVReceiver, KVSender, create_receiver, create_sender
+from pdserve.kvtransfer.settings import KVSettings, configure as configure_settings
 from pdserve.worker.kv_push import KVPusher
 from pdserve.worker.kv_routes import RoutedReceiver, RoutedSender, model_layout, rank_heads
 
@@ -43,6 +46,8 @@ class KVSides(Protocol):
     def kv_interface(self) -> str | None: ...
     @property
     def kv_options(self) -> tuple[tuple[str, object], ...]: ...
+    @property
+    def kv_settings(self) -> KVSettings | None: ...
     @property
     def cluster_token(self) -> str | None: ...
     @property
@@ -67,6 +72,7 @@ class KVPlane:
 def build_kv_plane(config: KVSides, engine, engine_config: EngineConfig) -> KVPlane:
     """The KV plane of a worker of `config` over the pools of `engine`, built from `engine_config`
     (module docstring); sets the engine's layer hook on the prefill side."""
+    configure_settings(config.kv_settings if config.kv_settings is not None else KVSettings.from_environment())
     model = engine_config.model
     kv_caches = engine.runner.kv_caches
     # every rank's KV heads (kv_routes); the fingerprint is the whole model's KV layout, so

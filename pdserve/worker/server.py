@@ -29,6 +29,7 @@ from pdserve.proto.auth import TokenInterceptor, check_token
 from pdserve.proto import worker_pb2_grpc as pb_grpc
 from pdserve.warmup import warm_up
 from pdserve.worker.engine_loop import EngineLoop
+from pdserve.kvtransfer.settings import KVSettings
 from pdserve.worker.kv_plane import build_kv_plane
 from pdserve.worker.servicer import WorkerServicer
 
@@ -49,6 +50,9 @@ class WorkerConfig:
     # the local address KV connections must arrive on (None: kv_host; "any": every interface)
     kv_interface: str | None = None
     kv_options: tuple[tuple[str, object], ...] = ()  # extra backend options (e.g. pacing)
+    # the KV plane's process-wide settings (kvtransfer.settings: staging, UCX runtime, trace);
+    # None: the process's environment, read when the worker builds its KV plane
+    kv_settings: KVSettings | None = None
     # gRPC calls must carry it (pdserve.proto.auth); None: an open request plane
     cluster_token: str | None = field(default=None, repr=False)
     # a mixed worker that also hands its prefilled KV to another worker (Prefill) and takes KV

@@ -67,6 +67,26 @@ def test_defaults_stay_off_the_command_line(monkeypatch):
     assert config.cluster_token is None and config.kv_interface is None  # None: the KV host
 
 
+def test_the_kv_planes_variables_travel_in_the_worker_config(monkeypatch, tmp_path):
+    """Read where the worker is built (worker_config, in the process that starts it), not in the
+    KV plane: the trace, its dump directory, the staging; a bad one is named."""
+    from pdserve.kvtransfer.settings import KVSettings
+
+    for name in ("PDSERVE_KV_TRACE", "PDSERVE_KV_TRACE_DIR", "PDSERVE_KV_RECV_SLOTS", "PDSERVE_UCX_PROGRESS_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    spec = WorkerSpec(role="decode")
+    assert worker_config(spec, EngineConfig()).kv_settings == KVSettings()
+    monkeypatch.setenv("PDSERVE_KV_TRACE", "1")
+    monkeypatch.setenv("PDSERVE_KV_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("PDSERVE_KV_RECV_SLOTS", "3")
+    monkeypatch.setenv("PDSERVE_UCX_PROGRESS_MODE", "thread-polling")
+    assert worker_config(spec, EngineConfig()).kv_settings == KVSettings(
+        recv_slots=3, ucx_progress_mode="thread-polling", trace=True, trace_dir=str(tmp_path))
+    monkeypatch.setenv("PDSERVE_KV_RECV_SLOTS", "none")
+    with pytest.raises(ValueError, match="PDSERVE_KV_RECV_SLOTS must be an int >= 1, got 'none'"):
+        worker_config(spec, EngineConfig())
+
+
 def test_engine_args_win_over_the_device():
     given = WorkerSpec(role="prefill", device="cuda:1", engine_args=("--device", "cpu"))
     assert "--device" not in worker_argv(given)[:-2]

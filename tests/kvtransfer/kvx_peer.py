@@ -93,13 +93,17 @@ class _Child:
         self.sender = kvtransfer.create_sender(self.backend, self.sender_caches, **options)
 
     def setenv(self, name: str, value: str | None):
-        """Set (None: unset) an environment variable of this process."""
+        """Set (None: unset) an environment variable of this process; its KV settings follow it
+        (this process is its own edge: kvtransfer.settings, read before the next receiver)."""
         import os
+
+        from pdserve.kvtransfer import settings
 
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+        settings.configure(settings.KVSettings.from_environment())
 
     def use_backend(self, backend: str):
         """The backend of the receiver and sender opened next (default ``"ucx"``)."""
@@ -118,7 +122,8 @@ class _Child:
         return block_bytes(self.caches, layer, block_ids)
 
     def read_all(self):
-        return [block_bytes(self.caches, layer, list(range(len(self.caches[0][0])))) for layer in range(len(self.caches))]
+        blocks = list(range(len(self.caches[0][0])))
+        return [block_bytes(self.caches, layer, blocks) for layer in range(len(self.caches))]
 
     def metrics(self):
         return self.receiver.metrics()

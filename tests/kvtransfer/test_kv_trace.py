@@ -1,5 +1,6 @@
-"""pdserve.kvtransfer.trace: the time points of a real UCX transfer, in a fresh process (the switch is
-read at import), and the monotonic end times the benchmark lines up across processes."""
+"""pdserve.kvtransfer.trace: the time points of a real UCX transfer, in a fresh process that sets its
+KV plane from its environment at its start (kvtransfer.settings, as a worker or a benchmark does),
+and the monotonic end times the benchmark lines up across processes."""
 
 import json
 import os
@@ -15,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = r"""
 import json, time, torch
 from pdserve import kvtransfer
-from pdserve.kvtransfer import trace
+from pdserve.kvtransfer import settings, trace
+settings.configure(settings.KVSettings.from_environment())
 
 def caches():
     return [(torch.randn(8, 4, 2, 8), torch.randn(8, 4, 2, 8)) for _ in range(3)]
@@ -69,7 +71,8 @@ def test_trace_off_marks_nothing():
 
 DUMP = r"""
 import time
-from pdserve.kvtransfer import trace
+from pdserve.kvtransfer import settings, trace
+settings.configure(settings.KVSettings.from_environment())
 trace.mark("s.flush", 7, 0)
 trace.mark("s.ack", 7)
 time.sleep(1.5)  # the dump thread writes every half second
@@ -97,7 +100,8 @@ def test_a_served_process_dumps_its_points_to_the_trace_dir(tmp_path):
 TRANSFERS = r"""
 import time, torch
 from pdserve import kvtransfer
-from pdserve.kvtransfer import trace
+from pdserve.kvtransfer import settings, trace
+settings.configure(settings.KVSettings.from_environment())
 
 def caches():
     return [(torch.randn(8, 4, 2, 8), torch.randn(8, 4, 2, 8)) for _ in range(3)]

@@ -126,20 +126,19 @@ def test_nixl_write_splits_a_layer_over_slots_and_waits_for_credits(peer):
 
 
 def test_nixl_bad_slot_environment_is_refused_by_name():
-    import os
-
+    """Read at the process's edge (kvtransfer.settings); the staging takes what was read there."""
+    from pdserve.kvtransfer import settings
     from pdserve.kvtransfer.nixl.receiver import _slot_config
 
-    old = os.environ.get("PDSERVE_NIXL_SLOTS")
-    os.environ["PDSERVE_NIXL_SLOTS"] = "zero"
+    with pytest.raises(ValueError, match="PDSERVE_NIXL_SLOTS must be an int >= 1, got 'zero'"):
+        settings.KVSettings.from_environment({"PDSERVE_NIXL_SLOTS": "zero"})
+    before = settings.current()
     try:
-        with pytest.raises(_Err, match="PDSERVE_NIXL_SLOTS"):
-            _slot_config()
+        settings.configure(settings.KVSettings.from_environment({"PDSERVE_NIXL_SLOTS": "2",
+                                                                 "PDSERVE_NIXL_SLOT_BYTES": "4096"}))
+        assert _slot_config() == (4096, 2)
     finally:
-        if old is None:
-            os.environ.pop("PDSERVE_NIXL_SLOTS")
-        else:
-            os.environ["PDSERVE_NIXL_SLOTS"] = old
+        settings.configure(before)
 
 
 def test_nixl_bf16_child_sends_to_parent_in_chunks():

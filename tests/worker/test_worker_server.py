@@ -253,6 +253,28 @@ def test_hybrid_mixed_workers_hand_kv_both_ways_beside_local_runs(reference):
         WorkerConfig("p", "prefill", moves_kv=True)
 
 
+def test_the_workers_config_switches_the_kv_trace(monkeypatch):
+    """The KV plane's settings come with the worker's config (kvtransfer.settings): its trace is on
+    with them, off without; a config without settings takes the process's environment at start."""
+    from pdserve.kvtransfer import settings, trace
+    from pdserve.kvtransfer.settings import KVSettings
+
+    monkeypatch.delenv("PDSERVE_KV_TRACE", raising=False)
+    try:
+        traced = WorkerServer(WorkerConfig("mixed-t", "mixed", engine_config(), kv_backend="fake",
+                                           kv_settings=KVSettings(trace=True, recv_slots=3)))
+        assert trace.ENABLED and settings.current().recv_slots == 3
+        traced.stop()
+        WorkerServer(WorkerConfig("mixed-u", "mixed", engine_config(), kv_backend="fake",
+                                  kv_settings=KVSettings())).stop()
+        assert not trace.ENABLED and settings.current() == KVSettings()
+        monkeypatch.setenv("PDSERVE_KV_TRACE", "1")
+        WorkerServer(WorkerConfig("mixed-v", "mixed", engine_config(), kv_backend="fake")).stop()
+        assert trace.ENABLED
+    finally:
+        settings.configure(KVSettings())
+
+
 def test_generate_reports_the_workers_part_of_the_first_token(workers):
     """The chunk with a Generate call's first token says where the worker's time to it went
     (queue, prefill, hand-off); no other chunk does, nor any chunk of a Decode stream."""

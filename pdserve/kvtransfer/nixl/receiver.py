@@ -53,8 +53,9 @@ import torch
 from pdserve.kernels.kv_quant import fp8_block_rows
 from pdserve.kvtransfer import auth, trace
 from pdserve.kvtransfer import layout as wire
-from pdserve.kvtransfer.base import KVCaches, TransferResult, env_positive_int
+from pdserve.kvtransfer.base import KVCaches, TransferResult
 from pdserve.kvtransfer.errors import KVTransferError
+from pdserve.kvtransfer.settings import current as kv_settings
 from pdserve.kvtransfer.layout import (
     CHECKSUM,
     CHECKSUM_BYTES,
@@ -90,9 +91,9 @@ logger = logging.getLogger(__name__)
 
 
 def _slot_config() -> tuple[int, int]:
-    """(slot bytes, slots) of a WRITE connection's staging, from the environment."""
-    return (env_positive_int("PDSERVE_NIXL_SLOT_BYTES", 16 << 20, KVTransferError),
-            env_positive_int("PDSERVE_NIXL_SLOTS", 4, KVTransferError))
+    """(slot bytes, slots) of a WRITE connection's staging, from the process's KV settings."""
+    settings = kv_settings()
+    return settings.nixl_slot_bytes, settings.nixl_slots
 
 
 class _RecvConn:

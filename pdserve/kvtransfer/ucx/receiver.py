@@ -53,9 +53,10 @@ from pdserve.kvtransfer.auth import (
     sender_proof,
     verify,
 )
-from pdserve.kvtransfer.base import KVCaches, env_positive_int
+from pdserve.kvtransfer.base import KVCaches
 from pdserve.kvtransfer.errors import KVTransferError
 from pdserve.kvtransfer.ipc import MAX_DESCRIPTOR_BYTES, import_pools
+from pdserve.kvtransfer.settings import current as kv_settings
 from pdserve.kvtransfer.layout import (
     BLOCK_ID_BYTES,
     CHECKSUM,
@@ -87,7 +88,7 @@ logger = logging.getLogger(__name__)
 
 
 def _recv_slots() -> int:
-    return env_positive_int("PDSERVE_KV_RECV_SLOTS", 8)
+    return kv_settings().recv_slots  # PDSERVE_KV_RECV_SLOTS, at the process's start
 
 
 class _Conn:

@@ -244,7 +244,10 @@ def run_up(config: UpConfig, log_level: str = "warning") -> int:
     )
     from pdserve.engine_args import engine_config
 
+    from pdserve.kvtransfer.settings import KVSettings
+
     engine_config(config.engine_values())  # bad engine values fail here, before Ray starts
+    KVSettings.from_environment()  # and bad KV plane variables (the workers' config takes them)
     check_tensor_parallel_pools(config, _local_gpus(config))
     check_listen(config.host, config.port)
     autoscale_profile = _autoscale_profile(config)
