@@ -23,6 +23,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from pdserve import environment
+
 logger = logging.getLogger(__name__)
 
 _REPLACEMENT_CHAR = "\ufffd"
@@ -250,12 +252,9 @@ _HASHED_HEAD_BYTES = 16 << 20  # the GGUF's metadata (vocabulary, merges, templa
 def cache_root() -> str | None:
     """Where pdserve keeps what it derives from a model file (GGUF tokenizers): `$PDSERVE_CACHE_DIR`,
     else `$XDG_CACHE_HOME/pdserve`, else `~/.cache/pdserve`; None when `PDSERVE_CACHE_DIR` is set
-    empty (no cache)."""
-    explicit = os.environ.get("PDSERVE_CACHE_DIR")
-    if explicit is not None:
-        return explicit or None
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "pdserve")
+    empty (no cache). The user's cache, like the HOME it defaults to: read when a tokenizer is
+    converted, through pdserve.environment."""
+    return environment.cache_root()
 
 
 def _gguf_tokenizer_cache_dir(path: str) -> str | None:

@@ -11,13 +11,14 @@ Everything lives in one namespace, `pdserve`, whose `__init__` imports nothing:
     5. the engine and everything else in pdserve/ (protocol, shared request types, loaders, ...)
     6. pdserve.kernels
     7. pdserve.loadgen.yamlconfig, the one reader of configuration files: it imports only
-       pydantic and yaml, so every package may use it
+       pydantic and yaml, so every package may use it; and pdserve.environment, the one reader
+       of environment variables, which imports only the standard library
 
 Every `import` and `from ... import` is read with `ast`, wherever it stands (module level, in a
 function, under TYPE_CHECKING); importing `a.b.c` also runs the packages `a` and `a.b`, so
-those count too. pdserve.loadgen imports nothing else of the namespace (it measures any OpenAI
-server); pdserve.sim imports the router's placement and nothing else of it. No file of the
-namespace is in an import circle.
+those count too. pdserve.loadgen imports nothing else of the namespace but the environment
+module (it measures any OpenAI server); pdserve.sim imports the router's placement and nothing
+else of it. No file of the namespace is in an import circle.
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ import ast
 import os
 import subprocess
 import sys
-
-import pytest
 
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,9 +46,10 @@ LAYERS: dict[str, int] = {
     "pdserve": 5,
     "pdserve.kernels": 6,
     "pdserve.loadgen.yamlconfig": 7,
+    "pdserve.environment": 7,
 }
 LAYER_NAMES = {1: "composition root", 2: "router", 3: "placement", 4: "worker/kvtransfer", 5: "engine", 6: "kernels",
-               7: "config reader"}
+               7: "config readers"}
 
 
 def layer_of(module: str) -> int | None:
@@ -137,11 +137,12 @@ def test_no_module_imports_from_a_layer_above_it():
 
 
 def test_loadgen_imports_none_of_the_server_packages():
+    """(pdserve.environment, the reader of the variables it takes too, imports only the standard library.)"""
     violations = [
         f"{module} imports {target}"
         for module, path in modules("pdserve.loadgen").items()
         for target, _ in imported_modules(module, path)
-        if ours(target) and target != ROOT and not target.startswith("pdserve.loadgen")
+        if ours(target) and target not in (ROOT, "pdserve.environment") and not target.startswith("pdserve.loadgen")
     ]
     assert not violations
 
@@ -184,7 +185,8 @@ def test_router_http_and_cluster_sides_do_not_import_each_other():
     violations = [
         f"{os.path.relpath(path, REPO)}:{line}: {module} imports {target}"
         for module, path, target, line in _imports_of("pdserve.router")
-        for side, other in (("pdserve.router.http", "pdserve.router.cluster"), ("pdserve.router.cluster", "pdserve.router.http"))
+        for side, other in (("pdserve.router.http", "pdserve.router.cluster"),
+                            ("pdserve.router.cluster", "pdserve.router.http"))
         if (module == side or module.startswith(side + ".")) and (target == other or target.startswith(other + "."))
     ]
     assert not violations, "\n".join(violations)
@@ -283,12 +285,14 @@ def test_the_check_catches_an_upward_import(tmp_path):
     assert layer_of("pdserve.engine_mod") == 5 and layer_of("pdserve.router.http.server") == 2
     rel = tmp_path / "__init__.py"
     rel.write_text("from .sub import x\nfrom . import other\n")
-    assert {"pdserve.worker.sub", "pdserve.worker.other"} <= {t for t, _ in imported_modules("pdserve.worker", str(rel))}
+    found = {t for t, _ in imported_modules("pdserve.worker", str(rel))}
+    assert {"pdserve.worker.sub", "pdserve.worker.other"} <= found
 
 
 def test_cli_runs_from_its_module_path():
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-m", "pdserve.launcher.cli", "--help"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "pdserve.launcher.cli", "--help"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "generate" in proc.stdout and "up" in proc.stdout
 

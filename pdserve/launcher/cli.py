@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 
+from pdserve import environment
 from pdserve.launcher.token_args import add_cluster_token_arg, cluster_token
 from pdserve.launcher.workers import add_worker_args
 from pdserve.engine_args import ENGINE_DEFAULTS, add_engine_args, engine_config, engine_kwargs, float_arg, int_arg
@@ -80,8 +80,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     from pdserve.launcher.cluster.up import run_up
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "log_level", "config")}
-    if "api_key" not in flags and os.environ.get(API_KEY_ENV):
-        flags["api_key"] = os.environ[API_KEY_ENV]
+    if "api_key" not in flags and environment.get(API_KEY_ENV):
+        flags["api_key"] = environment.get(API_KEY_ENV)
     config = load_up_config(flags, args.config)
     return run_up(config, log_level=args.log_level)
 
@@ -196,7 +196,8 @@ def _add_up_args(u: argparse.ArgumentParser) -> None:
                    help="custom Ray resources for decode workers")
     g.add_argument("--placement-strategy", default=S, help="placement group strategy per pool: PACK (default), "
                                                           "SPREAD, STRICT_PACK, STRICT_SPREAD")
-    g.add_argument("--kv-backend", default=S, help="KV transfer backend: ucx (default), or nixl (needs pdserve[nixl] on every node)")
+    g.add_argument("--kv-backend", default=S,
+                   help="KV transfer backend: ucx (default), or nixl (needs pdserve[nixl] on every node)")
     g.add_argument("-tp", "--tensor-parallel-size", type=positive_int_arg("--tensor-parallel-size"), default=S,
                    metavar="N", help="ranks per worker, every pool (default 1): one worker to the router, N GPUs "
                                      "(or N CPU processes) on one node")
@@ -229,7 +230,7 @@ def _add_router_args(p, *, suppress: bool = False) -> None:
                    help="placement policy (round-robin, least-loaded, ...; default round-robin)")
     p.add_argument("--host", default=d("127.0.0.1"), help="HTTP bind host (default 127.0.0.1)")
     p.add_argument("--port", type=int_arg("--port"), default=d(8000), help="HTTP port (default 8000)")
-    p.add_argument("--api-key", default=d(os.environ.get(API_KEY_ENV) or None),
+    p.add_argument("--api-key", default=d(environment.get(API_KEY_ENV)),
                    help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV})")
     p.add_argument("--served-model-name", default=d(None), help="model id of the API (default: --model)")
     p.add_argument("--kv-deadline-s", type=float_arg("--kv-deadline-s"), default=d(10.0),
@@ -286,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens to generate at most (default %(default)s)")
     g.add_argument("--temperature", type=float_arg("--temperature"), default=0.0,
                    help="sampling temperature; 0 is greedy (default %(default)s)")
-    g.add_argument("--top-p", type=float_arg("--top-p"), default=1.0, help="nucleus sampling mass (default %(default)s)")
+    g.add_argument("--top-p", type=float_arg("--top-p"), default=1.0,
+                   help="nucleus sampling mass (default %(default)s)")
     g.add_argument("--top-k", type=int_arg("--top-k"), default=-1,
                    help="sample among the k most likely tokens; -1 disables (default %(default)s)")
     g.add_argument("--seed", type=int_arg("--seed"), default=None, help="sampler seed (default: random)")

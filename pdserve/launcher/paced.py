@@ -43,6 +43,7 @@ from pathlib import Path
 
 import yaml
 
+from pdserve import environment
 from pdserve.kvtransfer.pacing_spec import link_address, parse_pacing
 from pdserve.launcher.workers import WorkerSpec, worker_argv, worker_env
 from pdserve.loadgen.launcher import free_port
@@ -175,7 +176,7 @@ def run_router(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise PacedError(f"--burst {args.burst}: {e}") from None
     argv = router_argv(cluster, args, topology)
-    env = dict(os.environ) | {TOKEN_ENV: (state / cluster["token_file"]).read_text().strip()}
+    env = environment.child_env({TOKEN_ENV: (state / cluster["token_file"]).read_text().strip()})
     print(f"pdserve.launcher.paced: links {rates}; {args.policy} router on {args.host}:{args.port}",
           file=sys.stderr, flush=True)
     os.execve(sys.executable, argv, env)  # the router is this process: the harness stops it

@@ -12,17 +12,18 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import sys
 from pathlib import Path
 
+from pdserve import environment
 from pdserve.loadgen.arrivals import ARRIVAL_KINDS, TRACE_FORMATS
 from pdserve.loadgen.client import ENDPOINTS, ClientConfig
 from pdserve.loadgen.datasets import DATASET_KINDS, DatasetConfig, LengthDist
 from pdserve.loadgen.errors import InputFileError, LoadgenError, ServerError, ServerUnreachable
 from pdserve.loadgen.launcher import LaunchError
 from pdserve.loadgen.metrics import SLO, max_rate_meeting_slo
-from pdserve.loadgen.runner import LoadConfig, RunInterrupted, format_summary, run_load, write_run_outputs, write_summary_csv
+from pdserve.loadgen.runner import (LoadConfig, RunInterrupted, format_summary, run_load, write_run_outputs,
+                                    write_summary_csv)
 
 PROG = "pdserve-loadgen"
 
@@ -37,7 +38,8 @@ def _positive(kind=float, allow_inf: bool = False):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {'number' if kind is float else 'whole number'}, got {text!r}")
+            what = "number" if kind is float else "whole number"
+            raise argparse.ArgumentTypeError(f"expected a {what}, got {text!r}")
         if not (value > 0) or (math.isinf(value) and not allow_inf):
             raise argparse.ArgumentTypeError(f"must be > 0{'' if allow_inf else ' and finite'}, got {text!r}")
         return value
@@ -158,7 +160,7 @@ def _load_config(parser, args, rate: float | None) -> LoadConfig:
     try:
         client = ClientConfig(
             base_url=args.url, endpoint=args.endpoint, model=args.model,
-            api_key=args.api_key or os.environ.get("OPENAI_API_KEY"), request_timeout_s=args.timeout,
+            api_key=args.api_key or environment.get("OPENAI_API_KEY"), request_timeout_s=args.timeout,
             ignore_eos=args.ignore_eos, temperature=args.temperature,
         )
     except ValueError as e:

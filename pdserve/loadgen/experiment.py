@@ -21,12 +21,12 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve import environment
 from pdserve.loadgen.client import ClientConfig
 from pdserve.loadgen.errors import LoadgenError
 from pdserve.loadgen.launcher import LaunchError, ServerProcess, free_port
@@ -75,7 +75,8 @@ def only_policies(spec: ExperimentSpec, names: list[str] | None) -> ExperimentSp
         return spec
     unknown = [p for p in names if p not in spec.policies]
     if unknown:
-        raise ValueError(f"{unknown[0]!r} is not in the spec's grid.policy ({', '.join(str(p) for p in spec.policies)})")
+        known = ", ".join(str(p) for p in spec.policies)
+        raise ValueError(f"{unknown[0]!r} is not in the spec's grid.policy ({known})")
     return dataclasses.replace(spec, policies=tuple(p for p in spec.policies if p in names))
 
 
@@ -88,7 +89,7 @@ def run_ids(spec: ExperimentSpec) -> list[str]:
 
 def _load_config(spec: ExperimentSpec, url: str, dataset, rate: float, seed: int | None = None) -> LoadConfig:
     w = spec.workload
-    api_key = os.environ.get(spec.server.api_key_env) if spec.server.api_key_env else None
+    api_key = environment.lookup(spec.server.api_key_env) if spec.server.api_key_env else None
     client = ClientConfig(
         base_url=url, endpoint=spec.server.endpoint, model=spec.server.model, api_key=api_key,
         request_timeout_s=w.request_timeout_s, ignore_eos=w.ignore_eos, temperature=w.temperature,

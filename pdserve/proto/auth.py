@@ -12,7 +12,6 @@ before the call reaches the servicer. The token is compared in constant time and
 from __future__ import annotations
 
 import hmac
-import os
 import secrets
 from pathlib import Path
 from typing import Any
@@ -46,15 +45,17 @@ def check_token(token: str, where: str) -> str:
 def resolve_token(path: str | None, environ: dict[str, str] | None = None) -> str | None:
     """The token from `path` (--cluster-token-file) or else $PDSERVE_CLUSTER_TOKEN; None if neither.
     ValueError naming the flag or the variable when it cannot be read or is not a usable token."""
-    env = os.environ if environ is None else environ
+    from pdserve import environment
+
     if path is not None:
         try:
             text = Path(path).read_text()
         except OSError as e:
             raise ValueError(f"{TOKEN_FLAG}: cannot read {path}: {e.strerror or e}") from None
         return check_token(text, f"{TOKEN_FLAG} {path}")
-    if env.get(TOKEN_ENV):
-        return check_token(env[TOKEN_ENV], f"${TOKEN_ENV}")
+    text = environment.get(TOKEN_ENV, environ)
+    if text:
+        return check_token(text, f"${TOKEN_ENV}")
     return None
 
 

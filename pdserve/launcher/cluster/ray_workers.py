@@ -19,6 +19,7 @@ import threading
 import time
 from typing import Any
 
+from pdserve import environment
 from pdserve.launcher.workers import NOSET_VISIBLE_ENV
 from pdserve.worker.server import WorkerConfig, WorkerServer
 
@@ -33,11 +34,10 @@ def assigned_cuda_index(gpu_ids: list, environ: dict | None = None) -> int | Non
 
     Ray's ids are the node's device ids: positions in the raylet's CUDA_VISIBLE_DEVICES when
     that was set (then they are strings naming its entries), else CUDA ordinals."""
-    env = os.environ if environ is None else environ
-    if env.get(NOSET_VISIBLE_ENV, "") not in ("1", "true", "True") or not gpu_ids:
+    if (environment.get(NOSET_VISIBLE_ENV, environ) or "") not in ("1", "true", "True") or not gpu_ids:
         return None
     gid = str(gpu_ids[0]).strip()
-    visible = env.get("CUDA_VISIBLE_DEVICES")
+    visible = environment.get("CUDA_VISIBLE_DEVICES", environ)
     if visible is not None and visible.strip() != "":
         entries = [v.strip() for v in visible.split(",")]
         if gid not in entries:

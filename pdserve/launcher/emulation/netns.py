@@ -42,6 +42,7 @@ import threading
 import time
 from typing import Iterable, Mapping, Sequence
 
+from pdserve import environment
 from pdserve.launcher.emulation.commands import NODE_DEVICE, ip_cmd, tc_cmd
 from pdserve.launcher.emulation.errors import EmulationError
 from pdserve.launcher.emulation.link import LinkSpec
@@ -373,7 +374,7 @@ class EmulatedCluster:
         and ``env`` over the current environment. The process gets its own session and is
         stopped by ``destroy()``. ``popen_kwargs`` go to ``subprocess.Popen``."""
         self._check_created()
-        full_env = dict(os.environ) | self.env(node) | dict(env or {})
+        full_env = environment.child_env(self.env(node) | dict(env or {}))
         popen_kwargs.setdefault("start_new_session", True)
         proc = subprocess.Popen(["ip", "netns", "exec", self.ns(node), *argv], env=full_env, **popen_kwargs)
         with self._lock:
