@@ -329,6 +329,8 @@ def test_a_worker_death_while_draining_ends_the_request_instead_of_moving_it():
             assert tokens(received) == expected_tokens(PROMPT, 3)  # P's first token and D0's two
             assert env["d1"].generate_requests == [] and env["d1"].called("Decode") == []
             assert env.metric("pdserve:request_recoveries_total", kind="migrate") == 0
+            await asyncio.sleep(0.3)  # six monitor intervals: none polls the dead worker any more
+            assert env.healthy("d0")
     run(main)
 
 

@@ -192,8 +192,10 @@ class ClusterBackend:
 
     def drain(self) -> None:
         """Shutting down: live requests may still finish, but one whose worker fails from now on
-        ends (ServiceUnavailable) instead of moving to another worker; `close` ends the rest."""
+        ends (ServiceUnavailable) instead of moving to another worker, and the workers are polled
+        no more (they are stopping too); `close` ends the rest."""
         self._draining = True
+        self.pool.stop_monitoring()
 
     async def close(self) -> None:
         """Aborts live requests (bounded), stops the monitor and closes every connection."""

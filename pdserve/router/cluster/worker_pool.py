@@ -143,6 +143,12 @@ class WorkerPool:
         if self._monitor is None:
             self._monitor = asyncio.create_task(self._monitor_loop(), name="worker-pool-monitor")
 
+    def stop_monitoring(self) -> None:
+        """No more background rounds (shutting down: a worker that stops now is no news); `close`
+        still closes the connections."""
+        if self._monitor is not None:
+            self._monitor.cancel()
+
     async def close(self) -> None:
         if self._monitor is not None:
             self._monitor.cancel()
