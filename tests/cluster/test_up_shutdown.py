@@ -61,12 +61,12 @@ def test_ray_dying_under_it_ends_everything_within_15s(tmp_path):
     assert "gcs_server" in text and "shutting down" in text, text[-2000:]
 
 
-# What the bounded shutdown logs when a step had to be abandoned or a process killed past its
-# grace: never on a clean stop, under load or not.
+# What the bounded shutdown and the router log when a step had to be abandoned, leftovers were
+# killed or requests were cancelled under the server: never on a clean stop, under load or not.
 FALLBACK_WARNINGS = ("giving up on it", "killed what was left", "did not stop within", "shutdown not done within",
-                     "still running after SIGKILL", "closing the router backend failed",
-                     "timeout graceful shutdown exceeded", "Exception in ASGI application")
-# A clean stop: the router drains, the workers stop at once, Ray shuts down (~2 s), the process
+                     "closing the router backend failed", "timeout graceful shutdown exceeded",
+                     "Exception in ASGI application")
+# A clean stop: the router drains, the workers stop at once, Ray ends (~1 s of grace), the process
 # exits without the interpreter's teardown. It took 7.5-11 s on the loaded 2-core machine while
 # the workers tore UCX down before their kill and the interpreter garbage-collected its heap at exit.
 CLEAN_EXIT_S = 7.0

@@ -152,6 +152,9 @@ def serve_router(app: Any, backend: Any, settings: RouterSettings, on_ready=None
 
     drain_s = settings.graceful_shutdown_s
 
+    loop: asyncio.AbstractEventLoop | None = None
+    stop_asked = asyncio.Event()
+
     class Server(uvicorn.Server):
         signalled: str | None = None
 
@@ -163,6 +166,8 @@ def serve_router(app: Any, backend: Any, settings: RouterSettings, on_ready=None
                 drain = getattr(backend, "drain", None)
                 if drain is not None:  # a request whose worker fails now ends: it is not placed again
                     drain()
+                if loop is not None:
+                    loop.call_soon_threadsafe(stop_asked.set)  # safe from a signal handler
             super().handle_exit(sig, frame)
             # uvicorn raises a captured signal again once it has served, inside the event loop
             # (where a KeyboardInterrupt would cut the backend's close short): it is raised below,
@@ -193,8 +198,7 @@ def serve_router(app: Any, backend: Any, settings: RouterSettings, on_ready=None
         return closing
 
     async def end_requests_after_drain() -> None:
-        while not server.should_exit:
-            await asyncio.sleep(0.05)
+        await stop_asked.wait()
         await asyncio.sleep(drain_s)
         close()  # the requests still in flight are aborted: their responses end, and the server's wait
 
@@ -205,6 +209,8 @@ def serve_router(app: Any, backend: Any, settings: RouterSettings, on_ready=None
             on_ready()
 
     async def run() -> None:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
         await backend.start()
         serving = getattr(getattr(app, "state", None), "serving", None)
         if serving is not None:  # the first request's one-time costs, before the port opens

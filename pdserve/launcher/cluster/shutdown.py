@@ -31,7 +31,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import psutil
@@ -95,19 +95,23 @@ class ProcessTracker:
                 continue
         return out
 
-    def end_all(self, grace_s: float, kill_wait_s: float = 5.0) -> tuple[list[str], list[str]]:
+    def end_all(self, grace_s: float, kill_at_once: Collection[int] = (),
+                kill_wait_s: float = 5.0) -> tuple[list[str], list[str]]:
         """Ends every recorded process still running as `ray.shutdown` ends Ray's: SIGTERM, up to
         `grace_s` to exit, SIGKILL for the rest, all at once (Ray does it one process after the
-        other). A killed process may take seconds to go on a loaded machine (the kernel frees a
-        model's memory): each gets up to `kill_wait_s`. Returns ('pid name' of those that got
-        SIGKILL, of those still running after `kill_wait_s`)."""
+        other); the pids of `kill_at_once` (actors whose servers stopped: what `ray.kill` does to
+        them) get SIGKILL first. A killed process may take seconds to go on a loaded machine (the
+        kernel frees a model's memory): up to `kill_wait_s` is waited for them. Returns ('pid name'
+        of those that got SIGKILL after their grace, of those killed and still exiting)."""
         self.scan()
         running = self.alive()
+        at_once = [p for p in running if p.pid in kill_at_once and _signal(p, signal.SIGKILL)]
         for p in running:
-            _signal(p, signal.SIGTERM)
-        stayed = wait_gone(running, grace_s)
+            if p not in at_once:
+                _signal(p, signal.SIGTERM)
+        stayed = [p for p in wait_gone(running, grace_s) if p not in at_once]
         killed = [f"{p.pid} {_name(p)}" for p in stayed if _signal(p, signal.SIGKILL)]
-        left = [f"{p.pid} {_name(p)}" for p in wait_gone(stayed, kill_wait_s)]
+        left = [f"{p.pid} {_name(p)}" for p in wait_gone(at_once + stayed, kill_wait_s)]
         return killed, left
 
     def kill_leftovers(self, sig: int = signal.SIGKILL) -> list[str]:

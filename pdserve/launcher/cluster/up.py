@@ -372,13 +372,14 @@ def _shutdown(pools, watchdog, tracker, started_ray: bool) -> bool:
     False when Ray had died under us or a step had to be abandoned (the caller then exits hard)."""
     import ray
 
-    from pdserve.launcher.cluster.shutdown import HardDeadline, run_bounded, wait_gone
+    from pdserve.launcher.cluster.shutdown import HardDeadline, run_bounded
 
     deadline = HardDeadline(tracker, SHUTDOWN_HARD_DEADLINE_S).arm()
-    died = None  # why Ray died under us, before any stop was asked for
+    died = None  # why Ray died under us, before any stop was asked for (or a joined cluster's is gone)
     if watchdog is not None:
         watchdog.stop()
-        died = watchdog.dead_reason
+        # a signal to our process group takes down a Ray we started, not a joined cluster's GCS
+        died = watchdog.dead_reason or (None if started_ray else watchdog.check())
     clean = died is None
     if ray.is_initialized():
         print("pdserve up: shutting down" + (f" ({died})" if died else ""), file=sys.stderr, flush=True)
@@ -397,15 +398,13 @@ def _shutdown(pools, watchdog, tracker, started_ray: bool) -> bool:
         # Ray's processes end as ray.shutdown ends them, without its calls to a GCS that a signal
         # to our process group may have stopped already (it then answers none, and never exits)
         tracker.stop()
-        killed, left = tracker.end_all(RAY_PROCESS_GRACE_S)
-        logger.info("Ray and the workers ended %.2fs into the shutdown%s", time.monotonic() - start,
-                    f" ({len(killed)} after their grace: {', '.join(killed)})" if killed else "")
+        workers = {w.pid for w in pools.workers if w.pid} if pools is not None and clean else set()
+        killed, left = tracker.end_all(RAY_PROCESS_GRACE_S, kill_at_once=workers)
+        logger.info("Ray and the workers ended %.2fs into the shutdown%s%s", time.monotonic() - start,
+                    f" ({len(killed)} after their grace: {', '.join(killed)})" if killed else "",
+                    f"; killed, still exiting: {', '.join(left)}" if left else "")
         if not clean and killed:
             logger.warning("killed what was left of the cluster: %s", ", ".join(killed))
-        if left:
-            logger.warning("still running after SIGKILL: %s", ", ".join(left))
-            clean = False
-        wait_gone(tracker.alive(), 1.0)
     deadline.cancel()
     return clean
 
