@@ -28,6 +28,7 @@ from typing import TypeVar
 
 import httpx
 
+from pdserve import environment
 from pdserve.loadgen.errors import LoadgenError
 
 log = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ class ServerProcess:
         return self.proc.wait(timeout)
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = environment.child_env()
         for key, value in self.env.items():
             if value is None:
                 env.pop(key, None)
