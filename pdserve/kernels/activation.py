@@ -20,7 +20,7 @@ def _silu_and_mul_kernel(
     x_ptr,  # [T, 2I], row stride stride_x
     out_ptr,  # [T, I] contiguous
     stride_x,
-    I,
+    I,  # noqa: E741 (the kernel's [T, I] shape name, as in the docstrings)
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)

@@ -2,7 +2,8 @@
 
 Modules: ``base`` (interfaces, registry), ``layout`` (KV layout, wire header),
 ``staging`` (gather/scatter), ``ipc`` (sharing a sender's pools with a receiver on the same
-host: the pull path), ``ledger`` (transfer bookkeeping), ``faults`` (fault injection for tests), ``pacing`` (token buckets), ``fake``
+host: the pull path), ``ledger`` (transfer bookkeeping), ``faults`` (fault injection for tests), \
+``pacing`` (token buckets), ``fake``
 (in-process backend for tests), ``ucx`` (UCX backend, via ucxx) and ``ucx_runtime`` (the
 process-wide ucxx context and event loop thread).
 Backends are imported on first use.

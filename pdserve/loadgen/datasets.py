@@ -277,7 +277,8 @@ def load_sharegpt(path: str, counter: TokenCounter) -> list[tuple[str, int, int]
         prompt = answer = None
         for j, turn in enumerate(turns):
             if not isinstance(turn, dict) or not isinstance(turn.get("value"), str) or "from" not in turn:
-                raise DatasetError(path, None, f"[{i}].conversations[{j}]", "expected {from, value} with a string value")
+                raise DatasetError(path, None, f"[{i}].conversations[{j}]",
+                                   "expected {from, value} with a string value")
             if prompt is None and turn["from"] == "human":
                 prompt = turn["value"]
             elif prompt is not None and turn["from"] == "gpt":

@@ -145,7 +145,8 @@ def make_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
             for row in sorted(group, key=lambda r: _label(r.get("policy"))):
                 if row.get("bandwidth_gbps") != bw or _float(row["rate"]) != top_rate or not row.get("records_file"):
                     continue
-                ttfts = sorted(r.ttft_s for r in read_jsonl(out_dir / row["records_file"]) if r.ok and r.ttft_s is not None)
+                ttfts = sorted(r.ttft_s for r in read_jsonl(out_dir / row["records_file"])
+                               if r.ok and r.ttft_s is not None)
                 if ttfts:
                     ys = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
                     policy = _label(row.get("policy"))
@@ -163,9 +164,11 @@ def make_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
                     pts = sorted((_float(r["rate"]), _float(r.get("slo_attainment"))) for r in group
                                  if r.get("bandwidth_gbps") == bw and _label(r.get("policy")) == policy)
                     if pts:
-                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy, color=colors[policy])
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy,
+                                color=colors[policy])
                 ax.axhline(0.9, color="grey", linestyle="--", linewidth=0.8)
-                ax.set(title=_label(bw, " Gbps"), xlabel="request rate (req/s)", ylabel="SLO attainment", ylim=(0, 1.05))
+                ax.set(title=_label(bw, " Gbps"), xlabel="request rate (req/s)", ylabel="SLO attainment",
+                       ylim=(0, 1.05))
                 ax.grid(alpha=0.3)
                 _legend(ax)
             fig.suptitle(f"SLO attainment vs rate — {title}")
@@ -182,11 +185,13 @@ def make_plots(rows: list[dict], out_dir: str | Path) -> list[Path]:
                         if goodputs:
                             pts.append((_float(bw), max(goodputs)))
                     if pts:
-                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy, color=colors[policy])
+                        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy,
+                                color=colors[policy])
                 ax.set_xscale("log")
                 ax.set_xticks([_float(b) for b in numeric_bw], [_label(_float(b)) for b in numeric_bw])
                 ax.minorticks_off()
-                ax.set(xlabel="link bandwidth (Gbit/s)", ylabel="goodput (req/s, best rate)", title=f"Goodput — {title}")
+                ax.set(xlabel="link bandwidth (Gbit/s)", ylabel="goodput (req/s, best rate)",
+                       title=f"Goodput — {title}")
                 ax.grid(alpha=0.3)
                 _legend(ax)
                 written.append(_save(plt, fig, out_dir, f"{prefix}goodput_vs_bandwidth.png"))

@@ -244,7 +244,8 @@ def format_summary(summary: dict) -> str:
         "latency (ms)  mean / p50 / p90 / p99",
     ]
     for name in ("ttft", "tpot", "itl", "e2e"):
-        lines.append(f"  {name:<11} {ms(name + '_mean')} / {ms(name + '_p50')} / {ms(name + '_p90')} / {ms(name + '_p99')}")
+        lines.append(f"  {name:<11} {ms(name + '_mean')} / {ms(name + '_p50')} / "
+                     f"{ms(name + '_p90')} / {ms(name + '_p99')}")
     if "slo_attainment" in summary:
         lines.append(
             f"SLO           TTFT <= {summary['slo_ttft_s'] * 1000:g} ms, TPOT <= {summary['slo_tpot_s'] * 1000:g} ms: "

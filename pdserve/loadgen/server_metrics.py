@@ -81,7 +81,8 @@ def kv_transfer_delta(before: dict[str, float] | None, after: dict[str, float] |
     return out
 
 
-def prefix_cache_delta(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float | str | None]:
+def prefix_cache_delta(before: dict[str, float] | None,
+                       after: dict[str, float] | None) -> dict[str, float | str | None]:
     """The server's prefix-cache hits, queries and hit rate between two scrapes, with the counter
     and unit they came from; all None when the server exports no known counters (or no queries
     happened in between: no rate to give)."""

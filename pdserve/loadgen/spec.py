@@ -1,5 +1,6 @@
 """Experiment specs: YAML in (through yamlconfig, schema `SpecFile`), frozen dataclasses out,
-errors as `file:line: field 'x': ...`; unknown keys are rejected. Input paths (traces, ShareGPT files) are relative to the spec file; the
+errors as `file:line: field 'x': ...`; unknown keys are rejected. \
+Input paths (traces, ShareGPT files) are relative to the spec file; the
 output directory is relative to the current directory. Schema (defaults after `=`):
 
     name: str = file stem

@@ -194,7 +194,8 @@ def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
 
 
 def _kind(value: Any) -> str:
-    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean"}.get(type(value), type(value).__name__)
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean"}.get(type(value),
+                                                                                     type(value).__name__)
 
 
 # ---------------------------------------------------------------- value types

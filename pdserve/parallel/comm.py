@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 60.0
+DEFAULT_TIMEOUT_S = 60.0  # a collective that waits longer than this on a peer fails
 # all_gather_into_tensor was renamed all_gather_single (torch 2.13 warns on the old name)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # a collective that waits longer than this on a peer fails
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class TPComm:

@@ -18,10 +18,12 @@ from prometheus_client import CONTENT_TYPE_LATEST as METRICS_CONTENT_TYPE
 __all__ = ["METRICS_CONTENT_TYPE", "RequestStatus", "RouterMetrics"]
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5)
 KV_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
                        0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0, 600.0)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               300.0, 600.0)
 WORKER_WAIT_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 QUEUE_WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -58,7 +60,8 @@ class RouterMetrics:
             ["endpoint", "status"], registry=r,
         )
         self.placement_decisions = Counter(
-            "pdserve:placement_decisions_total", "Placement decisions by policy and kind (e.g. disaggregated, local_prefill).",
+            "pdserve:placement_decisions_total",
+            "Placement decisions by policy and kind (e.g. disaggregated, local_prefill).",
             ["policy", "kind"], registry=r,
         )
         self.kv_transfer_bytes = Counter(
@@ -132,7 +135,8 @@ class RouterMetrics:
         for reason in ("queue_full", "queue_timeout"):
             self.requests_rejected.labels(reason)
         self.link_bytes_in_flight = Gauge(
-            "pdserve:link_bytes_in_flight", "KV bytes of the transfers the router has started on a link and not seen end.",
+            "pdserve:link_bytes_in_flight",
+            "KV bytes of the transfers the router has started on a link and not seen end.",
             ["link"], registry=r,
         )
         self.link_active_flows = Gauge(
@@ -161,7 +165,8 @@ class RouterMetrics:
             "pdserve:prefix_cache_query_tokens_total",
             "Prompt tokens of prefilled requests (looked up in the worker's prefix cache).", registry=r)
 
-    def observe_choice(self, *, arrival: float, first_token: float | None, last_token: float | None, num_output_tokens: int) -> None:
+    def observe_choice(self, *, arrival: float, first_token: float | None, last_token: float | None,
+                       num_output_tokens: int) -> None:
         """Records the latencies of one backend request (times from time.monotonic())."""
         self.generation_tokens.inc(num_output_tokens)
         if first_token is None or last_token is None:

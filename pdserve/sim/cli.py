@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     exp = sub.add_parser("experiment", help="simulate a loadgen experiment spec (YAML)")
     exp.add_argument("spec", help="experiment spec, e.g. experiments/headline.yaml")
-    exp.add_argument("--cluster", required=True, help="cluster file (workers, topology, profile; pdserve/sim/config.py)")
+    exp.add_argument("--cluster", required=True,
+                     help="cluster file (workers, topology, profile; pdserve/sim/config.py)")
     exp.add_argument("--output-dir", help="default: the spec's output_dir with a -sim suffix")
     exp.add_argument("--replay", help="a real run's output dir: replay its records instead of drawing the workload")
     # the flags of `pdserve-loadgen experiment`, so that one command line serves both

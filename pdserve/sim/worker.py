@@ -75,9 +75,9 @@ class SimRequest:
 
     __slots__ = (
         "index", "request_id", "arrival", "num_prompt_tokens", "max_tokens", "num_output_tokens",
-        "num_computed_tokens", "num_blocks", "reserved_blocks", "status", "num_preemptions", "token_times", "first_token_time",
-        "last_token_time", "sent", "decision", "kv_flow", "kv_started", "kv_compute_done", "kv_sent",
-        "prefill_rpc_start", "kv_bytes", "kv_seconds", "error", "status_code", "retries", "excluded",
+        "num_computed_tokens", "num_blocks", "reserved_blocks", "status", "num_preemptions", "token_times",
+        "first_token_time", "last_token_time", "sent", "decision", "kv_flow", "kv_started", "kv_compute_done",
+        "kv_sent", "prefill_rpc_start", "kv_bytes", "kv_seconds", "error", "status_code", "retries", "excluded",
         "monitor_flow", "prefill_worker", "decode_worker", "prefilled_time", "group", "prompt_tokens_est",
         "prefix_key",
     )

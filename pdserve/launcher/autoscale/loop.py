@@ -35,8 +35,8 @@ from dataclasses import replace
 from typing import Any
 
 from pdserve.launcher.autoscale.metrics import AutoscaleMetrics
-from pdserve.launcher.autoscale.rule import (AUTO, DUTIES, AutoscaleConfig, ClusterState, Decision, PoolState, RuleMemory,
-                                     auto_up_load, decide)
+from pdserve.launcher.autoscale.rule import (AUTO, DUTIES, AutoscaleConfig, ClusterState, Decision, PoolState,
+                                             RuleMemory, auto_up_load, decide)
 from pdserve.launcher.autoscale.window import RequestWindow
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,8 @@ EMPTY_POLLS = 3  # consecutive empty observations before a drained worker leaves
 class Autoscaler:
     """`backend`: the router's `ClusterBackend` (its `pool.workers`); `resizer`: a
     `pdserve.launcher.cluster.resize.PoolResizer` (or a fake with `specs`, `add`, `drain`, `undrain`,
-    `remove`, `own_group`, `shift` for hybrid pools, and `spares`, `prepare_spare`, `park` for warm spares); `max_num_seqs`: the workers' batch limit (a full decode batch)."""
+    `remove`, `own_group`, `shift` for hybrid pools, and `spares`, `prepare_spare`, `park` for warm spares); \
+`max_num_seqs`: the workers' batch limit (a full decode batch)."""
 
     def __init__(self, config: AutoscaleConfig, backend: Any, window: RequestWindow, resizer: Any, *,
                  max_num_seqs: int, metrics: AutoscaleMetrics | None = None,
@@ -284,7 +285,8 @@ class Autoscaler:
             if worker is not None and worker.healthy and not getattr(worker, "warming", False):
                 break  # placed from now on (a joiner's KV pairs are warmed first)
             await asyncio.sleep(DRAIN_POLL_S)
-        self._ended(f"{name} serves ({'a warm spare, ' if spare else ''}{self.clock() - start:.1f}s after the decision)")
+        self._ended(f"{name} serves ({'a warm spare, ' if spare else ''}"
+                    f"{self.clock() - start:.1f}s after the decision)")
         self.replenish_spares()
 
     def pick_to_remove(self, role: str, duty: str | None = None) -> str | None:
@@ -305,7 +307,8 @@ class Autoscaler:
         assert decision.pool is not None
         name = self.pick_to_remove(decision.pool, decision.source)
         if name is None:
-            self._ended(f"no {decision.pool} worker{f' of {decision.source} duty' if decision.source else ''} to remove")
+            self._ended(f"no {decision.pool} worker"
+                        f"{f' of {decision.source} duty' if decision.source else ''} to remove")
             return
         await self.drain_and_remove(name)
 

@@ -28,7 +28,8 @@ class AutoscaleMetrics:
             "Autoscaler decisions by action (add, remove, shift, hold), pool and reason code.",
             ["action", "pool", "reason"], registry=registry)
         self.pool_workers = Gauge(
-            "pdserve:pool_workers", "Workers per pool as the autoscaler sees them, by state (serving, draining, spare).",
+            "pdserve:pool_workers",
+            "Workers per pool as the autoscaler sees them, by state (serving, draining, spare).",
             ["pool", "state"], registry=registry)
         self.attainment = Gauge(
             "pdserve:slo_attainment",

@@ -48,7 +48,8 @@ class RayDirectory:
         self._lock: asyncio.Lock | None = None
         self.last_info: dict[str, dict[str, Any]] = {}  # name -> last info() answer
         self.draining: set[str] = set()  # worker ids placement must skip (router.cluster.worker_pool)
-        self.duties: dict[str, str] = {}  # mixed worker id -> the role the router counts it in (router.cluster.directory)
+        # mixed worker id -> the role the router counts it in (router.cluster.directory)
+        self.duties: dict[str, str] = {}
 
     def add_worker(self, name: str) -> None:
         """Follow the actor `name` from the next refresh on (a fixed list only; discovery finds it)."""

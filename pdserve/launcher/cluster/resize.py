@@ -138,7 +138,8 @@ class PoolResizer:
             self._next_index[role] += 1
         name = actor_name(self.pools.cluster, role, index)
         deadline = time.monotonic() + timeout_s
-        group = placement_group([spec.bundle()], strategy="PACK", name=f"{NAME_PREFIX}:{self.pools.cluster}:{role}:{index}")
+        group = placement_group([spec.bundle()], strategy="PACK",
+                                name=f"{NAME_PREFIX}:{self.pools.cluster}:{role}:{index}")
         handle = None
         try:
             ready, _ = ray.wait([group.ready()], timeout=max(0.0, deadline - time.monotonic()))

@@ -16,7 +16,8 @@ probe between namespaces), ``__main__`` (``python -m pdserve.launcher.emulation`
 """
 
 from pdserve.launcher.emulation.errors import EmulationError, EmulationSpecError
-from pdserve.launcher.emulation.netns import EmulatedCluster, LinkSpec, cleanup, list_links, list_namespaces, netns_permitted
+from pdserve.launcher.emulation.netns import (EmulatedCluster, LinkSpec, cleanup, list_links, list_namespaces,
+                                             netns_permitted)
 
 __all__ = [
     "EmulatedCluster",

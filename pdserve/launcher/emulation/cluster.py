@@ -176,8 +176,8 @@ class EmulatedDeployment:
 
     def router_argv(self) -> list[str]:
         level = ["--log-level", self.spec.router.log_level] if self.spec.router.log_level else []
-        argv = [self.python, "-m", "pdserve.launcher.cli", *level, "router", "--model", self.spec.model, "--policy", self.policy,
-                "--host", "127.0.0.1", "--port", str(self.port)]
+        argv = [self.python, "-m", "pdserve.launcher.cli", *level, "router", "--model", self.spec.model,
+                "--policy", self.policy, "--host", "127.0.0.1", "--port", str(self.port)]
         for worker in self.spec.workers:
             argv += ["--worker", f"{worker.role}#{worker.id}@{worker.node}={self.workers[worker.id][1]}"]
         if _router_takes_topology(self.python):
@@ -216,9 +216,11 @@ class EmulatedDeployment:
     def summary(self) -> str:
         lines = [f"emulated cluster {self.cluster.run_id} ({self.spec.method}), subnet {self.cluster.subnet}:"]
         for w in self.spec.workers:
-            lines.append(f"  {w.id:<8} {w.role:<8} node {w.node} ({self.cluster.ns(w.node)}) grpc {self.workers[w.id][1]}")
+            lines.append(f"  {w.id:<8} {w.role:<8} node {w.node} ({self.cluster.ns(w.node)}) "
+                         f"grpc {self.workers[w.id][1]}")
         for (a, b), link in self.spec.all_links().items():
-            lines.append(f"  link {a}<->{b}: {link.gbps:g} Gbit/s" + (f", +{link.latency_ms:g} ms" if link.latency_ms else ""))
+            lines.append(f"  link {a}<->{b}: {link.gbps:g} Gbit/s"
+                         + (f", +{link.latency_ms:g} ms" if link.latency_ms else ""))
         lines.append(f"  router {self.url}/v1  topology {self.topology_path}  logs {self.log_dir}")
         return "\n".join(lines)
 

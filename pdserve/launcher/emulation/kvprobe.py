@@ -19,7 +19,8 @@ another), so the sender never races it. Both sides exit after the last transfer.
 measured one after another by this one pair of processes (what benchmarks/bench_pacing.py runs:
 starting two processes costs seconds, more than a slow rate's transfers). Per entry the sender
 opens a sender with that pacing, sends a one-block transfer (it connects) and a warm-up of at
-least ``WARMUP_BYTES`` (it drains the bucket's burst, so that the measured transfers start on an empty bucket and read the
+least ``WARMUP_BYTES`` (it drains the bucket's burst, so that the measured transfers \
+start on an empty bucket and read the
 rate, not the rate plus a burst), then ``--transfers`` transfers of ``mb`` MB; every JSON line
 carries its entry's index ``entry``, the sender's also ``link_gbps`` (the link-bound rate:
 TransferResult.link_bytes over phase "link"; null when nothing was link-bound).

@@ -9,7 +9,8 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from pdserve.router.placement.base import ClusterSnapshot, PoolPolicy, Purpose, RequestInfo, WorkerSnapshot, least_loaded_key
+from pdserve.router.placement.base import (ClusterSnapshot, PoolPolicy, Purpose, RequestInfo, WorkerSnapshot,
+                                           least_loaded_key)
 
 
 class _Seeded(PoolPolicy):
