@@ -72,8 +72,8 @@ def test_adds_the_bound_pool_then_drains_and_removes_an_idle_worker(monkeypatch)
     registry = CollectorRegistry()
     resizer = FakeResizer(backend)
     config = AutoscaleConfig(cooldown_s=10, window_s=30, interval_s=5, down_stable=2, min_requests=3)
-    scaler = Autoscaler(config, backend, window, resizer, max_num_seqs=8, metrics=AutoscaleMetrics(registry, ("prefill", "decode")),
-                        clock=clock)
+    scaler = Autoscaler(config, backend, window, resizer, max_num_seqs=8,
+                        metrics=AutoscaleMetrics(registry, ("prefill", "decode")), clock=clock)
 
     async def scenario() -> list:
         decisions = []
@@ -180,8 +180,8 @@ def test_a_hybrid_pool_shifts_a_worker_duty_instead_of_starting_one():
     duties: dict[str, str] = {}
     resizer.shift = lambda name, duty: (duties.__setitem__(name, duty), resizer.log.append(f"shift {name} {duty}"))
     config = AutoscaleConfig(cooldown_s=10, window_s=30, interval_s=5, min_requests=3)
-    scaler = Autoscaler(config, backend, window, resizer, max_num_seqs=8, metrics=AutoscaleMetrics(registry, ("mixed",)),
-                        clock=clock)
+    scaler = Autoscaler(config, backend, window, resizer, max_num_seqs=8,
+                        metrics=AutoscaleMetrics(registry, ("mixed",)), clock=clock)
 
     async def scenario() -> list:
         for _ in range(4):  # TPOT misses: prefill chunks slow the decodes
@@ -200,8 +200,8 @@ def test_a_hybrid_pool_shifts_a_worker_duty_instead_of_starting_one():
     assert registry.get_sample_value("pdserve:autoscale_decisions_total",
                                      {"action": "shift", "pool": "decode", "reason": "shift_to_decode"}) == 1
     # the second decision saw the shift: one decode-duty worker, two mixed
-    assert [registry.get_sample_value("pdserve:autoscale_duties", {"duty": d}) for d in ("prefill", "mixed", "decode")] \
-        == [0.0, 2.0, 1.0]
+    assert [registry.get_sample_value("pdserve:autoscale_duties", {"duty": d})
+            for d in ("prefill", "mixed", "decode")] == [0.0, 2.0, 1.0]
     # a removal of a specialist (idle_specialist: the decision's source is the duty) drains one of that duty
     assert scaler.pick_to_remove("mixed", "decode") == "m0"
     assert scaler.pick_to_remove("mixed", "prefill") is None

@@ -146,7 +146,8 @@ def test_config_validation_names_the_key():
         AutoscaleConfig.from_mapping({"cooldwn": 3})
     with pytest.raises(ValueError, match=r"autoscale.min_workers: unknown pool 'gpu'"):
         AutoscaleConfig.from_mapping({"min": {"gpu": 1}})
-    c = AutoscaleConfig.from_mapping({"min": {"decode": 2}, "max": {"decode": 5}, "cooldown": 7, "target-attainment": 0.8})
+    c = AutoscaleConfig.from_mapping({"min": {"decode": 2}, "max": {"decode": 5}, "cooldown": 7,
+                                      "target-attainment": 0.8})
     assert (c.min_workers["decode"], c.max_workers["decode"], c.min_workers["prefill"], c.cooldown_s,
             c.target_attainment) == (2, 5, 1, 7, 0.8)
     assert AutoscaleConfig.from_mapping(True) == AutoscaleConfig()

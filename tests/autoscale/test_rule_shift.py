@@ -170,7 +170,8 @@ def test_specialists_leave_before_any_mixed_worker():
         assert duties["prefill"] + duties["mixed"] > 0 and duties["decode"] + duties["mixed"] > 0
         if d.action != "hold":
             changes.append((d.action, d.source, d.code, 5.0 * i))
-    assert [c[:3] for c in changes] == [("remove", "decode", "idle_specialist"), ("remove", "decode", "idle_specialist"),
+    assert [c[:3] for c in changes] == [("remove", "decode", "idle_specialist"),
+                                        ("remove", "decode", "idle_specialist"),
                                         ("remove", "prefill", "idle_specialist")]
     assert duties == {"prefill": 0, "mixed": 1, "decode": 0}
     gaps = [b[3] - a[3] for a, b in zip(changes, changes[1:])]

@@ -224,7 +224,8 @@ def test_cli_router_bad_entries(capsys):
     assert_one_line_error(*run_cli(capsys, "router", "--worker", "prefill:127.0.0.1:1"), "--worker", "bad worker entry")
     assert_one_line_error(*run_cli(capsys, "router", "--worker", "decode=127.0.0.1:5000"), "--worker",
                           "needs at least one prefill and one decode worker")
-    assert_one_line_error(*run_cli(capsys, "router", "--worker", "prefill=h:1", "--worker", "decode=h:2", "--policy", "x"),
+    assert_one_line_error(*run_cli(capsys, "router", "--worker", "prefill=h:1", "--worker", "decode=h:2",
+                                   "--policy", "x"),
                           "--policy")
 
 

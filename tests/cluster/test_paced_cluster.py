@@ -89,7 +89,8 @@ def test_router_flags_profile_only_for_network_aware(tmp_path):
                        tmp_path / "t.yaml")
     assert argv[argv.index("--profile") + 1] == "prof.json" and argv[argv.index("--slo-tpot") + 1] == "0.05"
     assert argv[argv.index("--kv-wire-precision") + 1] == "auto"
-    argv = router_argv(CLUSTER, _args("network-aware", profile="prof.json", kv_wire_precision="full"), tmp_path / "t.yaml")
+    argv = router_argv(CLUSTER, _args("network-aware", profile="prof.json", kv_wire_precision="full"),
+                       tmp_path / "t.yaml")
     assert argv[argv.index("--kv-wire-precision") + 1] == "full" and "--no-local-prefill" not in argv
     argv = router_argv(CLUSTER, _args("network-aware", profile="prof.json", no_local_prefill=True), tmp_path / "t.yaml")
     assert "--no-local-prefill" in argv

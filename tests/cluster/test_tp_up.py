@@ -96,7 +96,8 @@ def test_up_pd_across_tp_degrees_with_the_openai_client(tmp_path, expected, p_tp
         deadline = time.monotonic() + 10
         while True:
             text = httpx.get(f"{base}/metrics", timeout=5).text
-            moved = [float(v) for v in re.findall(r"^pdserve:worker_kv_transfer_bytes(?:_total)?\{[^}]*\} (\S+)$", text, re.M)]
+            moved = [float(v) for v in re.findall(r"^pdserve:worker_kv_transfer_bytes(?:_total)?\{[^}]*\} (\S+)$",
+                                                  text, re.M)]
             if (len(moved) == 2 and min(moved) > 0) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)

@@ -4,7 +4,8 @@ against the torch reference, for fp32, bf16 and byte-sized rows."""
 import pytest
 import torch
 
-from pdserve.kernels.kv_copy import copy_blocks, copy_blocks_ref, gather_blocks, gather_blocks_ref, scatter_blocks, scatter_blocks_ref
+from pdserve.kernels.kv_copy import (copy_blocks, copy_blocks_ref, gather_blocks, gather_blocks_ref, scatter_blocks,
+                                     scatter_blocks_ref)
 from pdserve.kernels.dispatch import force_backend
 
 

@@ -105,7 +105,8 @@ def test_mixed_faults_never_land_wrong_bytes(peer):
     src = make_caches(SPEC, seed=7)
     address = peer.call("open_receiver", SPEC)
     outcomes = {"landed": 0, "failed": 0}
-    with kvtransfer.create_sender("ucx", src, faults="drop=0.05,duplicate=0.1,reorder=0.1,corrupt=0.1,seed=4") as sender:
+    with kvtransfer.create_sender("ucx", src,
+                                  faults="drop=0.05,duplicate=0.1,reorder=0.1,corrupt=0.1,seed=4") as sender:
         for n in range(12):
             src_ids = [(n + 3 * i) % SPEC.num_blocks for i in range(3)]
             dst_ids = [(5 * n + i) % SPEC.num_blocks for i in range(3)]

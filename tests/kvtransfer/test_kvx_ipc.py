@@ -40,7 +40,8 @@ def test_a_pulled_message_with_bad_source_ids_is_dropped():
     dst = torch.zeros(2, 2, 6, 4, 2, 8)
     caches = [(dst[i, 0], dst[i, 1]) for i in range(2)]
     nacks = []
-    ledger = ReceiveLedger(caches, KVLayout.from_caches(caches), on_nack=lambda peers, key, reason: nacks.append(reason))
+    ledger = ReceiveLedger(caches, KVLayout.from_caches(caches),
+                           on_nack=lambda peers, key, reason: nacks.append(reason))
     ledger.expect("t", [1, 2], 2, 10.0)
     from pdserve.kvtransfer.layout import transfer_key
 

@@ -48,7 +48,8 @@ def test_header_version_mismatch(monkeypatch):
     raw = WireHeader(MsgKind.LAYER, 1).pack()
     monkeypatch.setattr(wire, "WIRE_VERSION", wire.WIRE_VERSION + 1)
     mine = wire.WIRE_VERSION - 1
-    with pytest.raises(KVTransferError, match=f"wire version mismatch: peer speaks {mine}, this process speaks {mine + 1}"):
+    with pytest.raises(KVTransferError,
+                       match=f"wire version mismatch: peer speaks {mine}, this process speaks {mine + 1}"):
         unpack_header(raw)
     assert unpack_header(raw, check_version=False).version == mine
 

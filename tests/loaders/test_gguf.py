@@ -35,7 +35,8 @@ GGUF_BLOCK = {
 def llamacpp_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
     """The row order llama.cpp's converter writes for q/k of arch llama (from its definition):
     per head, view rows as (2, d/2) and store them transposed as (d/2, 2)."""
-    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2,
+                          *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
 def gguf_name(hf: str) -> str:

@@ -54,7 +54,8 @@ def test_llama_single_file(tmp_path):
     assert os.path.exists(tmp_path / "model.safetensors")
     source = load_model_source(str(tmp_path))
     c = source.config
-    assert (c.architecture, c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers) == ("llama", VOCAB, 64, 96, 2)
+    assert (c.architecture, c.vocab_size, c.hidden_size, c.intermediate_size,
+            c.num_layers) == ("llama", VOCAB, 64, 96, 2)
     assert (c.num_heads, c.num_kv_heads, c.head_dim, c.max_position_embeddings) == (4, 2, 16, 256)
     assert c.rope_theta == 20000.0 and c.rms_norm_eps == 1e-5 and c.rope_scaling is None
     assert not c.tie_word_embeddings and not c.attention_bias

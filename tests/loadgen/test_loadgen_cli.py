@@ -40,7 +40,8 @@ def test_missing_spec_and_trace_files(capsys, tmp_path):
     bad = tmp_path / "t.csv"
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,x,2\n")
     code, _, err = run_cli(capsys, "run", "--url", "http://127.0.0.1:1", "--arrival", "trace", "--trace", str(bad))
-    assert code == 2 and err.strip() == f"pdserve-loadgen: error: {bad}:2: field 'ContextTokens': expected a whole number, got 'x'"
+    assert code == 2 and err.strip() == (f"pdserve-loadgen: error: {bad}:2: field 'ContextTokens': "
+                                         "expected a whole number, got 'x'")
 
 
 def test_unreachable_server(capsys, closed_port):
@@ -69,5 +70,6 @@ def test_run_and_search_against_fake_server(capsys, fake_server, tmp_path):
 
 
 def test_console_entry_point_help():
-    out = subprocess.run([sys.executable, "-m", "pdserve.loadgen.cli", "--help"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run([sys.executable, "-m", "pdserve.loadgen.cli", "--help"], capture_output=True, text=True,
+                         timeout=30)
     assert out.returncode == 0 and "experiment" in out.stdout and "search" in out.stdout

@@ -27,7 +27,8 @@ def launch_spec(tmp_path, rates="[20, 40]", extra=""):
         output_dir: {tmp_path / 'out'}
         server:
           launch:
-            command: "{sys.executable} {FAKE} --port {{port}} --policy {{policy}} --bandwidth-gbps {{bandwidth_gbps}} --pidfile {tmp_path / 'pids'}"
+            command: "{sys.executable} {FAKE} --port {{port}} --policy {{policy}} \
+--bandwidth-gbps {{bandwidth_gbps}} --pidfile {tmp_path / 'pids'}"
             startup_timeout_s: 30
             shutdown_timeout_s: 5
           endpoint: completions
@@ -87,7 +88,8 @@ def test_launch_grid_writes_everything(tmp_path):
     assert {"git_commit", "cpu_model", "python", "packages"} <= set(env)
     assert "hostname" not in json.dumps(env).lower() and os.uname().nodename not in json.dumps(env)
     report = (out / "report.md").read_text()
-    assert report.startswith("# tiny\n") and "| round-robin | 10 | small | 40 | 6/6 |" in report and "link held by: none (fake server)" in report
+    assert (report.startswith("# tiny\n") and "| round-robin | 10 | small | 40 | 6/6 |" in report
+            and "link held by: none (fake server)" in report)
     for plot in ("ttft_cdf.png", "slo_attainment_vs_rate.png", "goodput_vs_bandwidth.png"):
         assert (out / "plots" / plot).stat().st_size > 1000
         assert f"(plots/{plot})" in report

@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from pdserve.loadgen.metrics import SLO, distribution, itls, max_rate_meeting_slo, meets_slo, slo_attainment, summarize, tpot
+from pdserve.loadgen.metrics import (SLO, distribution, itls, max_rate_meeting_slo, meets_slo, slo_attainment,
+                                     summarize, tpot)
 from pdserve.loadgen.records import RequestRecord
 
 

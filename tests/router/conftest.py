@@ -69,7 +69,8 @@ class FakeBackend:
     aborted: list[str] = field(default_factory=list)
     live: set[str] = field(default_factory=set)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
         self.requests.append((request_id, list(prompt_token_ids), params))
         if self.fail_with is not None:
             raise self.fail_with

@@ -61,7 +61,8 @@ class Cluster:
 
 
 class FakeWorker(pb_grpc.WorkerServicer):
-    def __init__(self, worker_id: str, role: str, cluster: Cluster, script: Script | None = None, node: str = "") -> None:
+    def __init__(self, worker_id: str, role: str, cluster: Cluster, script: Script | None = None,
+                 node: str = "") -> None:
         self.worker_id = worker_id
         self.role = role
         self.node = node

@@ -54,7 +54,8 @@ class SchemaInstances:
             if key in schema:
                 branches = schema[key]
                 if depth >= self.max_depth:  # prefer a leaf when deep
-                    branches = [b for b in branches if self.resolve(b).get("type") not in ("object", "array")] or branches
+                    branches = ([b for b in branches if self.resolve(b).get("type") not in ("object", "array")]
+                                or branches)
                 branch = self.resolve(rng.choice(branches))
                 inherited = {k: schema[k] for k in _INHERITED if k in schema}
                 return self.generate({**inherited, **branch}, depth + 1)

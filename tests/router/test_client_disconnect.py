@@ -26,7 +26,8 @@ def test_disconnect_mid_stream_aborts(server, backend, path, body):
 
 def test_disconnect_while_waiting_for_non_stream_aborts(server, backend):
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "[slow]", "max_tokens": 50}, timeout=0.5)
+        httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "[slow]", "max_tokens": 50},
+                   timeout=0.5)
     assert wait_until(lambda: len(backend.requests) == 1)
     rid = backend.requests[0][0]
     assert wait_until(lambda: rid in backend.aborted, timeout_s=5), backend.aborted

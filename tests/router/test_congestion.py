@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.placement.congestion import CongestionView, LinkMonitor, LinkState, available_gbps, transfer_seconds, usable_gbps
+from pdserve.router.placement.congestion import (CongestionView, LinkMonitor, LinkState, available_gbps,
+                                                 transfer_seconds, usable_gbps)
 from pdserve.router.placement.topology import Link
 
 LINK = Link("a", "b", 100.0, 0.5)

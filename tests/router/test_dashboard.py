@@ -69,7 +69,8 @@ def scraped() -> dict[str, list[dict[str, str]]]:
         )
         with ServerThread(create_app(backend, metrics=metrics)) as server:
             for body in ({"prompt": "abc", "max_tokens": 3}, {"prompt": "hello", "max_tokens": 4, "stream": True}):
-                assert httpx.post(server.url + "/v1/completions", json={"model": MODEL, **body}, timeout=10).status_code == 200
+                assert httpx.post(server.url + "/v1/completions", json={"model": MODEL, **body},
+                                  timeout=10).status_code == 200
             assert wait_until(lambda: "pdserve:num_requests_waiting{" in httpx.get(server.url + "/metrics").text)
             text = httpx.get(server.url + "/metrics", timeout=5).text
             # the prompts are BOS + their characters: 4 and 6 tokens of KV went p0 -> d0

@@ -63,7 +63,8 @@ def test_the_pool_counts_and_places_a_mixed_worker_as_its_duty(caplog):
             assert "duty" not in pool.describe()["p0"]
             # placement: prefills only on prefill-duty or prefill workers, decodes only on decode-duty ones
             for i in range(6):
-                d = policy.place(RequestInfo(f"r{i}", 400, 8), ClusterSnapshot(tuple(pool.snapshots()), mode="disaggregated"))
+                d = policy.place(RequestInfo(f"r{i}", 400, 8),
+                                 ClusterSnapshot(tuple(pool.snapshots()), mode="disaggregated"))
                 assert d.kind == "disaggregated" and d.prefill in {"m2", "p0"} and d.decode in {"m0", "m1"}
             directory.set_duty("m0", "mixed")
             await pool.refresh()

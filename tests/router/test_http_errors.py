@@ -253,7 +253,8 @@ def test_default_body_limit_is_2_mib(server, backend):
 class TestApiKey:
     def test_v1_routes_need_the_key(self, serve):
         server = serve(api_key="s3cret")
-        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}, {"authorization": "Basic s3cret"}):
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"},
+                        {"authorization": "Basic s3cret"}):
             err = error_of(httpx.post(server.url + CHAT, json=chat(max_tokens=1), headers=headers), 401)
             assert (err["type"], err["code"]) == ("invalid_request_error", "invalid_api_key")
             error_of(httpx.get(server.url + "/v1/models", headers=headers), 401)

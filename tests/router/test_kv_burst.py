@@ -50,7 +50,8 @@ def workers() -> Iterator[dict[str, WorkerServer]]:
 
 
 @contextmanager
-def router(workers: dict[str, WorkerServer], mode: str, **options) -> Iterator[tuple[str, ClusterBackend, RouterMetrics]]:
+def router(workers: dict[str, WorkerServer], mode: str,
+           **options) -> Iterator[tuple[str, ClusterBackend, RouterMetrics]]:
     roles = ("mixed",) if mode == "colocated" else ("prefill", "decode")
     endpoints = [WorkerEndpoint(workers[r].config.worker_id, r, workers[r].address) for r in roles]  # type: ignore[arg-type]
     metrics = RouterMetrics()
@@ -180,7 +181,8 @@ def test_past_the_wait_bound_a_503_with_retry_after_and_the_slot_is_freed(worker
             assert wait_until(lambda: not decode.engine.scheduler.pending_reservations)
             assert set(decode.engine.requests) == {"hog"}
             assert backend.num_queued == 0
-            assert metrics.registry.get_sample_value("pdserve:requests_rejected_total", {"reason": "queue_timeout"}) == 1
+            assert metrics.registry.get_sample_value("pdserve:requests_rejected_total",
+                                                     {"reason": "queue_timeout"}) == 1
             assert all(w.healthy for w in backend.pool.workers.values())
     finally:
         release_hog(decode)

@@ -88,7 +88,8 @@ def test_chat_unsupported_features_name_the_field(client, backend):
         (dict(response_format={"type": "yaml"}), "response_format", "invalid_value", "response_format"),
         (dict(tools=[fn]), "tools", "unsupported_parameter", "function calling"),
         (dict(tool_choice="required"), "tool_choice", "unsupported_parameter", "tools"),
-        (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "unsupported_parameter", "tools"),
+        (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "unsupported_parameter",
+         "tools"),
         (dict(tool_choice="sometimes"), "tool_choice", "invalid_value", "sometimes"),
         (dict(modalities=["text", "audio"]), "modalities", "unsupported_parameter", "audio"),
         (dict(reasoning_effort="high"), "reasoning_effort", "unsupported_parameter", MODEL),
@@ -110,7 +111,8 @@ def test_chat_default_max_tokens_is_the_room_left(client, backend):
 
 
 def test_chat_n2_distinct_ids_and_seeds(client, backend):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2, seed=10)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2,
+                                       seed=10)
     prompt = chat_prompt("hi")
     assert [c.index for c in r.choices] == [0, 1]
     assert [c.message.content for c in r.choices] == [expected_text(prompt, 4, 10), expected_text(prompt, 4, 11)]
@@ -124,7 +126,8 @@ def test_chat_n2_distinct_ids_and_seeds(client, backend):
 def test_chat_stop_string(client):
     prompt = chat_prompt("hi")
     full = expected_text(prompt, 10)
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10, stop=full[3])
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=10,
+                                       stop=full[3])
     assert r.choices[0].message.content == full[:3]
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens == 4
@@ -144,7 +147,8 @@ def test_chat_logprobs_shape(client):
 
 
 def test_chat_logprobs_without_top(client, backend):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True)
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       logprobs=True)
     assert backend.requests[0][2].logprobs == 0
     assert [e.top_logprobs for e in r.choices[0].logprobs.content] == [[], []]
 
@@ -226,7 +230,8 @@ def test_completion_stop_and_eos(client):
     r = client.completions.create(model=MODEL, prompt="stop here", max_tokens=8, stop=[full[5], "zz"])
     assert (r.choices[0].text, r.choices[0].finish_reason) == (full[:5], "stop")
     r = client.completions.create(model=MODEL, prompt="[eos]", max_tokens=8)
-    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (expected_text(TOK.encode("[eos]"), 3), "stop", 4)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (
+        expected_text(TOK.encode("[eos]"), 3), "stop", 4)
     r = client.completions.create(model=MODEL, prompt="[eos]", max_tokens=8, extra_body={"ignore_eos": True})
     assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 8)
 

@@ -60,10 +60,13 @@ def test_round_robin_disaggregated_cycles_both_pools():
 
 
 def test_round_robin_skips_unhealthy_and_excluded():
-    snap = ClusterSnapshot((w("p0", "prefill", healthy=False), w("p1", "prefill"), w("d0", "decode"), w("d1", "decode")))
+    snap = ClusterSnapshot((w("p0", "prefill", healthy=False), w("p1", "prefill"), w("d0", "decode"),
+                            w("d1", "decode")))
     policy = RoundRobin()
-    assert policy.place(req(excluded=frozenset({"d0"})), snap) == Decision("disaggregated", "p1", "d1", "round-robin pair")
-    assert policy.place(req(excluded=frozenset({"d0"})), snap) == Decision("disaggregated", "p1", "d1", "round-robin pair")
+    assert policy.place(req(excluded=frozenset({"d0"})), snap) == Decision("disaggregated", "p1", "d1",
+                                                                           "round-robin pair")
+    assert policy.place(req(excluded=frozenset({"d0"})), snap) == Decision("disaggregated", "p1", "d1",
+                                                                           "round-robin pair")
 
 
 def test_colocated_mode_picks_mixed_workers():
@@ -82,7 +85,8 @@ def test_no_prefill_worker_goes_local():
 
 def test_short_prompts_go_local_when_enabled():
     policy = LeastLoaded(local_prefill_max_tokens=16)
-    assert policy.place(req(num_prompt_tokens=16), PD) == Decision("local", None, "d0", "short prompt (16 <= 16 tokens)")
+    assert policy.place(req(num_prompt_tokens=16), PD) == Decision("local", None, "d0",
+                                                                   "short prompt (16 <= 16 tokens)")
     assert policy.place(req(num_prompt_tokens=17), PD) == Decision("disaggregated", "p0", "d0", "least-loaded pair")
     assert LeastLoaded().place(req(num_prompt_tokens=1), PD).kind == "disaggregated"  # default 0: off
 
@@ -102,12 +106,14 @@ def test_mixed_worker_never_pairs_with_itself():
 
 def test_least_loaded_uses_load_then_free_blocks_then_id():
     snap = ClusterSnapshot((
-        w("p0", "prefill", num_waiting=3), w("p1", "prefill", num_waiting=1, num_running=1), w("p2", "prefill", num_running=4),
+        w("p0", "prefill", num_waiting=3), w("p1", "prefill", num_waiting=1, num_running=1),
+        w("p2", "prefill", num_running=4),
         w("d0", "decode", num_running=2, num_free_blocks=10, num_blocks=100),
         w("d1", "decode", num_running=2, num_free_blocks=50, num_blocks=100),
         w("d2", "decode", num_running=1, num_inflight=3),
     ))
-    # p1: load 2 < p0: 3 < p2: 4; d0 and d1 tie on load 2, d1 has more free blocks; d2's own count (3) wins over its stats (1)
+    # p1: load 2 < p0: 3 < p2: 4; d0 and d1 tie on load 2, d1 has more free blocks;
+    # d2's own count (3) wins over its stats (1)
     assert LeastLoaded().place(req(), snap) == Decision("disaggregated", "p1", "d1", "least-loaded pair")
     tie = ClusterSnapshot((w("p1", "prefill"), w("p0", "prefill"), w("d1", "decode"), w("d0", "decode")))
     assert LeastLoaded().place(req(), tie) == Decision("disaggregated", "p0", "d0", "least-loaded pair")

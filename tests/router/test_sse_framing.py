@@ -36,7 +36,8 @@ def test_chat_sse_framing(server):
     rid = response.headers["x-request-id"]
     for chunk in chunks:
         assert set(chunk) == {"id", "object", "created", "model", "system_fingerprint", "choices"}
-        assert chunk["id"] == f"chatcmpl-{rid}" and chunk["object"] == "chat.completion.chunk" and chunk["model"] == MODEL
+        assert (chunk["id"] == f"chatcmpl-{rid}" and chunk["object"] == "chat.completion.chunk"
+                and chunk["model"] == MODEL)
         (choice,) = chunk["choices"]
         assert set(choice) == {"index", "delta", "logprobs", "finish_reason"}
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}

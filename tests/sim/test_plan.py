@@ -153,7 +153,8 @@ def test_pdserve_plan_reads_an_azure_trace(profile_file, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--gpus", 2, "--slo-ttft", 1, "--slo-tpot", 0.1, "--rate", 1, "--input-len", "fixed:8", "--output-len", "fixed:8"],
+    (["--gpus", 2, "--slo-ttft", 1, "--slo-tpot", 0.1, "--rate", 1, "--input-len", "fixed:8",
+      "--output-len", "fixed:8"],
      "--profile: required without --cluster"),
     (["--gpus", 2, "--slo-ttft", 1, "--slo-tpot", 0.1, "--profile", "PROFILE", "--rate", 1],
      "--input-len: required without --trace"),

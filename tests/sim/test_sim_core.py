@@ -125,7 +125,8 @@ def test_a_request_preempting_itself_ends_the_pass():
 
 def test_chunked_prefill_respects_the_token_budget():
     # budget 16, a 40-token prompt: chunks of 16, 16, 8; with prefill P(n) = n / 100 s
-    # (the profile (1, 0.01), (100, 1.0): linear through the origin), the chunks cost P(16), P(32) - P(16), P(40) - P(32):
+    # (the profile (1, 0.01), (100, 1.0): linear through the origin), the chunks cost P(16), P(32) - P(16),
+    # P(40) - P(32):
     # 0.16 + 0.16 + 0.08 = 0.40 s to the first token.
     loop = EventLoop()
     profile = flat_profile(prefill_tokens=(1, 100), prefill_times=(0.01, 1.0))
@@ -314,7 +315,8 @@ def test_a_mixed_worker_prefilling_for_another_hands_the_kv_off():
 def test_network_aware_in_a_hybrid_cluster_models_the_load_from_the_simulated_clock():
     # The hybrid model (router.placement.policies.split) estimates the arrival rate from the snapshots'
     # `now`: 20 requests 2 s apart are 0.5 req/s on the simulated clock (0.58 as its window
-    # estimates it). The first 7 arrivals give no estimate (local). Then, at 0.5 req/s: all local, each worker prefills 1.0 s at
+    # estimates it). The first 7 arrivals give no estimate (local). Then, at 0.5 req/s: all local, each worker
+    # prefills 1.0 s at
     # 0.25 req/s (duty 0.25), TPOT 0.1 / 0.75 = 0.133 s against the SLO's 0.15 (score 0.89);
     # split, the decode worker's TPOT is 0.1 s (score 0.67, TTFT ~1.6 s of the 5 s allowed),
     # better by more than the 10% hysteresis: one worker prefills, the other decodes. Each split

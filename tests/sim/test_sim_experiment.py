@@ -70,7 +70,8 @@ def test_a_spec_simulates_into_the_real_runners_outputs(files, tmp_path, capsys)
     rows = list(csv.DictReader(open(out / "summary.csv")))
     assert [(r["policy"], r["rate"]) for r in rows] == [
         (p, rate) for p in ("round-robin", "least-loaded", "network-aware") for rate in ("2.0", "4.0")]
-    assert {r["run_id"] for r in rows} == {f"{p}_fixed_rate{r:g}" for p in ("round-robin", "least-loaded", "network-aware")
+    assert {r["run_id"] for r in rows} == {f"{p}_fixed_rate{r:g}"
+                                          for p in ("round-robin", "least-loaded", "network-aware")
                                           for r in (2.0, 4.0)}
     for row in rows:
         records = read_jsonl(out / row["records_file"])
@@ -125,7 +126,8 @@ def test_the_loadgen_experiment_flags_select_and_list_runs(files, tmp_path, caps
     listed = capsys.readouterr().out.split()
     assert loadgen_main(["experiment", str(spec), "--dry-run"]) == 0
     assert capsys.readouterr().out.split() == listed
-    assert listed == [f"{p}_fixed_rate{r:g}" for p in ("round-robin", "least-loaded", "network-aware") for r in (2.0, 4.0)]
+    assert listed == [f"{p}_fixed_rate{r:g}" for p in ("round-robin", "least-loaded", "network-aware")
+                      for r in (2.0, 4.0)]
     assert not out.exists()  # a dry run writes nothing
     assert main(["experiment", str(spec), "--cluster", str(cluster), "--output-dir", str(out), "--no-progress",
                  "--policy", "network-aware", "--policy", "round-robin"]) == 0
@@ -238,7 +240,8 @@ def test_per_run_adjusts_each_runs_cluster(files, tmp_path):
     # a step is at least one request's step of the profile: twice that in the run with the profile x2,
     # and below it in the other (at most 6 requests of ~200 tokens in a batch: < 0.0207 s)
     one = _profile().decode_step_seconds(1, 200)
-    assert float(rows["round-robin_fixed_rate2"]["tpot_p50"]) >= 2 * one > float(rows["round-robin_fixed_rate4"]["tpot_p50"])
+    assert (float(rows["round-robin_fixed_rate2"]["tpot_p50"]) >= 2 * one
+            > float(rows["round-robin_fixed_rate4"]["tpot_p50"]))
 
 
 def test_the_cluster_file_takes_overlap_steps(files, tmp_path):

@@ -46,7 +46,8 @@ def test_same_batches_and_preemptions_as_the_engine_scheduler(seed, num_blocks):
             rid = f"r{len(seqs)}"
             prompt = rng.randint(1, min(20, (num_blocks - 1) * block_size))
             max_tokens = rng.randint(1, 12)
-            seqs[rid] = Sequence(rid, list(range(next_token, next_token + prompt)), SamplingParams(max_tokens=max_tokens))
+            seqs[rid] = Sequence(rid, list(range(next_token, next_token + prompt)),
+                                 SamplingParams(max_tokens=max_tokens))
             next_token += prompt
             engine.add(seqs[rid])
             sims[rid] = SimRequest(len(sims), 0.0, prompt, max_tokens, request_id=rid)

@@ -60,7 +60,8 @@ def test_faulty_kv_link_never_changes_greedy_output():
             procs[role] = (proc, parent, parent.recv())
         stubs = {role: pb_grpc.WorkerStub(grpc.insecure_channel(addr)) for role, (_, _, addr) in procs.items()}
         batch = twenty_prompts()
-        expected = [o.token_ids for o in LLM(MODEL, device="cpu", dtype="float32", num_blocks=128).generate(batch, PARAMS)]
+        expected = [o.token_ids
+                    for o in LLM(MODEL, device="cpu", dtype="float32", num_blocks=128).generate(batch, PARAMS)]
         statuses = []
         for i, prompt in enumerate(batch):
             rid = f"f-{i}"

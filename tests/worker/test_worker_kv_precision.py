@@ -39,7 +39,8 @@ def test_full_then_fp8_on_one_pair_decode_alike_and_free_every_block(ucx_workers
     stubs, procs, backend = ucx_workers
     if backend != "ucx":
         pytest.skip(f"the {backend} backend moves the pool's bytes as they are (no FP8 on its wire yet)")
-    expected = [o.token_ids for o in LLM(MODEL, device="cpu", dtype="float32", num_blocks=128).generate(PROMPTS, PARAMS)]
+    expected = [o.token_ids
+                for o in LLM(MODEL, device="cpu", dtype="float32", num_blocks=128).generate(PROMPTS, PARAMS)]
     # 2 layers x (K+V) x 2 kv heads x 16 dims per token; fp32 pools: 16 rows x 4 bytes per block and
     # head dim; FP8: 16 data rows + 4 rows of float32 scales (16 tokens x 4 bytes / 16 dims) + 1 row of
     # per-channel power-of-two exponents (one int8 a dim), 1 byte each (wire v4)
