@@ -167,7 +167,8 @@ class SimCluster:
     def _snapshot_of(self, worker_id: str) -> WorkerSnapshot:
         worker = self.workers[worker_id]
         if self.config.router.stats_interval_s == 0:  # stats exact at every decision
-            waiting, running, free = len(worker.waiting) + worker.num_awaiting, len(worker.running), worker.num_free_blocks
+            waiting, running, free = (len(worker.waiting) + worker.num_awaiting, len(worker.running),
+                                      worker.num_free_blocks)
         else:
             waiting, running, free = self._stats[worker_id]
         count, tokens = self._inflight[worker_id]
@@ -227,7 +228,8 @@ class SimCluster:
         self._count(decode.worker_id, request, +1)
         self._count(prefill.worker_id, request, +1)
         link = self.topology.link(prefill.node, decode.node)
-        request.monitor_flow = self.monitor.start(link.key, request.num_prompt_tokens * self._wire_bytes_per_token(request))
+        request.monitor_flow = self.monitor.start(link.key,
+                                                  request.num_prompt_tokens * self._wire_bytes_per_token(request))
         self.loop.after(rpc, self._reserve, request)
 
     def _reserve(self, request: SimRequest) -> None:
@@ -301,7 +303,7 @@ class SimCluster:
 
     def _kv_done(self, request: SimRequest) -> None:
         now = self.loop.now
-        prefill, decode = request.prefill_worker, request.decode_worker
+        prefill = request.prefill_worker
         prefill.release(request)
         self._count(prefill.worker_id, request, -1)
         request.kv_seconds = now - request.kv_started

@@ -52,7 +52,7 @@ def with_bandwidth(config: ClusterConfig, gbps: float | None) -> ClusterConfig:
     if gbps is None:
         return config
     topo = config.topology
-    links = tuple(Link(l.src, l.dst, gbps, l.latency_ms) for l in topo.links)
+    links = tuple(Link(link.src, link.dst, gbps, link.latency_ms) for link in topo.links)
     return replace(config, topology=replace(topo, links=links, remote_gbps=gbps))
 
 
@@ -106,7 +106,8 @@ def run_sim_experiment(spec: ExperimentSpec, cluster: ClusterConfig, *, cluster_
                 if run.kv_seconds > 0:
                     summary["kv_transfer_bytes"] = run.kv_bytes
                     summary["kv_transfer_gbps"] = run.kv_bytes * 8 / run.kv_seconds / 1e9
-                row = ({"run_id": rid} | labels | {"records_file": records_file.as_posix(), "model": run_config.profile.model}
+                row = ({"run_id": rid} | labels | {"records_file": records_file.as_posix(),
+                                                   "model": run_config.profile.model}
                        | summary | {"interrupted": False, "error": None, "simulated": True,
                                     "sim_events": run.num_events, "sim_wall_s": round(run.wall_s, 3),
                                     "sim_preemptions": run.num_preemptions,

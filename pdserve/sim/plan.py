@@ -345,7 +345,10 @@ def measure(config: ClusterConfig, policy: str, arrivals: list[Arrival], slos: S
         miss_tpot += bad_tpot
         ok += not (bad_ttft or bad_tpot)
     n = max(len(run.requests), 1)
-    q = (lambda xs, p: float(np.percentile(xs, p)) if xs else math.inf)
+
+    def q(xs, p):
+        return float(np.percentile(xs, p)) if xs else math.inf
+
     rate = (len(arrivals) - 1) / (arrivals[-1].offset_s - arrivals[0].offset_s) if len(arrivals) > 1 else 0.0
     return Measurement(rate, ok / n, miss_ttft / n, miss_tpot / n, q(ttfts, 50), q(ttfts, 90), q(tpots, 50),
                        q(tpots, 90), run.wall_s)
@@ -449,9 +452,10 @@ def _reason(e: Evaluation, best: Evaluation, base: ClusterConfig, load: Load, sl
         return (f"pruned: the model's estimate, {e.estimate_per_gpu:.4f} req/s per GPU within the SLOs"
                 + (f" ({bound} bound)" if bound else "") + ", ranks it below the splits simulated")
     bound = e.bound()
-    what = {"TTFT": "misses TTFT first (prefill/queue bound)", "TPOT": "misses TPOT first (decode bound)"}.get(bound, "")
+    what = {"TTFT": "misses TTFT first (prefill/queue bound)",
+            "TPOT": "misses TPOT first (decode bound)"}.get(bound, "")
     if e.at is None:
-        return f"meets the SLOs at no simulated rate" + (f": {what}" if what else "")
+        return "meets the SLOs at no simulated rate" + (f": {what}" if what else "")
     if best.goodput_per_gpu <= 0:
         return what or "no goodput"
     lower = 1 - e.goodput_per_gpu / best.goodput_per_gpu

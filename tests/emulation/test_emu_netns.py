@@ -1,11 +1,9 @@
 """Namespaces, veths and qdiscs: created as asked, removed completely on every exit path."""
 
-import os
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 

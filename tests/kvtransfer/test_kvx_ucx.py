@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve import kvtransfer
-from pdserve.kvtransfer import KVTransferError, KVTransferTimeout
+from pdserve.kvtransfer import KVTransferError
 from kvx_peer import CacheSpec, Peer, PeerError, block_bytes, make_caches
 
 pytestmark = pytest.mark.timeout(60)

@@ -34,8 +34,8 @@ def test_no_table_without_server_timing_and_csv_booleans_read_right(tmp_path):
     text = path.read_text()
     assert "Where TTFT went" not in text
     lines = text.splitlines()
-    assert next(l for l in lines if "| in512-out64 |" in l).endswith("|  |")
-    assert next(l for l in lines if "| cut |" in l).endswith("| interrupted |")
+    assert next(line for line in lines if "| in512-out64 |" in line).endswith("|  |")
+    assert next(line for line in lines if "| cut |" in line).endswith("| interrupted |")
 
 
 def test_plots_of_panels_without_data_draw_no_empty_legend(tmp_path):

@@ -35,7 +35,7 @@ def _serve(role: str, conn) -> None:
     server = WorkerServer(WorkerConfig(f"{role}-lease", role, config, kv_backend="ucx"),
                           default_deadline_s=DEADLINE_S, reservation_grace_s=1.0)
     conn.send(server.start())
-    while (command := conn.recv()) == "metrics":
+    while conn.recv() == "metrics":
         faulthandler.dump_traceback_later(45)  # a hang here prints where (the test waits 60 s)
         conn.send((server.reservations_expired, (server.sender or server.receiver).metrics()))
         faulthandler.cancel_dump_traceback_later()
@@ -76,7 +76,8 @@ def test_stopped_receiver_releases_by_lease_and_drops_stale_transfers():
             procs[role] = (proc, parent, parent.recv())
         stubs = {role: pb_grpc.WorkerStub(grpc.insecure_channel(addr)) for role, (_, _, addr) in procs.items()}
         prompts = [list(range(5, 5 + 70)), list(range(9, 9 + 40)), list(range(30, 30 + 90))]
-        expected = [o.token_ids for o in LLM(MODEL, device="cpu", dtype="float32", num_blocks=128).generate(prompts, PARAMS)]
+        expected = [o.token_ids
+                    for o in LLM(MODEL, device="cpu", dtype="float32", num_blocks=128).generate(prompts, PARAMS)]
         assert _disaggregated(stubs, "warm", prompts[0]) == expected[0]  # the KV link is up
 
         decode_pid = procs["decode"][0].pid
