@@ -24,6 +24,13 @@ the next step is in flight had one extra position computed, whose token is dropp
 else (a request waiting for admission, one ending by length, a block shortage, a prefill) runs
 the usual synchronous step. `EngineConfig.overlap_steps=False` (--no-overlap-steps) turns it off.
 
+Structured outputs (`pdserve.structured`): a request whose params carry a grammar gets a matcher,
+advanced over every token appended to it (wherever it was sampled: a decode worker's first
+token comes from the prefill worker, a migrated request resumes with `num_generated` tokens at
+the end of its prompt). A synchronous step fills the constrained rows' bitmasks on a helper
+thread while the forward runs; such rows never take the overlapped path. A request ends when
+its matcher terminates.
+
 The scheduler's sizes not given in the config are the device's defaults
 (`pdserve.config.resolve_scheduler`), chosen here where the device is known and logged once.
 """
@@ -49,6 +56,7 @@ from pdserve.sampler import Sampler, SamplingRow
 from pdserve.sampling_params import RequestOutput, SamplingParams
 from pdserve.scheduler import ScheduledBatch, Scheduler
 from pdserve.sequence import Sequence, SequenceStatus
+from pdserve.structured.backend import GrammarBackend
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -123,6 +131,20 @@ class LLMEngine:
         self.overlap_steps = config.overlap_steps and config.tensor_parallel_size == 1
         self.num_steps_ahead = 0  # steps launched before the previous step's tokens reached the host
         self._in_flight: _InFlight | None = None  # a step launched ahead, its tokens not read yet
+        self._grammars: GrammarBackend | None = None  # built on the first constrained request
+
+    @property
+    def grammars(self) -> GrammarBackend:
+        """The grammar engine for this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer; this model has none")
+            t = time.perf_counter()
+            self._grammars = GrammarBackend(self.tokenizer.hf_tokenizer, self.model_config.vocab_size,
+                                            sorted(self.eos_token_ids))
+            logger.info("engine: grammar engine ready for %d tokens in %.2fs", self.model_config.vocab_size,
+                        time.perf_counter() - t)
+        return self._grammars
 
     def _limit_vocab(self) -> None:
         """Samples only ids the tokenizer can decode when it knows fewer than the model's
@@ -166,6 +188,8 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the other tensor-parallel ranks (nothing to do at TP=1). Idempotent."""
+        if self._grammars is not None:
+            self._grammars.close()
         if self.tp_group is not None:
             self.tp_group.close()
 
@@ -186,20 +210,34 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad!r} is out of range [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
+        bad = next((t for t, _ in params.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is out of range [0, {vocab})")
+        bad = next((t for word in params.bad_words_ids for t in word if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"bad_words token id {bad} is out of range [0, {vocab})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    hand_off: bool | None = None) -> None:
-        """`hand_off`: stop after the first token and hold the KV (default: in the prefill role)."""
+                    hand_off: bool | None = None, num_generated: int = 0) -> None:
+        """`hand_off`: stop after the first token and hold the KV (default: in the prefill role).
+        `num_generated`: the prompt ends with this many tokens the request generated elsewhere
+        (a migration), which its grammar has already seen."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        if not 0 <= num_generated <= len(prompt_token_ids):
+            raise ValueError(f"num_generated must be in [0, {len(prompt_token_ids)}], got {num_generated}")
+        generated = prompt_token_ids[len(prompt_token_ids) - num_generated:] if num_generated else []
+        seq = self._new_sequence(request_id, prompt_token_ids, params, generated)
         seq.hand_off = self.role == "prefill" if hand_off is None else hand_off
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
-    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      generated: list[int] | tuple[int, ...] = ()) -> Sequence:
         self.validate(prompt_token_ids, params)
         seq = Sequence(request_id, list(prompt_token_ids), params)
+        if params.structured is not None:
+            seq.grammar = self.grammars.matcher(params.structured, generated)
         if params.seed is not None and not params.greedy:
             seq.generator = self.runner.sampler.make_generator(params.seed)
         if self.tokenizer is not None:
@@ -392,13 +430,20 @@ class LLMEngine:
         if self.layer_hook is not None and any(s.hand_off for s in batch.seqs):
             user_hook = self.layer_hook
             hook = lambda layer: user_hook(layer, batch)  # noqa: E731
+        order = self.runner.order(batch)
+        sampling = [batch.seqs[i] for i in order if batch.samples(i)]
+        constrained = [j for j, s in enumerate(sampling) if s.grammar is not None]
+        masks = None
+        if constrained:  # the bitmasks are filled on a helper thread while the forward runs
+            masks = self.grammars.fill_async([sampling[j].grammar for j in constrained],
+                                             [self._suppressed(sampling[j]) for j in constrained])
         logits = self.runner.execute(batch, hook)  # on a GPU this returns before the forward ends
         # CPU work that needs no sampled token runs while the GPU computes: the first sync is
         # the sampler's read of the tokens.
-        order = self.runner.order(batch)
-        sampling = [batch.seqs[i] for i in order if batch.samples(i)]
         rows = [SamplingRow(s.params, s.output_token_ids, s.generator,  # type: ignore[arg-type]
                             self._suppressed(s)) for s in sampling]
+        if masks is not None:
+            self._set_masks(rows, constrained, masks.result())
         self.scheduler.postprocess(batch)
         tokens, logprobs = self.runner.sample(logits, rows) if rows else ([], [])
         self.num_steps += 1
@@ -409,10 +454,20 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
+    @staticmethod
+    def _set_masks(rows: list[SamplingRow], constrained: list[int], bitmask: torch.Tensor) -> None:
+        """Constrained rows sample under their bitmask, in which their suppressed ids are folded
+        (GrammarBackend.fill: the grammar wins where they would leave no token)."""
+        for k, j in enumerate(constrained):
+            rows[j].token_bitmask = bitmask[k]
+            rows[j].suppress_token_ids = ()
+
     def _suppressed(self, seq: Sequence) -> tuple[int, ...]:
-        if seq.num_output_tokens < seq.params.min_tokens:
-            return tuple(self.eos_token_ids) + seq.params.stop_token_ids
-        return ()
+        p = seq.params
+        ids: tuple[int, ...] = tuple(p.banned_token_ids(seq.output_token_ids)) if p.bad_words_ids else ()
+        if seq.num_output_tokens < p.min_tokens:
+            ids += tuple(self.eos_token_ids) + p.stop_token_ids
+        return ids
 
     def _append_token(self, seq: Sequence, token: int, logprob) -> RequestOutput | None:
         p = seq.params
@@ -423,6 +478,14 @@ class LLMEngine:
         is_stop_token = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
         if is_stop_token and seq.num_output_tokens > p.min_tokens - 1:
             finish = "stop"
+        if seq.grammar is not None:
+            if not seq.grammar.accept_token(token):  # type: ignore[attr-defined]
+                # never a sampled token (the mask allowed it): one handed over from elsewhere
+                logger.error("request %s: token %d breaks its %s; aborted", seq.request_id, token, p.structured.kind)
+                finish = "abort"
+            elif seq.grammar.is_terminated():  # type: ignore[attr-defined]
+                finish = "stop"  # the grammar's stop token, even under ignore_eos or min_tokens
+                is_stop_token = True
         if seq.detokenizer is not None and not is_stop_token:
             seq.output_text += seq.detokenizer.add(token)  # type: ignore[attr-defined]
         if p.stop and finish is None:

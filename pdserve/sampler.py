@@ -1,9 +1,12 @@
 """Token sampling with OpenAI semantics.
 
-Penalties apply to the raw logits; logprobs are reported from the penalised distribution
-before temperature (what OpenAI reports). Greedy rows take the argmax. Sampled rows apply
-temperature, top-k and top-p and draw from the request's own generator when it has a seed,
-so a seeded request gives the same tokens whatever else is in the batch.
+A row's grammar bitmask (structured outputs, filled by the engine) applies first: the logits of
+the tokens it forbids become -inf. Then penalties, the request's `logit_bias` (added to the
+logits) and the suppressed ids (-inf: EOS before min_tokens, banned words); logprobs are
+reported from that distribution before temperature (what OpenAI reports). Greedy rows take the
+argmax. Sampled rows apply temperature, top-k and top-p and draw from the request's own
+generator when it has a seed, so a seeded request gives the same tokens whatever else is in the
+batch.
 
 `vocab_limit` (set by the engine when the tokenizer knows fewer ids than the model's vocabulary,
 e.g. a random 8B shape served with SmolLM2's tokenizer, or a vocabulary padded past the
@@ -26,6 +29,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     suppress_token_ids: tuple[int, ...] = ()  # e.g. EOS before min_tokens
+    token_bitmask: torch.Tensor | None = None  # [ceil(vocab / 32)] int32 on the host: the grammar's allowed tokens
 
 
 class Sampler:
@@ -48,8 +52,10 @@ class Sampler:
     @staticmethod
     def draws_on_device(params: SamplingParams, generator: torch.Generator | None) -> bool:
         """Whether `sample_device` can draw a row with no host round trip: greedy or unseeded
-        sampling, no penalties (they count the host's token lists), no logprobs."""
-        return not params.has_penalties and params.logprobs is None and (params.greedy or generator is None)
+        sampling, no penalties (they count the host's token lists), no logprobs, no grammar and no
+        banned word of several tokens (both depend on the tokens sampled last)."""
+        return (not params.has_penalties and params.logprobs is None and (params.greedy or generator is None)
+                and params.structured is None and not params.has_sequence_bans)
 
     @classmethod
     def device_only(cls, rows: list[SamplingRow]) -> bool:
@@ -64,6 +70,7 @@ class Sampler:
         if not self.device_only(rows):
             raise AssertionError("sample_device: a row needs the host (penalties, seed or logprobs)")
         logits = self._limited(logits)
+        self._bias(logits, rows)
         self._suppress(logits, rows)
         tokens = logits.argmax(dim=-1)
         shared = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -71,6 +78,36 @@ class Sampler:
             tokens[torch.tensor(shared, device=logits.device)] = self._sample_rows(
                 logits, shared, [rows[i].params for i in shared])
         return tokens
+
+    @staticmethod
+    def _mask(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Applies the rows' grammar bitmasks (one copy to the device, one kernel)."""
+        index = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
+        if not index:
+            return
+        from pdserve.structured.backend import apply_bitmask
+
+        width = rows[index[0]].token_bitmask.shape[0]  # type: ignore[union-attr]
+        bitmask = torch.full((len(rows), width), -1, dtype=torch.int32)
+        bitmask[index] = torch.stack([rows[i].token_bitmask for i in index])  # type: ignore[misc]
+        apply_bitmask(logits, bitmask.to(logits.device, non_blocking=True), index)
+
+    @staticmethod
+    def _bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        bias_rows: list[int] = []
+        bias_cols: list[int] = []
+        values: list[float] = []
+        vocab = logits.shape[1]
+        for i, row in enumerate(rows):
+            for token, bias in row.params.logit_bias:
+                if token < vocab:  # ids past vocab_limit are never drawn
+                    bias_rows.append(i)
+                    bias_cols.append(token)
+                    values.append(bias)
+        if bias_rows:  # one scatter for the whole batch
+            dev = logits.device
+            logits.index_put_((torch.tensor(bias_rows, device=dev), torch.tensor(bias_cols, device=dev)),
+                              torch.tensor(values, device=dev, dtype=logits.dtype), accumulate=True)
 
     @staticmethod
     def _suppress(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -90,6 +127,7 @@ class Sampler:
         """logits: [N, vocab] float32, one row per request. Returns token ids and logprobs."""
         if logits.shape[0] != len(rows):
             raise AssertionError("one sampling row per logits row")
+        self._mask(logits, rows)
         logits = self._limited(logits)
         for i, row in enumerate(rows):
             p = row.params
@@ -97,6 +135,7 @@ class Sampler:
                 ids = torch.tensor(row.output_token_ids, device=logits.device)
                 counts = torch.bincount(ids, minlength=logits.shape[1])[: logits.shape[1]].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        self._bias(logits, rows)
         self._suppress(logits, rows)
 
         tokens = logits.argmax(dim=-1)  # greedy rows, on the GPU for the whole batch at once

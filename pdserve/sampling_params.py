@@ -1,11 +1,20 @@
-"""Sampling parameters with OpenAI semantics, validated on construction."""
+"""Sampling parameters with OpenAI semantics, validated on construction.
+
+Besides OpenAI's fields a request may carry `logit_bias` (token id -> a bias added to its logit),
+`bad_words_ids` (token sequences the output never contains: the last token of each is banned
+whenever the output ends with the ones before it) and `structured` (a grammar the output obeys,
+`pdserve.structured`). All three travel with the request to every worker that samples for it.
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+from pdserve.structured.spec import StructuredOutput
 from pdserve.timing import RequestTiming, WorkerTiming
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bounds of a logit bias: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -22,6 +31,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the sampled one)
     min_tokens: int = 0
+    # (token id, bias) pairs sorted by id; a dict {id: bias} is accepted and normalised
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -49,6 +62,10 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be non-empty strings")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        object.__setattr__(self, "bad_words_ids", _bad_words(self.bad_words_ids))
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -58,9 +75,53 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def has_sequence_bans(self) -> bool:
+        """A bad word of several tokens: whether its last token is banned depends on the output."""
+        return any(len(word) > 1 for word in self.bad_words_ids)
+
+    def banned_token_ids(self, output_token_ids: list[int]) -> list[int]:
+        """The ids `bad_words_ids` ban for the next token after `output_token_ids`."""
+        banned = []
+        for word in self.bad_words_ids:
+            head = len(word) - 1
+            if head == 0 or (len(output_token_ids) >= head and tuple(output_token_ids[-head:]) == word[:-1]):
+                banned.append(word[-1])
+        return banned
+
 
 def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _token_id(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must hold token ids (integers >= 0), got {value!r}")
+    return value
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    items = value.items() if isinstance(value, dict) else value
+    out: dict[int, float] = {}
+    for pair in items:  # type: ignore[union-attr]
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ValueError(f"logit_bias must map token ids to biases, got {pair!r}")
+        token, bias = _token_id(pair[0], "logit_bias"), pair[1]
+        if not _finite(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+        if token in out:
+            raise ValueError(f"logit_bias names token {token} twice")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def _bad_words(value: object) -> tuple[tuple[int, ...], ...]:
+    words = []
+    for word in value:  # type: ignore[union-attr]
+        if not isinstance(word, (tuple, list)) or not word:
+            raise ValueError(f"bad_words_ids must be non-empty token sequences, got {word!r}")
+        words.append(tuple(_token_id(t, "bad_words_ids") for t in word))
+    return tuple(words)
 
 
 @dataclass

@@ -37,6 +37,7 @@ class Sequence:
     table: BlockTable = field(default_factory=BlockTable)
     # sampling state
     generator: object | None = None  # torch.Generator for seeded requests (model runner's)
+    grammar: object | None = None  # structured outputs: the matcher, advanced over output_token_ids
     output_text: str = ""
     num_emitted_chars: int = 0  # chars of output_text already returned to the caller
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)

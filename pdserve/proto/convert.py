@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pdserve.proto import worker_pb2 as pb
 from pdserve.sampling_params import RequestOutput, SamplingParams, TokenLogprob
+from pdserve.structured.spec import StructuredOutput
 from pdserve.timing import WorkerTiming
 
 FINISH_REASONS = ("stop", "length", "abort")
@@ -26,7 +27,12 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         min_tokens=params.min_tokens,
+        logit_bias=[pb.TokenBias(token_id=t, bias=b) for t, b in params.logit_bias],
+        bad_words=[pb.TokenSequence(token_ids=list(word)) for word in params.bad_words_ids],
     )
+    if params.structured is not None:
+        s = params.structured
+        msg.structured.CopyFrom(pb.StructuredOutput(kind=s.kind, spec=s.spec, strict=s.strict))
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:
@@ -49,6 +55,10 @@ def params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         min_tokens=msg.min_tokens,
+        logit_bias=tuple((b.token_id, b.bias) for b in msg.logit_bias),
+        bad_words_ids=tuple(tuple(w.token_ids) for w in msg.bad_words),
+        structured=(StructuredOutput(msg.structured.kind, msg.structured.spec, msg.structured.strict)
+                    if msg.HasField("structured") else None),
     )
 
 

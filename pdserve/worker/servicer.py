@@ -208,7 +208,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             params = replace(params, max_tokens=params.max_tokens - len(resumed),
                              min_tokens=max(0, params.min_tokens - len(resumed)))
         rid = request.request_id
-        async for chunk in self._stream(rid, lambda e: e.add_request(rid, prompt, params, hand_off=False), context,
+        async for chunk in self._stream(rid, lambda e: e.add_request(rid, prompt, params, hand_off=False,
+                                                                     num_generated=len(resumed)), context,
                                         offset=(len(resumed), len(resumed))):
             yield chunk
 

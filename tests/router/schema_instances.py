@@ -15,7 +15,7 @@ import random
 import string
 from typing import Any
 
-_INHERITED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "maxProperties",
+_INHERITED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "maxProperties", "propertyNames",
               "minItems", "maxItems")
 
 
@@ -101,6 +101,8 @@ class SchemaInstances:
                 out[name] = self.generate(prop, depth + 1)
         extra = schema.get("additionalProperties")
         if isinstance(extra, dict):
+            # names: "k<n>", or digits where propertyNames asks for them (logit_bias's token ids)
+            digits = schema.get("propertyNames", {}).get("pattern") == "^[0-9]+$"
             for _ in range(self.rng.randint(0, min(2, schema.get("maxProperties", 2)))):
-                out["k" + str(self.rng.randint(0, 99))] = self.generate(extra, depth + 1)
+                out[("" if digits else "k") + str(self.rng.randint(0, 99))] = self.generate(extra, depth + 1)
         return out

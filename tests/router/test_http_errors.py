@@ -88,7 +88,11 @@ BAD_REQUESTS = [
     (COMPLETIONS, completion(logprobs=1, echo=True), "echo", "unsupported_parameter"),
     (COMPLETIONS, completion(suffix="x"), "suffix", "unsupported_parameter"),
     (COMPLETIONS, completion(best_of=3), "best_of", "unsupported_parameter"),
-    (CHAT, chat(logit_bias={"5": 1.0}), "logit_bias", "unsupported_parameter"),
+    (CHAT, chat(logit_bias={"x5": 1.0}), "logit_bias", "invalid_value"),
+    (CHAT, chat(logit_bias={"5": 101}), "logit_bias", "invalid_value"),
+    (COMPLETIONS, completion(logit_bias={"-1": 1}), "logit_bias", "invalid_value"),
+    (CHAT, chat(logit_bias={"5": "up"}), "logit_bias.5", "invalid_value"),
+    (CHAT, chat(bad_words=[""]), "bad_words[0]", "invalid_value"),
     (CHAT, chat(stream_options={"include_usage": True}), "stream_options", None),
     (CHAT, chat(stream=True, stream_options={"include_usage": True, "x": 1}), "stream_options.x", "unknown_parameter"),
     (CHAT, chat(messages=[{"role": "assistant", "content": "x"}]), "messages", None),  # the template rejects it

@@ -51,6 +51,15 @@ def test_chat_params_reach_backend(client, backend):
     assert params.stop == ("x", "y") and params.ignore_eos and params.min_tokens == 1 and params.logprobs is None
 
 
+def test_logit_bias_and_bad_words_reach_the_backend(client, backend):
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                   logit_bias={"104": 100, "7": -5.5}, extra_body={"bad_words": ["ab"]})
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=2, logit_bias={"65": -100})
+    (_, _, chat), (_, _, completion) = backend.requests
+    assert chat.logit_bias == ((7, -5.5), (104, 100.0)) and completion.logit_bias == ((65, -100.0),)
+    assert chat.bad_words_ids == ((97, 98), (32, 97, 98))  # alone and after a space
+
+
 def test_chat_accepts_the_no_op_values_clients_send(client, backend):
     """Frameworks send OpenAI fields with their default values; those must not fail the request."""
     r = client.chat.completions.create(

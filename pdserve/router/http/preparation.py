@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.sampling_params import SamplingParams
+from pdserve.structured.spec import StructuredOutput
 from pdserve.router.backend import GenerationBackend
 from pdserve.router.errors import InvalidRequest, ModelNotFound
 from pdserve.router.http.fanout import Job
@@ -45,8 +46,6 @@ def _check_common(req: CompletionRequest | ChatCompletionRequest, backend: Gener
         raise InvalidRequest(
             "The 'stream_options' parameter is only allowed when 'stream' is enabled.", param="stream_options"
         )
-    if req.logit_bias:
-        raise InvalidRequest("logit_bias is not supported.", param="logit_bias", code="unsupported_parameter")
 
 
 def _max_tokens(
@@ -73,8 +72,49 @@ def _max_tokens(
     return requested
 
 
+def _logit_bias(req: CompletionRequest | ChatCompletionRequest, vocab_size: int | None) -> dict[int, float]:
+    out = {}
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.isdigit() or (vocab_size is not None and int(key) >= vocab_size):
+            limit = f" in [0, {vocab_size})" if vocab_size is not None else ""
+            raise InvalidRequest(f"Invalid value for 'logit_bias': {key!r} is not a token id{limit}.",
+                                 param="logit_bias", code="invalid_value")
+        if not -100 <= bias <= 100:
+            raise InvalidRequest(f"Invalid value for 'logit_bias': the bias of token {key} must be in [-100, 100], "
+                                 f"got {bias}.", param="logit_bias", code="invalid_value")
+        out[int(key)] = bias
+    return out
+
+
+def _bad_words(req: CompletionRequest | ChatCompletionRequest, tokenizer) -> tuple[tuple[int, ...], ...]:
+    """Each word's tokens alone and after a space (how it appears mid-sentence), as vLLM bans them."""
+    words: dict[tuple[int, ...], None] = {}
+    for word in req.bad_words:
+        for text in (word, " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                words[ids] = None
+    return tuple(words)
+
+
+@dataclass(frozen=True)
+class _Extras:
+    """What every choice's SamplingParams carries beyond the request's plain fields."""
+
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    structured: StructuredOutput | None = None
+
+
+def _extras(req: CompletionRequest | ChatCompletionRequest, backend: GenerationBackend,
+            structured: StructuredOutput | None = None) -> _Extras:
+    tokenizer = backend.tokenizer
+    return _Extras(_logit_bias(req, getattr(tokenizer, "vocab_size", None)), _bad_words(req, tokenizer), structured)
+
+
 def _sampling_params(
-    req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int, logprobs: int | None, seed: int | None, names: dict[str, str]
+    req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int, logprobs: int | None, seed: int | None,
+    names: dict[str, str], extras: _Extras,
 ) -> SamplingParams:
     """Builds SamplingParams; its ValueError becomes a 400 naming the request field (`names` maps renamed ones)."""
     try:
@@ -91,6 +131,9 @@ def _sampling_params(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             min_tokens=req.min_tokens,
+            logit_bias=extras.logit_bias,
+            bad_words_ids=extras.bad_words_ids,
+            structured=extras.structured,
         )
     except ValueError as exc:
         field_name, _, rest = str(exc).partition(" ")
@@ -110,6 +153,7 @@ def _jobs(
     default_max_tokens: int | None,
     logprobs: int | None,
     names: dict[str, str],
+    extras: _Extras,
 ) -> list[Job]:
     jobs = []
     for p, prompt in enumerate(prompts):
@@ -118,7 +162,8 @@ def _jobs(
         )
         for i in range(req.n):
             seed = None if req.seed is None else req.seed + i
-            params = _sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, seed=seed, names=names)
+            params = _sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, seed=seed, names=names,
+                                      extras=extras)
             index = p * req.n + i
             jobs.append(Job(index=index, request_id=f"{request_id}-{index}", prompt_token_ids=prompt, params=params))
     return jobs
@@ -153,6 +198,7 @@ def prepare_completion(
         default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS if max_tokens_default is None else max_tokens_default,
         logprobs=req.logprobs,
         names={},
+        extras=_extras(req, backend),
     )
     echo = {job.index: texts[job.index // req.n] for job in jobs} if req.echo else {}
     return Prepared(
@@ -242,6 +288,7 @@ def prepare_chat(
         default_max_tokens=max_tokens_default,
         logprobs=logprobs,
         names={"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens" if use_new else "max_tokens"},
+        extras=_extras(req, backend),
     )
     return Prepared(
         response_id=f"chatcmpl-{request_id}",

@@ -109,12 +109,18 @@ class _SamplingFields(_Request):
     top_p: float | None = _doc("Nucleus sampling mass. Default 1.", None, exclusiveMinimum=0, maximum=1)
     presence_penalty: float | None = _doc("Default 0.", None, minimum=-2, maximum=2)
     frequency_penalty: float | None = _doc("Default 0.", None, minimum=-2, maximum=2)
-    logit_bias: dict[str, float] | None = _doc("Not supported: only null or {} is accepted.", None, maxProperties=0)
+    logit_bias: dict[str, float] | None = _doc(
+        "Token id (as a string) -> a bias in [-100, 100] added to its logit before sampling: -100 bans the token, "
+        "+100 all but forces it.", None, propertyNames={"pattern": "^[0-9]+$"},
+        additionalProperties={"type": "number", "minimum": -100, "maximum": 100})
     user: str | None = _doc("Accepted and ignored.", None)
     # extensions
     top_k: JsonInt | None = _doc("Extension: sample among the k most likely tokens; -1 or 0 disables. Default -1.", None, le=INT32_MAX, minimum=-1)
     min_tokens: JsonInt = _doc("Extension: tokens generated before EOS or a stop may end the generation.", 0, le=UINT32_MAX, minimum=0)
     ignore_eos: bool = _doc("Extension: keep generating past the end-of-sequence token.", False)
+    bad_words: list[_Text] = Field(
+        default_factory=list, description="Extension (vLLM's): words the output never contains (each as the "
+        "tokenizer writes it alone and after a space).", json_schema_extra={"default": []})
     stop_token_ids: list[_TokenId] = Field(
         default_factory=list, description="Extension: token ids that end the generation.", json_schema_extra={"default": []}
     )
