@@ -89,14 +89,16 @@ class Tokenizer:
         special tokens kept); None for any other kind (the detokenizer then decodes windows)."""
         return _byte_level_table(self._backend)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Renders messages with the model's chat template; ValueError if there is none or it rejects them."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Renders messages with the model's chat template (`tools`: OpenAI function tools, for a
+        template that renders them); ValueError if there is none or it rejects them."""
         if not self.has_chat_template:
             where = f"{self.source}: " if self.source else ""
             raise ValueError(f"{where}tokenizer has no chat template")
         try:
             rendered = self._hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as exc:  # jinja2 TemplateError, raise_exception() in templates, bad messages
             raise ValueError(f"chat template failed: {exc}") from exc

@@ -82,24 +82,35 @@ def test_chat_takes_a_dumped_answer_back_as_history(client, backend):
     client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
     history = TOK.decode(backend.requests[1][1])
     assert history == f"<user>hi\n<assistant>{r.choices[0].message.content}\n<user>yo\n<assistant>"
+    # a call and its result go back in; a template that knows no tools gets Hermes' blocks
     dumped["tool_calls"] = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    messages = [dumped, {"role": "tool", "tool_call_id": "c", "content": "4"}]
+    client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    history = TOK.decode(backend.requests[2][1])
+    assert history == (f"<assistant>{r.choices[0].message.content}\n<tool_call>\n{{\"name\": \"f\", "
+                       "\"arguments\": {}}\n</tool_call>\n<tool><tool_response>\n4\n</tool_response>\n<assistant>")
+    dumped["function_call"] = {"name": "f", "arguments": "{}"}
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
-    assert (e.value.body["param"], e.value.body["code"]) == ("messages[1].tool_calls", "unsupported_parameter")
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert (e.value.body["param"], e.value.body["code"]) == ("messages[0].function_call", "unsupported_parameter")
 
 
 def test_chat_unsupported_features_name_the_field(client, backend):
-    fn = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
     cases = [
-        (dict(response_format={"type": "json_object"}), "response_format", "unsupported_parameter", "json_object"),
-        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-         "response_format", "unsupported_parameter", "json_schema"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "array", "items": {"type": "string", "format": "iri"}, "uniqueItems": True}}}),
+         "response_format.json_schema.schema", "unsupported_schema", "'format' 'iri' at $.items"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/a"}}}),
+         "response_format.json_schema.schema", "invalid_value", "$defs"),
         (dict(response_format={"type": "yaml"}), "response_format", "invalid_value", "response_format"),
-        (dict(tools=[fn]), "tools", "unsupported_parameter", "function calling"),
-        (dict(tool_choice="required"), "tool_choice", "unsupported_parameter", "tools"),
-        (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "unsupported_parameter",
-         "tools"),
+        (dict(tool_choice="required"), "tool_choice", "invalid_value", "tools"),
+        (dict(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice", "invalid_value", "tools"),
         (dict(tool_choice="sometimes"), "tool_choice", "invalid_value", "sometimes"),
+        (dict(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function", "function": {
+            "name": "g"}}), "tool_choice.function.name", "invalid_value", "'g'"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "a": {"not": {"type": "null"}}}}}}], tool_choice="required"), "tools[0].function.parameters",
+         "unsupported_schema", "'not'"),
         (dict(modalities=["text", "audio"]), "modalities", "unsupported_parameter", "audio"),
         (dict(reasoning_effort="high"), "reasoning_effort", "unsupported_parameter", MODEL),
     ]
@@ -107,8 +118,10 @@ def test_chat_unsupported_features_name_the_field(client, backend):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], **fields)
         err = e.value.body
-        assert (e.value.status_code, err["param"], err["code"]) == (400, param, code), fields
+        assert (e.value.status_code, err["param"], err["code"]) == (400, param, code), (fields, err)
         assert word in err["message"], err["message"]
+        if code == "unsupported_schema" and param.startswith("response_format"):
+            assert "'uniqueItems' at $." in err["message"]  # every feature is named
     assert backend.requests == []
 
 

@@ -73,6 +73,10 @@ class FanOut:
     def num_output_tokens(self) -> int:
         return sum(p.num_output_tokens for p in self.progress.values())
 
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(p.num_cached_tokens for p in self.progress.values())
+
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._pump(job), name=f"pump-{job.request_id}") for job in self.jobs]
 

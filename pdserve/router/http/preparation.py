@@ -16,7 +16,9 @@ from pdserve.sampling_params import SamplingParams
 from pdserve.structured.spec import StructuredOutput
 from pdserve.router.backend import GenerationBackend
 from pdserve.router.errors import InvalidRequest, ModelNotFound
+from pdserve.router.http import structured as structured_fields
 from pdserve.router.http.fanout import Job
+from pdserve.router.http.tools import ToolPlan, plan_tools, render_chat
 from pdserve.router.http.protocol import MAX_N, ChatCompletionRequest, CompletionRequest
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
@@ -35,6 +37,7 @@ class Prepared:
     include_usage: bool
     echo: dict[int, str] = field(default_factory=dict)  # choice index -> prompt text to prepend
     top_logprobs: int | None = None  # alternatives per token, None without logprobs
+    tools: ToolPlan | None = None  # chat with tools: the answers are parsed back into calls
 
 
 def _check_common(req: CompletionRequest | ChatCompletionRequest, backend: GenerationBackend) -> None:
@@ -107,8 +110,16 @@ class _Extras:
 
 
 def _extras(req: CompletionRequest | ChatCompletionRequest, backend: GenerationBackend,
-            structured: StructuredOutput | None = None) -> _Extras:
+            structured: StructuredOutput | None = None, source: str = "response_format") -> _Extras:
+    """`structured`: the endpoint's own constraint (chat's response_format, or its tool choice:
+    `source` names it), beside vLLM's extensions."""
     tokenizer = backend.tokenizer
+    extension = structured_fields.from_extensions(req)
+    if extension is not None:
+        if structured is not None:
+            raise InvalidRequest(f"Only one output constraint per request: {source} and {extension[1]}.",
+                                 param=extension[1], code="invalid_value")
+        structured = extension[0]
     return _Extras(_logit_bias(req, getattr(tokenizer, "vocab_size", None)), _bad_words(req, tokenizer), structured)
 
 
@@ -178,7 +189,8 @@ def prepare_completion(
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest("best_of must be unset or equal to n.", param="best_of", code="unsupported_parameter")
     if req.echo and req.logprobs is not None:
-        raise InvalidRequest("echo is not supported together with logprobs.", param="echo", code="unsupported_parameter")
+        raise InvalidRequest("echo is not supported together with logprobs.", param="echo",
+                             code="unsupported_parameter")
     tokenizer = backend.tokenizer
     if isinstance(req.prompt[0], str):
         prompts = [tokenizer.encode(text, add_special_tokens=True) for text in req.prompt]
@@ -217,40 +229,24 @@ def _unsupported(param: str, message: str) -> InvalidRequest:
     return InvalidRequest(message, param=param, code="unsupported_parameter")
 
 
-def _check_choice(value: str | dict | None, param: str, tools_param: str) -> None:
-    """tool_choice / function_call: with no tools, only 'none' and 'auto' (both: no calls) mean anything."""
-    if value is None or value in ("none", "auto"):
-        return
-    if value == "required" or isinstance(value, dict):
-        raise _unsupported(param, f"{param} {value!r} needs {tools_param}, and function calling is not supported.")
-    raise InvalidRequest(f"Invalid value for '{param}': expected 'none', 'auto', 'required' or an object, got {value!r}.",
-                         param=param, code="invalid_value")
-
-
 def _check_chat_options(req: ChatCompletionRequest) -> None:
     """The OpenAI chat fields pdserve has no feature behind: their no-op values pass, the rest are a
     400 `unsupported_parameter` naming the field (not `unknown_parameter`: the name is right)."""
-    if req.response_format is not None:
-        kind = req.response_format.get("type")
-        if kind in ("json_object", "json_schema"):
-            raise _unsupported("response_format", f"response_format of type '{kind}' is not supported: pdserve has "
-                                                  "no structured-output (constrained) decoding.")
-        if kind != "text" or set(req.response_format) != {"type"}:
-            raise InvalidRequest("Invalid value for 'response_format': expected {\"type\": \"text\"}, "
-                                 "{\"type\": \"json_object\"} or {\"type\": \"json_schema\", ...}.",
-                                 param="response_format", code="invalid_value")
-    for name in ("tools", "functions"):
-        if getattr(req, name):
-            raise _unsupported(name, f"{name} is not supported: pdserve has no function calling.")
-    _check_choice(req.tool_choice, "tool_choice", "tools")
-    _check_choice(req.function_call, "function_call", "functions")
+    if req.functions:
+        raise _unsupported("functions", "functions (the deprecated form of tools) is not supported: use tools.")
+    if req.function_call is not None and req.function_call not in ("none", "auto"):
+        raise _unsupported("function_call", "function_call (the deprecated form of tool_choice) is not supported: "
+                                            "use tools and tool_choice.")
     if req.modalities is not None and req.modalities != ["text"]:
         raise _unsupported("modalities", f"modalities {req.modalities!r} is not supported: only [\"text\"].")
     for i, message in enumerate(req.messages):
-        for name in ("tool_calls", "function_call", "audio"):
+        for name in ("function_call", "audio"):
             if getattr(message, name):
-                raise _unsupported(f"messages[{i}].{name}", f"messages[{i}].{name} is not supported: pdserve has no "
-                                                           "function calling or audio.")
+                raise _unsupported(f"messages[{i}].{name}", f"messages[{i}].{name} is not supported (use tool_calls; "
+                                                           "no audio).")
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidRequest(f"messages[{i}].tool_calls: only assistant messages carry tool calls.",
+                                 param=f"messages[{i}].tool_calls", code="invalid_value")
     if req.reasoning_effort is not None:
         raise _unsupported("reasoning_effort", f"reasoning_effort is not supported with the model `{req.model}`.")
 
@@ -270,8 +266,17 @@ def prepare_chat(
             f"The model `{backend.model_name}` has no chat template; use /v1/completions.", param="messages",
             code="chat_template_missing",
         )
+    plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, getattr(tokenizer, "chat_template", None))
+    structured, source = structured_fields.from_response_format(req.response_format), "response_format"
+    if plan is not None and plan.structured is not None:
+        if structured is not None:
+            raise InvalidRequest("response_format cannot be combined with tool_choice 'required' or a named function "
+                                 "(the answer is then a tool call).", param="response_format", code="invalid_value")
+        structured, source = plan.structured, "tool_choice"
     try:
-        text = tokenizer.apply_chat_template([m.to_template_dict() for m in req.messages], add_generation_prompt=True)
+        text = render_chat(tokenizer, [m.to_template_dict() for m in req.messages], plan)
+    except InvalidRequest:
+        raise
     except Exception as exc:  # jinja2 raises TemplateError (raise_exception in templates) or ValueError
         raise InvalidRequest(f"The chat template rejected the messages: {exc}", param="messages") from None
     prompt = tokenizer.encode(text, add_special_tokens=False)
@@ -288,7 +293,7 @@ def prepare_chat(
         default_max_tokens=max_tokens_default,
         logprobs=logprobs,
         names={"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens" if use_new else "max_tokens"},
-        extras=_extras(req, backend),
+        extras=_extras(req, backend, structured, source),
     )
     return Prepared(
         response_id=f"chatcmpl-{request_id}",
@@ -298,4 +303,5 @@ def prepare_chat(
         stream=req.stream,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         top_logprobs=logprobs,
+        tools=plan,
     )

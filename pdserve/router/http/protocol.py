@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from pdserve.router.errors import InvalidRequest
+from pdserve.router.http.structured import RESPONSE_FORMAT_SCHEMA
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -57,6 +58,13 @@ def _doc(description: str, default: Any = ..., *, ge: int | None = None, le: int
 
 
 _NULL = {"type": "null"}
+_FUNCTION_TOOL = {"type": "object", "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "properties": {
+        "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}, "strict": {"anyOf": [{"type": "boolean"}, _NULL]}},
+        "required": ["name"], "additionalProperties": False}},
+    "required": ["type", "function"], "additionalProperties": False}
 _NO_OP_CHOICE = {"anyOf": [{"enum": ["none", "auto"]}, _NULL]}
 _EMPTY_LIST = {"anyOf": [{"type": "array", "items": {"type": "object"}, "maxItems": 0}, _NULL]}
 
@@ -124,6 +132,19 @@ class _SamplingFields(_Request):
     stop_token_ids: list[_TokenId] = Field(
         default_factory=list, description="Extension: token ids that end the generation.", json_schema_extra={"default": []}
     )
+    structured_outputs: dict[str, Any] | None = _doc(
+        "Extension (vLLM's): constrain the output with exactly one of {\"json\": <JSON schema>}, {\"regex\": ...}, "
+        "{\"choice\": [...]}, {\"grammar\": <EBNF with a rule root>} or {\"json_object\": true}.", None,
+        accepts={"anyOf": [{"type": "object", "properties": {
+            "json": {"anyOf": [{"type": "object"}, {"type": "string"}]}, "regex": {"type": "string", "minLength": 1},
+            "choice": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+            "grammar": {"type": "string", "minLength": 1}, "json_object": {"const": True}},
+            "minProperties": 1, "maxProperties": 1, "additionalProperties": False}, _NULL]})
+    guided_json: dict[str, Any] | str | None = _doc("Extension (vLLM's older form): the output obeys this JSON schema.",
+                                                    None)
+    guided_regex: str | None = _doc("Extension (vLLM's older form): the output matches this regex.", None)
+    guided_choice: list[str] | None = _doc("Extension (vLLM's older form): the output is one of these strings.", None)
+    guided_grammar: str | None = _doc("Extension (vLLM's older form): the output follows this EBNF grammar.", None)
     pdserve_timing: bool = _doc(
         "Extension: add `pdserve_timing` to `usage`, where each choice's time went (placement, queue, prefill, "
         "KV transfer, first token). Also asked for by the header `x-pdserve-timing: 1`, or for every request by the "
@@ -212,11 +233,15 @@ class ChatMessage(_Request):
         raise ValueError("content must be a string or a list of text content parts")
 
     def to_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it (router.http.tools.render_chat writes tool calls' arguments as
+        objects)."""
         out: dict[str, Any] = {"role": self.role, "content": self.content or ""}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
         return out
 
 
@@ -231,14 +256,21 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI fields that clients send with their defaults: their no-op values are accepted, the rest
     # get an `unsupported_parameter` 400 that names them (router.http.preparation._check_chat_options).
     response_format: dict[str, Any] | None = _doc(
-        "Only null or {\"type\": \"text\"}: no structured-output (json_object, json_schema) decoding.", None,
-        accepts={"anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
-                            "additionalProperties": False}, _NULL]})
-    tools: list[dict[str, Any]] | None = _doc("Not supported (no function calling): only null or [] is accepted.", None,
-                                              accepts=_EMPTY_LIST)
-    tool_choice: str | dict[str, Any] | None = _doc("Only null, \"none\" or \"auto\" (no tools: no tool calls).", None,
-                                                    accepts=_NO_OP_CHOICE)
-    parallel_tool_calls: bool | None = _doc("Accepted and ignored (no tools).", None)
+        "text (the default), json_object (any JSON object) or json_schema (the output obeys the schema, under "
+        "constrained decoding; `strict` also refuses properties the schema does not list). Unsupported JSON Schema "
+        "features are a 400 naming them.", None, accepts=RESPONSE_FORMAT_SCHEMA)
+    tools: list[dict[str, Any]] | None = _doc(
+        "Function tools, rendered by the model's chat template; calls come back in message.tool_calls "
+        "(finish_reason tool_calls).", None, accepts={"anyOf": [{"type": "array", "items": _FUNCTION_TOOL}, _NULL]})
+    tool_choice: str | dict[str, Any] | None = _doc(
+        "none, auto (the default with tools: the model may call), required (it calls one or more tools, decoded under "
+        "the functions' parameter schemas) or {\"type\": \"function\", \"function\": {\"name\": ...}} (it calls "
+        "that one).", None, accepts={"anyOf": [{"enum": ["none", "auto", "required"]}, {
+            "type": "object", "properties": {"type": {"const": "function"}, "function": {
+                "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+                "additionalProperties": False}}, "required": ["type", "function"], "additionalProperties": False},
+            _NULL]})
+    parallel_tool_calls: bool | None = _doc("false: at most one call per answer. Default true.", None)
     functions: list[dict[str, Any]] | None = _doc("Deprecated form of tools; only null or [] is accepted.", None,
                                                   accepts=_EMPTY_LIST)
     function_call: str | dict[str, Any] | None = _doc("Deprecated form of tool_choice; only null, \"none\" or \"auto\".",
@@ -307,9 +339,21 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallObject(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallObject] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ChatChoice(BaseModel):
@@ -331,7 +375,8 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, then {}
+    # {"role": "assistant", "content": ""} first, then {"content": ...} or {"tool_calls": [...]}, then {}
+    delta: dict[str, Any]
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
 

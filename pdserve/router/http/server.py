@@ -1,6 +1,7 @@
 """The router's OpenAI-compatible HTTP server: app factory, edge middleware and `run_server`.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{model}] (these need
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (stateless),
+GET /v1/models[/{model}] (these need
 `Authorization: Bearer <api_key>` when an api_key is set), GET /health, GET /metrics, and the
 API's description at GET /openapi.json (router.http.openapi) and /docs, whose Swagger UI assets the
 router serves itself from the fastapi-offline package (under /static-offline-docs), so that it
@@ -100,6 +101,10 @@ def create_app(
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await serving.handle("chat", request, request.state.request_id)
+
+    @v1.post("/responses")
+    async def responses(request: Request) -> Response:
+        return await serving.handle("responses", request, request.state.request_id)
 
     def model_card() -> ModelCard:
         return ModelCard(id=backend.model_name, created=created, max_model_len=backend.max_model_len)

@@ -1,10 +1,11 @@
 """OpenAI completions and chat completions on top of a `GenerationBackend`.
 
 A request goes through:
-1. parse (`pdserve.router.http.protocol`), validate and prepare one `Job` per choice (`pdserve.router.http.preparation`);
+1. parse (`pdserve.router.http.protocol`, `.responses`), validate and prepare one `Job` per
+   choice (`pdserve.router.http.preparation`);
 2. run the jobs on the backend through a `FanOut`;
-3. answer as one JSON body, or as SSE chunks that OpenAI's clients read, ending in [DONE]
-   (`pdserve.router.http.formatting` builds the objects).
+3. answer as one JSON body, or as SSE events that OpenAI's clients read (the formatter's:
+   `pdserve.router.http.formatting`, `.responses`).
 
 The HTTP status of a streamed response is decided by the first backend delta: errors before
 it are ordinary error responses; errors after it become an SSE `{"error": ...}` event.
@@ -22,7 +23,6 @@ from typing import Literal, TypeVar
 
 import anyio
 import anyio.to_thread
-from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -32,26 +32,20 @@ from pdserve.timing import RequestTiming
 from pdserve.router.backend import GenerationBackend
 from pdserve.router.errors import APIError, ClientDisconnected, as_api_error
 from pdserve.router.http.fanout import FanOut
-from pdserve.router.http.formatting import ChatFormatter, ChoiceText, CompletionFormatter, Formatter
+from pdserve.router.http.formatting import ChatFormatter, ChoiceText, CompletionFormatter, Formatter, sse
 from pdserve.router.metrics import RequestStatus, RouterMetrics
 from pdserve.router.http.preparation import prepare_chat, prepare_completion
 from pdserve.router.http.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from pdserve.router.http.responses import ResponsesFormatter, ResponsesRequest, prepare_responses
 
 logger = logging.getLogger(__name__)
 
-Endpoint = Literal["completions", "chat"]
+Endpoint = Literal["completions", "chat", "responses"]
 TIMING_HEADER = "x-pdserve-timing"  # "1" (or "true"): the request asks for usage.pdserve_timing
 T = TypeVar("T")
 
 
 # ---------------------------------------------------------------- transport
-
-
-def sse(data: str) -> bytes:
-    return f"data: {data}\n\n".encode()
-
-
-SSE_DONE = sse("[DONE]")
 
 
 class EventStreamResponse(Response):
@@ -127,10 +121,10 @@ class OpenAIServing:
         self.max_tokens_default = max_tokens_default  # a request's max_tokens when it gives none (None: OpenAI's)
         self.usage_timing = usage_timing  # usage.pdserve_timing for every request, asked for or not
 
-    def wants_timing(self, request: Request, req: ChatCompletionRequest | CompletionRequest) -> bool:
+    def wants_timing(self, request: Request, req: ChatCompletionRequest | CompletionRequest | ResponsesRequest) -> bool:
         """usage.pdserve_timing is opt-in: clients that validate `usage` see only OpenAI's fields."""
         header = request.headers.get(TIMING_HEADER, "").strip().lower()
-        return self.usage_timing or req.pdserve_timing or header in ("1", "true", "yes", "on")
+        return self.usage_timing or getattr(req, "pdserve_timing", False) or header in ("1", "true", "yes", "on")
 
     async def handle(self, endpoint: Endpoint, request: Request, request_id: str) -> Response:
         arrival = time.monotonic()
@@ -143,6 +137,13 @@ class OpenAIServing:
                     prepare_chat, chat_req, self.backend, request_id, self.max_tokens_default)
                 formatter: Formatter = ChatFormatter(prepared, self.backend.model_name, self.backend.tokenizer.token_to_str)
                 timing = self.wants_timing(request, chat_req)
+            elif endpoint == "responses":
+                responses_req = parse_request(ResponsesRequest, body)
+                prepared = await anyio.to_thread.run_sync(
+                    prepare_responses, responses_req, self.backend, request_id, self.max_tokens_default)
+                formatter = ResponsesFormatter(prepared, self.backend.model_name, self.backend.tokenizer.token_to_str,
+                                               responses_req)
+                timing = self.wants_timing(request, responses_req)
             else:
                 completion_req = parse_request(CompletionRequest, body)
                 prepared = await anyio.to_thread.run_sync(
@@ -171,7 +172,8 @@ class OpenAIServing:
             raise
         if not prepared.stream:
             await self._finish(endpoint, fanout, arrival, RequestStatus.OK)
-            usage = formatter.usage(fanout.num_output_tokens, fanout.timings() if timing else None)
+            usage = formatter.usage(fanout.num_output_tokens, fanout.timings() if timing else None,
+                                    fanout.num_cached_tokens)
             return JSONResponse(formatter.response(choices, usage).model_dump(mode="json"))
 
         outcome = {"status": RequestStatus.OK}
@@ -242,11 +244,7 @@ class OpenAIServing:
         self, formatter: Formatter, fanout: FanOut, first: tuple[int, RequestOutput], outcome: dict[str, str],
         timing: bool = False,
     ) -> AsyncIterator[bytes]:
-        exclude = None if formatter.prepared.include_usage else {"usage"}
-
-        def encode(chunk: BaseModel) -> bytes:
-            return sse(chunk.model_dump_json(exclude=exclude))
-
+        encode = formatter.encode
         # one body message per delta (the start chunks go with the first): one write and one TCP
         # segment where a chat's first delta would take two
         start = b"".join(encode(chunk) for chunk in formatter.start_chunks())
@@ -261,14 +259,10 @@ class OpenAIServing:
                 item = await fanout.next()
         except Exception as exc:
             outcome["status"] = RequestStatus.ERROR
-            yield start + sse(json.dumps(as_api_error(exc).to_dict()))
+            yield start + formatter.error_event(as_api_error(exc).to_dict())
             return
-        if start:
-            yield start
-        if formatter.prepared.include_usage:
-            timings = fanout.timings() if timing else None
-            yield encode(formatter.usage_chunk(formatter.usage(fanout.num_output_tokens, timings)))
-        yield SSE_DONE
+        timings = fanout.timings() if timing else None
+        yield start + formatter.end_events(formatter.usage(fanout.num_output_tokens, timings, fanout.num_cached_tokens))
 
     async def _finish(self, endpoint: Endpoint, fanout: FanOut, arrival: float, status: str) -> None:
         await fanout.close()
