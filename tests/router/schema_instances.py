@@ -95,9 +95,13 @@ class SchemaInstances:
 
     def _object(self, schema: dict[str, Any], depth: int) -> dict[str, Any]:
         required = set(schema.get("required", ()))
+        # "not": {"anyOf": [{"required": [a, b]}, ...]}: properties that never come together
+        apart = [set(b.get("required", ())) for b in schema.get("not", {}).get("anyOf", ())]
         out = {}
         for name, prop in schema.get("properties", {}).items():
             if name in required or (depth < self.max_depth and self.rng.random() < self.optional_p):
+                if any(name in group and group - {name} <= set(out) for group in apart):
+                    continue
                 out[name] = self.generate(prop, depth + 1)
         extra = schema.get("additionalProperties")
         if isinstance(extra, dict):

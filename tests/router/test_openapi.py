@@ -29,7 +29,7 @@ from tests.router.schema_instances import SchemaInstances
 from tests.router.test_cluster_openai import LoopThread
 
 API_KEY = "sk-test"
-REQUESTS_PER_ENDPOINT = 80
+REQUESTS_PER_ENDPOINT = 160  # the request schemas have many optional fields that are often invalid at random
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +215,29 @@ def test_docs_load_only_local_assets(router_url):
         got = httpx.get(router_url + asset, timeout=10)
         assert got.status_code == 200 and got.content, asset
     assert "SwaggerUIBundle" in httpx.get(router_url + next(a for a in assets if a.endswith(".js")), timeout=10).text
+
+
+def test_responses_is_described_and_answers_as_described(doc, router_url):
+    op = doc["paths"]["/v1/responses"]["post"]
+    body = op["requestBody"]["content"]["application/json"]
+    assert body["schema"] == {"$ref": "#/components/schemas/ResponsesRequest"}
+    validator(doc, body["schema"]).validate(body["example"])
+    assert {"400", "401", "404", "413", "429", "503"} <= set(op["responses"])
+    content = op["responses"]["200"]["content"]
+    assert "response.completed" in content["text/event-stream"]["schema"]["description"]
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(router_url + "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 3},
+                   headers=headers, timeout=20)
+    assert r.status_code == 200, r.text
+    validator(doc, content["application/json"]["schema"]).validate(r.json())
+    r = httpx.post(router_url + "/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 3,
+                                                       "stream": True}, headers=headers, timeout=20)
+    events = [e for e in r.text.split("\n\n") if e]
+    check = validator(doc, content["text/event-stream"]["x-sse-data"])
+    for event in events:
+        kind, data = event.split("\n")
+        payload = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {payload['type']}"
+        check.validate(payload)
+    assert payload["type"] == "response.incomplete"
+    validator(doc, {"$ref": "#/components/schemas/ResponseObject"}).validate(payload["response"])

@@ -24,6 +24,7 @@ from pdserve.router.http.protocol import (
     CompletionResponse,
     ErrorResponse,
 )
+from pdserve.router.http.responses import ResponseObject, ResponsesRequest, ResponseStreamEvent
 
 REF = "#/components/schemas/{model}"
 
@@ -45,9 +46,21 @@ SSE_DESCRIPTION = (
     "event with OpenAI's error body; the last event is `data: [DONE]`."
 )
 
+RESPONSES_SSE_DESCRIPTION = (
+    "With `stream: true`: server-sent events, each `event: <type>` and `data: <JSON>` followed by a blank line, "
+    "numbered by `sequence_number`: response.created, response.in_progress, then for each output item "
+    "response.output_item.added, response.content_part.added, response.output_text.delta ... "
+    "response.output_text.done, response.content_part.done (or response.function_call_arguments.delta ... done), "
+    "response.output_item.done, and last response.completed (response.incomplete when max_output_tokens cut it "
+    "short). An error after the stream started is an `error` event."
+)
+
 _GENERATION = {
     "/v1/completions": (CompletionRequest, CompletionResponse, CompletionResponse, "A completion of each prompt."),
-    "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk, "The assistant's reply."),
+    "/v1/chat/completions": (ChatCompletionRequest, ChatCompletionResponse, ChatCompletionChunk,
+                             "The assistant's reply: text, or tool calls."),
+    "/v1/responses": (ResponsesRequest, ResponseObject, ResponseStreamEvent,
+                      "A response (stateless: nothing is stored): a message, or function calls."),
 }
 
 
@@ -57,32 +70,37 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 
 def _errors(statuses: tuple[int, ...]) -> dict[str, Any]:
     return {
-        str(status): {"description": ERROR_STATUSES[status], "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
+        str(status): {"description": ERROR_STATUSES[status],
+                      "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
         for status in statuses
     }
 
 
 def _examples(model_name: str) -> dict[str, dict[str, Any]]:
     return {
-        "/v1/completions": {"model": model_name, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0},
+        "/v1/completions": {"model": model_name, "prompt": "The capital of France is", "max_tokens": 16,
+                            "temperature": 0},
         "/v1/chat/completions": {
             "model": model_name, "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "max_tokens": 32, "temperature": 0,
         },
+        "/v1/responses": {"model": model_name, "input": "What is the capital of France?", "max_output_tokens": 32,
+                          "temperature": 0},
     }
 
 
 def build_openapi(app: FastAPI, model_name: str, *, api_key_required: bool) -> dict[str, Any]:
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-    modes = [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest)]
-    modes += [(m, "serialization") for m in (CompletionResponse, ChatCompletionResponse, ChatCompletionChunk, ErrorResponse)]
+    modes = [(m, "validation") for m in (CompletionRequest, ChatCompletionRequest, ResponsesRequest)]
+    modes += [(m, "serialization") for m in (CompletionResponse, ChatCompletionResponse, ChatCompletionChunk,
+                                             ResponseObject, ResponseStreamEvent, ErrorResponse)]
     _, defs = models_json_schema(modes, ref_template=REF)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas.pop("HTTPValidationError", None)  # validation errors are answered with 400 and OpenAI's body
     schemas.pop("ValidationError", None)
     schemas.update(defs["$defs"])
-    chat_model = schemas["ChatCompletionRequest"]["properties"]["model"]
-    schemas["CompletionRequest"]["properties"]["model"]["examples"] = chat_model["examples"] = [model_name]
+    for request in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest"):
+        schemas[request]["properties"]["model"]["examples"] = [model_name]
 
     examples = _examples(model_name)
     for path, (request, response, chunk, description) in _GENERATION.items():
@@ -97,7 +115,8 @@ def build_openapi(app: FastAPI, model_name: str, *, api_key_required: bool) -> d
                 "content": {
                     "application/json": {"schema": _ref(response)},
                     "text/event-stream": {
-                        "schema": {"type": "string", "description": SSE_DESCRIPTION},
+                        "schema": {"type": "string", "description": RESPONSES_SSE_DESCRIPTION
+                                   if path == "/v1/responses" else SSE_DESCRIPTION},
                         "x-sse-data": {"oneOf": [_ref(chunk), _ref(ErrorResponse)]},
                     },
                 },

@@ -58,10 +58,14 @@ def _doc(description: str, default: Any = ..., *, ge: int | None = None, le: int
 
 
 _NULL = {"type": "null"}
+_REGEX_EXAMPLE = "[0-9]{3}-[a-z]+"
+_GRAMMAR_EXAMPLE = 'root ::= "yes" | "no"'
+_SCHEMA_EXAMPLE = '{"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}'
 _FUNCTION_TOOL = {"type": "object", "properties": {
     "type": {"const": "function"},
     "function": {"type": "object", "properties": {
-        "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}, "description": {"type": "string"},
+        "name": {"type": "string", "description": "1 to 64 letters, digits, '_' or '-'."},
+        "description": {"type": "string"},
         "parameters": {"type": "object"}, "strict": {"anyOf": [{"type": "boolean"}, _NULL]}},
         "required": ["name"], "additionalProperties": False}},
     "required": ["type", "function"], "additionalProperties": False}
@@ -135,16 +139,21 @@ class _SamplingFields(_Request):
     structured_outputs: dict[str, Any] | None = _doc(
         "Extension (vLLM's): constrain the output with exactly one of {\"json\": <JSON schema>}, {\"regex\": ...}, "
         "{\"choice\": [...]}, {\"grammar\": <EBNF with a rule root>} or {\"json_object\": true}.", None,
-        accepts={"anyOf": [{"type": "object", "properties": {
-            "json": {"anyOf": [{"type": "object"}, {"type": "string"}]}, "regex": {"type": "string", "minLength": 1},
-            "choice": {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
-            "grammar": {"type": "string", "minLength": 1}, "json_object": {"const": True}},
-            "minProperties": 1, "maxProperties": 1, "additionalProperties": False}, _NULL]})
-    guided_json: dict[str, Any] | str | None = _doc("Extension (vLLM's older form): the output obeys this JSON schema.",
-                                                    None)
-    guided_regex: str | None = _doc("Extension (vLLM's older form): the output matches this regex.", None)
+        accepts={"anyOf": [*({"type": "object", "properties": {key: value}, "required": [key],
+                               "additionalProperties": False} for key, value in (
+            ("json", {"anyOf": [{"type": "object"}, {"type": "string", "examples": [_SCHEMA_EXAMPLE]}]}),
+            ("regex", {"type": "string", "minLength": 1, "examples": [_REGEX_EXAMPLE]}),
+            ("choice", {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}),
+            ("grammar", {"type": "string", "minLength": 1, "examples": [_GRAMMAR_EXAMPLE]}),
+            ("json_object", {"const": True}))), _NULL]})
+    guided_json: dict[str, Any] | str | None = _doc(
+        "Extension (vLLM's older form): the output obeys this JSON schema (an object, or its JSON text).", None,
+        accepts={"anyOf": [{"type": "object"}, {"type": "string", "examples": [_SCHEMA_EXAMPLE]}, _NULL]})
+    guided_regex: str | None = _doc("Extension (vLLM's older form): the output matches this regex.", None,
+                                    examples=[_REGEX_EXAMPLE])
     guided_choice: list[str] | None = _doc("Extension (vLLM's older form): the output is one of these strings.", None)
-    guided_grammar: str | None = _doc("Extension (vLLM's older form): the output follows this EBNF grammar.", None)
+    guided_grammar: str | None = _doc("Extension (vLLM's older form): the output follows this EBNF grammar.", None,
+                                      examples=[_GRAMMAR_EXAMPLE])
     pdserve_timing: bool = _doc(
         "Extension: add `pdserve_timing` to `usage`, where each choice's time went (placement, queue, prefill, "
         "KV transfer, first token). Also asked for by the header `x-pdserve-timing: 1`, or for every request by the "
@@ -164,8 +173,13 @@ _BEST_OF_EQUALS_N = [
 ]
 
 
+# at most one output constraint per request (router.http.structured): no two of these together
+_CONSTRAINTS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_ONE_CONSTRAINT = {"anyOf": [{"required": [a, b]} for i, a in enumerate(_CONSTRAINTS) for b in _CONSTRAINTS[i + 1:]]}
+
+
 class CompletionRequest(_SamplingFields):
-    model_config = ConfigDict(json_schema_extra={"anyOf": _BEST_OF_EQUALS_N})
+    model_config = ConfigDict(json_schema_extra={"anyOf": _BEST_OF_EQUALS_N, "not": _ONE_CONSTRAINT})
 
     # str | list[str] | list[int] | list[list[int]], normalised to a list of str or list of token lists
     prompt: list[str] | list[list[int]] = _doc("A string, a list of strings, a list of token ids or a list of lists of token ids.")
@@ -246,6 +260,8 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra={"not": _ONE_CONSTRAINT})
+
     messages: list[ChatMessage] = _doc("The conversation, rendered with the model's chat template.", minItems=1)
     max_tokens: JsonInt | None = _doc("Deprecated by OpenAI for max_completion_tokens, which wins when both are set.", None, minimum=1)
     max_completion_tokens: JsonInt | None = _doc(

@@ -27,7 +27,7 @@ RESPONSE_FORMAT_SCHEMA: dict[str, Any] = {"anyOf": [
     {"type": "object", "properties": {
         "type": {"const": "json_schema"},
         "json_schema": {"type": "object", "properties": {
-            "name": {"type": "string", "pattern": SCHEMA_NAME.pattern},
+            "name": {"type": "string", "description": "1 to 64 letters, digits, '_' or '-'."},
             "description": {"type": "string"},
             "schema": {"type": "object", "description": "A JSON Schema; unsupported features are a 400 naming them "
                                                         "(docs/structured.md)."},

@@ -163,7 +163,9 @@ def _choice(value: Any, names: list[str]) -> tuple[str, str | None]:
     if value is None:
         return ("auto" if names else "none"), None
     if value in ("none", "auto", "required"):
-        if value != "none" and not names:
+        if value == "auto" and not names:  # what clients send by default: no tools, no calls
+            return "none", None
+        if value == "required" and not names:
             raise InvalidRequest(f"tool_choice '{value}' needs tools.", param=param, code="invalid_value")
         return value, None
     if isinstance(value, dict):
