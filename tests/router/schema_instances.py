@@ -15,8 +15,8 @@ import random
 import string
 from typing import Any
 
-_INHERITED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "maxProperties", "propertyNames",
-              "minItems", "maxItems")
+_INHERITED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "maxProperties",
+              "propertyNames", "minItems", "maxItems")
 
 
 class SchemaInstances:
