@@ -110,7 +110,8 @@ class _SamplingFields(_Request):
 
     model: str = _doc("The served model's id (GET /v1/models).")
     n: JsonInt = _doc("Choices to generate for each prompt.", 1, minimum=1, maximum=MAX_N)
-    stream: bool = _doc("Stream the answer as server-sent events (text/event-stream), ending with `data: [DONE]`.", False)
+    stream: bool = _doc("Stream the answer as server-sent events (text/event-stream), ending with `data: [DONE]`.",
+                        False)
     stream_options: StreamOptions | None = _doc("Only with stream=true.", None)
     stop: list[str] = Field(
         default_factory=list, description="A string or strings that end the generation (not included in the text).",
@@ -127,14 +128,17 @@ class _SamplingFields(_Request):
         additionalProperties={"type": "number", "minimum": -100, "maximum": 100})
     user: str | None = _doc("Accepted and ignored.", None)
     # extensions
-    top_k: JsonInt | None = _doc("Extension: sample among the k most likely tokens; -1 or 0 disables. Default -1.", None, le=INT32_MAX, minimum=-1)
-    min_tokens: JsonInt = _doc("Extension: tokens generated before EOS or a stop may end the generation.", 0, le=UINT32_MAX, minimum=0)
+    top_k: JsonInt | None = _doc("Extension: sample among the k most likely tokens; -1 or 0 disables. Default -1.",
+                                 None, le=INT32_MAX, minimum=-1)
+    min_tokens: JsonInt = _doc("Extension: tokens generated before EOS or a stop may end the generation.", 0,
+                               le=UINT32_MAX, minimum=0)
     ignore_eos: bool = _doc("Extension: keep generating past the end-of-sequence token.", False)
     bad_words: list[_Text] = Field(
         default_factory=list, description="Extension (vLLM's): words the output never contains (each as the "
         "tokenizer writes it alone and after a space).", json_schema_extra={"default": []})
     stop_token_ids: list[_TokenId] = Field(
-        default_factory=list, description="Extension: token ids that end the generation.", json_schema_extra={"default": []}
+        default_factory=list, description="Extension: token ids that end the generation.",
+        json_schema_extra={"default": []}
     )
     structured_outputs: dict[str, Any] | None = _doc(
         "Extension (vLLM's): constrain the output with exactly one of {\"json\": <JSON schema>}, {\"regex\": ...}, "
@@ -169,7 +173,8 @@ class _SamplingFields(_Request):
 _BEST_OF_EQUALS_N = [
     {"properties": {"best_of": {"type": "null"}}},  # absent or null
     {"properties": {"best_of": {"const": 1}, "n": {"const": 1}}},  # n's default is 1
-    *({"properties": {"best_of": {"const": k}, "n": {"const": k}}, "required": ["best_of", "n"]} for k in range(2, MAX_N + 1)),
+    *({"properties": {"best_of": {"const": k}, "n": {"const": k}}, "required": ["best_of", "n"]}
+      for k in range(2, MAX_N + 1)),
 ]
 
 
@@ -182,11 +187,13 @@ class CompletionRequest(_SamplingFields):
     model_config = ConfigDict(json_schema_extra={"anyOf": _BEST_OF_EQUALS_N, "not": _ONE_CONSTRAINT})
 
     # str | list[str] | list[int] | list[list[int]], normalised to a list of str or list of token lists
-    prompt: list[str] | list[list[int]] = _doc("A string, a list of strings, a list of token ids or a list of lists of token ids.")
+    prompt: list[str] | list[list[int]] = _doc(
+        "A string, a list of strings, a list of token ids or a list of lists of token ids.")
     max_tokens: JsonInt | None = _doc(
         "Tokens to generate per choice (prompt + max_tokens <= the model's context). Default 16, or the "
         "router's --max-tokens-default when it has one.", None, minimum=1)
-    logprobs: JsonInt | None = _doc("Return the log-probability of each token and of this many alternatives.", None, minimum=0, maximum=MAX_LOGPROBS)
+    logprobs: JsonInt | None = _doc("Return the log-probability of each token and of this many alternatives.", None,
+                                    minimum=0, maximum=MAX_LOGPROBS)
     echo: bool = _doc("Prepend the prompt to the text (not with logprobs).", False)
     suffix: str | None = _doc("Not supported: only null or an empty string is accepted.", None, maxLength=0)
     best_of: JsonInt | None = _doc("Only null or equal to n is accepted (no server-side choice among more "
@@ -194,21 +201,24 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator(
         "prompt", mode="plain",
-        json_schema_input_type=str | Annotated[list[str], Field(min_length=1)] | _TokenIds | Annotated[list[_TokenIds], Field(min_length=1)],
+        json_schema_input_type=str | Annotated[list[str], Field(min_length=1)] | _TokenIds
+        | Annotated[list[_TokenIds], Field(min_length=1)],
     )
     @classmethod
     def _normalise_prompt(cls, value: Any) -> list[str] | list[list[int]]:
         if isinstance(value, str):
             return [value]
         if not isinstance(value, list) or not value:
-            raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids, and not empty")
+            raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                             "token ids, and not empty")
         if all(isinstance(p, str) for p in value):
             return list(value)
         if all(_is_integer(t) for t in value):
             return [_validate_token_ids(value, "prompt")]
         if all(isinstance(p, list) for p in value):
             return [_validate_token_ids(p, "prompt") for p in value]
-        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids")
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                         "token ids")
 
 
 class TextContentPart(_Request):
@@ -263,12 +273,14 @@ class ChatCompletionRequest(_SamplingFields):
     model_config = ConfigDict(json_schema_extra={"not": _ONE_CONSTRAINT})
 
     messages: list[ChatMessage] = _doc("The conversation, rendered with the model's chat template.", minItems=1)
-    max_tokens: JsonInt | None = _doc("Deprecated by OpenAI for max_completion_tokens, which wins when both are set.", None, minimum=1)
+    max_tokens: JsonInt | None = _doc("Deprecated by OpenAI for max_completion_tokens, which wins when both are set.",
+                                      None, minimum=1)
     max_completion_tokens: JsonInt | None = _doc(
         "Tokens to generate per choice. Default: the router's --max-tokens-default when it has one, else the room "
         "left in the context (up to the model's whole context, which on a CPU can take minutes).", None, minimum=1)
     logprobs: bool = _doc("Return the log-probability of each generated token.", False)
-    top_logprobs: JsonInt | None = _doc("Alternatives per token (needs logprobs=true).", None, minimum=0, maximum=MAX_LOGPROBS)
+    top_logprobs: JsonInt | None = _doc("Alternatives per token (needs logprobs=true).", None, minimum=0,
+                                        maximum=MAX_LOGPROBS)
     # OpenAI fields that clients send with their defaults: their no-op values are accepted, the rest
     # get an `unsupported_parameter` 400 that names them (router.http.preparation._check_chat_options).
     response_format: dict[str, Any] | None = _doc(
@@ -289,12 +301,14 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = _doc("false: at most one call per answer. Default true.", None)
     functions: list[dict[str, Any]] | None = _doc("Deprecated form of tools; only null or [] is accepted.", None,
                                                   accepts=_EMPTY_LIST)
-    function_call: str | dict[str, Any] | None = _doc("Deprecated form of tool_choice; only null, \"none\" or \"auto\".",
-                                                      None, accepts=_NO_OP_CHOICE)
+    function_call: str | dict[str, Any] | None = _doc(
+        "Deprecated form of tool_choice; only null, \"none\" or \"auto\" (use tools and tool_choice).", None,
+        accepts=_NO_OP_CHOICE)
     modalities: list[str] | None = _doc("Only null or [\"text\"].", None,
                                         accepts={"anyOf": [{"type": "array", "items": {"const": "text"},
                                                             "minItems": 1, "maxItems": 1}, _NULL]})
-    reasoning_effort: str | None = _doc("Not supported by the served model: only null is accepted.", None, accepts=_NULL)
+    reasoning_effort: str | None = _doc("Not supported by the served model: only null is accepted.", None,
+                                        accepts=_NULL)
     store: bool | None = _doc("Accepted and ignored: nothing is stored.", None)
     metadata: dict[str, str] | None = _doc("Accepted and ignored.", None)
     service_tier: str | None = _doc("Accepted and ignored: one tier.", None)

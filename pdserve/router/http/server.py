@@ -69,8 +69,8 @@ def create_app(
         raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes!r}")
     if request_timeout_s is not None and request_timeout_s <= 0:
         raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s!r}")
-    if max_tokens_default is not None and (isinstance(max_tokens_default, bool) or not isinstance(max_tokens_default, int)
-                                           or max_tokens_default < 1):
+    if max_tokens_default is not None and (isinstance(max_tokens_default, bool)
+                                           or not isinstance(max_tokens_default, int) or max_tokens_default < 1):
         raise ValueError(f"max_tokens_default must be an integer >= 1, got {max_tokens_default!r}")
     metrics = metrics or RouterMetrics()
     serving = OpenAIServing(backend, metrics, request_timeout_s, max_tokens_default, usage_timing)
@@ -127,7 +127,8 @@ def create_app(
             with anyio.fail_after(health_timeout_s):
                 info = await backend.health()
         except TimeoutError:
-            raise ServiceUnavailable(f"The backend did not answer a health check within {health_timeout_s} s.") from None
+            raise ServiceUnavailable(
+                f"The backend did not answer a health check within {health_timeout_s} s.") from None
         except APIError:
             raise
         except Exception as exc:
@@ -139,7 +140,8 @@ def create_app(
 
     @app.get(
         "/metrics", response_class=PlainTextResponse,
-        responses={200: {"description": "Prometheus text exposition format.", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+        responses={200: {"description": "Prometheus text exposition format.",
+                         "content": {"text/plain": {"schema": {"type": "string"}}}}},
     )
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)

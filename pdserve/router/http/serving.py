@@ -135,7 +135,8 @@ class OpenAIServing:
                 chat_req = parse_request(ChatCompletionRequest, body)
                 prepared = await anyio.to_thread.run_sync(
                     prepare_chat, chat_req, self.backend, request_id, self.max_tokens_default)
-                formatter: Formatter = ChatFormatter(prepared, self.backend.model_name, self.backend.tokenizer.token_to_str)
+                formatter: Formatter = ChatFormatter(prepared, self.backend.model_name,
+                                                     self.backend.tokenizer.token_to_str)
                 timing = self.wants_timing(request, chat_req)
             elif endpoint == "responses":
                 responses_req = parse_request(ResponsesRequest, body)
@@ -163,7 +164,8 @@ class OpenAIServing:
             else:
                 choices = await unless_disconnected(request, self._collect(fanout))
         except BaseException as exc:
-            status = RequestStatus.ABORTED if isinstance(exc, (ClientDisconnected, asyncio.CancelledError)) else RequestStatus.ERROR
+            gone = isinstance(exc, (ClientDisconnected, asyncio.CancelledError))
+            status = RequestStatus.ABORTED if gone else RequestStatus.ERROR
             await self._finish(endpoint, fanout, arrival, status)
             if isinstance(exc, ClientDisconnected):
                 return Response(status_code=499)  # nobody is listening
