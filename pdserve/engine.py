@@ -27,9 +27,9 @@ the usual synchronous step. `EngineConfig.overlap_steps=False` (--no-overlap-ste
 Structured outputs (`pdserve.structured`): a request whose params carry a grammar gets a matcher,
 advanced over every token appended to it (wherever it was sampled: a decode worker's first
 token comes from the prefill worker, a migrated request resumes with `num_generated` tokens at
-the end of its prompt). A synchronous step fills the constrained rows' bitmasks on a helper
-thread while the forward runs; such rows never take the overlapped path. A request ends when
-its matcher terminates.
+the end of its prompt). A synchronous step fills the constrained rows' bitmasks once the forward
+is launched (on a GPU, while it runs; on the CPU, after it, whose threads the forward uses);
+such rows never take the overlapped path. A request ends when its matcher terminates.
 
 The scheduler's sizes not given in the config are the device's defaults
 (`pdserve.config.resolve_scheduler`), chosen here where the device is known and logged once.
@@ -188,8 +188,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stops the other tensor-parallel ranks (nothing to do at TP=1). Idempotent."""
-        if self._grammars is not None:
-            self._grammars.close()
         if self.tp_group is not None:
             self.tp_group.close()
 
@@ -430,20 +428,18 @@ class LLMEngine:
         if self.layer_hook is not None and any(s.hand_off for s in batch.seqs):
             user_hook = self.layer_hook
             hook = lambda layer: user_hook(layer, batch)  # noqa: E731
+        logits = self.runner.execute(batch, hook)  # on a GPU this returns before the forward ends
+        # CPU work that needs no sampled token runs while the GPU computes (the grammars'
+        # bitmasks too): the first sync is the sampler's read of the tokens.
         order = self.runner.order(batch)
         sampling = [batch.seqs[i] for i in order if batch.samples(i)]
-        constrained = [j for j, s in enumerate(sampling) if s.grammar is not None]
-        masks = None
-        if constrained:  # the bitmasks are filled on a helper thread while the forward runs
-            masks = self.grammars.fill_async([sampling[j].grammar for j in constrained],
-                                             [self._suppressed(sampling[j]) for j in constrained])
-        logits = self.runner.execute(batch, hook)  # on a GPU this returns before the forward ends
-        # CPU work that needs no sampled token runs while the GPU computes: the first sync is
-        # the sampler's read of the tokens.
         rows = [SamplingRow(s.params, s.output_token_ids, s.generator,  # type: ignore[arg-type]
                             self._suppressed(s)) for s in sampling]
-        if masks is not None:
-            self._set_masks(rows, constrained, masks.result())
+        constrained = [j for j, s in enumerate(sampling) if s.grammar is not None]
+        if constrained:
+            bitmask = self.grammars.fill([sampling[j].grammar for j in constrained],
+                                         [rows[j].suppress_token_ids for j in constrained])
+            self._set_masks(rows, constrained, bitmask)
         self.scheduler.postprocess(batch)
         tokens, logprobs = self.runner.sample(logits, rows) if rows else ([], [])
         self.num_steps += 1

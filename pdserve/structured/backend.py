@@ -16,7 +16,6 @@ import logging
 import os
 import warnings
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -44,7 +43,6 @@ class GrammarBackend:
         threads = max(1, min(MAX_COMPILE_THREADS, os.cpu_count() or 1))
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=True)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
-        self._pool: ThreadPoolExecutor | None = None
 
     def compile(self, structured: StructuredOutput) -> Any:
         """The spec's CompiledGrammar (cached by the compiler); ValueError if the engine refuses it."""
@@ -86,18 +84,6 @@ class GrammarBackend:
                 if ids:
                     _ban(words[i], ids, self.vocab_size)
         return bitmask
-
-    def fill_async(self, matchers: list[Any], bans: list[Sequence[int]]) -> Future:
-        """`fill` on a helper thread, so that it runs while the forward does (the matchers must
-        not change until the future is done)."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        return self._pool.submit(self.fill, matchers, bans)
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
 
 
 def _ban(row: np.ndarray, ids: Sequence[int], vocab_size: int) -> None:

@@ -99,3 +99,70 @@ def test_the_spec_validates_itself():
     check(StructuredOutput.choice(["yes", "no \"really\"", "ünïcode"]))
     check(StructuredOutput("json_object"))
     check(StructuredOutput("grammar", 'root ::= "a" | "b"'))
+
+
+# (schema, an instance it allows, one that breaks the keyword): every keyword check.SUPPORTED lets through
+# must be one the engine enforces, or a schema would get a weaker constraint than it asks for
+ENFORCED = [
+    ({"type": "string", "pattern": "^[a-z]+$"}, '"abc"', '"ab1"'),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, '"abc"', '"abcd"'),
+    ({"type": "string", "minLength": 2}, '"ab"', '"a"'),
+    ({"type": "integer", "minimum": 2, "maximum": 40}, "40", "41"),
+    ({"type": "integer", "minimum": 2}, "2", "1"),
+    ({"type": "number", "exclusiveMinimum": 2}, "2.5", "2"),
+    ({"type": "number", "exclusiveMaximum": 2}, "1.5", "2"),
+    ({"type": "integer", "multipleOf": 3}, "9", "10"),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3}, "[1, 2]", "[1]"),
+    ({"type": "array", "items": {"type": "integer"}, "maxItems": 2}, "[1, 2]", "[1, 2, 3]"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "items": False}, "[1]", "[1, 2]"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, '{"a": 1}', "{}"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": False}, '{"a": 1}',
+     '{"a": 1, "b": 2}'),
+    ({"type": "object", "additionalProperties": {"type": "integer"}}, '{"a": 1}', '{"a": "x"}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False}, '{"a": 1}',
+     '{"a": 1, "b": 2}'),
+    ({"$defs": {"n": {"type": "integer"}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/n"}},
+      "required": ["a"]}, '{"a": 1}', '{"a": "x"}'),
+    ({"anyOf": [{"type": "integer"}, {"type": "string"}]}, "1", "true"),
+    ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, '"a"', "true"),
+    ({"allOf": [{"type": "integer"}]}, "1", '"a"'),
+    ({"const": 3}, "3", "4"),
+    ({"enum": ["a", 1]}, '"a"', "2"),
+    ({"type": ["string", "null"]}, "null", "1"),
+    *(({"type": "string", "format": f}, good, '"not valid"') for f, good in [
+        ("date", '"2024-01-02"'), ("time", '"03:04:05Z"'), ("date-time", '"2024-01-02T03:04:05Z"'),
+        ("duration", '"P3D"'), ("email", '"a@b.co"'), ("hostname", '"a.b"'), ("ipv4", '"1.2.3.4"'), ("ipv6", '"::1"'),
+        ("uuid", '"123e4567-e89b-12d3-a456-426614174000"'), ("uri", '"http://a.b/c"'), ("uri-reference", '"/a"'),
+        ("json-pointer", '"/a/b"'), ("relative-json-pointer", '"0/a"')]),
+]
+
+
+@pytest.fixture(scope="module")
+def byte_compiler():
+    import xgrammar as xgr
+
+    vocab = [bytes([i]) for i in range(256)] + [b"</s>"]
+    info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, stop_token_ids=[256])
+    return xgr.GrammarCompiler(info, max_threads=1)
+
+
+@pytest.mark.parametrize("schema, good, bad", ENFORCED)
+def test_supported_keywords_are_enforced(byte_compiler, schema, good, bad):
+    import xgrammar as xgr
+
+    assert features(schema) == []
+    compiled = byte_compiler.compile_json_schema(StructuredOutput.json_schema(schema).spec, any_whitespace=False)
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.accept_token(256)
+
+    assert accepts(good) and not accepts(bad)
+
+
+def test_every_supported_keyword_has_an_enforcement_case():
+    from pdserve.structured.check import FORMATS, SUPPORTED
+
+    keys = {k for schema, _, _ in ENFORCED for k in schema}
+    assert SUPPORTED - {"properties", "$defs", "definitions", "items"} <= keys | {"required", "$ref"}
+    assert {s["format"] for s, _, _ in ENFORCED if "format" in s} == set(FORMATS)
