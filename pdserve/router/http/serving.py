@@ -222,6 +222,13 @@ class OpenAIServing:
                     sse(chunk.model_dump_json())
             except Exception as exc:  # a backend without a chat template, say
                 logger.info("router warm-up: %s skipped (%s)", endpoint, exc)
+        try:  # the grammar engine's import and a first schema check (structured outputs)
+            from pdserve.router.http.structured import checked
+            from pdserve.structured.spec import StructuredOutput
+
+            await anyio.to_thread.run_sync(checked, StructuredOutput.json_schema({"type": "object"}), "warmup")
+        except Exception as exc:
+            logger.info("router warm-up: the structured-output check skipped (%s)", exc)
         warm = getattr(self.backend, "warm_up", None)
         if warm is not None and prompt:
             try:
